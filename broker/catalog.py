@@ -1,0 +1,152 @@
+"""The broker's model catalog: what the repository offers and how to check a request
+against a model's declared inputs. Reads config.json only; never imports torch."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from zeroserve.broker.protocol import TensorMeta
+from zeroserve.broker.scheduler import Policy
+from zeroserve.models.repository import ModelConfig, RepoModel, scan
+
+
+class RequestError(ValueError):
+    """A request that does not match the model; the message says how."""
+
+
+@dataclass
+class CatalogModel:
+    config: ModelConfig
+    path: Path
+    versions: tuple[int, ...]          # versions the policy serves
+    ready: set[int] = field(default_factory=set)  # versions routable (loaded somewhere)
+
+    @property
+    def default_version(self) -> int:
+        ready = sorted(self.ready) or sorted(self.versions)
+        return ready[-1]
+
+    def route(self, rng: random.Random) -> int:
+        """The version an unpinned request goes to: a weighted draw over ``traffic``
+        among ready versions, else the newest ready one."""
+        weights = {int(v): w for v, w in self.config.traffic.items()
+                   if int(v) in self.ready and w > 0}
+        if not weights:
+            return self.default_version
+        pick = rng.uniform(0, sum(weights.values()))
+        for version, weight in sorted(weights.items()):
+            pick -= weight
+            if pick <= 0:
+                return version
+        return max(weights)
+
+    def policy(self) -> Policy:
+        db = self.config.dynamic_batching
+        return Policy(max_batch_size=self.config.max_batch_size,
+                      max_queue_delay_s=db.max_queue_delay_ms / 1000.0,
+                      preferred_batch_sizes=db.preferred_batch_sizes,
+                      max_queue_size=db.max_queue_size,
+                      aging_s=db.aging_ms / 1000.0)
+
+    def metadata(self) -> dict[str, Any]:
+        cfg = self.config
+        lead = [-1] if cfg.max_batch_size > 0 else []
+        return {
+            "name": cfg.name,
+            "versions": [str(v) for v in sorted(self.versions)],
+            "platform": cfg.platform,
+            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": lead + list(t.shape)}
+                       for t in cfg.inputs],
+            "outputs": [{"name": t.name, "datatype": t.datatype, "shape": lead + list(t.shape)}
+                        for t in cfg.outputs],
+        }
+
+
+def normalize_priority(priority: int, cfg: ModelConfig) -> int:
+    """Triton's rule: 0, or a level above priority_levels, means the default."""
+    db = cfg.dynamic_batching
+    if priority <= 0 or priority > db.priority_levels:
+        return db.default_priority
+    return priority
+
+
+def check_inputs(cfg: ModelConfig, metas: Sequence[TensorMeta],
+                 outputs: Sequence[str] | None) -> int:
+    """Validate request tensors against the config; return the batch size (samples)."""
+    declared = {t.name: t for t in cfg.inputs}
+    names = [m.name for m in metas]
+    missing = [n for n in declared if n not in names]
+    extra = [n for n in names if n not in declared]
+    if extra:
+        raise RequestError(f"unexpected input {extra[0]!r} for model {cfg.name!r} "
+                           f"(inputs: {', '.join(declared)})")
+    if missing:
+        raise RequestError(f"missing input {missing[0]!r} for model {cfg.name!r}")
+    if len(set(names)) != len(names):
+        raise RequestError("an input is given twice")
+    batch: int | None = None
+    for meta in metas:
+        spec = declared[meta.name]
+        if meta.datatype != spec.datatype:
+            raise RequestError(f"input {meta.name!r}: datatype {meta.datatype}, "
+                               f"model expects {spec.datatype}")
+        shape = list(meta.shape)
+        expected = list(spec.shape)
+        if cfg.max_batch_size > 0:
+            if not shape:
+                raise RequestError(f"input {meta.name!r}: missing the batch dimension")
+            n, shape = shape[0], shape[1:]
+            if n < 1 or n > cfg.max_batch_size:
+                raise RequestError(f"input {meta.name!r}: batch size {n} is outside "
+                                   f"1..{cfg.max_batch_size} (max_batch_size)")
+            if batch is not None and n != batch:
+                raise RequestError("inputs disagree on the batch size")
+            batch = n
+        if len(shape) != len(expected) or any(
+                e != -1 and d != e for d, e in zip(shape, expected)):
+            lead = "[n] + " if cfg.max_batch_size > 0 else ""
+            raise RequestError(f"input {meta.name!r}: shape {list(meta.shape)} does not "
+                               f"match the model's {lead}{expected}")
+    if outputs is not None:
+        known = {t.name for t in cfg.outputs}
+        for name in outputs:
+            if name not in known:
+                raise RequestError(f"unknown output {name!r} for model {cfg.name!r}")
+    return batch or 1
+
+
+class Catalog:
+    """Models by name, read from the repository folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.models: dict[str, CatalogModel] = {}
+        self.errors: dict[str, str] = {}
+
+    def rescan(self) -> tuple[set[str], set[str], set[str]]:
+        """Re-read the repository; returns (added, changed, removed) model names."""
+        found, self.errors = scan(self.root)
+        added, changed = set(), set()
+        for name, rm in found.items():
+            old = self.models.get(name)
+            if old is None:
+                self.models[name] = self._entry(rm)
+                added.add(name)
+            elif old.config != rm.config or old.versions != rm.versions:
+                old.config, old.versions, old.path = rm.config, rm.versions, rm.path
+                old.ready &= set(rm.versions)
+                changed.add(name)
+        removed = set(self.models) - set(found)
+        for name in removed:
+            del self.models[name]
+        return added, changed, removed
+
+    @staticmethod
+    def _entry(rm: RepoModel) -> CatalogModel:
+        return CatalogModel(rm.config, rm.path, rm.versions)
+
+    def get(self, name: str) -> CatalogModel | None:
+        return self.models.get(name)

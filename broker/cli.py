@@ -1,0 +1,167 @@
+"""``zeroserve``: the one command. Each subcommand imports only what it needs, so
+``zeroserve broker`` and ``zeroserve gateway`` never import torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from zeroserve.broker.runtime import Endpoints, cache_dir, ensure_runtime_dir, hostname, \
+    runtime_dir, setup_logging
+
+
+def _endpoints(args: argparse.Namespace) -> Endpoints:
+    base = Endpoints.in_dir(Path(args.runtime_dir) if args.runtime_dir else None)
+    return Endpoints(args.frontend or base.frontend, args.backend or base.backend,
+                     args.control or base.control)
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    setup_logging("broker", args.log_level)
+    from zeroserve.broker.server import run_broker
+    return run_broker(_endpoints(args), Path(args.model_dir), args)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    setup_logging(f"worker{args.index}", args.log_level)
+    from zeroserve.workers.main import run_worker
+    worker_id = args.worker_id or f"{hostname()}/{args.index}"
+    return run_worker(_endpoints(args).backend, worker_id, args)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    setup_logging("gateway", args.log_level)
+    from zeroserve.gateway.serve import run_gateway
+    return run_gateway(_endpoints(args).frontend, args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    setup_logging("serve", args.log_level)
+    from zeroserve.workers.serve import run_serve
+    return run_serve(args)
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    from zeroserve.broker.client import Client, InferError
+    verb_args: dict[str, Any] = {}
+    try:
+        with Client(_endpoints(args).control, timeout_s=args.timeout) as client:
+            result = client.control(args.verb, **verb_args)
+    except InferError as exc:
+        print(f"zeroserve {args.verb}: {exc.message}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        print(_human(args.verb, result))
+    return 0
+
+
+def _human(verb: str, result: Any) -> str:
+    if verb == "status":
+        lines = [f"{'WORKER':<24} {'STATE':<9} {'INFLIGHT':>8} {'RSS MB':>8}  MODELS"]
+        for w in result["workers"]:
+            rss = w.get("memory", {}).get("rss_bytes", 0) / 1e6
+            lines.append(f"{w['id']:<24} {w['state']:<9} {w['inflight_batches']:>8} "
+                         f"{rss:>8.0f}  {', '.join(w['models'])}")
+        lines.append("queues: " + (", ".join(f"{m}={d}" for m, d in result["queues"].items())
+                                   or "none"))
+        return "\n".join(lines)
+    if verb == "models":
+        lines = [f"{'MODEL':<20} {'VERSIONS':<12} {'READY':<12} WORKERS"]
+        for name, m in result["models"].items():
+            lines.append(f"{name:<20} {','.join(map(str, m['versions'])):<12} "
+                         f"{','.join(map(str, m['ready'])) or '-':<12} {', '.join(m['workers'])}")
+        for name, err in result["errors"].items():
+            lines.append(f"{name:<20} ERROR {err}")
+        return "\n".join(lines)
+    return json.dumps(result, indent=2, sort_keys=True)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runtime-dir", default=None,
+                   help=f"folder of the ipc sockets (default {runtime_dir()})")
+    p.add_argument("--frontend", default=None, help="client endpoint (default: ipc in runtime dir)")
+    p.add_argument("--backend", default=None, help="worker endpoint")
+    p.add_argument("--control", default=None, help="control endpoint")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+
+
+def _broker_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", default=None, help="model repository folder")
+    p.add_argument("--heartbeat-s", type=float, default=0.5)
+    p.add_argument("--worker-expiry-s", type=float, default=2.0)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0)
+
+
+def _worker_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--credits", type=int, default=2,
+                   help="batches in flight per worker, so transfer overlaps compute")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda:0 if any)")
+
+
+def _gateway_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8080)
+    p.add_argument("--max-body-bytes", type=int, default=64 << 20)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="zeroserve", description="Serve PyTorch models.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="broker, workers and gateway on this host")
+    _common(p)
+    _broker_opts(p)
+    _worker_opts(p)
+    _gateway_opts(p)
+    p.add_argument("--workers", type=int, default=0,
+                   help="worker processes (default: one per GPU, else 1)")
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("broker", help="run the broker")
+    _common(p)
+    _broker_opts(p)
+    p.set_defaults(fn=cmd_broker)
+
+    p = sub.add_parser("worker", help="run one worker")
+    _common(p)
+    _worker_opts(p)
+    p.add_argument("--index", type=int, default=0, help="GPU index or CPU worker number")
+    p.add_argument("--worker-id", default=None, help="default: <host>/<index>")
+    p.set_defaults(fn=cmd_worker)
+
+    p = sub.add_parser("gateway", help="run the HTTP gateway")
+    _common(p)
+    _gateway_opts(p)
+    p.set_defaults(fn=cmd_gateway)
+
+    for verb, text in (("status", "workers, their models and queues"),
+                       ("models", "models and their versions")):
+        p = sub.add_parser(verb, help=text)
+        _common(p)
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+        p.set_defaults(fn=cmd_control, verb=verb)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if getattr(args, "runtime_dir", None):
+        os.environ["ZEROSERVE_RUNTIME_DIR"] = args.runtime_dir
+    if hasattr(args, "model_dir") and args.command == "broker" and not args.model_dir:
+        args.model_dir = str(cache_dir() / "examples")
+    if args.command in ("broker", "serve"):
+        ensure_runtime_dir(Path(args.runtime_dir) if args.runtime_dir else runtime_dir())
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

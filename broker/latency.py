@@ -1,0 +1,53 @@
+"""Online latency model: latency(b) = a + c*b, least squares over a sliding window."""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class LatencyModel:
+    """Predicts a batch's run time from its size, fitted on recent measured batches.
+
+    Until it has seen two distinct batch sizes it scales the mean per-sample time of
+    what it has seen; with no data it predicts 0 (admit, then learn).
+    """
+
+    def __init__(self, window: int = 64) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
+
+    def observe(self, batch_size: int, seconds: float) -> None:
+        self._samples.append((batch_size, seconds))
+        self._fit = None
+
+    def _solve(self) -> tuple[float, float]:
+        n = len(self._samples)
+        sx = sum(b for b, _ in self._samples)
+        sy = sum(t for _, t in self._samples)
+        sxx = sum(b * b for b, _ in self._samples)
+        sxy = sum(b * t for b, t in self._samples)
+        den = n * sxx - sx * sx
+        if den <= 0:
+            # one batch size seen: assume the time is mostly fixed cost
+            mean_b, mean_t = sx / n, sy / n
+            return mean_t * 0.5, mean_t * 0.5 / mean_b
+        slope = (n * sxy - sx * sy) / den
+        intercept = (sy - slope * sx) / n
+        # a negative term would predict free work; clamp to a sane shape
+        slope = max(slope, 0.0)
+        intercept = max(intercept, 0.0)
+        if slope == 0.0 and intercept == 0.0:
+            intercept = sy / n
+        return intercept, slope
+
+    def predict(self, batch_size: int) -> float:
+        if not self._samples:
+            return 0.0
+        if self._fit is None:
+            self._fit = self._solve()
+        a, c = self._fit
+        return a + c * batch_size
+
+    @property
+    def known(self) -> bool:
+        return bool(self._samples)

@@ -1,0 +1,94 @@
+"""The broker's Prometheus metrics, in a registry of its own; the gateway asks for
+them over the control socket and merges them into its one scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from zeroserve.broker.protocol import ErrorCode
+
+_REJECT_REASONS = {ErrorCode.DEADLINE: "deadline", ErrorCode.OVERLOADED: "shed",
+                   ErrorCode.CANCELLED: "cancelled", ErrorCode.QUOTA: "quota",
+                   ErrorCode.BAD_INPUT: "bad_input", ErrorCode.NO_WORKER: "no_worker"}
+LATENCY_BUCKETS = (.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class BrokerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        ns = "zeroserve"
+        self.requests = Counter("inference_requests", "Requests answered by the broker",
+                                ["model", "status"], namespace=ns, registry=r)
+        self.latency = Histogram("inference_latency_seconds",
+                                 "Broker arrival to reply, answered requests",
+                                 ["model", "version", "status"], namespace=ns, registry=r,
+                                 buckets=LATENCY_BUCKETS)
+        self.queue = Histogram("inference_queue_seconds", "Time queued before dispatch",
+                               ["model", "priority"], namespace=ns, registry=r,
+                               buckets=LATENCY_BUCKETS)
+        self.compute = Histogram("inference_compute_seconds", "Worker time per batch",
+                                 ["model"], namespace=ns, registry=r, buckets=LATENCY_BUCKETS)
+        self.batch_size = Histogram("inference_batch_size", "Samples per batch", ["model"],
+                                    namespace=ns, registry=r, buckets=BATCH_BUCKETS)
+        self.batches = Counter("batches", "Batches sent, by why they were sent",
+                               ["model", "reason"], namespace=ns, registry=r)
+        self.rejected_total = Counter("requests_rejected", "Requests dropped or refused",
+                                      ["model", "reason"], namespace=ns, registry=r)
+        self.deadline = Counter("deadline_exceeded", "Requests failed for their deadline",
+                                ["model"], namespace=ns, registry=r)
+        self.load_ok = Counter("model_load_success", "Model versions loaded by a worker",
+                               ["model"], namespace=ns, registry=r)
+        self.load_fail = Counter("model_load_failure", "Model version loads that failed",
+                                 ["model"], namespace=ns, registry=r)
+        self.load_seconds = Histogram("model_load_seconds", "Time to load and warm a version",
+                                      ["model"], namespace=ns, registry=r,
+                                      buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.swaps = Counter("model_swaps", "Routing flips to a new version", ["model"],
+                             namespace=ns, registry=r)
+        self.queue_depth = Gauge("queue_depth", "Requests queued", ["model"], namespace=ns,
+                                 registry=r)
+        self.alive = Gauge("workers_alive", "Workers registered with the broker",
+                           namespace=ns, registry=r)
+        self.bad = Counter("bad_messages", "Malformed messages counted and dropped",
+                           ["socket"], namespace=ns, registry=r)
+
+    def request_done(self, model: str, version: int, priority: int, queue_s: float,
+                     total_s: float) -> None:
+        self.requests.labels(model, "ok").inc()
+        self.latency.labels(model, str(version), "ok").observe(total_s)
+
+    def error(self, model: str, code: ErrorCode) -> None:
+        """Every error answer; those that drop or refuse a request count by reason."""
+        self.requests.labels(model, code.value).inc()
+        reason = _REJECT_REASONS.get(code)
+        if reason is not None:
+            self.rejected_total.labels(model, reason).inc()
+        if code is ErrorCode.DEADLINE:
+            self.deadline.labels(model).inc()
+
+    def queued(self, model: str, priority: int, queue_s: float) -> None:
+        self.queue.labels(model, str(priority)).observe(queue_s)
+
+    def batch_sent(self, model: str, reason: str, samples: int) -> None:
+        self.batches.labels(model, reason).inc()
+        self.batch_size.labels(model).observe(samples)
+
+    def batch_done(self, model: str, samples: int, compute_s: float) -> None:
+        self.compute.labels(model).observe(compute_s)
+
+    def model_loaded(self, model: str, ok: bool, seconds: float) -> None:
+        if ok:
+            self.load_ok.labels(model).inc()
+            self.load_seconds.labels(model).observe(seconds)
+        else:
+            self.load_fail.labels(model).inc()
+
+    def workers_alive(self, n: int) -> None:
+        self.alive.set(n)
+
+    def bad_message(self, where: str) -> None:
+        self.bad.labels(where).inc()
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,306 @@
+"""Queues, priority, deadlines and batch formation: pure logic, no sockets, no clock.
+
+Every method that depends on time takes ``now`` (seconds, the caller's monotonic
+clock), so tests drive it with a fake clock.
+
+Order within a model's queue:
+  1. requests that have waited ``aging_s`` or more, oldest first (the aging bound:
+     no request waits behind younger, higher-priority traffic for longer than that);
+  2. then strict priority, 1 highest;
+  3. earliest deadline first within a priority, arrival order among equals.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator
+
+QUEUED, TAKEN, GONE = 0, 1, 2
+
+# why a batch left the queue (label of zeroserve_batches_total{reason})
+FULL, IDLE, DELAY, DEADLINE = "full", "idle", "delay_expired", "deadline"
+
+
+@dataclass(eq=False)
+class Entry:
+    key: Hashable
+    model: str
+    priority: int
+    arrival_s: float
+    deadline_s: float = math.inf
+    samples: int = 1
+    version: int | None = None
+    payload: Any = None
+    seq: int = 0
+    state: int = QUEUED
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the scheduler needs of a model's config."""
+
+    max_batch_size: int = 0            # 0: no batching; each request runs alone
+    max_queue_delay_s: float = 0.0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_size: int = 1024
+    aging_s: float = 1.0
+
+    @property
+    def cap(self) -> int:
+        return max(self.max_batch_size, 1)
+
+
+@dataclass
+class Decision:
+    entries: list[Entry]
+    reason: str
+
+
+Predict = Callable[[int], float]
+
+
+def _no_latency(_: int) -> float:
+    return 0.0
+
+
+@dataclass
+class _Queue:
+    policy: Policy
+    levels: dict[int, list[tuple[float, int, Entry]]] = field(default_factory=dict)
+    fifo: deque[Entry] = field(default_factory=deque)
+    count: int = 0
+    samples: int = 0
+
+    def push(self, e: Entry) -> None:
+        heapq.heappush(self.levels.setdefault(e.priority, []), (e.deadline_s, e.seq, e))
+        self.fifo.append(e)
+        self.count += 1
+        self.samples += e.samples
+
+    def forget(self, e: Entry) -> None:
+        self.count -= 1
+        self.samples -= e.samples
+
+    def oldest(self) -> Entry | None:
+        while self.fifo and self.fifo[0].state != QUEUED:
+            self.fifo.popleft()
+        return self.fifo[0] if self.fifo else None
+
+    def ordered(self, now: float) -> Iterator[Entry]:
+        """Live entries in dispatch order; lazily, so taking a few costs little."""
+        aged_ids = set()
+        for e in self.fifo:
+            if e.arrival_s + self.policy.aging_s > now:
+                break
+            if e.state == QUEUED:
+                aged_ids.add(id(e))
+                yield e
+        for level in sorted(self.levels):
+            heap = self.levels[level]
+            while heap and heap[0][2].state != QUEUED:
+                heapq.heappop(heap)
+            for _, _, e in sorted(heap) if len(heap) > 1 else heap:
+                if e.state == QUEUED and id(e) not in aged_ids:
+                    yield e
+
+
+class Scheduler:
+    """Per-model queues. The broker admits, cancels, expires and takes batches."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, _Queue] = {}
+        self._by_key: dict[Hashable, Entry] = {}
+        self._deadlines: list[tuple[float, int, Entry]] = []
+        self._seq = itertools.count()
+
+    # -- configuration ------------------------------------------------------
+    def set_policy(self, model: str, policy: Policy) -> None:
+        q = self._queues.get(model)
+        if q is None:
+            self._queues[model] = _Queue(policy)
+        else:
+            q.policy = policy
+
+    def drop_model(self, model: str) -> list[Entry]:
+        """Forget a model; returns its queued entries for the caller to answer."""
+        q = self._queues.pop(model, None)
+        if q is None:
+            return []
+        left = [e for e in q.fifo if e.state == QUEUED]
+        for e in left:
+            self._remove(e)
+        return left
+
+    # -- intake -------------------------------------------------------------
+    def add(self, entry: Entry) -> list[Entry]:
+        """Queue an entry. Returns the entries shed to make room (answer them
+        'overloaded'); if the entry itself is shed it is the one returned."""
+        q = self._queues[entry.model]
+        if entry.key in self._by_key:
+            raise KeyError(f"duplicate request key {entry.key!r}")
+        entry.seq = next(self._seq)
+        shed: list[Entry] = []
+        if q.count >= q.policy.max_queue_size:
+            victim = self._lowest_newest(q)
+            if victim is None or victim.priority <= entry.priority:
+                entry.state = GONE
+                return [entry]
+            self._remove(victim)
+            shed.append(victim)
+        entry.state = QUEUED
+        q.push(entry)
+        self._by_key[entry.key] = entry
+        if entry.deadline_s != math.inf:
+            heapq.heappush(self._deadlines, (entry.deadline_s, entry.seq, entry))
+        return shed
+
+    def cancel(self, key: Hashable) -> Entry | None:
+        e = self._by_key.get(key)
+        if e is None:
+            return None
+        self._remove(e)
+        return e
+
+    def expire(self, now: float) -> list[Entry]:
+        """Entries whose deadline has passed while queued; they leave the queue."""
+        out = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, e = heapq.heappop(self._deadlines)
+            if e.state == QUEUED:
+                self._remove(e)
+                out.append(e)
+        return out
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines and self._deadlines[0][2].state != QUEUED:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    # -- queries ------------------------------------------------------------
+    def depth(self, model: str) -> int:
+        q = self._queues.get(model)
+        return q.count if q else 0
+
+    def queued_samples(self, model: str) -> int:
+        q = self._queues.get(model)
+        return q.samples if q else 0
+
+    def models_waiting(self) -> list[str]:
+        return [m for m, q in self._queues.items() if q.count]
+
+    def head(self, model: str, now: float) -> Entry | None:
+        q = self._queues.get(model)
+        return next(q.ordered(now), None) if q and q.count else None
+
+    def estimate_wait(self, model: str, priority: int, predict: Predict, workers: int) -> float:
+        """Seconds until work queued at this priority or above has run."""
+        q = self._queues.get(model)
+        if q is None or not q.count:
+            return 0.0
+        ahead = sum(e.samples for lvl, heap in q.levels.items() if lvl <= priority
+                    for _, _, e in heap if e.state == QUEUED)
+        cap = q.policy.cap
+        batches = math.ceil(ahead / cap)
+        return batches * predict(cap) / max(workers, 1)
+
+    # -- batch formation ----------------------------------------------------
+    def take(self, model: str, now: float, predict: Predict = _no_latency,
+             resolve: Callable[[Entry], int | None] = lambda e: e.version or 0
+             ) -> Decision | None:
+        """Form a batch for a worker with a free credit, or None if it should wait.
+
+        The batch is the longest prefix of the dispatch order that fits the
+        model's cap and whose predicted run time still meets the tightest deadline
+        in it. ``resolve`` gives the version an entry would run as on this worker,
+        or None if it cannot run there; entries of another version than the first
+        are skipped.
+        ``next_due`` says when to ask again after a None.
+        """
+        q = self._queues.get(model)
+        if q is None or not q.count:
+            return None
+        pol = q.policy
+        cap = pol.cap
+        reason = self._wait_reason(q, now, predict)
+        if reason is None:
+            return None
+        if pol.preferred_batch_sizes:
+            fitting = [p for p in pol.preferred_batch_sizes if p <= min(q.samples, cap)]
+            if fitting:
+                cap = fitting[-1]
+        batch: list[Entry] = []
+        total, tightest, version = 0, math.inf, None
+        for e in q.ordered(now):
+            if e.deadline_s <= now:
+                continue  # expired: expire() answers it; never run it
+            v = resolve(e)
+            if v is None or (batch and v != version):
+                continue
+            if batch and total + e.samples > cap:
+                break
+            tight = min(tightest, e.deadline_s)
+            if batch and now + predict(total + e.samples) > tight:
+                break
+            batch.append(e)
+            total += e.samples
+            tightest, version = tight, v
+            if total >= cap:
+                break
+        for e in batch:
+            e.state = TAKEN
+            e.version = version
+            q.forget(e)
+            del self._by_key[e.key]
+        if reason == IDLE and total >= pol.cap:
+            reason = FULL
+        return Decision(batch, reason)
+
+    def next_due(self, model: str, now: float, predict: Predict = _no_latency) -> float | None:
+        """When a waiting (delayed) queue must be looked at again."""
+        q = self._queues.get(model)
+        if q is None or not q.count or q.policy.max_queue_delay_s <= 0:
+            return None
+        oldest = q.oldest()
+        if oldest is None:
+            return None
+        due = oldest.arrival_s + q.policy.max_queue_delay_s
+        head = next(q.ordered(now), None)
+        tightest = min((e.deadline_s for e in q.fifo if e.state == QUEUED), default=math.inf)
+        if head is not None and tightest != math.inf:
+            due = min(due, tightest - predict(min(q.samples, q.policy.cap)))
+        return due
+
+    def _wait_reason(self, q: _Queue, now: float, predict: Predict) -> str | None:
+        pol = q.policy
+        if pol.max_queue_delay_s <= 0 or pol.max_batch_size == 0:
+            return IDLE
+        target = pol.preferred_batch_sizes[-1] if pol.preferred_batch_sizes else pol.cap
+        if q.samples >= min(target, pol.cap):
+            return FULL
+        oldest = q.oldest()
+        assert oldest is not None  # q.count > 0
+        if now >= oldest.arrival_s + pol.max_queue_delay_s:
+            return DELAY
+        tightest = min((e.deadline_s for e in q.fifo if e.state == QUEUED), default=math.inf)
+        if now + predict(min(q.samples, pol.cap)) >= tightest:
+            return DEADLINE
+        return None
+
+    # -- internals ----------------------------------------------------------
+    def _remove(self, e: Entry) -> None:
+        if e.state == QUEUED:
+            self._queues[e.model].forget(e)
+        e.state = GONE
+        self._by_key.pop(e.key, None)
+
+    @staticmethod
+    def _lowest_newest(q: _Queue) -> Entry | None:
+        for level in sorted(q.levels, reverse=True):
+            live = [e for _, _, e in q.levels[level] if e.state == QUEUED]
+            if live:
+                return max(live, key=lambda e: e.seq)
+        return None

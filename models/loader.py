@@ -1,0 +1,122 @@
+"""Load a model version into its own namespace (torch lives here and in workers only)."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from zeroserve.models.repository import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {
+    "BOOL": torch.bool, "UINT8": torch.uint8, "INT8": torch.int8, "INT16": torch.int16,
+    "INT32": torch.int32, "INT64": torch.int64, "FP16": torch.float16, "FP32": torch.float32,
+    "FP64": torch.float64, "BF16": torch.bfloat16, "UINT16": torch.uint16,
+    "UINT32": torch.uint32, "UINT64": torch.uint64,
+}
+DATATYPE_OF = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+class LoadError(Exception):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    version: int
+    config: ModelConfig
+    sha256: str
+    fn: Callable[..., Any]
+    device: str
+    memory_bytes: int = 0
+    load_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def ref(self) -> "weakref.ref[Any]":
+        return weakref.ref(self.fn)
+
+
+def version_sha256(version_dir: Path) -> str:
+    """sha256 over the version folder's files (relative names and contents), sorted."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in version_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(version_dir).as_posix()
+        if "__pycache__" in rel:
+            continue
+        h.update(rel.encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _load_torchscript(path: Path, device: str) -> Callable[..., Any]:
+    module = torch.jit.load(str(path), map_location=device)
+    module.eval()
+    return module  # type: ignore[no-any-return]
+
+
+LOADERS: dict[str, Callable[[Path, str], Callable[..., Any]]] = {
+    "pytorch_torchscript": _load_torchscript,
+}
+
+
+def sample_inputs(cfg: ModelConfig, batch: int, device: str) -> list[torch.Tensor]:
+    """Zeros of each declared input, free dims as 1, for warm-up."""
+    out = []
+    for spec in cfg.inputs:
+        if spec.datatype == "BYTES":
+            raise LoadError("warm-up cannot make BYTES inputs")
+        dims = [d if d > 0 else 1 for d in spec.shape]
+        if cfg.max_batch_size > 0:
+            dims = [batch] + dims
+        out.append(torch.zeros(dims, dtype=TORCH_DTYPES[spec.datatype], device=device))
+    return out
+
+
+def warm_up(loaded: LoadedModel) -> None:
+    cfg = loaded.config
+    if any(s.datatype == "BYTES" for s in cfg.inputs):
+        return
+    sizes = cfg.warmup.get("batch_sizes", []) if cfg.max_batch_size > 0 else [1]
+    with torch.inference_mode():
+        for b in sizes:
+            b = min(b, cfg.max_batch_size) if cfg.max_batch_size > 0 else 1
+            loaded.fn(*sample_inputs(cfg, b, loaded.device))
+
+
+def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
+         memory_probe: Callable[[], int]) -> LoadedModel:
+    """Load, warm up and measure one version. Raises LoadError with the reason."""
+    loader = LOADERS.get(cfg.platform)
+    if loader is None:
+        raise LoadError(f"platform {cfg.platform!r} is not supported by this worker")
+    model_file = version_dir / cfg.model_file
+    if not model_file.is_file():
+        raise LoadError(f"{model_file} does not exist")
+    start = time.monotonic()
+    gc.collect()
+    before = memory_probe()
+    sha = version_sha256(version_dir)
+    try:
+        fn = loader(model_file, device)
+        loaded = LoadedModel(cfg.name, version, cfg, sha, fn, device)
+        warm_up(loaded)
+    except LoadError:
+        raise
+    except Exception as exc:  # a broken file or model raises anything
+        raise LoadError(f"{cfg.name}/{version}: {type(exc).__name__}: {exc}") from None
+    loaded.memory_bytes = max(0, memory_probe() - before)
+    loaded.load_s = time.monotonic() - start
+    return loaded

@@ -1,0 +1,315 @@
+"""The model repository: layout, ``config.json`` schema and validation. No torch here.
+
+Layout (Triton's)::
+
+    <model-dir>/<name>/config.json
+    <model-dir>/<name>/<version>/model.pt     TorchScript
+    <model-dir>/<name>/<version>/model.pt2    torch.export program
+    <model-dir>/<name>/<version>/model.py     Python handler
+
+Shapes in the config leave out the batch dimension when ``max_batch_size`` > 0
+and use -1 for free dimensions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, asdict
+from pathlib import Path
+from typing import Any
+
+DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
+             "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES")
+PLATFORMS = {"pytorch_torchscript": "pytorch_torchscript",
+             "pytorch_libtorch": "pytorch_torchscript",
+             "pytorch_export": "pytorch_export",
+             "python": "python"}
+MODEL_FILES = {"pytorch_torchscript": "model.pt", "pytorch_export": "model.pt2",
+               "python": "model.py"}
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+class ConfigError(ValueError):
+    """A config that does not validate; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class DynamicBatching:
+    max_queue_delay_ms: float = 0.0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_size: int = 1024
+    priority_levels: int = 2
+    default_priority: int = 2
+    default_timeout_ms: float = 0.0
+    aging_ms: float = 1000.0
+    max_execution_ms: float = 30000.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    platform: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int = 0
+    dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)
+    version_policy: dict[str, Any] = field(default_factory=lambda: {"latest": 1})
+    traffic: dict[str, int] = field(default_factory=dict)
+    instances: dict[str, Any] = field(default_factory=lambda: {"count": 0, "workers": []})
+    warmup: dict[str, Any] = field(default_factory=lambda: {"batch_sizes": [1, 8]})
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["inputs"] = [t.to_json() for t in self.inputs]
+        out["outputs"] = [t.to_json() for t in self.outputs]
+        out["dynamic_batching"]["preferred_batch_sizes"] = list(
+            self.dynamic_batching.preferred_batch_sizes)
+        return out
+
+    @property
+    def model_file(self) -> str:
+        return MODEL_FILES[self.platform]
+
+
+def _fail(where: str, fld: str, msg: str) -> ConfigError:
+    return ConfigError(f"{where}: field '{fld}': {msg}")
+
+
+def _int(where: str, fld: str, v: Any, minimum: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise _fail(where, fld, f"must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _num(where: str, fld: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise _fail(where, fld, f"must be a number >= 0, got {v!r}")
+    return float(v)
+
+
+def _tensors(where: str, fld: str, raw: Any) -> tuple[TensorSpec, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise _fail(where, fld, "must be a non-empty list of {name, datatype, shape}")
+    specs, seen = [], set()
+    for i, t in enumerate(raw):
+        f = f"{fld}[{i}]"
+        if not isinstance(t, dict):
+            raise _fail(where, f, "must be an object")
+        unknown = set(t) - {"name", "datatype", "shape", "data_type", "dims"}
+        if unknown:
+            raise _fail(where, f, f"unknown keys {sorted(unknown)}")
+        name = t.get("name")
+        datatype = t.get("datatype", t.get("data_type"))
+        shape = t.get("shape", t.get("dims"))
+        if not isinstance(name, str) or not name:
+            raise _fail(where, f + ".name", "must be a non-empty string")
+        if name in seen:
+            raise _fail(where, f + ".name", f"duplicate tensor name {name!r}")
+        seen.add(name)
+        if isinstance(datatype, str) and datatype.startswith("TYPE_"):  # Triton pbtxt spelling
+            datatype = {"TYPE_STRING": "BYTES"}.get(datatype, datatype[5:])
+        if datatype not in DATATYPES:
+            raise _fail(where, f + ".datatype", f"must be one of {', '.join(DATATYPES)}, "
+                        f"got {datatype!r}")
+        if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and (d == -1 or d > 0)
+                for d in shape):
+            raise _fail(where, f + ".shape", f"must be a list of positive ints or -1, got {shape!r}")
+        specs.append(TensorSpec(name, datatype, tuple(shape)))
+    return tuple(specs)
+
+
+_DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
+_TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
+               "version_policy", "traffic", "instances", "warmup", "input_shape", "backend"}
+
+
+def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
+    if raw is None:
+        return DynamicBatching()
+    if not isinstance(raw, dict):
+        raise _fail(where, "dynamic_batching", "must be an object")
+    unknown = set(raw) - set(_DB_FIELDS)
+    if unknown:
+        raise _fail(where, "dynamic_batching", f"unknown keys {sorted(unknown)}")
+    d = DynamicBatching()
+    kw: dict[str, Any] = {}
+    for key, value in raw.items():
+        fld = f"dynamic_batching.{key}"
+        if key == "preferred_batch_sizes":
+            if not isinstance(value, list):
+                raise _fail(where, fld, "must be a list of positive ints")
+            kw[key] = tuple(sorted(_int(where, fld, v, 1) for v in value))
+        elif key in ("max_queue_size", "priority_levels", "default_priority"):
+            kw[key] = _int(where, fld, value, 1)
+        else:
+            kw[key] = _num(where, fld, value)
+    d = DynamicBatching(**kw)
+    if d.default_priority > d.priority_levels:
+        raise _fail(where, "dynamic_batching.default_priority",
+                    f"{d.default_priority} is above priority_levels {d.priority_levels}")
+    return d
+
+
+def _version_policy(where: str, raw: Any) -> dict[str, Any]:
+    if raw is None:
+        return {"latest": 1}
+    if not isinstance(raw, dict) or len(raw) != 1:
+        raise _fail(where, "version_policy",
+                    'must be {"latest": N}, {"all": true} or {"specific": [versions]}')
+    (kind, value), = raw.items()
+    if kind == "latest":
+        return {"latest": _int(where, "version_policy.latest", value, 1)}
+    if kind == "all" and value is True:
+        return {"all": True}
+    if kind == "specific" and isinstance(value, list) and value:
+        return {"specific": sorted(_int(where, "version_policy.specific", v, 1) for v in value)}
+    raise _fail(where, "version_policy",
+                'must be {"latest": N}, {"all": true} or {"specific": [versions]}')
+
+
+def _input_shape(where: str, raw: Any, max_batch_size: int) -> list[dict[str, Any]]:
+    """The seed's shorthand: {"input_ids": [1, 128]} with the batch dim first, FP32 unless
+    the config says otherwise."""
+    if not isinstance(raw, dict) or not raw:
+        raise _fail(where, "input_shape", "must be an object {name: shape}")
+    inputs = []
+    for name, shape in raw.items():
+        if not isinstance(shape, list):
+            raise _fail(where, f"input_shape.{name}", "must be a list")
+        dims = shape[1:] if max_batch_size > 0 and shape else shape
+        inputs.append({"name": name, "datatype": "FP32", "shape": dims})
+    return inputs
+
+
+def parse_config(raw: Any, where: str, expected_name: str | None = None) -> ModelConfig:
+    """Validate a decoded config.json (or registration body) into a ModelConfig."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must be a JSON object")
+    unknown = set(raw) - _TOP_FIELDS
+    if unknown:
+        raise _fail(where, sorted(unknown)[0], "unknown field")
+    name = raw.get("name", expected_name)
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise _fail(where, "name", f"must match {NAME_RE.pattern}, got {name!r}")
+    if expected_name is not None and name != expected_name:
+        raise _fail(where, "name", f"{name!r} does not match its folder {expected_name!r}")
+    platform = raw.get("platform", raw.get("backend"))
+    if platform == "pytorch":
+        platform = "pytorch_torchscript"
+    if platform not in PLATFORMS:
+        raise _fail(where, "platform", f"must be one of {sorted(PLATFORMS)}, got {platform!r}")
+    mbs = _int(where, "max_batch_size", raw.get("max_batch_size", 0))
+    if "inputs" in raw:
+        inputs = _tensors(where, "inputs", raw["inputs"])
+    elif "input_shape" in raw:
+        inputs = _tensors(where, "input_shape", _input_shape(where, raw["input_shape"], mbs))
+    else:
+        raise _fail(where, "inputs", "is required")
+    if "outputs" not in raw:
+        raise _fail(where, "outputs", "is required")
+    outputs = _tensors(where, "outputs", raw["outputs"])
+    traffic = raw.get("traffic") or {}
+    if not isinstance(traffic, dict) or not all(
+            isinstance(k, str) and k.isdigit() and isinstance(v, int) and v >= 0
+            for k, v in traffic.items()):
+        raise _fail(where, "traffic", 'must map version strings to weights, e.g. {"3": 90}')
+    instances = raw.get("instances") or {"count": 0, "workers": []}
+    if not isinstance(instances, dict) or set(instances) - {"count", "workers"}:
+        raise _fail(where, "instances", 'must be {"count": N, "workers": [ids]}')
+    instances = {"count": _int(where, "instances.count", instances.get("count", 0)),
+                 "workers": list(instances.get("workers", []))}
+    warmup = raw.get("warmup") or {"batch_sizes": [1, 8]}
+    if not isinstance(warmup, dict) or not isinstance(warmup.get("batch_sizes", []), list):
+        raise _fail(where, "warmup", 'must be {"batch_sizes": [sizes]}')
+    return ModelConfig(
+        name=name, platform=PLATFORMS[platform], inputs=inputs, outputs=outputs,
+        max_batch_size=mbs, dynamic_batching=_dynamic_batching(where, raw.get("dynamic_batching")),
+        version_policy=_version_policy(where, raw.get("version_policy")),
+        traffic={k: int(v) for k, v in traffic.items()}, instances=instances,
+        warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
+                                for b in warmup.get("batch_sizes", [])]})
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    return parse_config(raw, str(path), expected_name=model_dir.name)
+
+
+def is_temp_name(name: str) -> bool:
+    """Names a writer uses before publishing by rename; never loaded."""
+    return (name.startswith(".") or name.endswith((".tmp", ".part", "~"))
+            or name.startswith("_tmp"))
+
+
+def list_versions(model_dir: Path, cfg: ModelConfig) -> list[int]:
+    """Version folders that hold the platform's model file, ascending."""
+    versions = []
+    try:
+        entries = list(model_dir.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name.isdigit() and int(entry.name) > 0 and not is_temp_name(entry.name):
+            if (entry / cfg.model_file).is_file():
+                versions.append(int(entry.name))
+    return sorted(versions)
+
+
+def select_versions(cfg: ModelConfig, available: list[int]) -> list[int]:
+    """The versions the policy keeps loaded, plus any named in ``traffic``."""
+    policy = cfg.version_policy
+    if "all" in policy:
+        chosen = set(available)
+    elif "specific" in policy:
+        chosen = set(policy["specific"]) & set(available)
+    else:
+        chosen = set(available[-policy["latest"]:])
+    chosen |= {int(v) for v in cfg.traffic} & set(available)
+    return sorted(chosen)
+
+
+@dataclass(frozen=True)
+class RepoModel:
+    config: ModelConfig
+    path: Path
+    versions: tuple[int, ...]          # the versions to serve
+
+
+def scan(root: Path) -> tuple[dict[str, RepoModel], dict[str, str]]:
+    """Read every model of a repository. Returns (models, errors by model name)."""
+    models: dict[str, RepoModel] = {}
+    errors: dict[str, str] = {}
+    if not root.is_dir():
+        raise ConfigError(f"{root}: model repository folder does not exist")
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir() or is_temp_name(entry.name):
+            continue
+        try:
+            cfg = load_config(entry)
+        except ConfigError as exc:
+            errors[entry.name] = str(exc)
+            continue
+        versions = select_versions(cfg, list_versions(entry, cfg))
+        if not versions:
+            errors[entry.name] = f"{entry}: no version folder holds {cfg.model_file}"
+            continue
+        models[cfg.name] = RepoModel(cfg, entry, tuple(versions))
+    return models, errors

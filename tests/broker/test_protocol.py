@@ -1,0 +1,102 @@
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from zeroserve.broker import protocol as p
+
+
+def roundtrip(frames):
+    kind, header, bufs = p.unpack([bytes(f) for f in frames])
+    return kind, header, bufs
+
+
+def test_request_roundtrip_keeps_tensors_and_fields():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    req = p.InferRequest("r1", "mlp", [p.from_numpy("input", x)], version=2, priority=1,
+                         timeout_ms=12.5, tenant="acme", outputs=["output"])
+    kind, header, bufs = roundtrip(p.encode_request(req))
+    assert kind is p.Kind.REQUEST
+    got = p.decode_request(header, bufs)
+    assert (got.request_id, got.model, got.version, got.priority, got.timeout_ms, got.tenant,
+            list(got.outputs)) == ("r1", "mlp", 2, 1, 12.5, "acme", ["output"])
+    np.testing.assert_array_equal(p.to_numpy(got.tensors[0]), x)
+
+
+def test_reply_and_error_roundtrip():
+    y = np.ones((2, 3), dtype=np.float64)
+    kind, header, bufs = roundtrip(p.encode_reply(
+        p.InferReply("r", "m", 3, [p.from_numpy("out", y)], {"queue_ms": 1.0})))
+    rep = p.decode_reply(header, bufs)
+    assert kind is p.Kind.REPLY and rep.version == 3 and rep.stats == {"queue_ms": 1.0}
+    np.testing.assert_array_equal(p.to_numpy(rep.tensors[0]), y)
+    kind, header, _ = roundtrip(p.encode_error(
+        p.ErrorReply("r", p.ErrorCode.OVERLOADED, "full", 2.0)))
+    err = p.decode_error(header)
+    assert kind is p.Kind.ERROR and err.code is p.ErrorCode.OVERLOADED and err.retry_after_s == 2.0
+    assert err.code.retryable
+
+
+def test_batch_and_result_roundtrip_keep_item_boundaries():
+    a = p.from_numpy("input", np.zeros((2, 4), np.float32))
+    b = p.from_numpy("input", np.ones((1, 4), np.float32))
+    batch = p.Batch(7, "m", 1, [p.BatchItem("0", [a]), p.BatchItem("1", [b], ["output"])], 50.0)
+    kind, header, bufs = roundtrip(p.encode_batch(batch))
+    got = p.decode_batch(header, bufs)
+    assert kind is p.Kind.BATCH and got.batch_id == 7 and got.timeout_ms == 50.0
+    assert [i.request_id for i in got.items] == ["0", "1"]
+    assert got.items[1].outputs == ["output"]
+    np.testing.assert_array_equal(p.to_numpy(got.items[1].tensors[0]), np.ones((1, 4)))
+    result = p.BatchResult(7, [p.InferReply("0", "m", 1, [a]), p.InferReply("1", "m", 1, [b])],
+                           3.5)
+    kind, header, bufs = roundtrip(p.encode_result(result))
+    got_r = p.decode_result(header, bufs, "m", 1)
+    assert got_r.compute_ms == 3.5 and [r.request_id for r in got_r.replies] == ["0", "1"]
+
+
+def test_bytes_tensor_roundtrip():
+    arr = np.array([b"a", b"", b"hello world"], dtype=object)
+    t = p.from_numpy("s", arr)
+    assert t.meta.datatype == "BYTES"
+    assert list(p.to_numpy(t)) == [b"a", b"", b"hello world"]
+
+
+@pytest.mark.parametrize("frames, match", [
+    ([b"\x01"], "at least 2 frames"),
+    ([b"\xff", b"x"], "unknown message kind"),
+    ([b"\x01", b"\xc1"], "not msgpack"),
+    ([b"\x01", msgpack.packb([1, 2])], "not a map"),
+    ([b"\x01", msgpack.packb({"v": 99})], "protocol version 99"),
+])
+def test_malformed_envelopes_raise_protocol_error(frames, match):
+    with pytest.raises(p.ProtocolError, match=match):
+        p.unpack(frames)
+
+
+@pytest.mark.parametrize("header, frames, match", [
+    ({"id": "r", "model": "m"}, [], "'tensors' must be a list"),
+    ({"id": "r", "model": "m", "tensors": [["x", "FP32", [2]]]}, [], "1 tensors declared"),
+    ({"id": "r", "model": "m", "tensors": [["x", "FP32", [2]]]}, [b"abc"], "expected 8"),
+    ({"id": "r", "model": "m", "tensors": [["x", "NOPE", [2]]]}, [b""], "datatype"),
+    ({"id": "r", "model": "m", "tensors": [["x", "FP32", [-1]]]}, [b""], "shape"),
+    ({"id": 5, "model": "m", "tensors": []}, [], "'id' has type int"),
+    ({"id": "r", "model": "m", "tensors": [], "priority": True}, [], "priority"),
+])
+def test_malformed_requests_raise_protocol_error(header, frames, match):
+    with pytest.raises(p.ProtocolError, match=match):
+        p.decode_request({"v": p.PROTOCOL_VERSION, **header}, frames)
+
+
+def test_truncated_bytes_element_is_rejected():
+    with pytest.raises(p.ProtocolError, match="runs past"):
+        p.unpack_bytes_elements(b"\x05\x00\x00\x00abc")
+
+
+@given(st.binary(max_size=64), st.binary(max_size=64))
+def test_arbitrary_garbage_never_escapes_as_another_exception(kind, header):
+    try:
+        k, h, bufs = p.unpack([kind, header])
+        if k is p.Kind.REQUEST:
+            p.decode_request(h, bufs)
+    except p.ProtocolError:
+        pass

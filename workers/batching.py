@@ -1,0 +1,118 @@
+"""Batch assembly: request frames -> one tensor per input -> model -> per-request frames."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from zeroserve.broker import protocol as p
+from zeroserve.models.loader import DATATYPE_OF, TORCH_DTYPES, LoadedModel
+
+# numpy views used to copy raw bytes into torch tensors of the same item size;
+# bfloat16 has no numpy dtype, so it moves as int16 words.
+_RAW_VIEW = {torch.bfloat16: torch.int16}
+
+
+class BatchError(Exception):
+    pass
+
+
+def _fill(dst: torch.Tensor, buf: Any, shape: Sequence[int]) -> None:
+    view = dst.view(_RAW_VIEW.get(dst.dtype, dst.dtype)).numpy()
+    view[...] = np.frombuffer(buf, dtype=view.dtype).reshape(shape)
+
+
+def assemble(loaded: LoadedModel, items: Sequence[p.BatchItem],
+             pin: bool = False) -> tuple[list[torch.Tensor], list[int]]:
+    """One tensor per declared input, the items concatenated along dim 0 in one copy."""
+    cfg = loaded.config
+    sizes = []
+    for item in items:
+        sizes.append(item.tensors[0].meta.shape[0] if cfg.max_batch_size > 0 else 1)
+    total = sum(sizes)
+    inputs = []
+    for spec in cfg.inputs:
+        parts = []
+        for item in items:
+            t = next((t for t in item.tensors if t.meta.name == spec.name), None)
+            if t is None:
+                raise BatchError(f"input {spec.name!r} missing from a request")
+            parts.append(t)
+        if spec.datatype == "BYTES":
+            raise BatchError("BYTES inputs need a Python handler model")
+        first = parts[0].meta.shape
+        tail = tuple(first[1:]) if cfg.max_batch_size > 0 else tuple(first)
+        if any((tuple(t.meta.shape[1:]) if cfg.max_batch_size > 0 else tuple(t.meta.shape))
+               != tail for t in parts):
+            raise BatchError(f"input {spec.name!r}: requests in one batch differ in shape")
+        shape = (total, *tail) if cfg.max_batch_size > 0 else tail
+        dst = torch.empty(shape, dtype=TORCH_DTYPES[spec.datatype], pin_memory=pin)
+        pos = 0
+        for t, n in zip(parts, sizes):
+            if cfg.max_batch_size > 0:
+                _fill(dst[pos:pos + n], t.data, t.meta.shape)
+                pos += n
+            else:
+                _fill(dst, t.data, t.meta.shape)
+        inputs.append(dst.to(loaded.device, non_blocking=True) if loaded.device != "cpu" else dst)
+    return inputs, sizes
+
+
+def _as_outputs(loaded: LoadedModel, out: Any) -> list[torch.Tensor]:
+    cfg = loaded.config
+    if isinstance(out, torch.Tensor):
+        out = (out,)
+    elif isinstance(out, dict):
+        out = tuple(out[s.name] for s in cfg.outputs if s.name in out)
+    if not isinstance(out, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in out):
+        raise BatchError(f"model returned {type(out).__name__}, expected tensors")
+    if len(out) != len(cfg.outputs):
+        raise BatchError(f"model returned {len(out)} outputs, config declares "
+                         f"{len(cfg.outputs)}")
+    return [t.detach().to("cpu").contiguous() for t in out]
+
+
+def _raw(t: torch.Tensor) -> tuple[str, memoryview]:
+    datatype = DATATYPE_OF.get(t.dtype)
+    if datatype is None:
+        raise BatchError(f"output dtype {t.dtype} has no KServe datatype")
+    arr = t.view(_RAW_VIEW.get(t.dtype, t.dtype)).numpy()
+    return datatype, memoryview(arr).cast("B")
+
+
+def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
+    """Run one batch. A model exception fails this batch only, with its message."""
+    start = time.perf_counter()
+    try:
+        inputs, sizes = assemble(loaded, batch.items, pin=loaded.device.startswith("cuda"))
+        with torch.inference_mode():
+            outputs = _as_outputs(loaded, loaded.fn(*inputs))
+        total = sum(sizes)
+        cfg = loaded.config
+        replies = []
+        splits = []
+        for spec, t in zip(cfg.outputs, outputs):
+            if cfg.max_batch_size > 0:
+                if t.shape[0] != total:
+                    raise BatchError(f"output {spec.name!r} has {t.shape[0]} rows for a batch "
+                                     f"of {total}")
+                splits.append(t.split(sizes))
+            else:
+                splits.append([t])
+        for i, item in enumerate(batch.items):
+            tensors = []
+            for spec, parts in zip(cfg.outputs, splits):
+                if item.outputs is not None and spec.name not in item.outputs:
+                    continue
+                part = parts[i]
+                datatype, raw = _raw(part)
+                tensors.append(p.Tensor(p.TensorMeta(spec.name, datatype, tuple(part.shape)),
+                                        raw))
+            replies.append(p.InferReply(item.request_id, batch.model, batch.version, tensors))
+    except Exception as exc:  # the model's code can raise anything
+        return p.BatchResult(batch.batch_id, [], (time.perf_counter() - start) * 1000.0,
+                             error=f"{type(exc).__name__}: {exc}")
+    return p.BatchResult(batch.batch_id, replies, (time.perf_counter() - start) * 1000.0)

@@ -1,0 +1,60 @@
+"""``zeroserve serve``: wire the supervisor to the command line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from zeroserve.broker.runtime import cache_dir, hostname, runtime_dir
+from zeroserve.workers.supervisor import Child, Supervisor, count_gpus, ensure_examples, \
+    wait_http_ready
+
+logger = logging.getLogger(__name__)
+
+
+def _base(args: Any, command: str) -> list[str]:
+    argv = [sys.executable, "-m", "zeroserve.broker.cli", command,
+            "--log-level", args.log_level,
+            "--runtime-dir", str(Path(args.runtime_dir) if args.runtime_dir else runtime_dir())]
+    for name in ("frontend", "backend", "control"):
+        if getattr(args, name):
+            argv += [f"--{name}", getattr(args, name)]
+    return argv
+
+
+def run_serve(args: Any) -> int:
+    model_dir = Path(args.model_dir) if args.model_dir else ensure_examples(cache_dir())
+    gpus = count_gpus()
+    n = args.workers or max(gpus, 1)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // n)
+    children = [Child("broker", _base(args, "broker") + [
+        "--model-dir", str(model_dir), "--heartbeat-s", str(args.heartbeat_s),
+        "--worker-expiry-s", str(args.worker_expiry_s),
+        "--drain-timeout-s", str(args.drain_timeout_s)])]
+    for i in range(n):
+        env = {"CUDA_VISIBLE_DEVICES": str(i)} if i < gpus else {}
+        argv = _base(args, "worker") + ["--index", str(i), "--credits", str(args.credits),
+                                        "--threads", str(threads)]
+        if args.device:
+            argv += ["--device", args.device]
+        children.append(Child(f"worker {hostname()}/{i}", argv, env))
+    children.append(Child("gateway", _base(args, "gateway") + [
+        "--http-host", args.http_host, "--http-port", str(args.http_port),
+        "--max-body-bytes", str(args.max_body_bytes)]))
+    sup = Supervisor(children, stop_timeout_s=args.drain_timeout_s + 5)
+    url = f"http://{args.http_host}:{args.http_port}"
+
+    def announce() -> None:
+        if wait_http_ready(url + "/v2/health/ready", 120.0, sup):
+            print(f"zeroserve ready on {url} (models from {model_dir}, {n} worker"
+                  f"{'s' if n > 1 else ''})", flush=True)
+
+    def started() -> None:
+        threading.Thread(target=announce, daemon=True).start()
+
+    logger.info("serving %s with %d worker(s) of %d torch thread(s)", model_dir, n, threads)
+    return sup.run(started)

@@ -1,0 +1,126 @@
+"""``zeroserve serve``: broker, workers and gateway under one supervisor on one host.
+
+Torch-free: every component starts as a fresh process (never a fork of one that
+holds torch), and the example models are built by a child process too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def count_gpus() -> int:
+    """GPUs visible to this host, without importing torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len([p for p in Path("/dev").glob("nvidia[0-9]*")])
+
+
+def ensure_examples(cache: Path) -> Path:
+    repo = cache / "examples"
+    if not all((repo / n / "1" / "model.pt").is_file() for n in ("mlp", "cnn")):
+        logger.info("building the example models into %s (once)", repo)
+        subprocess.run([sys.executable, "-m", "zeroserve.models.examples", str(repo)],
+                       check=True, stdout=subprocess.DEVNULL)
+    return repo
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    backoff_s: float = 0.25
+
+    def start(self) -> None:
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(self.argv, env=env)
+        logger.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Supervisor:
+    """Starts children, restarts the ones that die (with backoff), stops them all."""
+
+    def __init__(self, children: list[Child], stop_timeout_s: float = 35.0) -> None:
+        self.children = children
+        self.stop_timeout_s = stop_timeout_s
+        self.stopping = False
+
+    def run(self, on_started: Any = None) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+        for child in self.children:
+            child.start()
+        if on_started:
+            on_started()
+        while not self.stopping:
+            now = time.monotonic()
+            for child in self.children:
+                if child.alive() or self.stopping:
+                    continue
+                if child.proc is not None and child.next_start == 0.0:
+                    code = child.proc.returncode
+                    logger.warning("%s exited with %s; restarting in %.2fs", child.name, code,
+                                   child.backoff_s)
+                    child.next_start = now + child.backoff_s
+                    child.backoff_s = min(child.backoff_s * 2, 10.0)
+                elif now >= child.next_start:
+                    child.restarts += 1
+                    child.next_start = 0.0
+                    child.start()
+            for child in self.children:
+                # a child that stayed up a while earns a quick restart next time
+                if child.alive() and child.backoff_s > 0.25 and child.next_start == 0.0:
+                    child.backoff_s = max(0.25, child.backoff_s / 2)
+            time.sleep(0.1)  # signal-driven loop: waking to reap is cheap and bounded
+        return self.shutdown()
+
+    def shutdown(self) -> int:
+        """SIGTERM everything at once (each component drains), then SIGKILL stragglers."""
+        logger.info("stopping %d children", len(self.children))
+        for child in self.children:
+            if child.alive():
+                assert child.proc is not None
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.error("%s did not stop in time; killing it", child.name)
+                child.proc.kill()
+                child.proc.wait()
+        return 0
+
+
+def wait_http_ready(url: str, timeout_s: float, sup: Supervisor) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not sup.stopping:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,262 @@
+"""The worker process: one per GPU (or N on a CPU host).
+
+Threads, so heartbeats flow while a batch runs:
+  * the main thread owns the DEALER to the broker and a zmq.Poller; it decodes
+    batches and hands them to the compute thread;
+  * the compute thread runs batches in order and sends results back through an
+    inproc PUSH socket, which the main thread forwards;
+  * the loader thread loads and warms up versions, so the old version keeps
+    serving while a new one loads.
+torch releases the GIL inside its kernels, so the threads overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import resource
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+from zeroserve.broker import protocol as p
+from zeroserve.models.loader import LoadError, LoadedModel, load
+from zeroserve.models.repository import parse_config
+from zeroserve.workers import batching
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
+
+
+class Worker:
+    def __init__(self, endpoint: str, worker_id: str, *, credits: int = 2,
+                 heartbeat_s: float = 0.5, broker_expiry_s: float = 3.0,
+                 drain_timeout_s: float = 30.0, device: str | None = None,
+                 ctx: zmq.Context[Any] | None = None) -> None:
+        self.endpoint = endpoint
+        self.worker_id = worker_id
+        self.credits = credits
+        self.heartbeat_s = heartbeat_s
+        self.broker_expiry_s = broker_expiry_s
+        self.device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+        self.ctx = ctx or zmq.Context.instance()
+        self.models: dict[tuple[str, int], LoadedModel] = {}
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._loads: queue.Queue[Any] = queue.Queue()
+        self.drain_timeout_s = drain_timeout_s
+        self.stopping = False
+        self._draining = False
+        self._stop_deadline = float("inf")
+        self._exit: int | None = None
+        self._init_metrics()
+
+    def _init_metrics(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.m_compute = Histogram("zeroserve_worker_batch_seconds", "Batch run time",
+                                   ["model"], registry=r,
+                                   buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 5))
+        self.m_memory = Gauge("zeroserve_worker_memory_bytes", "Worker resident memory",
+                              registry=r)
+        self.m_model_memory = Gauge("zeroserve_model_memory_bytes",
+                                    "Memory a loaded version cost, measured after load",
+                                    ["model", "version"], registry=r)
+        self.m_gpu = Gauge("zeroserve_gpu_memory_used_bytes", "CUDA memory allocated",
+                           registry=r) if self.device.startswith("cuda") else None
+
+    # -- sockets ------------------------------------------------------------
+    def _connect(self) -> None:
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self.sock.connect(self.endpoint)
+        self.poller.register(self.sock, zmq.POLLIN)
+        self._send_ready()
+
+    def _reconnect(self) -> None:
+        self.poller.unregister(self.sock)
+        self.sock.close(linger=0)
+        self._connect()
+
+    def _send(self, frames: list[Any]) -> None:
+        self.sock.send_multipart(frames, copy=False)
+
+    def _send_ready(self) -> None:
+        self._last_heard = time.monotonic()
+        self._send(p.encode_simple(
+            p.Kind.READY, worker_id=self.worker_id, credits=self.credits, pid=os.getpid(),
+            host=socket.gethostname(), device=self.device,
+            models=[[m, v] for m, v in self.models]))
+
+    # -- main loop ----------------------------------------------------------
+    def run(self) -> int:
+        self.results = self.ctx.socket(zmq.PULL)
+        self.results.bind(f"inproc://results-{id(self)}")
+        self.poller = zmq.Poller()
+        self.poller.register(self.results, zmq.POLLIN)
+        threads = [threading.Thread(target=self._compute_loop, name="compute", daemon=True),
+                   threading.Thread(target=self._loader_loop, name="loader", daemon=True)]
+        for t in threads:
+            t.start()
+        self._connect()
+        next_beat = 0.0
+        while self._exit is None:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._heartbeat()
+                next_beat = now + self.heartbeat_s
+            if now - self._last_heard > self.broker_expiry_s:
+                if self.stopping:
+                    logger.warning("broker silent while draining; exiting")
+                    break
+                logger.warning("broker silent for %.1fs; reconnecting", now - self._last_heard)
+                self._reconnect()
+            if self.stopping and not self._draining:
+                self._draining = True
+                self._stop_deadline = now + self.drain_timeout_s
+                logger.info("draining before exit")
+                self._send(p.encode_simple(p.Kind.DISCONNECT, reason="shutdown", drain=True))
+            if now >= self._stop_deadline:
+                logger.warning("drain did not finish within %.0fs; exiting", self.drain_timeout_s)
+                break
+            events = dict(self.poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
+            if self.results in events:
+                while self.results.poll(0):
+                    self._send(self.results.recv_multipart(copy=False))
+            if self.sock in events:
+                while self._exit is None and self.sock.poll(0):
+                    self.on_message(self.sock.recv_multipart(copy=False))
+        self._jobs.put(_STOP)
+        self._loads.put(_STOP)
+        self.sock.close(linger=0)
+        self.results.close(linger=0)
+        return self._exit or 0
+
+    def on_message(self, frames: list[Any]) -> None:
+        self._last_heard = time.monotonic()
+        try:
+            kind, header, bufs = p.unpack(frames)
+            if kind is p.Kind.BATCH:
+                self._jobs.put(p.decode_batch(header, bufs))
+            elif kind is p.Kind.LOAD:
+                self._loads.put(header)
+            elif kind is p.Kind.UNLOAD:
+                self._loads.put(("unload", str(header["model"]), int(header["version"])))
+            elif kind is p.Kind.DISCONNECT:
+                self._on_disconnect(header)
+        except (p.ProtocolError, KeyError, ValueError, TypeError) as exc:
+            logger.warning("dropped a malformed message from the broker: %s", exc)
+
+    def _on_disconnect(self, header: dict[str, Any]) -> None:
+        reason = header.get("reason")
+        if header.get("restart"):
+            logger.error("broker asks for a restart (%s)", reason)
+            os._exit(75)  # the compute thread may be stuck inside the model
+        if reason == "drained":
+            logger.info("drained; exiting")
+            self._exit = 0
+            return
+        logger.info("broker does not know us (%s); registering again", reason)
+        self._send_ready()
+        if self._draining:
+            self._send(p.encode_simple(p.Kind.DISCONNECT, reason="shutdown", drain=True))
+
+    def _heartbeat(self) -> None:
+        rss = rss_bytes()
+        self.m_memory.set(rss)
+        memory = {"rss_bytes": rss,
+                  "models": {f"{m}/{v}": lm.memory_bytes for (m, v), lm in self.models.items()}}
+        if self.m_gpu is not None:
+            used = torch.cuda.memory_allocated()
+            self.m_gpu.set(used)
+            free, total = torch.cuda.mem_get_info()
+            memory.update(gpu_used_bytes=used, gpu_free_bytes=free, gpu_total_bytes=total)
+        self._send(p.encode_simple(p.Kind.HEARTBEAT, memory=memory,
+                                   metrics=generate_latest(self.registry).decode()))
+
+    # -- threads ------------------------------------------------------------
+    def _compute_loop(self) -> None:
+        out = self.ctx.socket(zmq.PUSH)
+        out.connect(f"inproc://results-{id(self)}")
+        try:
+            while (batch := self._jobs.get()) is not _STOP:
+                loaded = self.models.get((batch.model, batch.version))
+                if loaded is None:
+                    result = p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=(
+                        f"model {batch.model}/{batch.version} is not loaded on "
+                        f"worker {self.worker_id}"))
+                else:
+                    result = batching.run(loaded, batch)
+                    self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
+                out.send_multipart(p.encode_result(result), copy=False)
+        finally:
+            out.close(linger=0)
+
+    def _loader_loop(self) -> None:
+        out = self.ctx.socket(zmq.PUSH)
+        out.connect(f"inproc://results-{id(self)}")
+        try:
+            while (job := self._loads.get()) is not _STOP:
+                if isinstance(job, tuple):
+                    self._unload(job[1], job[2])
+                else:
+                    out.send_multipart(self._load(job))
+        finally:
+            out.close(linger=0)
+
+    def _load(self, header: dict[str, Any]) -> list[Any]:
+        name, version = str(header["model"]), int(header["version"])
+        try:
+            cfg = parse_config(header["config"], f"config of {name}")
+            loaded = load(cfg, version, Path(header["path"]), self.device, self._memory_probe)
+        except (LoadError, ValueError) as exc:
+            logger.error("load of %s/%d failed: %s", name, version, exc)
+            return p.encode_simple(p.Kind.LOADED, model=name, version=version, ok=False,
+                                   error=str(exc))
+        self.models[(name, version)] = loaded
+        self.m_model_memory.labels(name, str(version)).set(loaded.memory_bytes)
+        logger.info("loaded %s/%d (sha256 %s, %.1f MB, %.2fs)", name, version,
+                    loaded.sha256[:12], loaded.memory_bytes / 1e6, loaded.load_s)
+        return p.encode_simple(p.Kind.LOADED, model=name, version=version, ok=True,
+                               sha256=loaded.sha256, memory_bytes=loaded.memory_bytes,
+                               load_s=loaded.load_s)
+
+    def _unload(self, name: str, version: int) -> None:
+        if self.models.pop((name, version), None) is not None:
+            try:
+                self.m_model_memory.remove(name, str(version))
+            except KeyError:
+                pass
+            logger.info("unloaded %s/%d", name, version)
+
+    def _memory_probe(self) -> int:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            return int(torch.cuda.memory_allocated())
+        return rss_bytes()
+
+    def install_signal_handlers(self) -> None:
+        def stop(*_: Any) -> None:
+            self.stopping = True
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)

@@ -97,6 +97,9 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-s", type=float, default=0.5)
     p.add_argument("--worker-expiry-s", type=float, default=2.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--latency-model", choices=["on", "off"], default="on",
+                   help="off: batches bounded by size and delay only, no deadline-aware "
+                        "admission (for comparison)")
 
 
 def _worker_opts(p: argparse.ArgumentParser) -> None:

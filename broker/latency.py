@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 
 class LatencyModel:
@@ -51,3 +52,38 @@ class LatencyModel:
     @property
     def known(self) -> bool:
         return bool(self._samples)
+
+
+def _zero(_: int) -> float:
+    return 0.0
+
+
+class LatencyBook:
+    """Latency models per (model, worker), and per model across workers for admission.
+
+    Disabled, every prediction is 0: batches are bounded by size alone and admission
+    never refuses for a deadline (a plain fixed-delay batcher, for comparison).
+    """
+
+    def __init__(self, enabled: bool = True, window: int = 64) -> None:
+        self.enabled = enabled
+        self.window = window
+        self._models: dict[tuple[str, str], LatencyModel] = {}
+
+    def _get(self, model: str, worker: str) -> LatencyModel:
+        lm = self._models.get((model, worker))
+        if lm is None:
+            lm = self._models[(model, worker)] = LatencyModel(self.window)
+        return lm
+
+    def observe(self, model: str, worker: str, batch_size: int, seconds: float) -> None:
+        self._get(model, worker).observe(batch_size, seconds)
+        self._get(model, "").observe(batch_size, seconds)
+
+    def predictor(self, model: str, worker: str = "") -> Callable[[int], float]:
+        if not self.enabled:
+            return _zero
+        lm = self._models.get((model, worker))
+        if lm is None or not lm.known:
+            lm = self._models.get((model, ""))
+        return lm.predict if lm is not None else _zero

@@ -178,6 +178,7 @@ class BatchResult:
     compute_ms: float = 0.0
     error: str | None = None
     retry: bool = False     # the batch never ran here (say, its model is not loaded)
+    expired: bool = False   # never ran: its deadline passed before it could start
 
 
 # ---------------------------------------------------------------------------
@@ -378,7 +379,7 @@ def encode_result(result: BatchResult) -> list[Buffer]:
         replies.append([rep.request_id, metas])
         bufs.extend(rep_bufs)
     header = {"id": result.batch_id, "replies": replies, "compute_ms": result.compute_ms,
-              "error": result.error, "retry": result.retry}
+              "error": result.error, "retry": result.retry, "expired": result.expired}
     return _pack(Kind.RESULT, header) + bufs
 
 
@@ -396,7 +397,8 @@ def decode_result(header: dict[str, Any], frames: Sequence[Buffer],
         raise ProtocolError(f"result declares {pos} tensors but carries {len(frames)} frames")
     return BatchResult(_field(header, "id", int), replies,
                        float(_field(header, "compute_ms", (int, float), 0.0)),
-                       _field(header, "error", str, None), _field(header, "retry", bool, False))
+                       _field(header, "error", str, None), _field(header, "retry", bool, False),
+                       _field(header, "expired", bool, False))
 
 
 def result_batch_id(header: dict[str, Any]) -> int:

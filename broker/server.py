@@ -24,7 +24,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.broker.catalog import Catalog, CatalogModel, RequestError, check_inputs, \
     normalize_priority
 from zeroserve.broker.control import ControlHandler
-from zeroserve.broker.latency import LatencyModel
+from zeroserve.broker.latency import LatencyBook
 from zeroserve.broker.membership import Inflight, Membership, WorkerState
 from zeroserve.broker.metrics import BrokerMetrics
 from zeroserve.broker.runtime import Endpoints
@@ -38,7 +38,8 @@ Clock = Callable[[], float]
 class Broker:
     def __init__(self, endpoints: Endpoints, model_dir: Path, *,
                  heartbeat_s: float = 0.5, worker_expiry_s: float = 2.0,
-                 drain_timeout_s: float = 30.0, clock: Clock = time.monotonic,
+                 drain_timeout_s: float = 30.0, latency_model: bool = True,
+                 clock: Clock = time.monotonic,
                  ctx: zmq.Context[Any] | None = None) -> None:
         self.endpoints = endpoints
         self.clock = clock
@@ -50,7 +51,7 @@ class Broker:
         self.scheduler = Scheduler()
         self.members = Membership()
         self.inflight: dict[int, Inflight] = {}
-        self.latency: dict[str, LatencyModel] = {}
+        self.latency = LatencyBook(enabled=latency_model)
         self.metrics = BrokerMetrics()
         self.control = ControlHandler(self)
         self.rng = random.Random()
@@ -88,7 +89,6 @@ class Broker:
         self.catalog.rescan()
         for name, model in self.catalog.models.items():
             self.scheduler.set_policy(name, model.policy())
-            self.latency.setdefault(name, LatencyModel())
         for name, err in self.catalog.errors.items():
             logger.error("model %s not served: %s", name, err)
         logger.info("catalog: %s", ", ".join(
@@ -161,7 +161,7 @@ class Broker:
         if (d := self.scheduler.next_deadline()) is not None:
             due.append(d)
         for name in self.scheduler.models_waiting():
-            if (d := self.scheduler.next_due(name, now, self._predictor(name))) is not None:
+            if (d := self.scheduler.next_due(name, now, self.latency.predictor(name))) is not None:
                 due.append(d)
         due.extend(rec.exec_deadline_s for rec in self.inflight.values())
         if self.stopping:
@@ -215,7 +215,7 @@ class Broker:
         priority = normalize_priority(req.priority, cfg)
         timeout_ms = req.timeout_ms or cfg.dynamic_batching.default_timeout_ms
         deadline = now + timeout_ms / 1000.0 if timeout_ms > 0 else math.inf
-        predict = self._predictor(req.model)
+        predict = self.latency.predictor(req.model)
         holders = len(self.members.holders(req.model))
         wait_s = self.scheduler.estimate_wait(req.model, priority, predict, holders)
         if now + wait_s + predict(samples) > deadline:
@@ -372,12 +372,15 @@ class Broker:
         if result.error is not None:
             if result.retry:
                 self._retry_or_fail(rec.entries.values(), result.error)
+            elif result.expired:
+                for entry in rec.entries.values():
+                    self._answer_error(entry, p.ErrorCode.DEADLINE, result.error)
             else:
                 for entry in rec.entries.values():
                     self._answer_error(entry, p.ErrorCode.MODEL_ERROR, result.error)
             self._release_if_drained(worker)
             return
-        self.latency[rec.model].observe(rec.samples, compute_s)
+        self.latency.observe(rec.model, worker.worker_id, rec.samples, compute_s)
         self.metrics.batch_done(rec.model, rec.samples, compute_s)
         for rep in result.replies:
             entry = rec.entries.pop(rep.request_id, None)
@@ -419,7 +422,8 @@ class Broker:
                     v = e.version if e.version is not None else default
                     return v if v in held else None
 
-                decision = self.scheduler.take(name, now, self._predictor(name), resolve)
+                decision = self.scheduler.take(
+                    name, now, self.latency.predictor(name, worker.worker_id), resolve)
                 if decision is None or not decision.entries:
                     break
                 self._send_batch(worker, model, decision.entries, decision.reason, now)
@@ -541,10 +545,6 @@ class Broker:
         self.metrics.bad_message(where)
         logger.warning("dropped a malformed message on %s: %s", where, exc)
 
-    def _predictor(self, model: str) -> Callable[[int], float]:
-        lm = self.latency.get(model)
-        return lm.predict if lm is not None else (lambda _: 0.0)
-
     def on_control(self, frames: list[Any]) -> None:
         client, msg = frames[0].bytes, frames[1:]
         try:
@@ -569,7 +569,8 @@ class _Payload:
 
 def run_broker(endpoints: Endpoints, model_dir: Path, args: Any) -> int:
     broker = Broker(endpoints, model_dir, heartbeat_s=args.heartbeat_s,
-                    worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s)
+                    worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s,
+                    latency_model=args.latency_model == "on")
     try:
         broker.load_catalog()
     except ValueError as exc:  # ConfigError: the repository folder is missing

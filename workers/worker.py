@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import zmq
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from zeroserve.broker import protocol as p
 from zeroserve.models.loader import LoadError, LoadedModel, load
@@ -72,6 +72,9 @@ class Worker:
         self.m_compute = Histogram("zeroserve_worker_batch_seconds", "Batch run time",
                                    ["model"], registry=r,
                                    buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 5))
+        self.m_expired = Counter("zeroserve_worker_expired_requests",
+                                 "Requests not run because their deadline passed first",
+                                 registry=r)
         self.m_memory = Gauge("zeroserve_worker_memory_bytes", "Worker resident memory",
                               registry=r)
         self.m_model_memory = Gauge("zeroserve_model_memory_bytes",
@@ -157,7 +160,11 @@ class Worker:
         try:
             kind, header, bufs = p.unpack(frames)
             if kind is p.Kind.BATCH:
-                self._jobs.put(p.decode_batch(header, bufs))
+                batch = p.decode_batch(header, bufs)
+                # the budget is relative; turn it into our own clock's deadline on receipt
+                start_by = self._last_heard + batch.timeout_ms / 1000.0 \
+                    if batch.timeout_ms > 0 else float("inf")
+                self._jobs.put((batch, start_by))
             elif kind is p.Kind.LOAD:
                 self._loads.put(header)
             elif kind is p.Kind.UNLOAD:
@@ -199,9 +206,14 @@ class Worker:
         out = self.ctx.socket(zmq.PUSH)
         out.connect(f"inproc://results-{id(self)}")
         try:
-            while (batch := self._jobs.get()) is not _STOP:
+            while (job := self._jobs.get()) is not _STOP:
+                batch, start_by = job
                 loaded = self.models.get((batch.model, batch.version))
-                if loaded is None:
+                if time.monotonic() >= start_by:
+                    self.m_expired.inc(len(batch.items))
+                    result = p.BatchResult(batch.batch_id, [], 0.0, expired=True,
+                                           error="deadline exceeded before the batch could start")
+                elif loaded is None:
                     result = p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=(
                         f"model {batch.model}/{batch.version} is not loaded on "
                         f"worker {self.worker_id}"))

@@ -58,6 +58,7 @@ class Policy:
 class Decision:
     entries: list[Entry]
     reason: str
+    doomed: list[Entry] = field(default_factory=list)  # cannot finish in time: answer now
 
 
 Predict = Callable[[int], float]
@@ -209,15 +210,18 @@ class Scheduler:
 
     # -- batch formation ----------------------------------------------------
     def take(self, model: str, now: float, predict: Predict = _no_latency,
-             resolve: Callable[[Entry], int | None] = lambda e: e.version or 0
-             ) -> Decision | None:
+             resolve: Callable[[Entry], int | None] = lambda e: e.version or 0,
+             start_s: float | None = None) -> Decision | None:
         """Form a batch for a worker with a free credit, or None if it should wait.
 
         The batch is the longest prefix of the dispatch order that fits the
         model's cap and whose predicted run time still meets the tightest deadline
         in it. ``resolve`` gives the version an entry would run as on this worker,
         or None if it cannot run there; entries of another version than the first
-        are skipped.
+        are skipped. ``start_s`` is when the worker is predicted to start the batch
+        (after what it already has in flight). An entry that could not finish by its
+        deadline even alone is taken out as ``doomed``, to be refused at once rather
+        than run late or left to expire (deadline-aware shedding).
         ``next_due`` says when to ask again after a None.
         """
         q = self._queues.get(model)
@@ -232,18 +236,23 @@ class Scheduler:
             fitting = [p for p in pol.preferred_batch_sizes if p <= min(q.samples, cap)]
             if fitting:
                 cap = fitting[-1]
+        start = now if start_s is None else max(now, start_s)
         batch: list[Entry] = []
+        doomed: list[Entry] = []
         total, tightest, version = 0, math.inf, None
         for e in q.ordered(now):
             if e.deadline_s <= now:
                 continue  # expired: expire() answers it; never run it
+            if start + predict(e.samples) > e.deadline_s:
+                doomed.append(e)
+                continue
             v = resolve(e)
             if v is None or (batch and v != version):
                 continue
             if batch and total + e.samples > cap:
                 break
             tight = min(tightest, e.deadline_s)
-            if batch and now + predict(total + e.samples) > tight:
+            if batch and start + predict(total + e.samples) > tight:
                 break
             batch.append(e)
             total += e.samples
@@ -255,9 +264,11 @@ class Scheduler:
             e.version = version
             q.forget(e)
             del self._by_key[e.key]
+        for e in doomed:
+            self._remove(e)
         if reason == IDLE and total >= pol.cap:
             reason = FULL
-        return Decision(batch, reason)
+        return Decision(batch, reason, doomed)
 
     def next_due(self, model: str, now: float, predict: Predict = _no_latency) -> float | None:
         """When a waiting (delayed) queue must be looked at again."""

@@ -218,6 +218,8 @@ class Broker:
         predict = self.latency.predictor(req.model)
         holders = len(self.members.holders(req.model))
         wait_s = self.scheduler.estimate_wait(req.model, priority, predict, holders)
+        wait_s += min((self._busy_until(w, now) for w in self.members.holders(req.model)),
+                      default=now) - now
         if now + wait_s + predict(samples) > deadline:
             self._reply_error(client, req.request_id, p.ErrorCode.DEADLINE,
                               f"deadline of {timeout_ms:g} ms cannot be met: the queue ahead "
@@ -422,11 +424,30 @@ class Broker:
                     v = e.version if e.version is not None else default
                     return v if v in held else None
 
-                decision = self.scheduler.take(
-                    name, now, self.latency.predictor(name, worker.worker_id), resolve)
-                if decision is None or not decision.entries:
+                predict = self.latency.predictor(name, worker.worker_id)
+                decision = self.scheduler.take(name, now, predict, resolve,
+                                               start_s=self._busy_until(worker, now))
+                if decision is None:
+                    break
+                for entry in decision.doomed:
+                    self._answer_error(entry, p.ErrorCode.DEADLINE,
+                                       "deadline cannot be met: the work ahead of this "
+                                       "request takes longer than its remaining time")
+                if not decision.entries:
+                    if decision.doomed:
+                        continue
                     break
                 self._send_batch(worker, model, decision.entries, decision.reason, now)
+
+    def _busy_until(self, worker: WorkerState, now: float) -> float:
+        """When a worker is predicted to finish the batches it already has (they run
+        one after another)."""
+        cursor = now
+        recs = sorted((self.inflight[b] for b in worker.inflight), key=lambda r: r.sent_s)
+        for i, rec in enumerate(recs):
+            run_s = self.latency.predictor(rec.model, worker.worker_id)(rec.samples)
+            cursor = max(cursor, rec.sent_s + run_s) if i == 0 else cursor + run_s
+        return cursor
 
     def _send_batch(self, worker: WorkerState, model: CatalogModel, entries: list[Entry],
                     reason: str, now: float) -> None:

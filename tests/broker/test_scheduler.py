@@ -64,6 +64,16 @@ def test_latency_model_bounds_the_batch_by_the_tightest_deadline():
     assert len(d.entries) == 5
 
 
+def test_request_that_cannot_finish_in_time_is_doomed_not_run():
+    s = make(Policy(max_batch_size=8))
+    s.add(entry("tight", deadline=0.010))
+    s.add(entry("loose", deadline=1.0))
+    # the worker is busy until t=0.008 and a batch of one takes 5 ms
+    d = s.take("m", 0.0, predict=lambda b: 0.005, start_s=0.008)
+    assert keys(d) == ["loose"] and [e.key for e in d.doomed] == ["tight"]
+    assert s.depth("m") == 0
+
+
 def test_expiry_removes_requests_at_their_deadline():
     s = make()
     s.add(entry("a", deadline=1.0))
@@ -196,6 +206,9 @@ def test_properties(ops, mbs, delay, qsize, per_sample):
                 d = s.take("m", now, predict=predict)
                 if d is None:
                     break
+                for e in d.doomed:
+                    assert now + predict(e.samples) > e.deadline_s, "shed a request that fit"
+                    answer(e.key, "doomed")
                 assert sum(e.samples for e in d.entries) <= mbs
                 for e in d.entries:
                     assert now < e.deadline_s, "ran after its deadline"

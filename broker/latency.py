@@ -15,20 +15,29 @@ class LatencyModel:
 
     def __init__(self, window: int = 64) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        # running sums over the window, so a fit costs O(1) per batch
+        self._n = 0
+        self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._fit: tuple[float, float] | None = None
 
     def observe(self, batch_size: int, seconds: float) -> None:
+        if len(self._samples) == self._samples.maxlen:
+            self._add(*self._samples[0], sign=-1)
         self._samples.append((batch_size, seconds))
+        self._add(batch_size, seconds, sign=1)
         self._fit = None
 
+    def _add(self, b: int, t: float, sign: int) -> None:
+        self._n += sign
+        self._sx += sign * b
+        self._sy += sign * t
+        self._sxx += sign * b * b
+        self._sxy += sign * b * t
+
     def _solve(self) -> tuple[float, float]:
-        n = len(self._samples)
-        sx = sum(b for b, _ in self._samples)
-        sy = sum(t for _, t in self._samples)
-        sxx = sum(b * b for b, _ in self._samples)
-        sxy = sum(b * t for b, t in self._samples)
+        n, sx, sy, sxx, sxy = self._n, self._sx, self._sy, self._sxx, self._sxy
         den = n * sxx - sx * sx
-        if den <= 0:
+        if den <= 1e-9 * max(1.0, n * sxx):
             # one batch size seen: assume the time is mostly fixed cost
             mean_b, mean_t = sx / n, sy / n
             return mean_t * 0.5, mean_t * 0.5 / mean_b

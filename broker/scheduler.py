@@ -93,6 +93,7 @@ class _Queue:
 
     def ordered(self, now: float) -> Iterator[Entry]:
         """Live entries in dispatch order; lazily, so taking a few costs little."""
+        self.oldest()  # drop answered entries from the front, so the scan below stays short
         aged_ids = set()
         for e in self.fifo:
             if e.arrival_s + self.policy.aging_s > now:

@@ -37,6 +37,11 @@ class GatewayServer(uvicorn.Server):
         self.notifier.watchdog()
         return await super().on_tick(counter)
 
+    async def _serve(self, sockets: list[socket.socket] | None = None) -> None:
+        await super()._serve(sockets)
+        # uvicorn re-raises the captured SIGTERM after a clean shutdown; a drained exit is 0
+        self._captured_signals.clear()
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
             logger.info("signal %d: draining in-flight requests", sig)

@@ -193,9 +193,11 @@ class Worker:
         """READY=1 for systemd once the broker knows us and every load it asked for is
         done: its LOADs precede its first heartbeat on the same socket, so by then they
         are all queued."""
-        if not self.notifier.ready_sent and self._registered and \
-                self._loads.unfinished_tasks == 0:
-            self.notifier.ready(f"serving {len(self.models)} model version(s)")
+        if self.notifier.ready_sent or not self._registered or self._loads.unfinished_tasks:
+            return
+        while self.results.poll(0):  # the LOADED replies reach the broker before READY=1
+            self._send(self.results.recv_multipart(copy=False))
+        self.notifier.ready(f"serving {len(self.models)} model version(s)")
 
     def _heartbeat(self) -> None:
         rss = rss_bytes()

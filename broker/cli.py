@@ -236,15 +236,20 @@ def _apply_config(ap: argparse.ArgumentParser, args: argparse.Namespace,
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line with the config file and environment applied (flag > env > file >
+    default); raises config.ConfigError."""
     ap = parser()
     args = ap.parse_args(argv)
-    if args.command != "config":
-        try:
-            args = _apply_config(ap, args, argv)
-        except config.ConfigError as exc:
-            print(f"zeroserve: {exc}", file=sys.stderr)
-            return 2
+    return args if args.command == "config" else _apply_config(ap, args, argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse(argv)
+    except config.ConfigError as exc:
+        print(f"zeroserve: {exc}", file=sys.stderr)
+        return 2
     if getattr(args, "runtime_dir", None):
         os.environ["ZEROSERVE_RUNTIME_DIR"] = args.runtime_dir
     if hasattr(args, "model_dir") and args.command == "broker" and not args.model_dir:

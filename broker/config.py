@@ -53,11 +53,12 @@ def read_file(path: Path | None) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {exc}") from None
 
 
-def coerce(action: argparse.Action, value: Any, origin: str) -> Any:
-    """A file or environment value as the flag would have parsed it."""
+def coerce(action: argparse.Action, value: Any, origin: str, text: bool = False) -> Any:
+    """A file value (typed TOML) or an environment one (``text``) as the flag would have
+    parsed it."""
     typ = action.type if callable(action.type) else str
     want = getattr(typ, "__name__", "value")
-    if isinstance(value, str) and typ is not str:
+    if text and typ is not str:
         try:
             value = typ(value)
         except ValueError:
@@ -109,7 +110,7 @@ def resolve(component: str, sub: argparse.ArgumentParser, doc: Mapping[str, Any]
             continue
         env_name = f"ZEROSERVE_{component.upper()}_{dest.upper()}"
         if env_name in environ:
-            out[dest] = coerce(action, environ[env_name], f"environment {env_name}")
+            out[dest] = coerce(action, environ[env_name], f"environment {env_name}", text=True)
         elif dest in table:
             out[dest] = coerce(action, table[dest], f"[{component}] {dest}")
         else:

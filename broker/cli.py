@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from zeroserve.broker import config
 from zeroserve.broker.runtime import Endpoints, cache_dir, ensure_runtime_dir, hostname, \
     runtime_dir, setup_logging
 
@@ -45,15 +46,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def cmd_operate(args: argparse.Namespace) -> int:
+    from zeroserve.broker.operate import run_verb
+    return run_verb(args, _endpoints(args).control)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    try:
+        effective = config.load(_subparsers(parser()), _config_path(args))
+    except config.ConfigError as exc:
+        print(f"zeroserve config: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(effective, indent=2, sort_keys=True) if args.json
+          else config.to_toml(effective), end="\n" if args.json else "")
+    return 0
+
+
 def cmd_control(args: argparse.Namespace) -> int:
-    from zeroserve.broker.client import Client, InferError
+    from zeroserve.broker.client import Client, ErrorCode, InferError
     verb_args: dict[str, Any] = {}
     try:
         with Client(_endpoints(args).control, timeout_s=args.timeout) as client:
             result = client.control(args.verb, **verb_args)
     except InferError as exc:
         print(f"zeroserve {args.verb}: {exc.message}", file=sys.stderr)
-        return 1
+        return 3 if exc.code is ErrorCode.UNAVAILABLE else 1
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:
@@ -90,6 +107,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control", default=None, help="control endpoint")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
+    _config_opt(p)
+
+
+def _config_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML config (default $ZEROSERVE_CONFIG, else "
+                        f"{config.ETC_PATH} if it exists)")
 
 
 def _broker_opts(p: argparse.ArgumentParser) -> None:
@@ -113,6 +137,8 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8080)
     p.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight HTTP requests may take to finish")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -152,11 +178,81 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
         p.set_defaults(fn=cmd_control, verb=verb)
+    _operate_parsers(sub)
+    p = sub.add_parser("config", help="show the effective configuration")
+    p.add_argument("action", choices=["show"])
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _config_opt(p)
+    p.set_defaults(fn=cmd_config)
     return ap
 
 
+def _operate_parsers(sub: Any) -> None:
+    def verb(name: str, text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=text)
+        _common(p)
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--timeout", type=float, default=5.0,
+                       help="seconds to wait for the broker to answer")
+        p.set_defaults(fn=cmd_operate, verb=name)
+        return p
+
+    p = verb("drain", "stop sending new batches to a worker")
+    p.add_argument("worker", help="worker id, such as host/0")
+    p.add_argument("--wait", action="store_true", help="return once its batches are done")
+    p.add_argument("--wait-timeout", type=float, default=60.0)
+    p = verb("undrain", "send batches to a drained worker again")
+    p.add_argument("worker", help="worker id, such as host/0")
+    p = verb("reload", "load MODEL[/VERSION] afresh, or restart a worker (--worker)")
+    p.add_argument("model", nargs="?", help="MODEL or MODEL/VERSION")
+    p.add_argument("--worker", default=None, help="drain this worker, restart it, rejoin")
+    p.add_argument("--wait", action="store_true",
+                   help="return once the loads finished or the worker is back")
+    p.add_argument("--wait-timeout", type=float, default=120.0)
+
+
+def _subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in ap._actions:  # argparse keeps the subcommands here
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise RuntimeError("no subcommands")
+
+
+def _config_path(args: argparse.Namespace) -> Path | None:
+    return Path(args.config) if getattr(args, "config", None) else config.default_path()
+
+
+def _apply_config(ap: argparse.ArgumentParser, args: argparse.Namespace,
+                  argv: list[str] | None) -> argparse.Namespace:
+    """Make env > file > default the subcommand's defaults; parse again so flags win."""
+    subs = _subparsers(ap)
+    path = _config_path(args)
+    doc = config.read_file(path)
+    config.check_file(doc, subs, path)
+    if args.command in config.COMPONENTS:
+        component, only = args.command, None
+    else:  # status, drain, ...: find the broker where the [broker] table says it listens
+        component, only = "broker", set(config.options(subs[args.command]))
+    config.check_env(component, subs[component], os.environ)
+    values = config.resolve(component, subs[component], doc, os.environ, only)
+    subs[args.command].set_defaults(**values)
+    return ap.parse_args(argv)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line with the config file and environment applied (flag > env > file >
+    default); raises config.ConfigError."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    return args if args.command == "config" else _apply_config(ap, args, argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parse(argv)
+    except config.ConfigError as exc:
+        print(f"zeroserve: {exc}", file=sys.stderr)
+        return 2
     if getattr(args, "runtime_dir", None):
         os.environ["ZEROSERVE_RUNTIME_DIR"] = args.runtime_dir
     if hasattr(args, "model_dir") and args.command == "broker" and not args.model_dir:

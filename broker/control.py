@@ -30,6 +30,11 @@ class ControlHandler:
             "metadata": self.metadata,
             "config": self.config,
             "metrics": self.metrics,
+            "drain": lambda a: self._operate(self.broker.drain_worker, self._worker_arg(a), True),
+            "undrain": lambda a: self._operate(self.broker.drain_worker, self._worker_arg(a),
+                                               False),
+            "restart": lambda a: self._operate(self.broker.restart_worker, self._worker_arg(a)),
+            "reload": self.reload,
         }
 
     def handle(self, header: dict[str, Any]) -> list[Any]:
@@ -58,6 +63,28 @@ class ControlHandler:
         if version is not None and version not in model.versions:
             raise ControlError("not_found", f"version {version} of model {name!r} is not served")
         return model
+
+    @staticmethod
+    def _worker_arg(args: dict[str, Any]) -> str:
+        worker = args.get("worker")
+        if not isinstance(worker, str) or not worker:
+            raise ControlError("bad_input", "'worker' must name a worker id such as host/0")
+        return worker
+
+    @staticmethod
+    def _operate(fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except LookupError as exc:
+            raise ControlError("not_found", str(exc.args[0])) from None
+
+    def reload(self, args: dict[str, Any]) -> Any:
+        name, version = args.get("model"), args.get("version")
+        if not isinstance(name, str) or not name:
+            raise ControlError("bad_input", "'model' must name a model")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise ControlError("bad_input", "'version' must be an integer")
+        return self._operate(self.broker.reload_model, name, version)
 
     def status(self, _: dict[str, Any]) -> dict[str, Any]:
         b = self.broker

@@ -129,12 +129,13 @@ class Scheduler:
 
     def drop_model(self, model: str) -> list[Entry]:
         """Forget a model; returns its queued entries for the caller to answer."""
-        q = self._queues.pop(model, None)
+        q = self._queues.get(model)
         if q is None:
             return []
         left = [e for e in q.fifo if e.state == QUEUED]
         for e in left:
-            self._remove(e)
+            self._remove(e)  # needs the queue still in place
+        del self._queues[model]
         return left
 
     # -- intake -------------------------------------------------------------

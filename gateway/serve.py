@@ -1,15 +1,53 @@
-"""Entry point of ``zeroserve gateway``: the Starlette app under uvicorn."""
+"""Entry point of ``zeroserve gateway``: the Starlette app under uvicorn.
+
+Shutdown (SIGTERM): readiness turns false at once, systemd hears STOPPING=1,
+uvicorn stops accepting, lets in-flight requests finish for up to
+``shutdown_timeout_s``, runs the lifespan shutdown and exits.
+"""
 
 from __future__ import annotations
 
 import logging
+import socket
+from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from zeroserve.gateway.app import Settings, create_app
+from zeroserve.broker.sdnotify import Notifier
+from zeroserve.gateway.app import Gateway, Settings, create_app
 
 logger = logging.getLogger(__name__)
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn.Server that speaks systemd's notify protocol and drains on SIGTERM."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.notifier = Notifier()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # the listening socket is open: HTTP answers from now on
+            self.notifier.ready()
+
+    async def on_tick(self, counter: int) -> bool:
+        self.notifier.watchdog()
+        return await super().on_tick(counter)
+
+    async def _serve(self, sockets: list[socket.socket] | None = None) -> None:
+        await super()._serve(sockets)
+        # uvicorn re-raises the captured SIGTERM after a clean shutdown; a drained exit is 0
+        self._captured_signals.clear()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            logger.info("signal %d: draining in-flight requests", sig)
+            self.gateway.draining = True
+            self.notifier.stopping()
+        super().handle_exit(sig, frame)
 
 
 def run_gateway(frontend: str, args: Any) -> int:
@@ -17,7 +55,7 @@ def run_gateway(frontend: str, args: Any) -> int:
     config = uvicorn.Config(app, host=args.http_host, port=args.http_port,
                             loop="uvloop", http="httptools", access_log=False,
                             log_level=args.log_level, log_config=None,
-                            timeout_graceful_shutdown=30)
+                            timeout_graceful_shutdown=int(args.shutdown_timeout_s))
     logger.info("gateway on http://%s:%d, broker %s", args.http_host, args.http_port, frontend)
-    uvicorn.Server(config).run()
+    GatewayServer(config, app.state.gateway).run()
     return 0

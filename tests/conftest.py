@@ -128,6 +128,14 @@ class Server:
                              capture_output=True, text=True)
         return [int(x) for x in out.stdout.split()]
 
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """Whether ``pid`` runs (a zombie waiting for its parent does not count)."""
+        try:
+            return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+        except OSError:
+            return False
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -45,7 +45,8 @@ def run_serve(args: Any) -> int:
         children.append(Child(f"worker {hostname()}/{i}", argv, env))
     children.append(Child("gateway", _base(args, "gateway") + [
         "--http-host", args.http_host, "--http-port", str(args.http_port),
-        "--max-body-bytes", str(args.max_body_bytes)]))
+        "--max-body-bytes", str(args.max_body_bytes),
+        "--shutdown-timeout-s", str(args.shutdown_timeout_s)]))
     sup = Supervisor(children, stop_timeout_s=args.drain_timeout_s + 5)
     url = f"http://{args.http_host}:{args.http_port}"
 

@@ -28,6 +28,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from zeroserve.broker import protocol as p
+from zeroserve.broker.sdnotify import Notifier
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
 from zeroserve.workers import batching
@@ -65,6 +66,8 @@ class Worker:
         self._draining = False
         self._stop_deadline = float("inf")
         self._exit: int | None = None
+        self.notifier = Notifier()
+        self._registered = False  # the broker has heartbeated us since our READY
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -128,6 +131,8 @@ class Worker:
             if now >= next_beat:
                 self._heartbeat()
                 next_beat = now + self.heartbeat_s
+            self.notifier.watchdog(now)
+            self._notify_ready_once()
             if now - self._last_heard > self.broker_expiry_s:
                 if self.stopping:
                     logger.warning("broker silent while draining; exiting")
@@ -138,6 +143,7 @@ class Worker:
                 self._draining = True
                 self._stop_deadline = now + self.drain_timeout_s
                 logger.info("draining before exit")
+                self.notifier.stopping()
                 self._send(p.encode_simple(p.Kind.DISCONNECT, reason="shutdown", drain=True))
             if now >= self._stop_deadline:
                 logger.warning("drain did not finish within %.0fs; exiting", self.drain_timeout_s)
@@ -165,6 +171,8 @@ class Worker:
                 start_by = self._last_heard + batch.timeout_ms / 1000.0 \
                     if batch.timeout_ms > 0 else float("inf")
                 self._jobs.put((batch, start_by))
+            elif kind is p.Kind.HEARTBEAT:
+                self._registered = True
             elif kind is p.Kind.LOAD:
                 self._loads.put(header)
             elif kind is p.Kind.UNLOAD:
@@ -187,6 +195,16 @@ class Worker:
         self._send_ready()
         if self._draining:
             self._send(p.encode_simple(p.Kind.DISCONNECT, reason="shutdown", drain=True))
+
+    def _notify_ready_once(self) -> None:
+        """READY=1 for systemd once the broker knows us and every load it asked for is
+        done: its LOADs precede its first heartbeat on the same socket, so by then they
+        are all queued."""
+        if self.notifier.ready_sent or not self._registered or self._loads.unfinished_tasks:
+            return
+        while self.results.poll(0):  # the LOADED replies reach the broker before READY=1
+            self._send(self.results.recv_multipart(copy=False))
+        self.notifier.ready(f"serving {len(self.models)} model version(s)")
 
     def _heartbeat(self) -> None:
         rss = rss_bytes()
@@ -233,6 +251,7 @@ class Worker:
                     self._unload(job[1], job[2])
                 else:
                     out.send_multipart(self._load(job))
+                self._loads.task_done()
         finally:
             out.close(linger=0)
 

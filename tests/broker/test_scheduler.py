@@ -227,3 +227,11 @@ def test_properties(ops, mbs, delay, qsize, per_sample):
     for e in s.drop_model("m"):
         answer(e.key, "dropped")
     assert set(outcome) == set(range(n)), "some request was never answered"
+
+
+def test_drop_model_returns_what_was_queued_and_forgets_the_model():
+    s = make()
+    for k in ("a", "b"):
+        s.add(entry(k))
+    assert sorted(e.key for e in s.drop_model("m")) == ["a", "b"]
+    assert s.models_waiting() == [] and s.drop_model("m") == []

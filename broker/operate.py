@@ -1,0 +1,128 @@
+"""The operator's verbs over the control socket: drain, undrain, reload.
+
+Exit codes: 0 done; 1 the broker refused (unknown worker or model, bad input, a
+load failed); 3 the broker is unreachable or stopped answering; 4 a ``--wait``
+ran out of time. Every call to the broker has a deadline, so the CLI never hangs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Callable
+
+from zeroserve.broker.client import Client, ErrorCode, InferError
+
+EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_WAIT_TIMEOUT = 0, 1, 3, 4
+POLL_S = 0.1
+
+
+class WaitTimeout(Exception):
+    pass
+
+
+def _worker(status: dict[str, Any], worker_id: str) -> dict[str, Any] | None:
+    return next((w for w in status["workers"] if w["id"] == worker_id), None)
+
+
+def _wait(client: Client, cond: Callable[[dict[str, Any]], Any], timeout_s: float,
+          what: str) -> Any:
+    """Poll the broker's status until ``cond`` holds (its value is returned)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond(client.control("status"))
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise WaitTimeout(f"gave up after {timeout_s:g} s waiting for {what}")
+        time.sleep(POLL_S)  # polling interval of a deadline-bound wait
+
+
+def drain(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    w = client.control("drain", worker=args.worker)
+    if args.wait:
+        def empty(st: dict[str, Any]) -> Any:
+            w = _worker(st, args.worker)
+            if w is None:  # it left (drained for shutdown): nothing of ours runs there
+                return {"id": args.worker, "state": "gone", "inflight_batches": 0}
+            return w if w["inflight_batches"] == 0 else None
+
+        w = _wait(client, empty, args.wait_timeout, f"worker {args.worker} to finish its batches")
+        return w, f"worker {args.worker} drained: no batch in flight"
+    return w, f"worker {args.worker} draining: {w['inflight_batches']} batch(es) in flight"
+
+
+def undrain(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    w = client.control("undrain", worker=args.worker)
+    return w, f"worker {args.worker} takes batches again"
+
+
+def reload(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    if (args.model is None) == (args.worker is None):
+        raise InferError(ErrorCode.BAD_INPUT, "name either MODEL[/VERSION] or --worker WORKER")
+    if args.worker is not None:
+        return _restart(client, args)
+    name, _, raw = args.model.partition("/")
+    if raw and not raw.isdigit():
+        raise InferError(ErrorCode.BAD_INPUT, f"version must be a positive integer, got {raw!r}")
+    res = client.control("reload", model=name, version=int(raw) if raw else None)
+    if not res["loads"]:
+        return res, f"{args.model}: no worker serves it; nothing to reload"
+    if not args.wait:
+        return res, f"{args.model}: loading afresh on {len(res['loads'])} worker(s)"
+    keys = {f"{name}/{v}" for v in res["versions"]}
+    status = _wait(client, lambda st: st if not any(keys & set(w["loading"])
+                                                    for w in st["workers"]) else None,
+                   args.wait_timeout, f"{args.model} to load")
+    errors = {f"{w['id']}:{k}": e for w in status["workers"]
+              for k, e in w["load_errors"].items() if k in keys}
+    if errors:
+        raise InferError(ErrorCode.MODEL_ERROR, "reload failed, the old load keeps serving: "
+                         + "; ".join(f"{k}: {e}" for k, e in sorted(errors.items())))
+    return res, f"{args.model}: reloaded on {len(res['loads'])} worker(s)"
+
+
+def _restart(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    before = client.control("restart", worker=args.worker)
+    if not args.wait:
+        return before, (f"worker {args.worker} restarting after "
+                        f"{before['inflight_batches']} batch(es) in flight")
+
+    def back(st: dict[str, Any]) -> Any:
+        w = _worker(st, args.worker)
+        if w and w.get("pid") != before.get("pid") and w["state"] == "ready" \
+                and not w["loading"]:
+            return w
+        return None
+
+    after = _wait(client, back, args.wait_timeout, f"worker {args.worker} to come back")
+    return after, (f"worker {args.worker} restarted (pid {before.get('pid')} -> "
+                   f"{after.get('pid')}), serving {', '.join(after['models']) or 'nothing'}")
+
+
+VERBS: dict[str, Callable[[Client, argparse.Namespace], tuple[Any, str]]] = {
+    "drain": drain, "undrain": undrain, "reload": reload,
+}
+
+
+def run_verb(args: argparse.Namespace, endpoint: str) -> int:
+    try:
+        with Client(endpoint, timeout_s=args.timeout, connect_timeout_s=args.timeout) as client:
+            result, text = VERBS[args.verb](client, args)
+    except InferError as exc:
+        code = EXIT_UNREACHABLE if exc.code is ErrorCode.UNAVAILABLE else EXIT_REFUSED
+        return _fail(args, exc.code.value, exc.message, code)
+    except WaitTimeout as exc:
+        return _fail(args, "timeout", str(exc), EXIT_WAIT_TIMEOUT)
+    print(json.dumps({"ok": True, "result": result}, indent=2, sort_keys=True)
+          if args.json else text)
+    return EXIT_OK
+
+
+def _fail(args: argparse.Namespace, code: str, message: str, exit_code: int) -> int:
+    if args.json:
+        print(json.dumps({"ok": False, "code": code, "error": message}, sort_keys=True))
+    print(f"zeroserve {args.verb}: {message}", file=sys.stderr)
+    return exit_code

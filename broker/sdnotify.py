@@ -1,0 +1,73 @@
+"""systemd's notify protocol in a few lines, no dependency.
+
+A unit with ``Type=notify`` sets ``$NOTIFY_SOCKET`` (a unix datagram socket; a
+leading ``@`` means the abstract namespace). Each component says ``READY=1`` once
+it really serves, ``RELOADING=1`` while it reloads, ``STOPPING=1`` when it starts
+to shut down, and pings ``WATCHDOG=1`` at half of ``$WATCHDOG_USEC``. Without
+``$NOTIFY_SOCKET`` every call is a no-op, so the components run the same
+anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def notify(state: str) -> bool:
+    """Send one datagram such as ``"READY=1"``; False when not under systemd or on error."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(state.encode())
+        return True
+    except OSError as exc:  # systemd went away or the socket is not ours: never fatal
+        logger.debug("sd_notify %r failed: %s", state, exc)
+        return False
+
+
+def watchdog_interval_s() -> float | None:
+    """Half the watchdog timeout systemd asks for, or None when no watchdog is set."""
+    usec = os.environ.get("WATCHDOG_USEC", "")
+    pid = os.environ.get("WATCHDOG_PID", "")
+    if not usec.isdigit() or int(usec) == 0 or (pid and pid != str(os.getpid())):
+        return None
+    return int(usec) / 2e6
+
+
+class Notifier:
+    """The states one process sends, with a self-throttled watchdog ping."""
+
+    def __init__(self) -> None:
+        self.interval_s = watchdog_interval_s()
+        self._next_ping = 0.0
+        self.ready_sent = False
+
+    def ready(self, status: str = "") -> None:
+        self.ready_sent = True
+        notify("READY=1" + (f"\nSTATUS={status}" if status else ""))
+
+    def reloading(self) -> None:
+        # systemd ≥ 253 wants MONOTONIC_USEC beside RELOADING=1; older ones ignore it
+        notify(f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+
+    def stopping(self) -> None:
+        notify("STOPPING=1")
+
+    def watchdog(self, now: float | None = None) -> None:
+        """Call from the loop as often as you like; pings at most every interval."""
+        if self.interval_s is None:
+            return
+        now = time.monotonic() if now is None else now
+        if now >= self._next_ping:
+            self._next_ping = now + self.interval_s
+            notify("WATCHDOG=1")

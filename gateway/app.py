@@ -6,6 +6,7 @@ created in the lifespan. Errors are always JSON ``{"error": "..."}``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from starlette.routing import Route
 
 from zeroserve.broker import __version__
 from zeroserve.broker.client import AsyncClient, InferError
+from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway import metrics, openapi, routes_simple, v2
 from zeroserve.gateway.http import STATUS, BadRequest, BodyTooLarge, bounded_int, \
     compressed, error_response, infer_error_response, json_response, path_version, \
@@ -53,6 +55,17 @@ class Gateway:
         finally:
             await self.client.close()
 
+    async def control(self, verb: str, **args: Any) -> Any:
+        """A control call that cannot hang: one sent just as the broker died is lost,
+        and a broker restarted at once keeps the client "connected"."""
+        try:
+            return await asyncio.wait_for(self.client.control(verb, **args),
+                                          self.settings.broker_timeout_s)
+        except asyncio.TimeoutError:
+            raise InferError(ErrorCode.UNAVAILABLE,
+                             f"no answer from the broker within "
+                             f"{self.settings.broker_timeout_s:g} s") from None
+
     # -- health -------------------------------------------------------------
     async def live(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -69,7 +82,7 @@ class Gateway:
         if not self.client.connected:
             return "broker is not reachable"
         try:
-            models = (await self.client.control("models"))["models"]
+            models = (await self.control("models"))["models"]
         except InferError as exc:
             return exc.message
         # "ready" is what the broker can route to; "workers" who hold it right now
@@ -114,7 +127,7 @@ class Gateway:
 
     async def _control(self, request: Request, verb: str) -> dict[str, Any]:
         version = path_version(request)
-        return await self.client.control(  # type: ignore[no-any-return]
+        return await self.control(  # type: ignore[no-any-return]
             verb, model=request.path_params["name"], version=version)
 
     async def infer(self, request: Request) -> Response:
@@ -169,7 +182,7 @@ def create_app(settings: Settings) -> Starlette:
         Route(m + "/infer", gw.infer, methods=["POST"]),
         Route(mv + "/infer", gw.infer, methods=["POST"]),
         *routes_simple.routes(gw),
-        Route("/metrics", metrics.Scrape(gw.client).endpoint, methods=["GET"]),
+        Route("/metrics", metrics.Scrape(gw.control).endpoint, methods=["GET"]),
     ]
     routes.append(openapi.route(routes))
 

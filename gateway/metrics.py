@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import Metric
@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from zeroserve.broker.client import AsyncClient, InferError
+from zeroserve.broker.client import InferError
 
 logger = logging.getLogger(__name__)
 
@@ -140,13 +140,13 @@ class Scrape:
     """``GET /metrics``: the gateway's series, then the broker's and every worker's.
     With the broker unreachable the scrape still answers, with the gateway's alone."""
 
-    def __init__(self, client: AsyncClient) -> None:
-        self.client = client
+    def __init__(self, control: Callable[..., Awaitable[Any]]) -> None:
+        self.control = control
 
     async def endpoint(self, request: Request) -> Response:
         sources = [("gateway", _instance(), gateway_text())]
         try:
-            got: dict[str, Any] = await self.client.control("metrics")
+            got: dict[str, Any] = await self.control("metrics")
         except InferError as exc:
             logger.warning("metrics from the broker unavailable: %s", exc.message)
         else:

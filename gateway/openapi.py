@@ -8,14 +8,14 @@ body become the examples, so a fuzzer's example phase reaches a real model.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from zeroserve.broker import __version__
-from zeroserve.broker.client import AsyncClient, InferError
+from zeroserve.broker.client import InferError
 from zeroserve.gateway.http import json_response
 
 logger = logging.getLogger(__name__)
@@ -159,13 +159,13 @@ def _zeros_body(meta: dict[str, Any]) -> dict[str, Any]:
     return {"inputs": inputs}
 
 
-async def _example(client: AsyncClient) -> tuple[str, dict[str, Any]] | None:
+async def _example(control: Callable[..., Awaitable[Any]]) -> tuple[str, dict[str, Any]] | None:
     try:
-        models = (await client.control("models"))["models"]
+        models = (await control("models"))["models"]
         name = next((n for n, m in sorted(models.items()) if m["ready"]), None)
         if name is None:
             return None
-        meta = await client.control("metadata", model=name, version=None)
+        meta = await control("metadata", model=name, version=None)
     except (InferError, KeyError, TypeError):
         return None  # the document must answer even with the broker down
     if any(t["datatype"] == "BF16" for t in meta["inputs"]):
@@ -190,7 +190,7 @@ def route(routes: Sequence[BaseRoute]) -> Route:
         logger.warning("routes missing from openapi.ROUTES: %s", extra)
 
     async def openapi(request: Request) -> Response:
-        doc = document(await _example(request.app.state.gateway.client))
+        doc = document(await _example(request.app.state.gateway.control))
         for method, path in extra:
             doc["paths"].setdefault(path, {})[method] = _operation(
                 method, path, "", [200, 400, 404, 500, 503], None, None, None)

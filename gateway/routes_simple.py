@@ -45,7 +45,7 @@ class ModelInfoCache:
         hit = self._cache.get((name, version))
         if hit is not None and now - hit[0] < self.ttl_s:
             return hit[1]
-        meta = await self.gw.client.control("metadata", model=name, version=version)
+        meta = await self.gw.control("metadata", model=name, version=version)
         info = simple.ModelInfo.from_metadata(meta)
         if len(self._cache) > 4096:  # unknown names are not cached, so this is a bound
             self._cache.clear()

@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import signal
+import threading
 
 import pytest
 
@@ -81,25 +82,60 @@ def test_an_unexpected_exception_is_a_500_json_answer():
     assert json.loads(sent[1]["body"]) == {"error": "internal error: RuntimeError"}
 
 
-def _ready(srv):
-    return {path: http("GET", srv.url + path, timeout=5)[0]
-            for path in ("/readyz", "/v2/health/ready", "/ping")}
+class ReadyWatch:
+    """Polls the readiness routes back to back in a thread, keeping every answer, so a
+    short not-ready window (a broker restarted at once) cannot slip between polls."""
+
+    PATHS = ("/readyz", "/v2/health/ready", "/ping")
+
+    def __init__(self, srv):
+        self.srv = srv
+        self.seen: list[tuple[str, int, str]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            for path in self.PATHS:
+                status, _, body = http("GET", self.srv.url + path, timeout=10)
+                self.seen.append((path, status, body.decode(errors="replace")))
+            self.stop.wait(0.01)  # noqa: sleep-ok (pacing, so the poller leaves CPU to the server)
+
+    def mark(self):
+        return len(self.seen)
+
+    def went_down_and_up(self, since, needle):
+        """Every route answered 503 (with ``needle`` in the error) and later 200."""
+        after = self.seen[since:]
+        for path in self.PATHS:
+            down = [i for i, (p, s, b) in enumerate(after) if p == path and s == 503
+                    and needle in b]
+            if not down or not any(p == path and s == 200 for p, s, _ in after[down[0]:]):
+                return False
+        return True
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(30)
 
 
 def test_readiness_follows_the_broker_and_the_workers(serve, tiny_repo):
     srv = serve(tiny_repo)
-    assert set(_ready(srv).values()) == {200}
-    (broker,) = srv.pids("broker")
-    os.kill(broker, signal.SIGKILL)
-    wait_for(lambda: set(_ready(srv).values()) == {503}, 20, "not ready without a broker")
-    status, _, got = http("GET", srv.url + "/readyz")
-    assert "broker" in json.loads(got)["error"]
-    # the supervisor restarts the broker; workers and the gateway find it again
-    wait_for(lambda: set(_ready(srv).values()) == {200}, 40, "ready with the new broker")
-    assert broker not in srv.pids("broker")
-    (worker,) = srv.pids("worker --")
-    os.kill(worker, signal.SIGKILL)
-    wait_for(lambda: set(_ready(srv).values()) == {503}, 20, "not ready without a worker")
-    status, _, got = http("GET", srv.url + "/v2/health/ready")
-    assert "worker" in json.loads(got)["error"]
-    wait_for(lambda: set(_ready(srv).values()) == {200}, 60, "ready with the new worker")
+    watch = ReadyWatch(srv)
+    try:
+        wait_for(lambda: {s for _, s, _ in watch.seen[-3:]} == {200}, 10, "ready")
+        (broker,) = srv.pids("broker")
+        since = watch.mark()
+        os.kill(broker, signal.SIGKILL)
+        # the supervisor restarts the broker; workers and the gateway find it again
+        wait_for(lambda: watch.went_down_and_up(since, "broker"), 40,
+                 "not ready without the broker, then ready with the new one")
+        assert broker not in srv.pids("broker")
+        (worker,) = srv.pids("worker --")
+        since = watch.mark()
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: watch.went_down_and_up(since, "worker"), 60,
+                 "not ready without a worker, then ready with the new one")
+    finally:
+        watch.close()

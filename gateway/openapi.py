@@ -20,6 +20,7 @@ from zeroserve.gateway.http import json_response
 
 logger = logging.getLogger(__name__)
 
+Example = tuple[str, dict[str, Any]]  # (model name, request body per route family)
 ERROR = {"$ref": "#/components/schemas/Error"}
 ANY_JSON: dict[str, Any] = {}
 WHY = {
@@ -28,6 +29,7 @@ WHY = {
     500: "the model raised", 503: "no worker, draining, or broker down (Retry-After)",
     504: "deadline exceeded",
 }
+VERSION = {"type": "string", "pattern": "^[1-9][0-9]{0,8}$"}
 MODEL_READ = [200, 400, 404, 503]
 INFER = [200, 400, 404, 413, 429, 500, 503, 504]
 
@@ -54,8 +56,10 @@ SEED_REQUEST = {"type": "object", "required": ["inputs"], "properties": {
     "inputs": {"type": "object", "additionalProperties": ANY_JSON},
     "outputs": {"type": "array", "items": {"type": "string"}}, "id": {"type": "string"}}}
 SIMPLE_HEADERS = [
-    {"name": "X-Priority", "in": "header", "schema": {"type": "integer", "minimum": 0}},
-    {"name": "X-Timeout-Ms", "in": "header", "schema": {"type": "integer", "minimum": 0}},
+    {"name": "X-Priority", "in": "header", "schema": {"type": "integer", "minimum": 0},
+     "example": 1},
+    {"name": "X-Timeout-Ms", "in": "header", "schema": {"type": "integer", "minimum": 0},
+     "example": 0},
 ]
 
 # (method, path, summary, statuses, request body schema or None, media type of a 200)
@@ -97,12 +101,13 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
 
 def _operation(method: str, path: str, summary: str, statuses: list[int],
                body: dict[str, Any] | None, media: str | None,
-               example: tuple[str, dict[str, Any]] | None) -> dict[str, Any]:
+               example: Example | None) -> dict[str, Any]:
     params: list[dict[str, Any]] = []
     for name in ("name", "version"):
         if "{" + name + "}" in path:
+            schema = {"type": "string"} if name == "name" else VERSION
             param: dict[str, Any] = {"name": name, "in": "path", "required": True,
-                                     "schema": {"type": "string"}}
+                                     "schema": schema}
             if example is not None:
                 param["example"] = example[0] if name == "name" else "1"
             params.append(param)
@@ -123,13 +128,14 @@ def _operation(method: str, path: str, summary: str, statuses: list[int],
         op["parameters"] = params
     if body is not None:
         content: dict[str, Any] = {"schema": body}
-        if example is not None and body is V2_REQUEST:
-            content["example"] = example[1]
+        if example is not None:
+            kind = "v2" if body is V2_REQUEST else "seed" if body is SEED_REQUEST else "ts"
+            content["example"] = example[1][kind]
         op["requestBody"] = {"required": True, "content": {"application/json": content}}
     return op
 
 
-def document(example: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+def document(example: Example | None = None) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for method, path, *rest in ROUTES:
         paths.setdefault(path, {})[method] = _operation(method, path, *rest,  # type: ignore
@@ -146,8 +152,9 @@ def document(example: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any
     }
 
 
-def _zeros_body(meta: dict[str, Any]) -> dict[str, Any]:
-    inputs = []
+def _zeros_bodies(meta: dict[str, Any]) -> dict[str, Any]:
+    """Zero-filled request bodies for the model, one per route family."""
+    inputs, samples = [], {}
     for t in meta["inputs"]:
         shape = [d if d > 0 else 1 for d in t["shape"]]
         count = 1
@@ -156,21 +163,25 @@ def _zeros_body(meta: dict[str, Any]) -> dict[str, Any]:
         value: Any = "" if t["datatype"] == "BYTES" else False if t["datatype"] == "BOOL" else 0
         inputs.append({"name": t["name"], "shape": shape, "datatype": t["datatype"],
                        "data": [value] * count})
-    return {"inputs": inputs}
+        sample: Any = value
+        for d in reversed(shape):
+            sample = [sample] * d
+        samples[t["name"]] = sample
+    ts = next(iter(samples.values())) if len(samples) == 1 else samples
+    return {"v2": {"inputs": inputs}, "seed": {"inputs": samples}, "ts": ts}
 
 
-async def _example(control: Callable[..., Awaitable[Any]]) -> tuple[str, dict[str, Any]] | None:
+async def _example(control: Callable[..., Awaitable[Any]]) -> Example | None:
+    """The first ready model whose inputs JSON can carry, with a zero-filled body."""
     try:
         models = (await control("models"))["models"]
-        name = next((n for n, m in sorted(models.items()) if m["ready"]), None)
-        if name is None:
-            return None
-        meta = await control("metadata", model=name, version=None)
+        for name in sorted(n for n, m in models.items() if m["ready"])[:8]:
+            meta = await control("metadata", model=name, version=None)
+            if all(t["datatype"] != "BF16" for t in meta["inputs"]):
+                return name, _zeros_bodies(meta)
     except (InferError, KeyError, TypeError):
-        return None  # the document must answer even with the broker down
-    if any(t["datatype"] == "BF16" for t in meta["inputs"]):
-        return None
-    return name, _zeros_body(meta)
+        pass  # the document must answer even with the broker down
+    return None
 
 
 def served(routes: Sequence[BaseRoute]) -> set[tuple[str, str]]:

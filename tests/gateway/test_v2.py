@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import orjson
 import pytest
 import tritonclient.http as triton
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zeroserve.broker import protocol as p
-from zeroserve.gateway import v2
+from zeroserve.gateway import simple, v2
 
 
 def client_body(inputs, outputs=None, **kw):
@@ -72,7 +75,51 @@ def test_every_numeric_datatype_round_trips_binary_and_json():
      "BYTES data must be strings"),
     (b'{"inputs": [{"name": "t", "shape": [1], "datatype": "BF16", "data": [1.0]}]}', None,
      "binary tensor extension"),
+    # found by schemathesis: a datatype that is not a string was a TypeError (HTTP 500)
+    (b'{"inputs": [{"name": "t", "shape": [1], "datatype": [1, {}], "data": [1]}]}', None,
+     "unknown datatype"),
 ])
-def test_bad_bytes_and_bf16_bodies(body, hlen, needle):
+def test_bad_bodies_are_decode_errors(body, hlen, needle):
     with pytest.raises(v2.DecodeError, match=needle):
         v2.decode_request(body, hlen)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=20)
+input_like = st.fixed_dictionaries({}, optional={
+    "name": st.sampled_from(["input", ""]) | json_values,
+    "datatype": st.sampled_from(sorted(p.DTYPES)) | json_values,
+    "shape": st.lists(st.integers(-2, 4), max_size=3) | json_values,
+    "data": json_values, "parameters": json_values})
+body_like = st.fixed_dictionaries({}, optional={
+    "inputs": st.lists(input_like, max_size=3) | json_values, "id": json_values,
+    "parameters": json_values,
+    "outputs": st.lists(st.fixed_dictionaries({"name": json_values},
+                                              optional={"parameters": json_values}),
+                        max_size=2) | json_values})
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=body_like | json_values)
+def test_any_json_body_is_decoded_or_refused_with_a_decode_error(doc):
+    try:
+        req = v2.decode_request(orjson.dumps(doc), None)
+    except v2.DecodeError:
+        return
+    for t in req.tensors:
+        assert t.meta.datatype in p.DTYPES
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=body_like | json_values)
+def test_any_json_body_fits_the_simple_codecs_or_is_refused(doc):
+    info = simple.ModelInfo({"input": ("FP32", 2), "text": ("BYTES", 2)}, ["output"], True)
+    for decode in (simple.decode_seed, simple.decode_torchserve):
+        try:
+            decode(doc, info)
+        except simple.SimpleError:
+            pass

@@ -4,9 +4,11 @@ for the gateway's convenience, on the frontend."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Callable
 
 from zeroserve.broker import protocol as p
+from zeroserve.broker.runtime import hostname
 
 if TYPE_CHECKING:
     from zeroserve.broker.server import Broker
@@ -121,5 +123,5 @@ class ControlHandler:
         b = self.broker
         for name in b.catalog.models:
             b.metrics.queue_depth.labels(name).set(b.scheduler.depth(name))
-        return {"broker": b.metrics.render(),
+        return {"broker": b.metrics.render(), "instance": f"{hostname()}:{os.getpid()}",
                 "workers": {w.worker_id: w.metrics_text for w in b.members.workers.values()}}

@@ -6,12 +6,12 @@ created in the lifespan. Errors are always JSON ``{"error": "..."}``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -20,16 +20,16 @@ from starlette.routing import Route
 from zeroserve.broker import __version__
 from zeroserve.broker.client import AsyncClient, InferError
 from zeroserve.broker.protocol import ErrorCode
-from zeroserve.gateway import v2
+from zeroserve.gateway import metrics, openapi, routes_simple, v2
+from zeroserve.gateway.http import STATUS, BadRequest, BodyTooLarge, bounded_int, \
+    compressed, error_response, infer_error_response, json_response, path_version, \
+    read_body, too_large_response
+
+__all__ = ["STATUS", "Settings", "create_app", "error_response", "json_response",
+           "infer_error_response", "read_body", "BodyTooLarge"]
 
 logger = logging.getLogger(__name__)
 
-STATUS = {
-    ErrorCode.BAD_INPUT: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.DEADLINE: 504,
-    ErrorCode.OVERLOADED: 429, ErrorCode.QUOTA: 429, ErrorCode.NO_WORKER: 503,
-    ErrorCode.UNAVAILABLE: 503, ErrorCode.WORKER_LOST: 503, ErrorCode.MODEL_ERROR: 500,
-    ErrorCode.CANCELLED: 499, ErrorCode.INTERNAL: 500,
-}
 EXTENSIONS = ["binary_tensor_data", "schedule_policy", "model_configuration"]
 
 
@@ -38,56 +38,6 @@ class Settings:
     frontend: str
     max_body_bytes: int = 64 << 20
     broker_timeout_s: float = 3.0
-
-
-def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(doc), status, headers, media_type="application/json")
-
-
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return json_response({"error": message}, status, headers)
-
-
-def infer_error_response(err: InferError) -> Response:
-    headers = None
-    if err.retry_after_s is not None:
-        headers = {"Retry-After": str(max(1, round(err.retry_after_s)))}
-    elif err.code in (ErrorCode.OVERLOADED, ErrorCode.NO_WORKER, ErrorCode.UNAVAILABLE):
-        headers = {"Retry-After": "1"}
-    return error_response(STATUS.get(err.code, 500), err.message, headers)
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge()
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge()
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _version(request: Request) -> int | None:
-    raw = request.path_params.get("version")
-    if raw is None:
-        return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"version must be a positive integer, got {raw!r}")
-    return int(raw)
-
-
-def _int_param(params: dict[str, Any], name: str) -> int:
-    value = params.get(name, 0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise v2.DecodeError(f"parameter {name!r} must be a non-negative number")
-    return int(value)
 
 
 class Gateway:
@@ -105,6 +55,17 @@ class Gateway:
         finally:
             await self.client.close()
 
+    async def control(self, verb: str, **args: Any) -> Any:
+        """A control call that cannot hang: one sent just as the broker died is lost,
+        and a broker restarted at once keeps the client "connected"."""
+        try:
+            return await asyncio.wait_for(self.client.control(verb, **args),
+                                          self.settings.broker_timeout_s)
+        except asyncio.TimeoutError:
+            raise InferError(ErrorCode.UNAVAILABLE,
+                             f"no answer from the broker within "
+                             f"{self.settings.broker_timeout_s:g} s") from None
+
     # -- health -------------------------------------------------------------
     async def live(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -121,11 +82,12 @@ class Gateway:
         if not self.client.connected:
             return "broker is not reachable"
         try:
-            models = (await self.client.control("models"))["models"]
+            models = (await self.control("models"))["models"]
         except InferError as exc:
             return exc.message
-        if not any(m["ready"] for m in models.values()):
-            return "no model is ready on any worker"
+        # "ready" is what the broker can route to; "workers" who hold it right now
+        if not any(m["ready"] and m["workers"] for m in models.values()):
+            return "no model is ready on any live worker"
         return None
 
     async def server_metadata(self, request: Request) -> Response:
@@ -135,45 +97,54 @@ class Gateway:
     # -- models -------------------------------------------------------------
     async def model_metadata(self, request: Request) -> Response:
         try:
-            meta = await self._metadata(request)
+            meta = await self._control(request, "metadata")
         except InferError as exc:
             return infer_error_response(exc)
-        except ValueError as exc:
+        except BadRequest as exc:
             return error_response(400, str(exc))
         meta.pop("ready", None)
         meta.pop("max_batch_size", None)
         return json_response(meta)
 
-    async def model_ready(self, request: Request) -> Response:
+    async def model_config(self, request: Request) -> Response:
         try:
-            meta = await self._metadata(request)
+            return json_response(await self._control(request, "config"))
         except InferError as exc:
             return infer_error_response(exc)
-        except ValueError as exc:
+        except BadRequest as exc:
+            return error_response(400, str(exc))
+
+    async def model_ready(self, request: Request) -> Response:
+        try:
+            meta = await self._control(request, "metadata")
+        except InferError as exc:
+            return infer_error_response(exc)
+        except BadRequest as exc:
             return error_response(400, str(exc))
         if not meta["ready"]:
             return error_response(503, f"model {meta['name']!r} is not ready")
         return Response(status_code=200)
 
-    async def _metadata(self, request: Request) -> dict[str, Any]:
-        version = _version(request)
-        return await self.client.control(  # type: ignore[no-any-return]
-            "metadata", model=request.path_params["name"], version=version)
+    async def _control(self, request: Request, verb: str) -> dict[str, Any]:
+        version = path_version(request)
+        return await self.control(  # type: ignore[no-any-return]
+            verb, model=request.path_params["name"], version=version)
 
     async def infer(self, request: Request) -> Response:
         name = request.path_params["name"]
         try:
-            version = _version(request)
+            version = path_version(request)
             body = await read_body(request, self.settings.max_body_bytes)
             hlen = request.headers.get(v2.HEADER_LENGTH)
             req = v2.decode_request(body, int(hlen) if hlen is not None and hlen.isdigit()
                                     else None if hlen is None else -1)
-            priority = _int_param(req.parameters, "priority")
-            timeout_us = _int_param(req.parameters, "timeout")
+            priority = bounded_int(req.parameters.get("priority", 0), "priority")
+            timeout_us = bounded_int(req.parameters.get("timeout", 0), "timeout")
+            if req.parameters.get("sequence_id"):
+                raise BadRequest("sequence batching is not supported")
         except BodyTooLarge:
-            return error_response(413, f"request body exceeds {self.settings.max_body_bytes} "
-                                  "bytes")
-        except ValueError as exc:  # DecodeError, a bad version
+            return too_large_response(self.settings.max_body_bytes)
+        except ValueError as exc:  # DecodeError, BadRequest
             return error_response(400, str(exc))
         try:
             reply = await self.client.infer_tensors(
@@ -187,9 +158,9 @@ class Gateway:
         except v2.DecodeError as exc:
             return error_response(400, str(exc))
         if json_len is None:
-            return Response(body, 200, media_type="application/json")
-        return Response(body, 200, {"Inference-Header-Content-Length": str(json_len)},
-                        media_type="application/octet-stream")
+            return compressed(request, body)
+        return compressed(request, body, 200, {"Inference-Header-Content-Length": str(json_len)},
+                          media_type="application/octet-stream")
 
 
 def create_app(settings: Settings) -> Starlette:
@@ -206,16 +177,28 @@ def create_app(settings: Settings) -> Starlette:
         Route(mv, gw.model_metadata, methods=["GET"]),
         Route(m + "/ready", gw.model_ready, methods=["GET"]),
         Route(mv + "/ready", gw.model_ready, methods=["GET"]),
+        Route(m + "/config", gw.model_config, methods=["GET"]),
+        Route(mv + "/config", gw.model_config, methods=["GET"]),
         Route(m + "/infer", gw.infer, methods=["POST"]),
         Route(mv + "/infer", gw.infer, methods=["POST"]),
+        *routes_simple.routes(gw),
+        Route("/metrics", metrics.Scrape(gw.control).endpoint, methods=["GET"]),
     ]
+    routes.append(openapi.route(routes))
 
-    async def not_found(request: Request, exc: Exception) -> Response:
+    async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
         detail = getattr(exc, "detail", "not found")
-        return error_response(status, str(detail))
+        return error_response(status, str(detail), getattr(exc, "headers", None))
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # the traceback goes to the log; the client gets JSON, never an HTML page
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}")
 
     app = Starlette(routes=routes, lifespan=gw.lifespan,
-                    exception_handlers={404: not_found, 405: not_found})
+                    middleware=[metrics.middleware()],
+                    exception_handlers={404: http_error, 405: http_error,
+                                        Exception: unexpected})
     app.state.gateway = gw
     return app

@@ -114,7 +114,7 @@ def decode_request(body: bytes, header_length: int | None) -> V2Request:
         name, datatype = inp.get("name"), inp.get("datatype")
         if not isinstance(name, str) or not name:
             raise DecodeError(f"{where}: 'name' must be a non-empty string")
-        if datatype not in p.DTYPES:
+        if not isinstance(datatype, str) or datatype not in p.DTYPES:
             raise DecodeError(f"input {name!r}: unknown datatype {datatype!r}")
         shape = _shape(inp.get("shape"), f"input {name!r}")
         iparams = inp.get("parameters") or {}

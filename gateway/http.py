@@ -1,0 +1,155 @@
+"""HTTP helpers shared by every route module: JSON and error responses, status codes,
+body reading with a size limit and request decompression, response compression."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from zeroserve.broker.client import InferError
+from zeroserve.broker.protocol import ErrorCode
+
+# DESIGN's statuses, one per typed error code
+STATUS = {
+    ErrorCode.BAD_INPUT: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.DEADLINE: 504,
+    ErrorCode.OVERLOADED: 429, ErrorCode.QUOTA: 429, ErrorCode.NO_WORKER: 503,
+    ErrorCode.UNAVAILABLE: 503, ErrorCode.WORKER_LOST: 503, ErrorCode.MODEL_ERROR: 500,
+    ErrorCode.CANCELLED: 499, ErrorCode.INTERNAL: 500,
+}
+# msgpack carries integers up to 64 bits; keep what the wire sees well inside that
+MAX_INT = 2**31 - 1
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BadRequest(ValueError):
+    """Anything a client sent wrong that is not caught by a codec (HTTP 400)."""
+
+
+def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), status, headers,
+                    media_type="application/json")
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return json_response({"error": message}, status, headers)
+
+
+def infer_error_response(err: InferError) -> Response:
+    headers = None
+    if err.retry_after_s is not None:
+        headers = {"Retry-After": str(max(1, round(err.retry_after_s)))}
+    elif err.code in (ErrorCode.OVERLOADED, ErrorCode.NO_WORKER, ErrorCode.UNAVAILABLE):
+        headers = {"Retry-After": "1"}
+    return error_response(STATUS.get(err.code, 500), err.message, headers)
+
+
+def too_large_response(limit: int) -> Response:
+    return error_response(413, f"request body exceeds {limit} bytes")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, decompressed per Content-Encoding; both sizes bounded by ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    return decompress(body, encoding, limit)
+
+
+def decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """gzip or deflate (zlib-wrapped, as HTTP means it; raw deflate accepted too)."""
+    if encoding == "gzip":
+        wbits = [16 + zlib.MAX_WBITS]
+    elif encoding == "deflate":
+        wbits = [zlib.MAX_WBITS, -zlib.MAX_WBITS]
+    else:
+        raise BadRequest(f"unsupported Content-Encoding {encoding!r} (use gzip or deflate)")
+    for i, bits in enumerate(wbits):
+        d = zlib.decompressobj(bits)
+        try:
+            # max_length bounds what a small "zip bomb" can expand to
+            out = d.decompress(body, limit + 1)
+        except zlib.error as exc:
+            if i + 1 < len(wbits):
+                continue
+            raise BadRequest(f"the {encoding} body does not decompress: {exc}") from None
+        if len(out) > limit:
+            raise BodyTooLarge()
+        if not d.eof:
+            raise BadRequest(f"the {encoding} body is truncated")
+        return out
+    raise BadRequest(f"the {encoding} body does not decompress")  # pragma: no cover
+
+
+def accepted_encoding(request: Request) -> str | None:
+    """gzip or deflate when the client accepts one (first listed wins), else None."""
+    raw = request.headers.get("accept-encoding")
+    if not raw:
+        return None
+    for part in raw.split(","):
+        name, _, params = part.strip().partition(";")
+        name = name.strip().lower()
+        if name in ("gzip", "deflate") and params.replace(" ", "") not in ("q=0", "q=0.0"):
+            return name
+    return None
+
+
+def compressed(request: Request, body: bytes, status: int = 200,
+               headers: dict[str, str] | None = None,
+               media_type: str = "application/json") -> Response:
+    """A response compressed as the client's Accept-Encoding asks. Level 1: the body is
+    tensors, where higher levels buy little and cost a lot of CPU."""
+    encoding = accepted_encoding(request)
+    if encoding is None:
+        return Response(body, status, headers, media_type=media_type)
+    if encoding == "gzip":
+        body = gzip.compress(body, compresslevel=1, mtime=0)
+    else:
+        body = zlib.compress(body, 1)
+    return Response(body, status, {**(headers or {}), "Content-Encoding": encoding,
+                                   "Vary": "Accept-Encoding"}, media_type=media_type)
+
+
+def path_version(request: Request) -> int | None:
+    raw = request.path_params.get("version")
+    if raw is None:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_INT:
+        raise BadRequest(f"version must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+def bounded_int(value: Any, name: str) -> int:
+    """A non-negative integer parameter that fits the wire (priority, timeout)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or not 0 <= value <= 2**53:
+        raise BadRequest(f"parameter {name!r} must be a non-negative number")
+    return min(int(value), 2**53)
+
+
+def header_int(request: Request, name: str) -> int:
+    raw = request.headers.get(name)
+    if raw is None:
+        return 0
+    try:
+        return bounded_int(float(raw.strip()), name)
+    except ValueError:
+        raise BadRequest(f"header {name!r} must be a non-negative number, got {raw!r}") \
+            from None

@@ -1,0 +1,210 @@
+"""``GET /openapi.json``: every route with every status it can answer.
+
+The document is built from one table (ROUTES below); a test checks that it names
+every route the app serves. When a model is ready, its name and a zero-filled v2
+body become the examples, so a fuzzer's example phase reaches a real model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable, Sequence
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from zeroserve.broker import __version__
+from zeroserve.broker.client import InferError
+from zeroserve.gateway.http import json_response
+
+logger = logging.getLogger(__name__)
+
+Example = tuple[str, dict[str, Any]]  # (model name, request body per route family)
+ERROR = {"$ref": "#/components/schemas/Error"}
+ANY_JSON: dict[str, Any] = {}
+WHY = {
+    200: "OK", 400: "bad input (the message says what)", 404: "unknown model or version",
+    413: "request body too large", 429: "overloaded or over quota (Retry-After)",
+    500: "the model raised", 503: "no worker, draining, or broker down (Retry-After)",
+    504: "deadline exceeded",
+}
+VERSION = {"type": "string", "pattern": "^[1-9][0-9]{0,8}$"}
+MODEL_READ = [200, 400, 404, 503]
+INFER = [200, 400, 404, 413, 429, 500, 503, 504]
+
+V2_REQUEST = {
+    "type": "object", "required": ["inputs"],
+    "properties": {
+        "id": {"type": "string"},
+        "parameters": {"type": "object", "properties": {
+            "priority": {"type": "integer", "minimum": 0},
+            "timeout": {"type": "integer", "minimum": 0, "description": "microseconds"},
+            "binary_data_output": {"type": "boolean"}}},
+        "inputs": {"type": "array", "items": {
+            "type": "object", "required": ["name", "shape", "datatype"],
+            "properties": {"name": {"type": "string"},
+                           "shape": {"type": "array", "items": {"type": "integer"}},
+                           "datatype": {"type": "string"},
+                           "parameters": {"type": "object"}, "data": ANY_JSON}}},
+        "outputs": {"type": "array", "items": {
+            "type": "object", "required": ["name"],
+            "properties": {"name": {"type": "string"}, "parameters": {"type": "object"}}}},
+    },
+}
+SEED_REQUEST = {"type": "object", "required": ["inputs"], "properties": {
+    "inputs": {"type": "object", "additionalProperties": ANY_JSON},
+    "outputs": {"type": "array", "items": {"type": "string"}}, "id": {"type": "string"}}}
+SIMPLE_HEADERS = [
+    {"name": "X-Priority", "in": "header", "schema": {"type": "integer", "minimum": 0},
+     "example": 1},
+    {"name": "X-Timeout-Ms", "in": "header", "schema": {"type": "integer", "minimum": 0},
+     "example": 0},
+]
+
+# (method, path, summary, statuses, request body schema or None, media type of a 200)
+ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]] = [
+    ("get", "/v2/health/live", "Server live", [200], None, None),
+    ("get", "/v2/health/ready", "Server ready: broker reachable, a model ready on a live "
+     "worker", [200, 503], None, None),
+    ("get", "/healthz", "Liveness", [200], None, None),
+    ("get", "/readyz", "Readiness (as /v2/health/ready)", [200, 503], None, None),
+    ("get", "/v2", "Server metadata", [200], None, "application/json"),
+    ("get", "/v2/models/{name}", "Model metadata", MODEL_READ, None, "application/json"),
+    ("get", "/v2/models/{name}/versions/{version}", "Model version metadata", MODEL_READ,
+     None, "application/json"),
+    ("get", "/v2/models/{name}/ready", "Model ready", MODEL_READ, None, None),
+    ("get", "/v2/models/{name}/versions/{version}/ready", "Model version ready", MODEL_READ,
+     None, None),
+    ("get", "/v2/models/{name}/config", "Model configuration", MODEL_READ, None,
+     "application/json"),
+    ("get", "/v2/models/{name}/versions/{version}/config", "Model configuration",
+     MODEL_READ, None, "application/json"),
+    ("post", "/v2/models/{name}/infer", "KServe v2 inference (JSON or binary tensors)",
+     INFER, V2_REQUEST, "application/json"),
+    ("post", "/v2/models/{name}/versions/{version}/infer", "KServe v2 inference, pinned "
+     "version", INFER, V2_REQUEST, "application/json"),
+    ("post", "/models/{name}/predict", "Simple JSON predict", INFER, SEED_REQUEST,
+     "application/json"),
+    ("post", "/models/{name}/{version}/predict", "Simple JSON predict, pinned version",
+     INFER, SEED_REQUEST, "application/json"),
+    ("post", "/predictions/{name}", "TorchServe-compatible predict", INFER, ANY_JSON,
+     "application/json"),
+    ("post", "/predictions/{name}/{version}", "TorchServe-compatible predict, pinned "
+     "version", INFER, ANY_JSON, "application/json"),
+    ("get", "/ping", "TorchServe-compatible health", [200, 503], None, "application/json"),
+    ("get", "/metrics", "Prometheus scrape of the gateway, the broker and every worker",
+     [200], None, "text/plain"),
+    ("get", "/openapi.json", "This document", [200], None, "application/json"),
+]
+
+
+def _operation(method: str, path: str, summary: str, statuses: list[int],
+               body: dict[str, Any] | None, media: str | None,
+               example: Example | None) -> dict[str, Any]:
+    params: list[dict[str, Any]] = []
+    for name in ("name", "version"):
+        if "{" + name + "}" in path:
+            schema = {"type": "string"} if name == "name" else VERSION
+            param: dict[str, Any] = {"name": name, "in": "path", "required": True,
+                                     "schema": schema}
+            if example is not None:
+                param["example"] = example[0] if name == "name" else "1"
+            params.append(param)
+    if path.startswith(("/models/", "/predictions/")):
+        params += SIMPLE_HEADERS
+    responses: dict[str, Any] = {}
+    for status in statuses:
+        resp: dict[str, Any] = {"description": WHY.get(status, "")}
+        if status >= 400:
+            resp["content"] = {"application/json": {"schema": ERROR}}
+        elif media is not None:
+            resp["content"] = {media: {"schema": {"type": "string"} if media == "text/plain"
+                                       else ANY_JSON}}
+        responses[str(status)] = resp
+    op: dict[str, Any] = {"summary": summary, "operationId": f"{method} {path}",
+                          "responses": responses}
+    if params:
+        op["parameters"] = params
+    if body is not None:
+        content: dict[str, Any] = {"schema": body}
+        if example is not None:
+            kind = "v2" if body is V2_REQUEST else "seed" if body is SEED_REQUEST else "ts"
+            content["example"] = example[1][kind]
+        op["requestBody"] = {"required": True, "content": {"application/json": content}}
+    return op
+
+
+def document(example: Example | None = None) -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path, *rest in ROUTES:
+        paths.setdefault(path, {})[method] = _operation(method, path, *rest,  # type: ignore
+                                                        example=example)
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "zeroserve", "version": __version__,
+                 "description": "KServe v2 (with Triton's binary tensor extension), simple "
+                 "predict and TorchServe-compatible routes. Errors are {\"error\": \"...\"}."},
+        "paths": paths,
+        "components": {"schemas": {"Error": {
+            "type": "object", "required": ["error"],
+            "properties": {"error": {"type": "string"}}}}},
+    }
+
+
+def _zeros_bodies(meta: dict[str, Any]) -> dict[str, Any]:
+    """Zero-filled request bodies for the model, one per route family."""
+    inputs, samples = [], {}
+    for t in meta["inputs"]:
+        shape = [d if d > 0 else 1 for d in t["shape"]]
+        count = 1
+        for d in shape:
+            count *= d
+        value: Any = "" if t["datatype"] == "BYTES" else False if t["datatype"] == "BOOL" else 0
+        inputs.append({"name": t["name"], "shape": shape, "datatype": t["datatype"],
+                       "data": [value] * count})
+        sample: Any = value
+        for d in reversed(shape):
+            sample = [sample] * d
+        samples[t["name"]] = sample
+    ts = next(iter(samples.values())) if len(samples) == 1 else samples
+    return {"v2": {"inputs": inputs}, "seed": {"inputs": samples}, "ts": ts}
+
+
+async def _example(control: Callable[..., Awaitable[Any]]) -> Example | None:
+    """The first ready model whose inputs JSON can carry, with a zero-filled body."""
+    try:
+        models = (await control("models"))["models"]
+        for name in sorted(n for n, m in models.items() if m["ready"])[:8]:
+            meta = await control("metadata", model=name, version=None)
+            if all(t["datatype"] != "BF16" for t in meta["inputs"]):
+                return name, _zeros_bodies(meta)
+    except (InferError, KeyError, TypeError):
+        pass  # the document must answer even with the broker down
+    return None
+
+
+def served(routes: Sequence[BaseRoute]) -> set[tuple[str, str]]:
+    return {(m.lower(), r.path) for r in routes if isinstance(r, Route)
+            for m in (r.methods or ()) if m != "HEAD"} | {("get", "/openapi.json")}
+
+
+def undocumented(routes: Sequence[BaseRoute]) -> set[tuple[str, str]]:
+    """Routes the app serves that ROUTES does not describe (a test keeps this empty)."""
+    return served(routes) - {(m, path) for m, path, *_ in ROUTES}
+
+
+def route(routes: Sequence[BaseRoute]) -> Route:
+    """The /openapi.json route; a route missing from ROUTES still appears, generically."""
+    extra = sorted(undocumented(routes))
+    if extra:
+        logger.warning("routes missing from openapi.ROUTES: %s", extra)
+
+    async def openapi(request: Request) -> Response:
+        doc = document(await _example(request.app.state.gateway.control))
+        for method, path in extra:
+            doc["paths"].setdefault(path, {})[method] = _operation(
+                method, path, "", [200, 400, 404, 500, 503], None, None, None)
+        return json_response(doc)
+
+    return Route("/openapi.json", openapi, methods=["GET"])

@@ -1,0 +1,137 @@
+"""The seed's path-prefix predict routes and TorchServe-compatible routes.
+
+    POST /models/{name}/predict, POST /models/{name}/{version}/predict
+    POST /predictions/{name}, POST /predictions/{name}/{version}, GET /ping
+
+Both take simple JSON (see gateway/simple.py); the datatypes come from the model's
+metadata, cached briefly so a request costs no extra round trip. Headers
+``X-Priority`` (1 is highest) and ``X-Timeout-Ms`` carry what v2 puts in parameters.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from zeroserve.broker import protocol as p
+from zeroserve.broker.client import InferError
+from zeroserve.gateway import simple
+from zeroserve.gateway.http import MAX_INT, BadRequest, BodyTooLarge, compressed, \
+    error_response, header_int, infer_error_response, json_response, read_body, \
+    too_large_response
+
+if TYPE_CHECKING:
+    from zeroserve.gateway.app import Gateway
+
+METADATA_TTL_S = 2.0
+
+
+class ModelInfoCache:
+    """Model metadata by (name, version), kept ``ttl_s``: datatypes change only with a
+    new config, and the broker re-validates every request anyway."""
+
+    def __init__(self, gw: "Gateway", ttl_s: float = METADATA_TTL_S) -> None:
+        self.gw = gw
+        self.ttl_s = ttl_s
+        self._cache: dict[tuple[str, int | None], tuple[float, simple.ModelInfo]] = {}
+
+    async def get(self, name: str, version: int | None) -> simple.ModelInfo:
+        now = time.monotonic()
+        hit = self._cache.get((name, version))
+        if hit is not None and now - hit[0] < self.ttl_s:
+            return hit[1]
+        meta = await self.gw.control("metadata", model=name, version=version)
+        info = simple.ModelInfo.from_metadata(meta)
+        if len(self._cache) > 4096:  # unknown names are not cached, so this is a bound
+            self._cache.clear()
+        self._cache[(name, version)] = (now, info)
+        return info
+
+
+def _version(raw: str | None) -> int | None:
+    """A path version: "3", or TorchServe's "3.0"."""
+    if raw is None:
+        return None
+    text = raw[:-2] if raw.endswith(".0") else raw
+    if not text.isdigit() or not 1 <= int(text) <= MAX_INT:
+        raise BadRequest(f"version must be a positive integer, got {raw!r}")
+    return int(text)
+
+
+Handler = Callable[[Request, Any, simple.ModelInfo, int | None], Awaitable[Response]]
+
+
+class SimpleRoutes:
+    def __init__(self, gw: "Gateway") -> None:
+        self.gw = gw
+        self.infos = ModelInfoCache(gw)
+
+    async def _serve(self, request: Request, handler: Handler) -> Response:
+        """Everything the two route families share: body, JSON, metadata, errors."""
+        name = request.path_params["name"]
+        try:
+            version = _version(request.path_params.get("version"))
+            body = await read_body(request, self.gw.settings.max_body_bytes)
+            try:
+                doc = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise BadRequest(f"malformed JSON: {exc}") from None
+            info = await self.infos.get(name, version)
+            return await handler(request, doc, info, version)
+        except BodyTooLarge:
+            return too_large_response(self.gw.settings.max_body_bytes)
+        except ValueError as exc:  # BadRequest, SimpleError
+            return error_response(400, str(exc))
+        except InferError as exc:
+            return infer_error_response(exc)
+
+    async def _infer(self, request: Request, tensors: list[p.Tensor], version: int | None,
+                     outputs: list[str] | None = None) -> p.InferReply:
+        priority = header_int(request, "x-priority")
+        timeout_ms = header_int(request, "x-timeout-ms")
+        return await self.gw.client.infer_tensors(
+            request.path_params["name"], tensors, version=version, priority=priority,
+            timeout_ms=float(timeout_ms), outputs=outputs)
+
+    async def predict(self, request: Request) -> Response:
+        return await self._serve(request, self._predict)
+
+    async def _predict(self, request: Request, doc: Any, info: simple.ModelInfo,
+                       version: int | None) -> Response:
+        tensors, single, outputs, rid = simple.decode_seed(doc, info)
+        reply = await self._infer(request, tensors, version, outputs)
+        out = simple.encode_seed(reply.model, reply.version, rid, reply.tensors, single)
+        return compressed(request, orjson.dumps(out))
+
+    async def predictions(self, request: Request) -> Response:
+        return await self._serve(request, self._predictions)
+
+    async def _predictions(self, request: Request, doc: Any, info: simple.ModelInfo,
+                           version: int | None) -> Response:
+        tensors, single = simple.decode_torchserve(doc, info)
+        reply = await self._infer(request, tensors, version)
+        return compressed(request, orjson.dumps(simple.encode_torchserve(reply.tensors,
+                                                                         single)))
+
+    async def ping(self, request: Request) -> Response:
+        """TorchServe's health check; not ready answers 503 with the reason."""
+        why = await self.gw._not_ready()
+        if why:
+            return json_response({"status": "Unhealthy", "error": why}, 503)
+        return json_response({"status": "Healthy"})
+
+
+def routes(gw: "Gateway") -> list[Route]:
+    r = SimpleRoutes(gw)
+    return [
+        Route("/models/{name}/predict", r.predict, methods=["POST"]),
+        Route("/models/{name}/{version}/predict", r.predict, methods=["POST"]),
+        Route("/predictions/{name}", r.predictions, methods=["POST"]),
+        Route("/predictions/{name}/{version}", r.predictions, methods=["POST"]),
+        Route("/ping", r.ping, methods=["GET"]),
+    ]

@@ -1,0 +1,53 @@
+"""One real ``zeroserve serve`` (two workers) shared by the gateway's e2e tests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from zeroserve.broker.client import Client
+from tests.conftest import Server, linear_config, short_tmpdir, wait_for, write_model
+
+MAX_BODY_BYTES = 200_000
+
+
+def elementwise_config(name: str, datatype: str, n: int = 4) -> dict[str, Any]:
+    return {"name": name, "platform": "pytorch_torchscript", "max_batch_size": 8,
+            "inputs": [{"name": "input", "datatype": datatype, "shape": [n]}],
+            "outputs": [{"name": "output", "datatype": datatype, "shape": [n]}]}
+
+
+def make_repo() -> Path:
+    repo = short_tmpdir("zsrepo")
+    write_model(repo, "linear", 1, "nn.Linear(4, 3)")
+    write_model(repo, "linear", 2, "nn.Linear(4, 3)")
+    (repo / "linear" / "config.json").write_text(json.dumps(
+        linear_config("linear", version_policy={"all": True})))
+    write_model(repo, "half", 1, "nn.ReLU()", elementwise_config("half", "FP16"))
+    write_model(repo, "bf16", 1, "nn.ReLU()", elementwise_config("bf16", "BF16"))
+    return repo
+
+
+def _all_ready(srv: Server) -> bool:
+    with Client(srv.control, timeout_s=5) as c:
+        models = c.control("models")["models"]
+        workers = c.control("status")["workers"]
+    return (len(workers) == 2 and models["linear"]["ready"] == [1, 2]
+            and all(models[m]["ready"] for m in ("half", "bf16")))
+
+
+@pytest.fixture(scope="session")
+def api_server() -> Iterator[Server]:
+    repo = make_repo()
+    srv = Server(repo, workers=2, extra=["--max-body-bytes", str(MAX_BODY_BYTES)])
+    try:
+        srv.wait_ready()
+        wait_for(lambda: _all_ready(srv), 60, "every model on two workers")
+        yield srv
+    finally:
+        srv.stop()
+        shutil.rmtree(repo, ignore_errors=True)

@@ -132,7 +132,7 @@ def start_server(runtime: Path, port: int, workers: int, log: Any) -> subprocess
         if proc.poll() is not None:
             raise SystemExit(f"zeroserve serve exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready",
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/mlp/ready",
                                         timeout=1) as r:
                 if r.status == 200:
                     return proc

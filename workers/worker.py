@@ -164,14 +164,14 @@ class Worker:
             kind, header, bufs = p.unpack(frames)
             if kind is p.Kind.BATCH:
                 self._jobs.put(p.decode_batch(header, bufs))
-            elif kind is p.Kind.HEARTBEAT:
-                self._registered = True
             elif kind is p.Kind.LOAD:
                 self._loads.put(header)
             elif kind is p.Kind.UNLOAD:
                 self._loads.put(("unload", str(header["model"]), int(header["version"])))
             elif kind is p.Kind.DISCONNECT:
                 self._on_disconnect(header)
+            elif kind is p.Kind.HEARTBEAT:
+                self._registered = True
         except (p.ProtocolError, KeyError, ValueError, TypeError) as exc:
             logger.warning("dropped a malformed message from the broker: %s", exc)
 

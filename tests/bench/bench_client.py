@@ -75,8 +75,48 @@ def direct_c1(frontend: str, warmup_s: float, duration_s: float) -> dict[str, An
         return summary(lat, time.perf_counter() - start, errors)
 
 
+def ping_c1(frontend: str, duration_s: float) -> dict[str, Any]:
+    """The messaging floor: PING -> PONG through the broker's frontend, no model work."""
+    import zmq
+
+    from zeroserve.broker import protocol as p
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(frontend)
+    lat: list[float] = []
+    try:
+        start = time.perf_counter()
+        while (t0 := time.perf_counter()) - start < duration_s:
+            sock.send_multipart(p.encode_simple(p.Kind.PING))
+            if not sock.poll(5000):
+                raise SystemExit("no PONG from the broker")
+            sock.recv_multipart()
+            lat.append(time.perf_counter() - t0)
+        return summary(lat, time.perf_counter() - start, 0)
+    finally:
+        sock.close(linger=0)
+
+
+def _direct_part(frontend: str, concurrency: int, warmup_s: float,
+                 duration_s: float) -> tuple[list[float], int]:
+    return asyncio.run(direct_many(frontend, concurrency, warmup_s, duration_s))
+
+
+def direct_procs(frontend: str, concurrency: int, procs: int, warmup_s: float,
+                 duration_s: float) -> dict[str, Any]:
+    """``concurrency`` tasks spread over ``procs`` client processes (one Python client
+    process saturates a core before the server does)."""
+    import multiprocessing
+    share = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        parts = pool.starmap(_direct_part, [(frontend, n, warmup_s, duration_s)
+                                            for n in share])
+    lat = [x for part, _ in parts for x in part]
+    return {**summary(lat, duration_s, sum(e for _, e in parts)), "procs": procs}
+
+
 async def direct_many(frontend: str, concurrency: int, warmup_s: float,
-                      duration_s: float) -> dict[str, Any]:
+                      duration_s: float) -> tuple[list[float], int]:
     lat: list[float] = []
     errors = 0
     async with AsyncClient(frontend) as ac:
@@ -96,7 +136,7 @@ async def direct_many(frontend: str, concurrency: int, warmup_s: float,
                     lat.append(time.perf_counter() - t0)
 
         await asyncio.gather(*[loop() for _ in range(concurrency)])
-    return summary(lat, duration_s, errors)
+    return lat, errors
 
 
 def wrk(url: str, concurrency: int, seconds: float, body: Path) -> dict[str, Any]:
@@ -148,6 +188,8 @@ def main() -> int:
     ap.add_argument("--duration-s", type=float, default=10.0)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--procs", type=int, default=2,
+                    help="client processes for the direct client above C=1")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed (Debian: apt-get install wrk)")
@@ -164,10 +206,12 @@ def main() -> int:
                                                 "datatype": "FP32",
                                                 "data": X.ravel().tolist()}]}))
         url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+        results["ping_c1"] = ping_c1(frontend, min(3.0, args.duration_s))
         for c in levels:
             results[f"direct_c{c}"] = (direct_c1(frontend, args.warmup_s, args.duration_s)
-                                       if c == 1 else asyncio.run(direct_many(
-                                           frontend, c, args.warmup_s, args.duration_s)))
+                                       if c == 1 else direct_procs(
+                                           frontend, c, args.procs, args.warmup_s,
+                                           args.duration_s))
             results[f"http_c{c}"] = http(url, c, args.warmup_s, args.duration_s, body)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -185,6 +229,8 @@ def print_table(results: dict[str, Any], levels: list[int]) -> None:
     print(f"mlp, {results['workers']} worker(s), {results['cores']} cores shared by server "
           "and load generators")
     print(f"{'path':<18} {'rps':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
+    r = results["ping_c1"]
+    print(f"{'ping C=1 (floor)':<18} {r['rps']:>9.1f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f}")
     for c in levels:
         for path in ("direct", "http"):
             r = results[f"{path}_c{c}"]

@@ -44,8 +44,9 @@ class Operations:
         return described
 
     def reload_model(self: "Broker", name: str, version: int | None) -> dict[str, Any]:
-        """Load a model's version(s) afresh on every worker that serves them; each
-        worker swaps the new load in when ready while the old one keeps serving."""
+        """Load a model's version(s) afresh on every worker that serves them or failed to
+        load them; each worker swaps the new load in when ready while the old one keeps
+        serving."""
         model = self.catalog.get(name)
         if model is None:
             raise LookupError(f"unknown model {name!r}")
@@ -53,9 +54,11 @@ class Operations:
         if version is not None and version not in model.versions:
             raise LookupError(f"version {version} of model {name!r} is not served")
         sent = []
-        for worker in self.members.holders(name):
+        for worker in list(self.members.workers.values()):
             for v in versions:
-                if worker.holds(name, v) and (name, v) not in worker.loading:
+                # where it is loaded, and where it failed to load (the file may be fixed now)
+                if (worker.holds(name, v) or f"{name}/{v}" in worker.load_errors) \
+                        and (name, v) not in worker.loading:
                     worker.loading.add((name, v))
                     self._send(self.backend, worker.identity, p.encode_simple(
                         p.Kind.LOAD, model=name, version=v, path=str(model.path / str(v)),

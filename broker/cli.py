@@ -69,8 +69,9 @@ def cmd_control(args: argparse.Namespace) -> int:
         with Client(_endpoints(args).control, timeout_s=args.timeout) as client:
             result = client.control(args.verb, **verb_args)
     except InferError as exc:
-        print(f"zeroserve {args.verb}: {exc.message}", file=sys.stderr)
-        return 3 if exc.code is ErrorCode.UNAVAILABLE else 1
+        from zeroserve.broker.operate import fail
+        return fail(args, exc.code.value, exc.message,
+                    3 if exc.code is ErrorCode.UNAVAILABLE else 1)
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:

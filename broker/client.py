@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.runtime import Endpoints
@@ -85,6 +86,24 @@ def _new_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
     return sock
 
 
+def _watch(sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
+    """A monitor that reports when the connection to the broker drops: the broker's
+    ROUTER forgets us then, so every request waiting on it will never be answered."""
+    return sock.get_monitor_socket(zmq.EVENT_DISCONNECTED,
+                                   addr=f"inproc://zeroserve-monitor-{uuid.uuid4().hex}")
+
+
+def _unwatch(sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    monitor.close(linger=0)
+
+
+LOST = "lost the connection to the broker (it may have restarted); retry"
+
+
 def _decode_answer(frames: list[Any]) -> tuple[p.Kind, str, Any]:
     kind, header, bufs = p.unpack(frames)
     if kind is p.Kind.REPLY:
@@ -118,8 +137,23 @@ class Client:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._ctx = ctx or zmq.Context.instance()
-        self._sock = _new_socket(self._ctx, self.endpoint)
         self._ids = itertools.count(1)
+        self._open()
+
+    def _open(self) -> None:
+        self._sock = _new_socket(self._ctx, self.endpoint)
+        self._monitor = _watch(self._sock)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def _disconnected(self) -> bool:
+        """Whether the monitor reported a dropped connection (and forget its reports)."""
+        lost = False
+        while self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            lost = lost or event["event"] == zmq.EVENT_DISCONNECTED
+        return lost
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
               version: int | None = None, priority: int = 0, timeout_ms: float = 0.0,
@@ -144,24 +178,31 @@ class Client:
         if not self._sock.poll(int(min(wait_s, self.connect_timeout_s) * 1000), zmq.POLLOUT):
             raise InferError(p.ErrorCode.UNAVAILABLE,
                              f"broker at {self.endpoint} is not reachable")
+        self._disconnected()  # a drop before this request says nothing about it
         self._sock.send_multipart(frames, copy=False)
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not self._sock.poll(left_ms):
-                # the broker may have restarted: start over on a fresh socket so a
-                # late answer to this request can never be read as another's
+            events = dict(self._poller.poll(left_ms)) if left_ms > 0 else {}
+            if self._sock in events:
+                kind, got, answer = _decode_answer(self._sock.recv_multipart(copy=False))
+                if got == rid:
+                    return answer
+            elif self._monitor in events:
+                if self._disconnected():
+                    raise InferError(p.ErrorCode.UNAVAILABLE, LOST)
+            else:
+                # start over on a fresh socket so a late answer to this request can
+                # never be read as another's
                 self._reset()
                 raise InferError(p.ErrorCode.UNAVAILABLE,
                                  f"no answer from the broker within {wait_s:g} s")
-            kind, got, answer = _decode_answer(self._sock.recv_multipart(copy=False))
-            if got == rid:
-                return answer
 
     def _reset(self) -> None:
-        self._sock.close(linger=0)
-        self._sock = _new_socket(self._ctx, self.endpoint)
+        self.close()
+        self._open()
 
     def close(self) -> None:
+        _unwatch(self._sock, self._monitor)
         self._sock.close(linger=0)
 
     def __enter__(self) -> "Client":
@@ -185,6 +226,7 @@ class AsyncClient:
         self.broker_timeout_s = broker_timeout_s
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: Any = None
         self._ids = itertools.count(1)
         self._pending: dict[str, asyncio.Future[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -192,9 +234,11 @@ class AsyncClient:
 
     async def start(self) -> None:
         self._sock = _new_socket(self._ctx, self.endpoint)  # type: ignore[arg-type]
+        self._monitor = _watch(self._sock)  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._reader(), name="zeroserve-client-reader"),
-                       loop.create_task(self._pinger(), name="zeroserve-client-pinger")]
+                       loop.create_task(self._pinger(), name="zeroserve-client-pinger"),
+                       loop.create_task(self._watcher(), name="zeroserve-client-watcher")]
 
     @property
     def connected(self) -> bool:
@@ -285,6 +329,18 @@ class AsyncClient:
                 self._fail_pending("lost contact with the broker")
             was_connected = self.connected
 
+    async def _watcher(self) -> None:
+        """A dropped connection fails every pending request at once (retryable): the
+        broker that had them is gone or has forgotten us."""
+        try:
+            while True:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._last_heard = -float("inf")  # not connected until it answers again
+                    self._fail_pending(LOST)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
     def _fail_pending(self, why: str) -> None:
         for fut in list(self._pending.values()):
             if not fut.done():
@@ -300,6 +356,7 @@ class AsyncClient:
                 pass
         self._tasks = []
         if self._sock is not None:
+            _unwatch(self._sock, self._monitor)  # type: ignore[arg-type]
             self._sock.close(linger=0)
             self._sock = None
 

@@ -113,16 +113,16 @@ def run_verb(args: argparse.Namespace, endpoint: str) -> int:
             result, text = VERBS[args.verb](client, args)
     except InferError as exc:
         code = EXIT_UNREACHABLE if exc.code is ErrorCode.UNAVAILABLE else EXIT_REFUSED
-        return _fail(args, exc.code.value, exc.message, code)
+        return fail(args, exc.code.value, exc.message, code)
     except WaitTimeout as exc:
-        return _fail(args, "timeout", str(exc), EXIT_WAIT_TIMEOUT)
-    print(json.dumps({"ok": True, "result": result}, indent=2, sort_keys=True)
-          if args.json else text)
+        return fail(args, "timeout", str(exc), EXIT_WAIT_TIMEOUT)
+    print(json.dumps(result, indent=2, sort_keys=True) if args.json else text)
     return EXIT_OK
 
 
-def _fail(args: argparse.Namespace, code: str, message: str, exit_code: int) -> int:
+def fail(args: argparse.Namespace, code: str, message: str, exit_code: int) -> int:
+    """The message on stderr; with --json also ``{"code": ..., "error": ...}`` on stdout."""
     if args.json:
-        print(json.dumps({"ok": False, "code": code, "error": message}, sort_keys=True))
+        print(json.dumps({"code": code, "error": message}, sort_keys=True))
     print(f"zeroserve {args.verb}: {message}", file=sys.stderr)
     return exit_code

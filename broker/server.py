@@ -27,6 +27,7 @@ from zeroserve.broker.control import ControlHandler
 from zeroserve.broker.latency import LatencyBook
 from zeroserve.broker.membership import Inflight, Membership, WorkerState
 from zeroserve.broker.metrics import BrokerMetrics
+from zeroserve.broker.operations import Operations
 from zeroserve.broker.runtime import Endpoints
 from zeroserve.broker.scheduler import Entry, Scheduler
 from zeroserve.broker.sdnotify import Notifier
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
-class Broker:
+class Broker(Operations):
     def __init__(self, endpoints: Endpoints, model_dir: Path, *,
                  heartbeat_s: float = 0.5, worker_expiry_s: float = 2.0,
                  drain_timeout_s: float = 30.0, latency_model: bool = True,
@@ -579,74 +580,6 @@ class Broker:
         self.metrics.bad_message(where)
         logger.warning("dropped a malformed message on %s: %s", where, exc)
 
-    # -- operations (control verbs) -------------------------------------------
-    def _worker_named(self, worker_id: str) -> WorkerState:
-        worker = self.members.by_id(worker_id)
-        if worker is None:
-            known = ", ".join(sorted(w.worker_id for w in self.members.workers.values()))
-            raise LookupError(f"unknown worker {worker_id!r} (known: {known or 'none'})")
-        return worker
-
-    def drain_worker(self, worker_id: str, draining: bool = True) -> dict[str, Any]:
-        """Stop (or resume) sending new batches to a worker; its in-flight ones finish."""
-        worker = self._worker_named(worker_id)
-        if not draining and worker.exiting:
-            raise LookupError(f"worker {worker_id!r} is leaving and cannot be undrained")
-        worker.draining = draining
-        logger.info("worker %s %s by the operator", worker_id,
-                    "drained" if draining else "undrained")
-        return worker.describe(self.clock())
-
-    def restart_worker(self, worker_id: str) -> dict[str, Any]:
-        """Drain a worker, then let it exit cleanly so its supervisor starts it again."""
-        worker = self._worker_named(worker_id)
-        worker.draining = worker.exiting = True
-        logger.info("worker %s restarting by the operator after %d batch(es)", worker_id,
-                    len(worker.inflight))
-        described = worker.describe(self.clock())
-        self._release_if_drained(worker)
-        return described
-
-    def reload_model(self, name: str, version: int | None) -> dict[str, Any]:
-        """Load a model's version(s) afresh on every worker that serves them; each
-        worker swaps the new load in when ready while the old one keeps serving."""
-        model = self.catalog.get(name)
-        if model is None:
-            raise LookupError(f"unknown model {name!r}")
-        versions = [version] if version is not None else list(model.versions)
-        if version is not None and version not in model.versions:
-            raise LookupError(f"version {version} of model {name!r} is not served")
-        sent = []
-        for worker in self.members.holders(name):
-            for v in versions:
-                if worker.holds(name, v) and (name, v) not in worker.loading:
-                    worker.loading.add((name, v))
-                    self._send(self.backend, worker.identity, p.encode_simple(
-                        p.Kind.LOAD, model=name, version=v, path=str(model.path / str(v)),
-                        config=model.config.to_json()))
-                    sent.append(f"{worker.worker_id}:{name}/{v}")
-        return {"model": name, "versions": versions, "loads": sent}
-
-    def reload_config(self) -> None:
-        """SIGHUP: rescan the repository and bring every worker in line with it."""
-        self._reload_requested = False
-        self.notifier.reloading()
-        logger.info("reloading the model repository")
-        try:
-            self.load_catalog()
-        except ValueError as exc:
-            logger.error("reload failed, keeping the catalog: %s", exc)
-        for worker in list(self.members.workers.values()):
-            self.sync_worker(worker)
-        self.notifier.ready()
-
-    def _fail_unservable(self) -> None:
-        """While stopping, queued work that no staying worker can take fails now."""
-        for name in list(self.scheduler.models_waiting()):
-            if not any(w.holds(name) and not w.draining for w in self.members.workers.values()):
-                for entry in self.scheduler.drop_model(name):
-                    self._answer_error(entry, p.ErrorCode.UNAVAILABLE,
-                                       "broker is shutting down and no worker can take this")
 
     def on_control(self, frames: list[Any]) -> None:
         client, msg = frames[0].bytes, frames[1:]

@@ -53,7 +53,7 @@ def test_drain_and_undrain_under_load_lose_nothing(srv: Server) -> None:
         assert w is not None and w["state"] == "draining" and w["inflight_batches"] == 0
         out = cli("undrain", victim, "--json", *ctl(srv))
         assert out.returncode == 0, out.stderr
-        assert json.loads(out.stdout)["result"]["state"] == "ready"
+        assert json.loads(out.stdout)["state"] == "ready"
         load.more(40, "requests after undrain")
     assert load.failures() == [] and load.ok() >= 140
 
@@ -85,6 +85,8 @@ def test_sigterm_to_a_worker_under_load_loses_nothing(srv: Server) -> None:
         wait_for(lambda: two_ready(srv), 30, "the worker to come back")
         load.more(20, "requests with both workers")
     assert load.failures() == [], load.failures()[:5]
+    # it left after the broker said its batches were answered, not at the drain bound
+    assert f"[{pids[0]}] zeroserve.workers.worker: drained; exiting" in srv.log()
 
 
 def test_reload_model_loads_it_afresh_on_every_worker(srv: Server) -> None:
@@ -123,6 +125,8 @@ def test_cli_reports_a_broker_that_is_down_after_its_timeout(tmp_path: Path) -> 
         out = cli(*argv, "--runtime-dir", str(nowhere), "--timeout", "1", timeout_s=20)
         assert out.returncode == 3, (argv, out.returncode, out.stderr)
         assert f"broker at ipc://{nowhere}/control is not reachable" in out.stderr
+    out = cli("drain", "h/0", "--json", "--runtime-dir", str(nowhere), "--timeout", "1")
+    assert out.returncode == 3 and json.loads(out.stdout)["code"] == "unavailable"
     nowhere.rmdir()
 
 
@@ -131,3 +135,26 @@ def test_cli_status_json_shows_workers_and_queues(srv: Server) -> None:
     assert out.returncode == 0
     doc = json.loads(out.stdout)
     assert len(doc["workers"]) == 2 and doc["queues"] == {"slow": 0}
+
+
+def test_reload_retries_a_failed_load_once_the_file_is_fixed(serve) -> None:  # type: ignore[no-untyped-def]
+    repo = short_tmpdir("zsrepo")
+    write_model(repo, "linear", 1, "nn.Linear(4, 3)", linear_config("linear"))
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "1" / "model.pt").write_bytes(b"not a torchscript file")
+    (repo / "broken" / "config.json").write_text(json.dumps(linear_config("broken")))
+    server = serve(repo)
+    c = ["--control", server.control, "--timeout", "5"]
+
+    def failed() -> bool:
+        ws = json.loads(cli("status", "--json", *c).stdout)["workers"]
+        return bool(ws and "broken/1" in ws[0]["load_errors"])
+    wait_for(failed, 30, "the load to fail")
+    out = cli("reload", "broken/1", "--wait", *c)
+    assert out.returncode == 1 and "reload failed, the old load keeps serving" in out.stderr
+    write_model(repo, "broken", 1, "nn.Linear(4, 3)")
+    out = cli("reload", "broken", "--wait", *c)
+    assert out.returncode == 0 and out.stdout.strip() == "broken: reloaded on 1 worker(s)", \
+        out.stderr
+    models = json.loads(cli("models", "--json", *c).stdout)["models"]
+    assert models["broken"]["ready"] == [1]

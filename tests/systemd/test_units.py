@@ -160,6 +160,17 @@ def test_unit_command_lines_notify_ready_when_serving_and_stopping_on_sigterm(pl
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=2) as r:
             assert r.status == 200
 
+        # systemctl reload: SIGHUP rescans the repository and the worker loads what is new
+        write_model(place / "repo", "other", 1, "nn.Linear(4, 3)", linear_config("other"))
+        broker.send_signal(signal.SIGHUP)
+        said = ns.expect("READY=1", broker, 20)
+        assert any("RELOADING=1" in m.splitlines() for m in said), said
+
+        def other_ready() -> bool:
+            with Client(control, timeout_s=2) as c:
+                return c.control("models")["models"].get("other", {}).get("ready") == [1]
+        wait_for(other_ready, 20, "the new model on the worker")
+
         for proc, sock in ((gateway, ns_g), (worker, ns_w), (broker, ns)):
             proc.send_signal(signal.SIGTERM)
             sock.expect("STOPPING=1", proc, 20)

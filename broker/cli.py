@@ -104,6 +104,10 @@ def _worker_opts(p: argparse.ArgumentParser) -> None:
                    help="batches in flight per worker, so transfer overlaps compute")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--device", default=None, help="torch device (default: cuda:0 if any)")
+    p.add_argument("--memory-budget", type=int, default=0, metavar="BYTES",
+                   help="memory a worker may spend on models (0: no limit)")
+    p.add_argument("--memory-tolerance-bytes", type=int, default=64 << 20,
+                   help="memory an unload may fail to return before the worker is recycled")
 
 
 def _gateway_opts(p: argparse.ArgumentParser) -> None:

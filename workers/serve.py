@@ -38,7 +38,10 @@ def run_serve(args: Any) -> int:
     for i in range(n):
         env = {"CUDA_VISIBLE_DEVICES": str(i)} if i < gpus else {}
         argv = _base(args, "worker") + ["--index", str(i), "--credits", str(args.credits),
-                                        "--threads", str(threads)]
+                                        "--threads", str(threads),
+                                        "--memory-budget", str(args.memory_budget),
+                                        "--memory-tolerance-bytes",
+                                        str(args.memory_tolerance_bytes)]
         if args.device:
             argv += ["--device", args.device]
         children.append(Child(f"worker {hostname()}/{i}", argv, env))

@@ -97,6 +97,15 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-s", type=float, default=0.5)
     p.add_argument("--worker-expiry-s", type=float, default=2.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--watch", choices=["inotify", "poll"], default="inotify",
+                   help="how to notice repository changes (poll: for NFS and the like)")
+    p.add_argument("--watch-interval-s", type=float, default=2.0,
+                   help="seconds between rescans with --watch poll")
+    p.add_argument("--watch-debounce-ms", type=float, default=200.0,
+                   help="quiet time after the last change before it is acted on")
+    p.add_argument("--import-root", action="append", default=None, metavar="DIR",
+                   help="folder that POST /v1/models may copy models from (repeatable; "
+                        "none: registration is disabled)")
 
 
 def _worker_opts(p: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ from zeroserve.broker.catalog import Catalog, CatalogModel, RequestError, check_
     normalize_priority
 from zeroserve.broker.control import ControlHandler
 from zeroserve.broker.latency import LatencyModel
+from zeroserve.broker.lifecycle import Lifecycle, LifecycleOptions
 from zeroserve.broker.membership import Inflight, Membership, WorkerState
 from zeroserve.broker.metrics import BrokerMetrics
 from zeroserve.broker.runtime import Endpoints
@@ -39,7 +40,8 @@ class Broker:
     def __init__(self, endpoints: Endpoints, model_dir: Path, *,
                  heartbeat_s: float = 0.5, worker_expiry_s: float = 2.0,
                  drain_timeout_s: float = 30.0, clock: Clock = time.monotonic,
-                 ctx: zmq.Context[Any] | None = None) -> None:
+                 ctx: zmq.Context[Any] | None = None,
+                 lifecycle: LifecycleOptions | None = None) -> None:
         self.endpoints = endpoints
         self.clock = clock
         self.heartbeat_s = heartbeat_s
@@ -53,6 +55,7 @@ class Broker:
         self.latency: dict[str, LatencyModel] = {}
         self.metrics = BrokerMetrics()
         self.control = ControlHandler(self)
+        self.lifecycle = Lifecycle(self, lifecycle)
         self.rng = random.Random()
         self._batch_ids = itertools.count(1)
         self._next_heartbeat = 0.0
@@ -83,12 +86,14 @@ class Broker:
         self.poller.register(self.frontend, zmq.POLLIN)
         self.poller.register(self.ctl, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        self.lifecycle.start(self.poller)
 
     def load_catalog(self) -> None:
         self.catalog.rescan()
         for name, model in self.catalog.models.items():
             self.scheduler.set_policy(name, model.policy())
             self.latency.setdefault(name, LatencyModel())
+        self.lifecycle.prime()
         for name, err in self.catalog.errors.items():
             logger.error("model %s not served: %s", name, err)
         logger.info("catalog: %s", ", ".join(
@@ -110,6 +115,7 @@ class Broker:
             sock.close(linger=0)
         self._wake_r.close()
         self._wake_w.close()
+        self.lifecycle.close()
 
     # -- the loop -----------------------------------------------------------
     def run(self, ready: Callable[[], None] | None = None) -> None:
@@ -134,6 +140,7 @@ class Broker:
                 self._drain_socket(self.frontend, self.on_frontend)
             if self.ctl in events:
                 self._drain_socket(self.ctl, self.on_control)
+            self.lifecycle.on_events(events)
             self.tick(self.clock())
 
     def _drain_socket(self, sock: zmq.Socket[Any], handler: Callable[[list[Any]], None],
@@ -151,6 +158,7 @@ class Broker:
             self._answer_error(entry, p.ErrorCode.DEADLINE,
                                "deadline exceeded while queued")
         self._check_execution_timeouts(now)
+        self.lifecycle.tick(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
             self._heartbeat_workers(now)
@@ -166,6 +174,8 @@ class Broker:
         due.extend(rec.exec_deadline_s for rec in self.inflight.values())
         if self.stopping:
             due.append(self._stop_deadline)
+        if (d := self.lifecycle.next_due()) is not None:
+            due.append(d)  # the watcher's debounce, a swap's timeout
         return max(0, math.ceil((min(due) - now) * 1000))
 
     # -- frontend -----------------------------------------------------------
@@ -336,6 +346,8 @@ class Broker:
                    p.encode_simple(p.Kind.UNLOAD, model=name, version=version))
 
     def on_loaded(self, worker: WorkerState, header: dict[str, Any]) -> None:
+        if self.lifecycle.on_loaded(worker, header):
+            return  # part of a two-phase swap or a registration trial
         key = (str(header["model"]), int(header["version"]))
         worker.loading.discard(key)
         model = self.catalog.get(key[0])
@@ -569,7 +581,13 @@ class _Payload:
 
 def run_broker(endpoints: Endpoints, model_dir: Path, args: Any) -> int:
     broker = Broker(endpoints, model_dir, heartbeat_s=args.heartbeat_s,
-                    worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s)
+                    worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s,
+                    lifecycle=LifecycleOptions(
+                        watch=getattr(args, "watch", "inotify"),
+                        debounce_s=getattr(args, "watch_debounce_ms", 200) / 1000.0,
+                        poll_s=getattr(args, "watch_interval_s", 2.0),
+                        import_roots=tuple(Path(r) for r in getattr(args, "import_root", None)
+                                           or ())))
     try:
         broker.load_catalog()
     except ValueError as exc:  # ConfigError: the repository folder is missing

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import time
 import weakref
@@ -14,7 +13,9 @@ from typing import Any, Callable
 import torch
 
 from zeroserve.models import handlers
-from zeroserve.models.repository import ModelConfig
+from zeroserve.models.repository import ModelConfig, version_sha256
+
+__all__ = ["LoadError", "LoadedModel", "load", "version_sha256", "warm_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,21 +58,6 @@ class LoadedModel:
         if self.package:
             handlers.unload_package(self.package, self.version_dir)
         self.extra.clear()
-
-
-def version_sha256(version_dir: Path) -> str:
-    """sha256 over the version folder's files (relative names and contents), sorted."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in version_dir.rglob("*") if p.is_file()):
-        rel = path.relative_to(version_dir).as_posix()
-        if "__pycache__" in rel:
-            continue
-        h.update(rel.encode() + b"\0")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        h.update(b"\0")
-    return h.hexdigest()
 
 
 def _load_torchscript(path: Path, device: str) -> Callable[..., Any]:

@@ -25,6 +25,7 @@ from zeroserve.broker.catalog import CatalogModel
 from zeroserve.broker.hasher import Hasher
 from zeroserve.broker.latency import LatencyModel
 from zeroserve.broker.membership import WorkerState
+from zeroserve.broker.registration import Registrar
 from zeroserve.models.repository import ConfigError, ModelConfig, RepoModel, load_config, \
     scan, version_sha256
 from zeroserve.models.watcher import ALL, RepoWatcher
@@ -82,7 +83,9 @@ class Lifecycle:
         self.failures: dict[str, dict[str, Any]] = {}
         self.failed: set[tuple[str, int, str]] = set()
         self.retiring: list[tuple[bytes, str, int]] = []
-        self.hooks: list[Any] = []          # registration: trial loads (on_loaded first)
+        self.registrar = Registrar(self)
+        self.hooks: list[Any] = [self.registrar]   # trial loads: seen before swaps
+        broker.control.verbs.update(self.registrar.verbs())
 
     # -- setup (Broker.bind / load_catalog / close) -----------------------------
     def prime(self) -> None:
@@ -119,6 +122,8 @@ class Lifecycle:
         if self.swaps:
             first = min(s.started_s for s in self.swaps.values()) + self.opts.swap_timeout_s
             due = first if due is None else min(due, first)
+        if (copy := self.registrar.next_due(self.b.clock())) is not None:
+            due = copy if due is None else min(due, copy)
         return due
 
     def tick(self, now: float) -> None:
@@ -130,6 +135,9 @@ class Lifecycle:
             self._check_swaps(now)
         if self.retiring:
             self._retire_idle()
+        if self.registrar.jobs:
+            self.registrar.tick()
+            self.registrar.check_workers()
 
     # -- rescans ------------------------------------------------------------
     def rescan(self, dirty: set[str]) -> None:

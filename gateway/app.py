@@ -29,6 +29,7 @@ STATUS = {
     ErrorCode.OVERLOADED: 429, ErrorCode.QUOTA: 429, ErrorCode.NO_WORKER: 503,
     ErrorCode.UNAVAILABLE: 503, ErrorCode.WORKER_LOST: 503, ErrorCode.MODEL_ERROR: 500,
     ErrorCode.CANCELLED: 499, ErrorCode.INTERNAL: 500,
+    ErrorCode.FORBIDDEN: 403, ErrorCode.CONFLICT: 409,
 }
 EXTENSIONS = ["binary_tensor_data", "schedule_policy", "model_configuration"]
 
@@ -38,6 +39,7 @@ class Settings:
     frontend: str
     max_body_bytes: int = 64 << 20
     broker_timeout_s: float = 3.0
+    admin_token: str = ""      # management routes from anywhere with it; loopback only without
 
 
 def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -209,6 +211,8 @@ def create_app(settings: Settings) -> Starlette:
         Route(m + "/infer", gw.infer, methods=["POST"]),
         Route(mv + "/infer", gw.infer, methods=["POST"]),
     ]
+    from zeroserve.gateway.registration import Registration  # it imports this module
+    routes += Registration(gw).routes()
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)

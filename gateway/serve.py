@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import uvicorn
@@ -13,7 +14,8 @@ logger = logging.getLogger(__name__)
 
 
 def run_gateway(frontend: str, args: Any) -> int:
-    app = create_app(Settings(frontend=frontend, max_body_bytes=args.max_body_bytes))
+    app = create_app(Settings(frontend=frontend, max_body_bytes=args.max_body_bytes,
+                              admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", "")))
     config = uvicorn.Config(app, host=args.http_host, port=args.http_port,
                             loop="uvloop", http="httptools", access_log=False,
                             log_level=args.log_level, log_config=None,

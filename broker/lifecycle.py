@@ -25,6 +25,7 @@ from zeroserve.broker.catalog import CatalogModel
 from zeroserve.broker.hasher import Hasher
 from zeroserve.broker.latency import LatencyModel
 from zeroserve.broker.membership import WorkerState
+from zeroserve.broker.placement import Placement
 from zeroserve.broker.registration import Registrar
 from zeroserve.models.repository import ConfigError, ModelConfig, RepoModel, load_config, \
     scan, version_sha256
@@ -83,6 +84,8 @@ class Lifecycle:
         self.failures: dict[str, dict[str, Any]] = {}
         self.failed: set[tuple[str, int, str]] = set()
         self.retiring: list[tuple[bytes, str, int]] = []
+        self.placement = Placement(self)
+        self.last_used = self.placement.last_used   # the broker stamps it per batch
         self.registrar = Registrar(self)
         self.hooks: list[Any] = [self.registrar]   # trial loads: seen before swaps
         broker.control.verbs.update(self.registrar.verbs())
@@ -228,6 +231,7 @@ class Lifecycle:
 
     def on_loaded(self, worker: WorkerState, header: dict[str, Any]) -> bool:
         """A LOADED that belongs to a swap (or a hook); False: the broker's own path."""
+        self.placement.on_loaded(worker, header)  # may turn it into a refused load
         for hook in self.hooks:
             if hook.on_loaded(worker, header):
                 return True
@@ -279,7 +283,11 @@ class Lifecycle:
             if gone:  # a worker that left cannot answer; the others decide
                 swap.workers -= gone
                 swap.waiting = {(i, v) for i, v in swap.waiting if i not in gone}
-                self._maybe_finish(swap)
+                if not swap.workers:
+                    self._fail(swap, "every worker preparing it left; trying again",
+                               retry=True)
+                else:
+                    self._maybe_finish(swap)
             elif now - swap.started_s > self.opts.swap_timeout_s:
                 self._fail(swap, f"workers did not load within {self.opts.swap_timeout_s:g} s")
 
@@ -316,12 +324,14 @@ class Lifecycle:
                     sorted(served), b.clock() - swap.started_s)
         self._after_swap(name)
 
-    def _fail(self, swap: Swap, why: str) -> None:
+    def _fail(self, swap: Swap, why: str, retry: bool = False) -> None:
         name = swap.name
         self.swaps.pop(name, None)
         self.failures[name] = {"error": why, "versions": sorted(swap.changed),
                                "time": time.time()}
-        for v in swap.changed:
+        if retry and self.watcher is not None:
+            self.watcher.dirty.add(name)  # rescanned after the debounce
+        for v in swap.changed if not retry else ():
             self.failed.add((name, v, swap.shas[v]))
         cur = self.b.catalog.get(name)
         served = set(cur.versions) if cur is not None else set()
@@ -361,9 +371,23 @@ class Lifecycle:
             if key in busy:
                 keep.append(key)
             elif identity in self.b.members.workers:
+                self.placement.footprints.pop(key, None)
                 self.b._send(self.b.backend, identity,
                              p.encode_simple(p.Kind.UNLOAD, model=name, version=version))
         self.retiring = keep
+
+    def unload_now(self, worker: WorkerState, name: str, version: int) -> None:
+        worker.loaded.discard((name, version))
+        self.b._send(self.b.backend, worker.identity,
+                     p.encode_simple(p.Kind.UNLOAD, model=name, version=version))
+
+    def evict(self, worker: WorkerState, name: str, version: int) -> None:
+        """Memory: an idle model leaves this worker; routable only where others hold it."""
+        self._retire(worker, name, version)
+        model = self.b.catalog.get(name)
+        if model is not None:
+            model.ready = {v for v in model.ready
+                           if any(w.holds(name, v) for w in self.b.members.workers.values())}
 
     def _reroute(self, name: str, gone: set[int]) -> None:
         """Queued requests for versions that left: unpinned ones follow the new default,

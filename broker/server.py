@@ -455,6 +455,7 @@ class Broker:
                                         (tightest - now) * 1000.0 if tightest < math.inf else 0))
         self.inflight[batch_id] = rec
         worker.inflight.add(batch_id)
+        self.lifecycle.last_used[model.config.name] = now  # memory budget: LRU eviction
         self.metrics.batch_sent(model.config.name, reason, samples)
         for entry in entries:
             self.metrics.queued(model.config.name, entry.priority, now - entry.arrival_s)

@@ -198,8 +198,9 @@ class Worker:
     def _heartbeat(self) -> None:
         rss = rss_bytes()
         self.m_memory.set(rss)
+        footprints = {f"{m}/{v}": lm.memory_bytes for (m, v), lm in self.models.items()}
         memory = {"rss_bytes": rss, "budget_bytes": self.memory_budget_bytes,
-                  "models": {f"{m}/{v}": lm.memory_bytes for (m, v), lm in self.models.items()}}
+                  "models": footprints, "free_bytes": self._free_bytes(footprints)}
         if self.m_gpu is not None:
             used = torch.cuda.memory_allocated()
             self.m_gpu.set(used)
@@ -223,6 +224,7 @@ class Worker:
                     result = batching.run(loaded, batch)
                     self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
                 out.send_multipart(p.encode_result(result), copy=False)
+                del loaded, result  # hold no version between batches: unloads free it
         finally:
             out.close(linger=0)
 
@@ -285,6 +287,21 @@ class Worker:
                                    f"{self.memory_tolerance_bytes / 1e6:.0f} MB")
             logger.warning("%s; draining to restart", self.recycle_reason)
             self.stopping = True  # the main loop drains through the broker, then exits
+
+    def _free_bytes(self, footprints: dict[str, int]) -> int:
+        """What is left for models: of the budget when one is set, else of the device."""
+        if self.memory_budget_bytes:
+            return max(0, self.memory_budget_bytes - sum(footprints.values()))
+        if self.device.startswith("cuda"):
+            return int(torch.cuda.mem_get_info()[0])
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
 
     def _memory_probe(self) -> int:
         if self.device.startswith("cuda"):

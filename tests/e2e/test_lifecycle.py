@@ -257,3 +257,50 @@ def test_a_worker_whose_memory_does_not_come_back_is_recycled(repo: Path, serve)
     assert "memory not returned after unloading leaky/1" in srv.log()
     wait_for(lambda: serving(srv, 1, 1), 30, "m served by the new worker")
     assert infer(srv) == (1, 1.0)
+
+
+HOG = '''
+import torch
+
+
+class Model:
+    def load(self, version_dir, device):
+        self.weights = torch.ones(MB << 18)  # MB megabytes of float32, touched
+
+    def predict(self, inputs):
+        return {"output": inputs["input"] + 0 * self.weights[0]}
+'''
+
+
+def write_hog(repo: Path, name: str, mb: int) -> None:
+    tmp = repo / f".tmp-{name}"
+    (tmp / "1").mkdir(parents=True)
+    (tmp / "1" / "model.py").write_text(HOG.replace("MB", str(mb)))
+    (tmp / "config.json").write_text(json.dumps(
+        {**linear_config(name, n_out=4), "platform": "python"}))
+    os.rename(tmp, repo / name)
+
+
+def test_memory_budget_evicts_the_idle_model_and_refuses_what_cannot_fit(repo: Path,
+                                                                         serve) -> None:
+    shutil.rmtree(repo / "m")
+    write_hog(repo, "a", 60)
+    srv = serve(repo, extra=["--memory-budget", str(100 << 20)])
+    wait_for(lambda: models(srv)["models"].get("a", {}).get("ready") == [1], 30, "a")
+    with Client(srv.frontend, timeout_s=10) as c:
+        c.infer("a", {"input": np.ones((1, 4), dtype=np.float32)})
+    wait_for(lambda: status(srv)["workers"][0]["memory"].get("free_bytes", 1 << 40)
+             < 50 << 20, 10, "the worker to report a's footprint against its budget")
+    write_hog(repo, "b", 60)
+    wait_for(lambda: models(srv)["models"].get("b", {}).get("ready") == [1], 30, "b")
+    assert status(srv)["workers"][0]["models"] == ["b/1"], "a was not evicted"
+    assert models(srv)["models"]["a"]["ready"] == []
+    assert "evicted a from worker" in srv.log()
+    write_hog(repo, "big", 160)
+    try:
+        m = wait_for(lambda: models(srv)["errors"].get("big"), 30, "big refused")
+    except AssertionError:
+        raise AssertionError(srv.log()[-4000:]) from None
+    assert "more than worker" in m and "memory budget of 104.9 MB" in m, srv.log()[-3000:]
+    assert status(srv)["workers"][0]["models"] == ["b/1"]
+    assert status(srv)["workers"][0]["memory"]["budget_bytes"] == 100 << 20

@@ -40,7 +40,7 @@ class Hasher:
         return job
 
     def receive(self) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         while True:
             try:
                 raw = self.results.recv(zmq.NOBLOCK)

@@ -71,7 +71,7 @@ def _load_export(path: Path, device: str) -> Callable[..., Any]:
     module = program.module()
     if device != "cpu":
         module = module.to(device)
-    return module  # type: ignore[no-any-return]
+    return module
 
 
 LOADERS: dict[str, Callable[[Path, str], Callable[..., Any]]] = {

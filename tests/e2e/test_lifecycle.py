@@ -81,7 +81,7 @@ def infer(srv: Server, version: int | None = None) -> tuple[int, float]:
 
 
 def test_hot_swap_under_load(repo: Path, serve) -> None:
-    srv = serve(repo, workers=2, extra=["--credits", "2"])
+    srv = serve(repo, workers=2, extra=["--credits", "2", "--watch-debounce-ms", "100"])
     wait_for(lambda: serving(srv, 1, 2), 30, "v1 on both workers")
     seen: dict[int, int] = {}
     failures: list[str] = []

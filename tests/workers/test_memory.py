@@ -93,3 +93,23 @@ def test_a_leaking_handler_makes_the_worker_recycle(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     assert "memory not returned after unloading mlp/1" in doc["recycle"]
+
+
+GPU_SCRIPT = SCRIPT.replace('device="cpu"', 'device="cuda:0"').replace(
+    "rss.append(rss_bytes())", "rss.append(torch.cuda.memory_allocated())").replace(
+    "range(20)", "range(5)")
+
+
+@pytest.mark.gpu
+def test_gpu_memory_is_returned_after_unload(tmp_path: Path) -> None:
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True, timeout=60)
+    if probe.stdout.strip() != "True":
+        pytest.skip("needs a CUDA device")
+    out = subprocess.run([sys.executable, "-c", GPU_SCRIPT, str(tmp_path), str(64 << 20)],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    # the caching allocator may keep blocks reserved, but nothing stays allocated
+    assert doc["rss"] == [doc["rss"][0]] * 5 and doc["rss"][0] < 1 << 20, doc
+    assert doc["recycle"] == ""

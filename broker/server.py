@@ -299,6 +299,7 @@ class Broker:
                 logger.info("worker %s leaves: %s", worker.worker_id, header.get("reason"))
                 if header.get("drain"):
                     worker.draining = worker.exiting = True
+                    worker.info["recycle"] = bool(header.get("recycle"))
                     self._release_if_drained(worker)
                 else:
                     self.purge_worker(worker, "worker left")
@@ -410,9 +411,10 @@ class Broker:
     def _release_if_drained(self, worker: WorkerState) -> None:
         """A worker leaving on SIGTERM exits once nothing of ours is in flight on it."""
         if worker.exiting and not worker.inflight:
+            recycle = bool(worker.info.get("recycle"))  # memory not returned: restart it
             self._send(self.backend, worker.identity,
-                       p.encode_simple(p.Kind.DISCONNECT, reason="drained"))
-            self.purge_worker(worker, "drained for shutdown")
+                       p.encode_simple(p.Kind.DISCONNECT, reason="drained", restart=recycle))
+            self.purge_worker(worker, "drained to restart" if recycle else "drained for shutdown")
 
     # -- dispatch -----------------------------------------------------------
     def dispatch(self, now: float) -> None:

@@ -149,7 +149,8 @@ class Worker:
                 self._stop_deadline = now + self.drain_timeout_s
                 logger.info("draining before exit")
                 self._send(p.encode_simple(p.Kind.DISCONNECT, drain=True,
-                                           reason=self.recycle_reason or "shutdown"))
+                                           reason=self.recycle_reason or "shutdown",
+                                           recycle=bool(self.recycle_reason)))
             if now >= self._stop_deadline:
                 logger.warning("drain did not finish within %.0fs; exiting", self.drain_timeout_s)
                 break
@@ -183,6 +184,10 @@ class Worker:
 
     def _on_disconnect(self, header: dict[str, Any]) -> None:
         reason = header.get("reason")
+        if header.get("restart") and self.recycle_reason and reason == "drained":
+            logger.warning("drained; exiting to be restarted (%s)", self.recycle_reason)
+            self._exit = RECYCLE_EXIT_CODE
+            return
         if header.get("restart"):
             logger.error("broker asks for a restart (%s)", reason)
             os._exit(75)  # the compute thread may be stuck inside the model

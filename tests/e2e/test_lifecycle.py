@@ -255,6 +255,7 @@ def test_a_worker_whose_memory_does_not_come_back_is_recycled(repo: Path, serve)
     wait_for(lambda: srv.pids("worker") and srv.pids("worker") != pids, 30,
              "the worker to be recycled")
     assert "memory not returned after unloading leaky/1" in srv.log()
+    assert "drained to restart" in srv.log(), "the broker did not drain and restart it"
     wait_for(lambda: serving(srv, 1, 1), 30, "m served by the new worker")
     assert infer(srv) == (1, 1.0)
 
@@ -304,3 +305,33 @@ def test_memory_budget_evicts_the_idle_model_and_refuses_what_cannot_fit(repo: P
     assert "more than worker" in m and "memory budget of 104.9 MB" in m, srv.log()[-3000:]
     assert status(srv)["workers"][0]["models"] == ["b/1"]
     assert status(srv)["workers"][0]["memory"]["budget_bytes"] == 100 << 20
+
+
+HANDLER = '''
+from . import utils
+
+
+class Model:
+    def load(self, version_dir, device):
+        pass
+
+    def predict(self, inputs):
+        return {"output": inputs["input"][:, :3] * 0 + utils.VALUE}
+'''
+
+
+def test_handler_versions_with_their_own_utils_serve_side_by_side(repo: Path, serve) -> None:
+    shutil.rmtree(repo / "m")
+    for version in (1, 2):
+        vdir = repo / "h" / str(version)
+        vdir.mkdir(parents=True)
+        (vdir / "model.py").write_text(HANDLER)
+        (vdir / "utils.py").write_text(f"VALUE = {version * 10}.0\n")
+    (repo / "h" / "config.json").write_text(json.dumps(
+        {**linear_config("h", version_policy={"all": True}), "platform": "python"}))
+    srv = serve(repo)
+    wait_for(lambda: models(srv)["models"].get("h", {}).get("ready") == [1, 2], 30, "h v1+v2")
+    with Client(srv.frontend, timeout_s=10) as c:
+        for version in (1, 2, 1):
+            res = c.infer("h", {"input": np.ones((2, 4), dtype=np.float32)}, version=version)
+            assert res.outputs["output"].tolist() == [[version * 10.0] * 3] * 2

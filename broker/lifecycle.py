@@ -97,6 +97,7 @@ class Lifecycle:
             self.shas[name] = {v: version_sha256(model.path / str(v)) for v in model.versions}
 
     def start(self, poller: zmq.Poller) -> None:
+        self.registrar.clean_leftovers()
         self.watcher = RepoWatcher(self.root, self.opts.watch, self.opts.debounce_s,
                                    self.opts.poll_s, self.b.clock)
         self.hasher = Hasher(self.b.ctx)

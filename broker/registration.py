@@ -102,6 +102,7 @@ class Registrar:
         """Thread: lay the files out as <temp>/config.json and <temp>/<version>/."""
         cfg, src, dst = job.config, job.source, job.temp
         try:
+            self._check_links(src)
             dst.mkdir()
             if src.is_file():
                 (dst / "1").mkdir()
@@ -121,6 +122,24 @@ class Registrar:
             job.versions = sorted(int(d.name) for d in dst.iterdir() if d.name.isdigit())
         except (OSError, ValueError) as exc:
             job.kind, job.error = "copy", str(exc)
+
+    def _check_links(self, src: Path) -> None:
+        """Links inside model_path may not lead out of the import roots (copying follows
+        them, so a link could otherwise pull any readable file into the repository)."""
+        roots = [r.resolve() for r in self.lc.opts.import_roots]
+        paths = [src] if src.is_file() else [src, *src.rglob("*")]
+        for path in paths:
+            if path.is_symlink() and not any(path.resolve().is_relative_to(r) for r in roots):
+                raise ValueError(f"{path} links outside the import roots")
+
+    def clean_leftovers(self) -> None:
+        """Temp folders of registrations and deletions cut short by a crash."""
+        for entry in self.root.glob(".register-*"):
+            shutil.rmtree(entry, ignore_errors=True)
+        for entry in self.root.glob("*/.deleted-*"):
+            shutil.rmtree(entry, ignore_errors=True)
+        for entry in self.root.glob(".deleted-*"):
+            shutil.rmtree(entry, ignore_errors=True)
 
     def tick(self) -> None:
         for job in self.jobs.values():

@@ -70,6 +70,11 @@ def test_registration_round_trip(dirs, serve) -> None:
     assert leftovers(repo) == [], "a failed registration left files behind"
     status, doc = post(srv.url, body("m", imports / "good"))
     assert status == 409 and "already exists" in doc["error"]
+    (imports / "sneaky").mkdir()
+    (imports / "sneaky" / "model.pt").symlink_to(repo / "m" / "1" / "model.pt")
+    status, doc = post(srv.url, body("r", imports / "sneaky"))
+    assert status == 400 and "links outside the import roots" in doc["error"]
+    assert leftovers(repo) == []
 
     status, doc = post(srv.url, body("r", imports / "good"))
     assert status == 201 and doc == {"name": "r", "versions": [1], "state": "published"}

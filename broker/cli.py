@@ -125,6 +125,15 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-model", choices=["on", "off"], default="on",
                    help="off: batches bounded by size and delay only, no deadline-aware "
                         "admission (for comparison)")
+    p.add_argument("--watch", choices=["inotify", "poll"], default="inotify",
+                   help="how to notice repository changes (poll: for NFS and the like)")
+    p.add_argument("--watch-interval-s", type=float, default=2.0,
+                   help="seconds between rescans with --watch poll")
+    p.add_argument("--watch-debounce-ms", type=float, default=200.0,
+                   help="quiet time after the last change before it is acted on")
+    p.add_argument("--import-root", action="append", default=None, metavar="DIR",
+                   help="folder that POST /v1/models may copy models from (repeatable; "
+                        "none: registration is disabled)")
 
 
 def _worker_opts(p: argparse.ArgumentParser) -> None:
@@ -132,6 +141,10 @@ def _worker_opts(p: argparse.ArgumentParser) -> None:
                    help="batches in flight per worker, so transfer overlaps compute")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--device", default=None, help="torch device (default: cuda:0 if any)")
+    p.add_argument("--memory-budget", type=int, default=0, metavar="BYTES",
+                   help="memory a worker may spend on models (0: no limit)")
+    p.add_argument("--memory-tolerance-bytes", type=int, default=64 << 20,
+                   help="memory an unload may fail to return before the worker is recycled")
 
 
 def _gateway_opts(p: argparse.ArgumentParser) -> None:

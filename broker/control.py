@@ -105,8 +105,12 @@ class ControlHandler:
             out[name] = {"versions": list(m.versions), "ready": sorted(m.ready),
                          "default_version": m.default_version if m.ready else None,
                          "platform": m.config.platform,
-                         "workers": sorted(w.worker_id for w in b.members.holders(name))}
-        return {"models": out, "errors": dict(b.catalog.errors)}
+                         "workers": sorted(w.worker_id for w in b.members.holders(name)),
+                         **b.lifecycle.describe(name)}
+        errors = dict(b.catalog.errors)
+        for name, failure in b.lifecycle.failures.items():
+            errors.setdefault(name, failure["error"])
+        return {"models": out, "errors": errors}
 
     def metadata(self, args: dict[str, Any]) -> dict[str, Any]:
         model = self._model(args)

@@ -44,27 +44,18 @@ class Operations:
         return described
 
     def reload_model(self: "Broker", name: str, version: int | None) -> dict[str, Any]:
-        """Load a model's version(s) afresh on every worker that serves them or failed to
-        load them; each worker swaps the new load in when ready while the old one keeps
-        serving."""
+        """A fresh load of a model's version(s) on every worker placed for it, swapped
+        in two phases once all are ready; the old load keeps serving until then, and
+        keeps serving if any load fails."""
         model = self.catalog.get(name)
         if model is None:
             raise LookupError(f"unknown model {name!r}")
-        versions = [version] if version is not None else list(model.versions)
         if version is not None and version not in model.versions:
             raise LookupError(f"version {version} of model {name!r} is not served")
-        sent = []
-        for worker in list(self.members.workers.values()):
-            for v in versions:
-                # where it is loaded, and where it failed to load (the file may be fixed now)
-                if (worker.holds(name, v) or f"{name}/{v}" in worker.load_errors) \
-                        and (name, v) not in worker.loading:
-                    worker.loading.add((name, v))
-                    self._send(self.backend, worker.identity, p.encode_simple(
-                        p.Kind.LOAD, model=name, version=v, path=str(model.path / str(v)),
-                        config=model.config.to_json()))
-                    sent.append(f"{worker.worker_id}:{name}/{v}")
-        return {"model": name, "versions": versions, "loads": sent}
+        versions = [version] if version is not None else list(model.versions)
+        workers = self.lifecycle.reload(name, versions)
+        return {"model": name, "versions": versions,
+                "loads": [f"{w}:{name}/{v}" for w in workers for v in versions]}
 
     def reload_config(self: "Broker") -> None:
         """SIGHUP: rescan the repository and bring every worker in line with it."""

@@ -70,6 +70,8 @@ class ErrorCode(str, enum.Enum):
     UNAVAILABLE = "unavailable"
     CANCELLED = "cancelled"
     INTERNAL = "internal"
+    FORBIDDEN = "forbidden"          # management: not allowed (registration disabled, path)
+    CONFLICT = "conflict"            # management: the model already exists
 
     @property
     def retryable(self) -> bool:

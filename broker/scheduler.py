@@ -192,6 +192,11 @@ class Scheduler:
         q = self._queues.get(model)
         return q.samples if q else 0
 
+    def queued(self, model: str) -> list[Entry]:
+        """The model's live queued entries (for the lifecycle: re-route or fail them)."""
+        q = self._queues.get(model)
+        return [e for e in q.fifo if e.state == QUEUED] if q else []
+
     def models_waiting(self) -> list[str]:
         return [m for m, q in self._queues.items() if q.count]
 

@@ -25,6 +25,7 @@ from zeroserve.broker.catalog import Catalog, CatalogModel, RequestError, check_
     normalize_priority
 from zeroserve.broker.control import ControlHandler
 from zeroserve.broker.latency import LatencyBook
+from zeroserve.broker.lifecycle import Lifecycle, LifecycleOptions
 from zeroserve.broker.membership import Inflight, Membership, WorkerState
 from zeroserve.broker.metrics import BrokerMetrics
 from zeroserve.broker.operations import Operations
@@ -42,7 +43,8 @@ class Broker(Operations):
                  heartbeat_s: float = 0.5, worker_expiry_s: float = 2.0,
                  drain_timeout_s: float = 30.0, latency_model: bool = True,
                  clock: Clock = time.monotonic,
-                 ctx: zmq.Context[Any] | None = None) -> None:
+                 ctx: zmq.Context[Any] | None = None,
+                 lifecycle: LifecycleOptions | None = None) -> None:
         self.endpoints = endpoints
         self.clock = clock
         self.heartbeat_s = heartbeat_s
@@ -56,6 +58,7 @@ class Broker(Operations):
         self.latency = LatencyBook(enabled=latency_model)
         self.metrics = BrokerMetrics()
         self.control = ControlHandler(self)
+        self.lifecycle = Lifecycle(self, lifecycle)
         self.rng = random.Random()
         self._batch_ids = itertools.count(1)
         self._next_heartbeat = 0.0
@@ -88,11 +91,13 @@ class Broker(Operations):
         self.poller.register(self.frontend, zmq.POLLIN)
         self.poller.register(self.ctl, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        self.lifecycle.start(self.poller)
 
     def load_catalog(self) -> None:
         self.catalog.rescan()
         for name, model in self.catalog.models.items():
             self.scheduler.set_policy(name, model.policy())
+        self.lifecycle.prime()
         for name, err in self.catalog.errors.items():
             logger.error("model %s not served: %s", name, err)
         logger.info("catalog: %s", ", ".join(
@@ -118,6 +123,7 @@ class Broker(Operations):
             sock.close(linger=linger_ms)
         self._wake_r.close()
         self._wake_w.close()
+        self.lifecycle.close()
 
     # -- the loop -----------------------------------------------------------
     def run(self, ready: Callable[[], None] | None = None) -> None:
@@ -147,6 +153,7 @@ class Broker(Operations):
                 self._drain_socket(self.frontend, self.on_frontend)
             if self.ctl in events:
                 self._drain_socket(self.ctl, self.on_control)
+            self.lifecycle.on_events(events)
             self.tick(self.clock())
 
     def _drain_socket(self, sock: zmq.Socket[Any], handler: Callable[[list[Any]], None],
@@ -165,6 +172,7 @@ class Broker(Operations):
                                "deadline exceeded while queued")
         self._check_execution_timeouts(now)
         self.notifier.watchdog(now)
+        self.lifecycle.tick(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
             self._heartbeat_workers(now)
@@ -180,6 +188,8 @@ class Broker(Operations):
         due.extend(rec.exec_deadline_s for rec in self.inflight.values())
         if self.stopping:
             due.append(self._stop_deadline)
+        if (d := self.lifecycle.next_due()) is not None:
+            due.append(d)  # the watcher's debounce, a swap's timeout
         return max(0, math.ceil((min(due) - now) * 1000))
 
     # -- frontend -----------------------------------------------------------
@@ -305,6 +315,7 @@ class Broker(Operations):
                 logger.info("worker %s leaves: %s", worker.worker_id, header.get("reason"))
                 if header.get("drain"):
                     worker.draining = worker.exiting = True
+                    worker.info["recycle"] = bool(header.get("recycle"))
                     self._release_if_drained(worker)
                 else:
                     self.purge_worker(worker, "worker left")
@@ -352,6 +363,8 @@ class Broker(Operations):
                    p.encode_simple(p.Kind.UNLOAD, model=name, version=version))
 
     def on_loaded(self, worker: WorkerState, header: dict[str, Any]) -> None:
+        if self.lifecycle.on_loaded(worker, header):
+            return  # part of a two-phase swap or a registration trial
         key = (str(header["model"]), int(header["version"]))
         worker.loading.discard(key)
         model = self.catalog.get(key[0])
@@ -417,9 +430,10 @@ class Broker(Operations):
     def _release_if_drained(self, worker: WorkerState) -> None:
         """A worker leaving on SIGTERM exits once nothing of ours is in flight on it."""
         if worker.exiting and not worker.inflight:
+            recycle = bool(worker.info.get("recycle"))  # memory not returned: restart it
             self._send(self.backend, worker.identity,
-                       p.encode_simple(p.Kind.DISCONNECT, reason="drained"))
-            self.purge_worker(worker, "drained for shutdown")
+                       p.encode_simple(p.Kind.DISCONNECT, reason="drained", restart=recycle))
+            self.purge_worker(worker, "drained to restart" if recycle else "drained for shutdown")
 
     # -- dispatch -----------------------------------------------------------
     def dispatch(self, now: float) -> None:
@@ -482,6 +496,7 @@ class Broker(Operations):
                                         (tightest - now) * 1000.0 if tightest < math.inf else 0))
         self.inflight[batch_id] = rec
         worker.inflight.add(batch_id)
+        self.lifecycle.last_used[model.config.name] = now  # memory budget: LRU eviction
         self.metrics.batch_sent(model.config.name, reason, samples)
         for entry in entries:
             self.metrics.queued(model.config.name, entry.priority, now - entry.arrival_s)
@@ -606,7 +621,13 @@ class _Payload:
 def run_broker(endpoints: Endpoints, model_dir: Path, args: Any) -> int:
     broker = Broker(endpoints, model_dir, heartbeat_s=args.heartbeat_s,
                     worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s,
-                    latency_model=args.latency_model == "on")
+                    latency_model=args.latency_model == "on",
+                    lifecycle=LifecycleOptions(
+                        watch=getattr(args, "watch", "inotify"),
+                        debounce_s=getattr(args, "watch_debounce_ms", 200) / 1000.0,
+                        poll_s=getattr(args, "watch_interval_s", 2.0),
+                        import_roots=tuple(Path(r) for r in getattr(args, "import_root", None)
+                                           or ())))
     try:
         broker.load_catalog()
     except ValueError as exc:  # ConfigError: the repository folder is missing

@@ -38,6 +38,7 @@ class Settings:
     frontend: str
     max_body_bytes: int = 64 << 20
     broker_timeout_s: float = 3.0
+    admin_token: str = ""      # management routes from anywhere with it; loopback only without
 
 
 class Gateway:
@@ -185,6 +186,8 @@ def create_app(settings: Settings) -> Starlette:
         Route("/metrics", metrics.Scrape(gw.control).endpoint, methods=["GET"]),
     ]
     routes.append(openapi.route(routes))
+    from zeroserve.gateway.registration import Registration  # it imports this module
+    routes += Registration(gw).routes()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)

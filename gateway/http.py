@@ -20,6 +20,7 @@ STATUS = {
     ErrorCode.OVERLOADED: 429, ErrorCode.QUOTA: 429, ErrorCode.NO_WORKER: 503,
     ErrorCode.UNAVAILABLE: 503, ErrorCode.WORKER_LOST: 503, ErrorCode.MODEL_ERROR: 500,
     ErrorCode.CANCELLED: 499, ErrorCode.INTERNAL: 500,
+    ErrorCode.FORBIDDEN: 403, ErrorCode.CONFLICT: 409,
 }
 # msgpack carries integers up to 64 bits; keep what the wire sees well inside that
 MAX_INT = 2**31 - 1

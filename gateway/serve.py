@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 from types import FrameType
+import os
 from typing import Any
 
 import uvicorn
@@ -51,7 +52,8 @@ class GatewayServer(uvicorn.Server):
 
 
 def run_gateway(frontend: str, args: Any) -> int:
-    app = create_app(Settings(frontend=frontend, max_body_bytes=args.max_body_bytes))
+    app = create_app(Settings(frontend=frontend, max_body_bytes=args.max_body_bytes,
+                              admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", "")))
     config = uvicorn.Config(app, host=args.http_host, port=args.http_port,
                             loop="uvloop", http="httptools", access_log=False,
                             log_level=args.log_level, log_config=None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import time
 import weakref
@@ -13,7 +12,10 @@ from typing import Any, Callable
 
 import torch
 
-from zeroserve.models.repository import ModelConfig
+from zeroserve.models import handlers
+from zeroserve.models.repository import ModelConfig, version_sha256
+
+__all__ = ["LoadError", "LoadedModel", "load", "version_sha256", "warm_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,24 +43,21 @@ class LoadedModel:
     memory_bytes: int = 0
     load_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    # python handlers: fn is the handler's predict(dict) -> dict, called with whole batches
+    handler: Any = None
+    package: str = ""
+    version_dir: Path | None = None
+    probe_before: int = 0   # the memory probe just before the load (to check it comes back)
 
     def ref(self) -> "weakref.ref[Any]":
-        return weakref.ref(self.fn)
+        return weakref.ref(self.handler if self.handler is not None else self.fn)
 
-
-def version_sha256(version_dir: Path) -> str:
-    """sha256 over the version folder's files (relative names and contents), sorted."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in version_dir.rglob("*") if p.is_file()):
-        rel = path.relative_to(version_dir).as_posix()
-        if "__pycache__" in rel:
-            continue
-        h.update(rel.encode() + b"\0")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        h.update(b"\0")
-    return h.hexdigest()
+    def release(self) -> None:
+        """Forget a handler's modules. A batch still running keeps its own reference;
+        once the caller drops this object too, nothing keeps the version alive."""
+        if self.package:
+            handlers.unload_package(self.package, self.version_dir)
+        self.extra.clear()
 
 
 def _load_torchscript(path: Path, device: str) -> Callable[..., Any]:
@@ -67,8 +66,17 @@ def _load_torchscript(path: Path, device: str) -> Callable[..., Any]:
     return module  # type: ignore[no-any-return]
 
 
+def _load_export(path: Path, device: str) -> Callable[..., Any]:
+    program = torch.export.load(str(path))
+    module = program.module()
+    if device != "cpu":
+        module = module.to(device)
+    return module
+
+
 LOADERS: dict[str, Callable[[Path, str], Callable[..., Any]]] = {
     "pytorch_torchscript": _load_torchscript,
+    "pytorch_export": _load_export,
 }
 
 
@@ -93,14 +101,18 @@ def warm_up(loaded: LoadedModel) -> None:
     with torch.inference_mode():
         for b in sizes:
             b = min(b, cfg.max_batch_size) if cfg.max_batch_size > 0 else 1
-            loaded.fn(*sample_inputs(cfg, b, loaded.device))
+            args = sample_inputs(cfg, b, loaded.device)
+            if loaded.handler is not None:
+                loaded.fn({s.name: t for s, t in zip(cfg.inputs, args)})
+            else:
+                loaded.fn(*args)
 
 
 def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
          memory_probe: Callable[[], int]) -> LoadedModel:
     """Load, warm up and measure one version. Raises LoadError with the reason."""
     loader = LOADERS.get(cfg.platform)
-    if loader is None:
+    if loader is None and cfg.platform != "python":
         raise LoadError(f"platform {cfg.platform!r} is not supported by this worker")
     model_file = version_dir / cfg.model_file
     if not model_file.is_file():
@@ -109,14 +121,24 @@ def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
     gc.collect()
     before = memory_probe()
     sha = version_sha256(version_dir)
+    loaded = None
     try:
-        fn = loader(model_file, device)
-        loaded = LoadedModel(cfg.name, version, cfg, sha, fn, device)
+        if cfg.platform == "python":
+            handler, pkg = handlers.load_handler(cfg.name, version, sha, version_dir, device)
+            loaded = LoadedModel(cfg.name, version, cfg, sha, handler.predict, device,
+                                 handler=handler, package=pkg, version_dir=version_dir)
+            del handler
+        else:
+            assert loader is not None
+            loaded = LoadedModel(cfg.name, version, cfg, sha, loader(model_file, device), device)
         warm_up(loaded)
-    except LoadError:
-        raise
     except Exception as exc:  # a broken file or model raises anything
+        if loaded is not None:
+            loaded.release()
+        if isinstance(exc, (handlers.HandlerError, LoadError)):
+            raise LoadError(str(exc)) from None
         raise LoadError(f"{cfg.name}/{version}: {type(exc).__name__}: {exc}") from None
+    loaded.probe_before = before
     loaded.memory_bytes = max(0, memory_probe() - before)
     loaded.load_s = time.monotonic() - start
     return loaded

@@ -13,11 +13,12 @@ and use -1 for free dimensions.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
              "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES")
@@ -293,8 +294,26 @@ class RepoModel:
     versions: tuple[int, ...]          # the versions to serve
 
 
-def scan(root: Path) -> tuple[dict[str, RepoModel], dict[str, str]]:
-    """Read every model of a repository. Returns (models, errors by model name)."""
+def version_sha256(version_dir: Path) -> str:
+    """sha256 over the version folder's files (relative names and contents), sorted."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in version_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(version_dir).as_posix()
+        if "__pycache__" in rel or any(is_temp_name(part) for part in rel.split("/")):
+            continue
+        h.update(rel.encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def scan(root: Path, skip: Callable[[str, int], bool] | None = None
+         ) -> tuple[dict[str, RepoModel], dict[str, str]]:
+    """Read every model of a repository. Returns (models, errors by model name).
+
+    ``skip(folder, version)`` hides versions not ready to load (files still being written)."""
     models: dict[str, RepoModel] = {}
     errors: dict[str, str] = {}
     if not root.is_dir():
@@ -307,7 +326,9 @@ def scan(root: Path) -> tuple[dict[str, RepoModel], dict[str, str]]:
         except ConfigError as exc:
             errors[entry.name] = str(exc)
             continue
-        versions = select_versions(cfg, list_versions(entry, cfg))
+        available = [v for v in list_versions(entry, cfg)
+                     if skip is None or not skip(entry.name, v)]
+        versions = select_versions(cfg, available)
         if not versions:
             errors[entry.name] = f"{entry}: no version folder holds {cfg.model_file}"
             continue

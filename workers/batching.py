@@ -26,14 +26,14 @@ def _fill(dst: torch.Tensor, buf: Any, shape: Sequence[int]) -> None:
 
 
 def assemble(loaded: LoadedModel, items: Sequence[p.BatchItem],
-             pin: bool = False) -> tuple[list[torch.Tensor], list[int]]:
+             pin: bool = False) -> tuple[list[Any], list[int]]:
     """One tensor per declared input, the items concatenated along dim 0 in one copy."""
     cfg = loaded.config
     sizes = []
     for item in items:
         sizes.append(item.tensors[0].meta.shape[0] if cfg.max_batch_size > 0 else 1)
     total = sum(sizes)
-    inputs = []
+    inputs: list[Any] = []
     for spec in cfg.inputs:
         parts = []
         for item in items:
@@ -42,7 +42,10 @@ def assemble(loaded: LoadedModel, items: Sequence[p.BatchItem],
                 raise BatchError(f"input {spec.name!r} missing from a request")
             parts.append(t)
         if spec.datatype == "BYTES":
-            raise BatchError("BYTES inputs need a Python handler model")
+            if loaded.handler is None:
+                raise BatchError("BYTES inputs need a Python handler model")
+            inputs.append(_bytes_input(parts, cfg.max_batch_size > 0))
+            continue
         first = parts[0].meta.shape
         tail = tuple(first[1:]) if cfg.max_batch_size > 0 else tuple(first)
         if any((tuple(t.meta.shape[1:]) if cfg.max_batch_size > 0 else tuple(t.meta.shape))
@@ -59,6 +62,55 @@ def assemble(loaded: LoadedModel, items: Sequence[p.BatchItem],
                 _fill(dst, t.data, t.meta.shape)
         inputs.append(dst.to(loaded.device, non_blocking=True) if loaded.device != "cpu" else dst)
     return inputs, sizes
+
+
+def _bytes_input(parts: Sequence[p.Tensor], batched: bool) -> np.ndarray:
+    """BYTES inputs reach a Python handler as one numpy object array of bytes."""
+    arrays = [p.to_numpy(t) for t in parts]
+    return np.concatenate(arrays) if batched else arrays[0]
+
+
+def _bytes_output(arr: Any) -> np.ndarray:
+    if isinstance(arr, (list, tuple)):
+        arr = np.array(arr, dtype=object)
+    if not isinstance(arr, np.ndarray) or arr.dtype != object:
+        raise BatchError("a BYTES output must be a numpy object array of bytes")
+    return arr
+
+
+def _handler_outputs(loaded: LoadedModel, out: Any) -> list[Any]:
+    """A handler's predict() returns {output name: tensor, or object array for BYTES}."""
+    if not isinstance(out, dict):
+        raise BatchError(f"predict() returned {type(out).__name__}, expected a dict of outputs")
+    result: list[Any] = []
+    for spec in loaded.config.outputs:
+        if spec.name not in out:
+            raise BatchError(f"predict() returned no output {spec.name!r}")
+        value = out[spec.name]
+        if spec.datatype == "BYTES":
+            result.append(_bytes_output(value))
+        elif isinstance(value, torch.Tensor):
+            result.append(value.detach().to("cpu").contiguous())
+        else:
+            raise BatchError(f"output {spec.name!r}: expected a tensor, got "
+                             f"{type(value).__name__}")
+    return result
+
+
+def _call(loaded: LoadedModel, inputs: list[Any]) -> list[Any]:
+    if loaded.handler is not None:
+        named = {spec.name: t for spec, t in zip(loaded.config.inputs, inputs)}
+        return _handler_outputs(loaded, loaded.fn(named))
+    return _as_outputs(loaded, loaded.fn(*inputs))
+
+
+def _encode(name: str, part: Any) -> p.Tensor:
+    if isinstance(part, np.ndarray):  # BYTES
+        flat = [x if isinstance(x, bytes) else str(x).encode() for x in part.reshape(-1)]
+        return p.Tensor(p.TensorMeta(name, "BYTES", tuple(part.shape)),
+                        p.pack_bytes_elements(flat))
+    datatype, raw = _raw(part)
+    return p.Tensor(p.TensorMeta(name, datatype, tuple(part.shape)), raw)
 
 
 def _as_outputs(loaded: LoadedModel, out: Any) -> list[torch.Tensor]:
@@ -89,7 +141,7 @@ def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
     try:
         inputs, sizes = assemble(loaded, batch.items, pin=loaded.device.startswith("cuda"))
         with torch.inference_mode():
-            outputs = _as_outputs(loaded, loaded.fn(*inputs))
+            outputs = _call(loaded, inputs)
         total = sum(sizes)
         cfg = loaded.config
         replies = []
@@ -99,7 +151,8 @@ def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
                 if t.shape[0] != total:
                     raise BatchError(f"output {spec.name!r} has {t.shape[0]} rows for a batch "
                                      f"of {total}")
-                splits.append(t.split(sizes))
+                splits.append(t.split(sizes) if isinstance(t, torch.Tensor)
+                              else np.split(t, np.cumsum(sizes)[:-1]))
             else:
                 splits.append([t])
         for i, item in enumerate(batch.items):
@@ -107,10 +160,7 @@ def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
             for spec, parts in zip(cfg.outputs, splits):
                 if item.outputs is not None and spec.name not in item.outputs:
                     continue
-                part = parts[i]
-                datatype, raw = _raw(part)
-                tensors.append(p.Tensor(p.TensorMeta(spec.name, datatype, tuple(part.shape)),
-                                        raw))
+                tensors.append(_encode(spec.name, parts[i]))
             replies.append(p.InferReply(item.request_id, batch.model, batch.version, tensors))
     except Exception as exc:  # the model's code can raise anything
         return p.BatchResult(batch.batch_id, [], (time.perf_counter() - start) * 1000.0,

@@ -35,11 +35,18 @@ def run_serve(args: Any) -> int:
         "--model-dir", str(model_dir), "--heartbeat-s", str(args.heartbeat_s),
         "--worker-expiry-s", str(args.worker_expiry_s),
         "--drain-timeout-s", str(args.drain_timeout_s),
-        "--latency-model", args.latency_model])]
+        "--latency-model", args.latency_model,
+        "--watch", args.watch,
+        "--watch-interval-s", str(args.watch_interval_s),
+        "--watch-debounce-ms", str(args.watch_debounce_ms),
+        *[a for r in args.import_root or () for a in ("--import-root", r)]])]
     for i in range(n):
         env = {"CUDA_VISIBLE_DEVICES": str(i)} if i < gpus else {}
         argv = _base(args, "worker") + ["--index", str(i), "--credits", str(args.credits),
-                                        "--threads", str(threads)]
+                                        "--threads", str(threads),
+                                        "--memory-budget", str(args.memory_budget),
+                                        "--memory-tolerance-bytes",
+                                        str(args.memory_tolerance_bytes)]
         if args.device:
             argv += ["--device", args.device]
         children.append(Child(f"worker {hostname()}/{i}", argv, env))

@@ -12,6 +12,7 @@ torch releases the GIL inside its kernels, so the threads overlap.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -36,6 +37,10 @@ from zeroserve.workers import batching
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+# How far memory may stay above its pre-load level after an unload before the worker is
+# recycled; tests/workers/test_memory.py measures the real drift of mlp cycles (a few MB).
+DEFAULT_MEMORY_TOLERANCE_BYTES = 64 << 20
+RECYCLE_EXIT_CODE = 75
 
 
 def rss_bytes() -> int:
@@ -50,6 +55,8 @@ class Worker:
     def __init__(self, endpoint: str, worker_id: str, *, credits: int = 2,
                  heartbeat_s: float = 0.5, broker_expiry_s: float = 3.0,
                  drain_timeout_s: float = 30.0, device: str | None = None,
+                 memory_tolerance_bytes: int = DEFAULT_MEMORY_TOLERANCE_BYTES,
+                 memory_budget_bytes: int = 0,
                  ctx: zmq.Context[Any] | None = None) -> None:
         self.endpoint = endpoint
         self.worker_id = worker_id
@@ -68,6 +75,10 @@ class Worker:
         self._exit: int | None = None
         self.notifier = Notifier()
         self._registered = False  # the broker has heartbeated us since our READY
+        self.memory_tolerance_bytes = memory_tolerance_bytes
+        self.memory_budget_bytes = memory_budget_bytes
+        self.recycle_reason = ""
+        self._load_seq = 0
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -112,7 +123,9 @@ class Worker:
         self._send(p.encode_simple(
             p.Kind.READY, worker_id=self.worker_id, credits=self.credits, pid=os.getpid(),
             host=socket.gethostname(), device=self.device,
-            models=[[m, v] for m, v in self.models]))
+            models=[[m, v] for m, v in self.models],
+            shas={f"{m}/{v}": lm.sha256 for (m, v), lm in self.models.items()},
+            memory_budget_bytes=self.memory_budget_bytes))
 
     # -- main loop ----------------------------------------------------------
     def run(self) -> int:
@@ -144,7 +157,9 @@ class Worker:
                 self._stop_deadline = now + self.drain_timeout_s
                 logger.info("draining before exit")
                 self.notifier.stopping()
-                self._send(p.encode_simple(p.Kind.DISCONNECT, reason="shutdown", drain=True))
+                self._send(p.encode_simple(p.Kind.DISCONNECT, drain=True,
+                                           reason=self.recycle_reason or "shutdown",
+                                           recycle=bool(self.recycle_reason)))
             if now >= self._stop_deadline:
                 logger.warning("drain did not finish within %.0fs; exiting", self.drain_timeout_s)
                 break
@@ -184,12 +199,16 @@ class Worker:
 
     def _on_disconnect(self, header: dict[str, Any]) -> None:
         reason = header.get("reason")
+        if header.get("restart") and self.recycle_reason and reason == "drained":
+            logger.warning("drained; exiting to be restarted (%s)", self.recycle_reason)
+            self._exit = RECYCLE_EXIT_CODE
+            return
         if header.get("restart"):
             logger.error("broker asks for a restart (%s)", reason)
             os._exit(75)  # the compute thread may be stuck inside the model
         if reason == "drained":
-            logger.info("drained; exiting")
-            self._exit = 0
+            logger.info("drained; exiting%s", " to be restarted" if self.recycle_reason else "")
+            self._exit = RECYCLE_EXIT_CODE if self.recycle_reason else 0
             return
         logger.info("broker does not know us (%s); registering again", reason)
         self._send_ready()
@@ -209,8 +228,9 @@ class Worker:
     def _heartbeat(self) -> None:
         rss = rss_bytes()
         self.m_memory.set(rss)
-        memory = {"rss_bytes": rss,
-                  "models": {f"{m}/{v}": lm.memory_bytes for (m, v), lm in self.models.items()}}
+        footprints = {f"{m}/{v}": lm.memory_bytes for (m, v), lm in self.models.items()}
+        memory = {"rss_bytes": rss, "budget_bytes": self.memory_budget_bytes,
+                  "models": footprints, "free_bytes": self._free_bytes(footprints)}
         if self.m_gpu is not None:
             used = torch.cuda.memory_allocated()
             self.m_gpu.set(used)
@@ -239,6 +259,7 @@ class Worker:
                     result = batching.run(loaded, batch)
                     self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
                 out.send_multipart(p.encode_result(result), copy=False)
+                del loaded, result  # hold no version between batches: unloads free it
         finally:
             out.close(linger=0)
 
@@ -264,7 +285,13 @@ class Worker:
             logger.error("load of %s/%d failed: %s", name, version, exc)
             return p.encode_simple(p.Kind.LOADED, model=name, version=version, ok=False,
                                    error=str(exc))
+        self._load_seq += 1
+        loaded.extra["seq"] = self._load_seq
+        old = self.models.get((name, version))
         self.models[(name, version)] = loaded
+        if old is not None:  # the same version changed in place: the new one replaces it
+            old.release()
+            del old
         self.m_model_memory.labels(name, str(version)).set(loaded.memory_bytes)
         logger.info("loaded %s/%d (sha256 %s, %.1f MB, %.2fs)", name, version,
                     loaded.sha256[:12], loaded.memory_bytes / 1e6, loaded.load_s)
@@ -273,12 +300,44 @@ class Worker:
                                load_s=loaded.load_s)
 
     def _unload(self, name: str, version: int) -> None:
-        if self.models.pop((name, version), None) is not None:
-            try:
-                self.m_model_memory.remove(name, str(version))
-            except KeyError:
-                pass
-            logger.info("unloaded %s/%d", name, version)
+        loaded = self.models.pop((name, version), None)
+        if loaded is None:
+            return
+        try:
+            self.m_model_memory.remove(name, str(version))
+        except KeyError:
+            pass
+        # what memory may legitimately stay: models loaded after this one and still held
+        expected = loaded.probe_before + sum(
+            m.memory_bytes for m in self.models.values()
+            if m.extra.get("seq", 0) > loaded.extra.get("seq", 0))
+        loaded.release()
+        del loaded
+        gc.collect()
+        excess = self._memory_probe() - expected
+        logger.info("unloaded %s/%d (memory %+.1f MB against before its load)", name, version,
+                    excess / 1e6)
+        if excess > self.memory_tolerance_bytes and not self.stopping:
+            self.recycle_reason = (f"memory not returned after unloading {name}/{version}: "
+                                   f"{excess / 1e6:.0f} MB above the tolerance of "
+                                   f"{self.memory_tolerance_bytes / 1e6:.0f} MB")
+            logger.warning("%s; draining to restart", self.recycle_reason)
+            self.stopping = True  # the main loop drains through the broker, then exits
+
+    def _free_bytes(self, footprints: dict[str, int]) -> int:
+        """What is left for models: of the budget when one is set, else of the device."""
+        if self.memory_budget_bytes:
+            return max(0, self.memory_budget_bytes - sum(footprints.values()))
+        if self.device.startswith("cuda"):
+            return int(torch.cuda.mem_get_info()[0])
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
 
     def _memory_probe(self) -> int:
         if self.device.startswith("cuda"):

@@ -1,0 +1,236 @@
+"""Registration (``POST /v1/models``), run by the broker, which owns the repository.
+
+``register`` copies ``model_path`` (only from under the configured import roots) into
+the repository under a temp name, has one worker trial-load the newest version, and
+only then publishes it by an atomic rename, so the watcher's own path loads it. A
+failure anywhere removes the temp folder: nothing is left half-registered. The copy
+runs in a thread so a large model never stalls the loop; the gateway follows the
+job with ``register_status``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from zeroserve.broker import protocol as p
+from zeroserve.broker.control import ControlError
+from zeroserve.broker.membership import WorkerState
+from zeroserve.models.repository import NAME_RE, ConfigError, ModelConfig, is_temp_name, \
+    parse_config
+
+if TYPE_CHECKING:
+    from zeroserve.broker.lifecycle import Lifecycle
+
+logger = logging.getLogger(__name__)
+
+_TRIAL_PREFIX = ".trial-"
+
+
+@dataclass
+class Job:
+    token: str
+    config: ModelConfig
+    source: Path
+    temp: Path
+    state: str = "copying"             # copying, loading, published, failed
+    error: str = ""
+    kind: str = ""                     # why it failed: copy, load, publish
+    versions: list[int] = field(default_factory=list)
+    copier: threading.Thread | None = None
+    worker: bytes = b""
+
+
+class Registrar:
+    def __init__(self, lifecycle: "Lifecycle") -> None:
+        self.lc = lifecycle
+        self.jobs: dict[str, Job] = {}
+        self._ids = itertools.count(1)
+
+    def verbs(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        return {"register": self.register, "register_status": self.status,
+                "unregister": self.unregister}
+
+    @property
+    def root(self) -> Path:
+        return self.lc.root
+
+    # -- register -----------------------------------------------------------
+    def register(self, args: dict[str, Any]) -> dict[str, Any]:
+        roots = self.lc.opts.import_roots
+        if not roots:
+            raise ControlError("forbidden", "registration is disabled: start the broker with "
+                               "--import-root DIR to allow copying models from DIR")
+        body = args.get("body")
+        if not isinstance(body, dict):
+            raise ControlError("bad_input", "the body must be a JSON object")
+        body = dict(body)
+        source_raw = body.pop("model_path", None)
+        if not isinstance(source_raw, str) or not source_raw:
+            raise ControlError("bad_input", "field 'model_path': required, a path on the "
+                               "broker's host")
+        try:
+            cfg = parse_config(body, "registration")
+        except ConfigError as exc:
+            raise ControlError("bad_input", str(exc)) from None
+        source = Path(source_raw).resolve()
+        if not any(source.is_relative_to(r.resolve()) for r in roots):
+            raise ControlError("forbidden", f"model_path {source_raw!r} is outside the import "
+                               f"roots ({', '.join(str(r) for r in roots)})")
+        if not source.exists():
+            raise ControlError("bad_input", f"model_path {source_raw!r} does not exist")
+        if (self.root / cfg.name).exists() or cfg.name in self.lc.b.catalog.models or any(
+                j.config.name == cfg.name and j.state in ("copying", "loading")
+                for j in self.jobs.values()):
+            raise ControlError("conflict", f"model {cfg.name!r} already exists")
+        token = f"{next(self._ids)}-{os.getpid()}"
+        job = Job(token, cfg, source, self.root / f".register-{cfg.name}-{token}")
+        job.copier = threading.Thread(target=self._copy, args=(job,), daemon=True,
+                                      name="register-copy")
+        self.jobs[token] = job
+        job.copier.start()
+        return {"token": token, "state": job.state}
+
+    def _copy(self, job: Job) -> None:
+        """Thread: lay the files out as <temp>/config.json and <temp>/<version>/."""
+        cfg, src, dst = job.config, job.source, job.temp
+        try:
+            self._check_links(src)
+            dst.mkdir()
+            if src.is_file():
+                (dst / "1").mkdir()
+                shutil.copy2(src, dst / "1" / cfg.model_file)
+            elif (src / cfg.model_file).is_file():
+                shutil.copytree(src, dst / "1", ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                versions = [d for d in src.iterdir() if d.name.isdigit() and int(d.name) > 0
+                            and (d / cfg.model_file).is_file()]
+                if not versions:
+                    raise ValueError(f"model_path {str(src)!r} holds no {cfg.model_file} "
+                                     "(nor version folders that do)")
+                for d in versions:
+                    shutil.copytree(d, dst / d.name,
+                                    ignore=shutil.ignore_patterns("__pycache__"))
+            (dst / "config.json").write_text(json.dumps(cfg.to_json(), indent=2))
+            job.versions = sorted(int(d.name) for d in dst.iterdir() if d.name.isdigit())
+        except (OSError, ValueError) as exc:
+            job.kind, job.error = "copy", str(exc)
+
+    def _check_links(self, src: Path) -> None:
+        """Links inside model_path may not lead out of the import roots (copying follows
+        them, so a link could otherwise pull any readable file into the repository)."""
+        roots = [r.resolve() for r in self.lc.opts.import_roots]
+        paths = [src] if src.is_file() else [src, *src.rglob("*")]
+        for path in paths:
+            if path.is_symlink() and not any(path.resolve().is_relative_to(r) for r in roots):
+                raise ValueError(f"{path} links outside the import roots")
+
+    def clean_leftovers(self) -> None:
+        """Temp folders of registrations and deletions cut short by a crash."""
+        for entry in self.root.glob(".register-*"):
+            shutil.rmtree(entry, ignore_errors=True)
+        for entry in self.root.glob("*/.deleted-*"):
+            shutil.rmtree(entry, ignore_errors=True)
+        for entry in self.root.glob(".deleted-*"):
+            shutil.rmtree(entry, ignore_errors=True)
+
+    def tick(self) -> None:
+        for job in self.jobs.values():
+            if job.state == "copying" and job.copier is not None and not job.copier.is_alive():
+                job.copier = None
+                if job.error:
+                    self._finish(job, ok=False)
+                else:
+                    self._trial(job)
+
+    def next_due(self, now: float) -> float | None:
+        # copies run in threads: look again soon while one is running
+        return now + 0.02 if any(j.state == "copying" for j in self.jobs.values()) else None
+
+    def _trial(self, job: Job) -> None:
+        b = self.lc.b
+        worker = next((w for w in b.members.workers.values() if not w.draining), None)
+        if worker is None:
+            job.kind, job.error = "load", "no worker is connected to trial-load the model"
+            self._finish(job, ok=False)
+            return
+        version = job.versions[-1]
+        job.state, job.worker = "loading", worker.identity
+        b._send(b.backend, worker.identity, p.encode_simple(
+            p.Kind.LOAD, model=_TRIAL_PREFIX + job.token, version=version,
+            path=str(job.temp / str(version)), config=job.config.to_json()))
+
+    def on_loaded(self, worker: WorkerState, header: dict[str, Any]) -> bool:
+        name = str(header.get("model", ""))
+        if not name.startswith(_TRIAL_PREFIX):
+            return False
+        job = self.jobs.get(name[len(_TRIAL_PREFIX):])
+        if job is None or job.state != "loading":
+            return True
+        b = self.lc.b
+        if header.get("ok"):
+            b._send(b.backend, worker.identity, p.encode_simple(
+                p.Kind.UNLOAD, model=name, version=int(header["version"])))
+        else:
+            job.kind, job.error = "load", str(header.get("error"))
+        self._finish(job, ok=bool(header.get("ok")))
+        return True
+
+    def check_workers(self) -> None:
+        """A trial worker that left cannot answer: fail its job."""
+        for job in self.jobs.values():
+            if job.state == "loading" and job.worker not in self.lc.b.members.workers:
+                job.kind, job.error = "load", "the worker trial-loading the model went away"
+                self._finish(job, ok=False)
+
+    def _finish(self, job: Job, ok: bool) -> None:
+        if ok:
+            try:
+                # the publish: one rename; the watcher sees MOVED_TO and loads it
+                os.rename(job.temp, self.root / job.config.name)
+                job.state = "published"
+                logger.info("registered model %s (versions %s) from %s", job.config.name,
+                            job.versions, job.source)
+                return
+            except OSError as exc:
+                job.kind, job.error = "publish", f"cannot publish: {exc}"
+        job.state = "failed"
+        shutil.rmtree(job.temp, ignore_errors=True)
+        logger.error("registration of %s failed (%s): %s", job.config.name, job.kind, job.error)
+
+    def status(self, args: dict[str, Any]) -> dict[str, Any]:
+        job = self.jobs.get(str(args.get("token")))
+        if job is None:
+            raise ControlError("not_found", f"no registration {args.get('token')!r}")
+        if job.state in ("published", "failed"):
+            del self.jobs[job.token]  # reported once; the gateway asks until it ends
+        return {"state": job.state, "name": job.config.name, "versions": job.versions,
+                "error": job.error, "kind": job.kind}
+
+    # -- unregister ---------------------------------------------------------
+    def unregister(self, args: dict[str, Any]) -> dict[str, Any]:
+        name = args.get("model")
+        if not isinstance(name, str) or not NAME_RE.match(name) or is_temp_name(name):
+            raise ControlError("not_found", f"unknown model {name!r}")
+        target = self.root / name
+        version = args.get("version")
+        if version is not None:
+            if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+                raise ControlError("bad_input", "version must be a positive integer")
+            target = target / str(version)
+        if not target.is_dir():
+            what = f"version {version} of model {name!r}" if version else f"model {name!r}"
+            raise ControlError("not_found", f"unknown {what}")
+        # out of sight in one rename (the watcher sees MOVED_FROM), then deleted
+        doomed = target.parent / f".deleted-{target.name}-{next(self._ids)}"
+        os.rename(target, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        logger.info("unregistered %s", f"{name}/{version}" if version else name)
+        return {"deleted": name, "version": version}

@@ -1,0 +1,142 @@
+"""The registration API (the seed's): ``POST /v1/models``, ``GET /v1/models``,
+``GET|DELETE /v1/models/{name}``, ``DELETE /v1/models/{name}/versions/{v}``.
+
+The broker owns the repository: these routes only forward to its control verbs.
+Routes that change state answer only to loopback clients, unless an admin token is
+configured (``ZEROSERVE_ADMIN_TOKEN``), in which case they need
+``Authorization: Bearer <token>`` from anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from zeroserve.broker.client import InferError
+from zeroserve.gateway.app import BodyTooLarge, error_response, infer_error_response, \
+    json_response, read_body
+
+if TYPE_CHECKING:
+    from zeroserve.gateway.app import Gateway
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+REGISTER_TIMEOUT_S = 300.0
+STATUS_POLL_S = 0.05
+
+
+class Registration:
+    def __init__(self, gateway: "Gateway") -> None:
+        self.gw = gateway
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/models", self.create, methods=["POST"]),
+            Route("/v1/models", self.list, methods=["GET"]),
+            Route("/v1/models/{name}", self.get, methods=["GET"]),
+            Route("/v1/models/{name}", self.delete, methods=["DELETE"]),
+            Route("/v1/models/{name}/versions/{version}", self.delete, methods=["DELETE"]),
+        ]
+
+    def _refused(self, request: Request) -> Response | None:
+        """None when the caller may manage models; else the 401/403 answer."""
+        token = self.gw.settings.admin_token
+        if token:
+            given = request.headers.get("authorization", "")
+            if not given.startswith("Bearer "):
+                return error_response(401, "this route needs Authorization: Bearer <token>",
+                                      {"WWW-Authenticate": "Bearer"})
+            if not hmac.compare_digest(given[7:].encode(), token.encode()):
+                return error_response(403, "the admin token is wrong")
+            return None
+        host = request.client.host if request.client else ""
+        if host not in LOOPBACK:
+            return error_response(403, "model management answers only on loopback unless "
+                                  "an admin token is configured")
+        return None
+
+    async def create(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        try:
+            doc = orjson.loads(await read_body(request, 1 << 20))
+        except BodyTooLarge:
+            return error_response(413, "registration body exceeds 1 MiB")
+        except orjson.JSONDecodeError as exc:
+            return error_response(400, f"body is not valid JSON: {exc}")
+        if not isinstance(doc, dict):
+            return error_response(400, "body must be a JSON object with name, platform, "
+                                  "model_path, inputs (or input_shape) and outputs")
+        try:
+            job = await self.gw.client.control("register", body=doc)
+            status = await self._follow(str(job["token"]))
+        except InferError as exc:
+            return infer_error_response(exc)
+        if status["state"] == "published":
+            return json_response({"name": status["name"], "versions": status["versions"],
+                                  "state": "published"}, 201,
+                                 {"Location": f"/v1/models/{status['name']}"})
+        code = 422 if status["kind"] == "load" else 400
+        if status["kind"] == "publish":
+            code = 409
+        return error_response(code, status["error"] or "registration failed")
+
+    async def _follow(self, token: str) -> dict[str, Any]:
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while True:
+            status: dict[str, Any] = await self.gw.client.control("register_status",
+                                                                  token=token)
+            if status["state"] in ("published", "failed") or time.monotonic() > deadline:
+                return status
+            await asyncio.sleep(STATUS_POLL_S)  # the broker answers at once: poll the job
+
+    async def list(self, request: Request) -> Response:
+        try:
+            doc = await self.gw.client.control("models")
+        except InferError as exc:
+            return infer_error_response(exc)
+        return json_response({"models": [_summary(n, m) for n, m in doc["models"].items()],
+                              "errors": doc["errors"]})
+
+    async def get(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        try:
+            doc = await self.gw.client.control("models")
+            if name not in doc["models"]:
+                error = doc["errors"].get(name)
+                return error_response(404, f"unknown model {name!r}" +
+                                      (f": {error}" if error else ""))
+            config = await self.gw.client.control("config", model=name)
+        except InferError as exc:
+            return infer_error_response(exc)
+        return json_response({**_summary(name, doc["models"][name]), "config": config})
+
+    async def delete(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        raw = request.path_params.get("version")
+        if raw is not None and (not raw.isdigit() or int(raw) < 1):
+            return error_response(400, f"version must be a positive integer, got {raw!r}")
+        try:
+            doc = await self.gw.client.control(
+                "unregister", model=request.path_params["name"],
+                version=int(raw) if raw is not None else None)
+        except InferError as exc:
+            return infer_error_response(exc)
+        return json_response(doc)
+
+
+def _summary(name: str, m: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "platform": m["platform"], "versions": m["versions"],
+            "ready": m["ready"], "default_version": m["default_version"],
+            "workers": m["workers"], **({"last_failure": m["last_failure"]}
+                                        if "last_failure" in m else {})}

@@ -1,0 +1,119 @@
+"""The registration API end to end: POST /v1/models copies from an import root, a
+worker trial-loads it, an atomic rename publishes it and the watcher serves it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import http, linear_config, short_tmpdir, wait_for
+from tests.e2e.test_lifecycle import save_versioned
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def dirs():
+    repo, imports = short_tmpdir("zsrepo"), short_tmpdir("zsimp")
+    save_versioned(repo / "m" / "1", 1.0)
+    (repo / "m" / "config.json").write_text(json.dumps(linear_config("m")))
+    yield repo, imports
+    shutil.rmtree(repo, ignore_errors=True)
+    shutil.rmtree(imports, ignore_errors=True)
+
+
+def post(url: str, doc: object, raw: bytes | None = None, **headers: str):
+    status, _, body = http("POST", url + "/v1/models",
+                           raw if raw is not None else json.dumps(doc).encode(),
+                           {"Content-Type": "application/json", **headers})
+    return status, json.loads(body)
+
+
+def body(name: str, path: Path, **extra: object) -> dict[str, object]:
+    doc = {k: v for k, v in linear_config(name).items()}
+    return {**doc, "model_path": str(path), **extra}
+
+
+def leftovers(repo: Path) -> list[str]:
+    return sorted(p.name for p in repo.iterdir() if p.name != "m")
+
+
+def test_registration_round_trip(dirs, serve) -> None:
+    repo, imports = dirs
+    srv = serve(repo, extra=["--import-root", str(imports)])
+    save_versioned(imports / "good", 3.0)
+    (imports / "bad").mkdir()
+    (imports / "bad" / "model.pt").write_bytes(b"not a model")
+
+    status, doc = post(srv.url, None, raw=b"{not json")
+    assert status == 400 and "not valid JSON" in doc["error"]
+    status, doc = post(srv.url, [1, 2])
+    assert status == 400 and "JSON object" in doc["error"]
+    no_outputs = body("r", imports / "good")
+    del no_outputs["outputs"]
+    status, doc = post(srv.url, no_outputs)
+    assert status == 400 and "'outputs'" in doc["error"]
+    status, doc = post(srv.url, body("r", imports / "good", max_batch_size="8"))
+    assert status == 400 and "max_batch_size" in doc["error"]
+    status, doc = post(srv.url, {k: v for k, v in body("r", imports).items()
+                                 if k != "model_path"})
+    assert status == 400 and "model_path" in doc["error"]
+    status, doc = post(srv.url, body("r", repo / "m" / "1"))
+    assert status == 403 and "outside the import roots" in doc["error"]
+    status, doc = post(srv.url, body("r", imports / "missing"))
+    assert status == 400 and "does not exist" in doc["error"]
+    status, doc = post(srv.url, body("r", imports / "bad"))
+    assert status == 422 and "r/1" in doc["error"], doc
+    assert leftovers(repo) == [], "a failed registration left files behind"
+    status, doc = post(srv.url, body("m", imports / "good"))
+    assert status == 409 and "already exists" in doc["error"]
+    (imports / "sneaky").mkdir()
+    (imports / "sneaky" / "model.pt").symlink_to(repo / "m" / "1" / "model.pt")
+    status, doc = post(srv.url, body("r", imports / "sneaky"))
+    assert status == 400 and "links outside the import roots" in doc["error"]
+    assert leftovers(repo) == []
+
+    status, doc = post(srv.url, body("r", imports / "good"))
+    assert status == 201 and doc == {"name": "r", "versions": [1], "state": "published"}
+    assert leftovers(repo) == ["r"]
+    wait_for(lambda: http("GET", srv.url + "/v2/models/r/ready")[0] == 200, 20, "r ready")
+    x = {"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                     "data": [1, 2, 3, 4]}]}
+    status, _, out = http("POST", srv.url + "/v2/models/r/infer", json.dumps(x).encode())
+    assert status == 200 and json.loads(out)["outputs"][0]["data"] == [3.0, 3.0, 3.0]
+
+    status, _, out = http("GET", srv.url + "/v1/models")
+    assert status == 200
+    assert {m["name"] for m in json.loads(out)["models"]} == {"m", "r"}
+    status, _, out = http("GET", srv.url + "/v1/models/r")
+    doc = json.loads(out)
+    assert status == 200 and doc["ready"] == [1] and doc["config"]["max_batch_size"] == 8
+    assert http("GET", srv.url + "/v1/models/nope")[0] == 404
+
+    assert http("DELETE", srv.url + "/v1/models/r/versions/2")[0] == 404
+    assert http("DELETE", srv.url + "/v1/models/r/versions/x")[0] == 400
+    status, _, out = http("DELETE", srv.url + "/v1/models/r")
+    assert status == 200 and json.loads(out)["deleted"] == "r"
+    wait_for(lambda: http("GET", srv.url + "/v1/models/r")[0] == 404, 20, "r gone")
+    status, _, _ = http("POST", srv.url + "/v2/models/r/infer", json.dumps(x).encode())
+    assert status == 404
+    assert leftovers(repo) == []
+    assert http("DELETE", srv.url + "/v1/models/r")[0] == 404
+
+
+def test_registration_is_off_without_import_roots_and_needs_the_token(dirs, serve) -> None:
+    repo, imports = dirs
+    srv = serve(repo, env={"ZEROSERVE_ADMIN_TOKEN": "s3cret"})
+    save_versioned(imports / "good", 3.0)
+    status, doc = post(srv.url, body("r", imports / "good"))
+    assert status == 401 and "Bearer" in doc["error"]
+    status, doc = post(srv.url, body("r", imports / "good"), Authorization="Bearer nope")
+    assert status == 403 and "token" in doc["error"]
+    status, doc = post(srv.url, body("r", imports / "good"), Authorization="Bearer s3cret")
+    assert status == 403 and "registration is disabled" in doc["error"]
+    assert http("DELETE", srv.url + "/v1/models/m")[0] == 401
+    assert http("GET", srv.url + "/v1/models")[0] == 200  # reads stay open
+    assert leftovers(repo) == []

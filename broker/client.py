@@ -194,7 +194,8 @@ class AsyncClient:
         self._sock = _new_socket(self._ctx, self.endpoint)  # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._reader(), name="zeroserve-client-reader"),
-                       loop.create_task(self._pinger(), name="zeroserve-client-pinger")]
+                       loop.create_task(self._pinger(), name="zeroserve-client-pinger"),
+                       loop.create_task(self._disconnects(), name="zeroserve-client-monitor")]
 
     @property
     def connected(self) -> bool:
@@ -284,6 +285,22 @@ class AsyncClient:
             if was_connected and not self.connected:
                 self._fail_pending("lost contact with the broker")
             was_connected = self.connected
+
+    async def _disconnects(self) -> None:
+        """A dropped connection loses whatever the broker held for us; a broker that
+        restarts at once answers pings again before ``broker_timeout_s``, so without
+        this the requests sent to the old one would wait forever."""
+        assert self._sock is not None
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                self._fail_pending("lost the connection to the broker")
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        finally:
+            self._sock.disable_monitor()
+            monitor.close(linger=0)
 
     def _fail_pending(self, why: str) -> None:
         for fut in list(self._pending.values()):

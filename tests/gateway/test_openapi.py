@@ -55,7 +55,7 @@ def test_schemathesis_finds_no_500_and_no_undeclared_status(api_server, tmp_path
            "--generation-database", "none", "--workers", "2", "--request-timeout", "30",
            "--no-color", "--report", "junit",
            "--report-dir", str(tmp_path)]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
     tail = (out.stdout + out.stderr)[-6000:]
     assert out.returncode == 0, tail
     selected = re.search(r"Selected: (\d+)/", out.stdout)

@@ -121,6 +121,9 @@ def _operation(method: str, path: str, summary: str, statuses: list[int],
         elif media is not None:
             resp["content"] = {media: {"schema": {"type": "string"} if media == "text/plain"
                                        else ANY_JSON}}
+            if body is V2_REQUEST:  # binary outputs: JSON header + raw tensor bytes
+                resp["content"]["application/octet-stream"] = {
+                    "schema": {"type": "string", "format": "binary"}}
         responses[str(status)] = resp
     op: dict[str, Any] = {"summary": summary, "operationId": f"{method} {path}",
                           "responses": responses}

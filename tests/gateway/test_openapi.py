@@ -50,7 +50,7 @@ def test_schemathesis_finds_no_500_and_no_undeclared_status(api_server, tmp_path
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.gateway.st_hooks",
            "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
     cmd = [str(ST), "run", api_server.url + "/openapi.json",
-           "--checks", "no_internal_error,status_code_conformance",
+           "--checks", "no_internal_error,status_code_conformance,content_type_conformance",
            "--phases", "examples,coverage,fuzzing", "--max-examples", "25",
            "--generation-database", "none", "--workers", "2", "--request-timeout", "30",
            "--no-color", "--report", "junit",

@@ -21,14 +21,22 @@ def _endpoints(args: argparse.Namespace) -> Endpoints:
                      args.control or base.control)
 
 
+def _own_registry() -> None:
+    # prometheus_client's multiprocess mode is for gateway processes only: the broker
+    # and workers ship their own registries over the wire (see gateway/metrics.py)
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
     setup_logging("broker", args.log_level)
+    _own_registry()
     from zeroserve.broker.server import run_broker
     return run_broker(_endpoints(args), Path(args.model_dir), args)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     setup_logging(f"worker{args.index}", args.log_level)
+    _own_registry()
     from zeroserve.workers.main import run_worker
     worker_id = args.worker_id or f"{hostname()}/{args.index}"
     return run_worker(_endpoints(args).backend, worker_id, args)

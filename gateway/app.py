@@ -185,9 +185,9 @@ def create_app(settings: Settings) -> Starlette:
         *routes_simple.routes(gw),
         Route("/metrics", metrics.Scrape(gw.control).endpoint, methods=["GET"]),
     ]
-    routes.append(openapi.route(routes))
     from zeroserve.gateway.registration import Registration  # it imports this module
     routes += Registration(gw).routes()
+    routes.append(openapi.route(routes))
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)

@@ -24,7 +24,12 @@ Example = tuple[str, dict[str, Any]]  # (model name, request body per route fami
 ERROR = {"$ref": "#/components/schemas/Error"}
 ANY_JSON: dict[str, Any] = {}
 WHY = {
-    200: "OK", 400: "bad input (the message says what)", 404: "unknown model or version",
+    200: "OK", 201: "registered", 400: "bad input (the message says what)",
+    401: "an admin token is configured: send Authorization: Bearer <token>",
+    403: "management refused (not loopback, wrong token, registration disabled, or "
+         "model_path outside the import roots)",
+    404: "unknown model or version", 409: "the model already exists",
+    422: "the model failed to load (the loader's message)",
     413: "request body too large", 429: "overloaded or over quota (Retry-After)",
     500: "the model raised", 503: "no worker, draining, or broker down (Retry-After)",
     504: "deadline exceeded",
@@ -55,6 +60,11 @@ V2_REQUEST = {
 SEED_REQUEST = {"type": "object", "required": ["inputs"], "properties": {
     "inputs": {"type": "object", "additionalProperties": ANY_JSON},
     "outputs": {"type": "array", "items": {"type": "string"}}, "id": {"type": "string"}}}
+REGISTER = {"type": "object", "required": ["name", "platform", "model_path"], "properties": {
+    "name": {"type": "string"}, "platform": {"type": "string"},
+    "model_path": {"type": "string"}, "max_batch_size": {"type": "integer", "minimum": 0},
+    "input_shape": {"type": "object"}, "inputs": {"type": "array"},
+    "outputs": {"type": "array"}}}
 SIMPLE_HEADERS = [
     {"name": "X-Priority", "in": "header", "schema": {"type": "integer", "minimum": 0},
      "example": 1},
@@ -96,6 +106,16 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
     ("get", "/metrics", "Prometheus scrape of the gateway, the broker and every worker",
      [200], None, "text/plain"),
     ("get", "/openapi.json", "This document", [200], None, "application/json"),
+    ("post", "/v1/models", "Register a model from model_path (copied, trial-loaded, then "
+     "published)", [201, 400, 401, 403, 409, 413, 422, 503, 504], REGISTER,
+     "application/json"),
+    ("get", "/v1/models", "Registered models", [200, 401, 403, 503], None, "application/json"),
+    ("get", "/v1/models/{name}", "A registered model", [200, 401, 403, 404, 503], None,
+     "application/json"),
+    ("delete", "/v1/models/{name}", "Remove a model from the repository",
+     [200, 400, 401, 403, 404, 503], None, "application/json"),
+    ("delete", "/v1/models/{name}/versions/{version}", "Remove one version",
+     [200, 400, 401, 403, 404, 503], None, "application/json"),
 ]
 
 
@@ -121,6 +141,9 @@ def _operation(method: str, path: str, summary: str, statuses: list[int],
         elif media is not None:
             resp["content"] = {media: {"schema": {"type": "string"} if media == "text/plain"
                                        else ANY_JSON}}
+            if body is V2_REQUEST:  # binary outputs: JSON header + raw tensor bytes
+                resp["content"]["application/octet-stream"] = {
+                    "schema": {"type": "string", "format": "binary"}}
         responses[str(status)] = resp
     op: dict[str, Any] = {"summary": summary, "operationId": f"{method} {path}",
                           "responses": responses}

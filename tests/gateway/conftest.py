@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
@@ -10,7 +11,7 @@ from typing import Any, Iterator
 import pytest
 
 from zeroserve.broker.client import Client
-from tests.conftest import Server, linear_config, short_tmpdir, wait_for, write_model
+from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for, write_model
 
 MAX_BODY_BYTES = 200_000
 
@@ -30,6 +31,15 @@ def make_repo() -> Path:
     write_model(repo, "half", 1, "nn.ReLU()", elementwise_config("half", "FP16"))
     write_model(repo, "bf16", 1, "nn.ReLU()", elementwise_config("bf16", "BF16"))
     return repo
+
+
+def queued_count(srv: Server, model: str, priority: int) -> float:
+    """How many requests of ``model`` the broker queued under ``priority`` (a metric)."""
+    _, _, body = http("GET", srv.url + "/metrics")
+    pattern = (rf'zeroserve_inference_queue_seconds_count\{{[^}}]*model="{model}"[^}}]*'
+               rf'priority="{priority}"[^}}]*\}} ([0-9.e+]+)')
+    found = re.search(pattern, body.decode())
+    return float(found.group(1)) if found else 0.0
 
 
 def _all_ready(srv: Server) -> bool:

@@ -103,3 +103,25 @@ def test_one_scrape_has_gateway_broker_and_each_worker(api_server):
     assert re.search(r'zeroserve_requests_rejected_total\{[^}]*reason="bad_input"', text)
     for family in ("zeroserve_queue_depth", "zeroserve_worker_memory_bytes"):
         assert text.count(f"# TYPE {family} ") == 1
+
+
+def test_gateways_share_multiprocess_mode_and_the_rest_stays_apart(serve, tiny_repo,
+                                                                   tmp_path):
+    srv = serve(tiny_repo, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    assert http("GET", srv.url + "/v2/health/live")[0] == 200
+
+    def scrape():
+        text = http("GET", srv.url + "/metrics")[2].decode()
+        series = _series(text)
+        return series if "zeroserve_worker_memory_bytes" in series else None
+
+    series = wait_for(scrape, 20, "a worker's series in the scrape")
+    gateway = series["zeroserve_http_requests_total"]
+    assert {c for c, _ in gateway} == {"gateway"}
+    assert all(":" not in i for _, i in gateway)  # summed over processes: the host
+    # broker and worker figures come over the wire once, never from the shared folder
+    assert {c for c, _ in series["zeroserve_workers_alive"]} == {"broker"}
+    assert {c for c, _ in series["zeroserve_worker_memory_bytes"]} == {"worker"}
+    written = {p.name.split("_")[0] for p in tmp_path.glob("*.db")}
+    assert written and written <= {"counter", "histogram"}
+    assert len({p.name.rsplit("_", 1)[1] for p in tmp_path.glob("*.db")}) == 1  # one pid

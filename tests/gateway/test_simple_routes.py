@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import http
+from tests.gateway.conftest import queued_count
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,6 +40,15 @@ def test_seed_predict_batched_single_and_pinned(api_server):
     assert status == 200 and doc["model_version"] == 1
     np.testing.assert_allclose(doc["outputs"]["output"], expected(api_server, 1, X)[0],
                                atol=1e-5)
+
+
+def test_priority_header_reaches_the_broker(api_server):
+    before = queued_count(api_server, "linear", 1)
+    for path in ("/models/linear/predict", "/predictions/linear"):
+        sample = X[0].tolist()
+        doc = {"inputs": {"input": sample}} if path.endswith("/predict") else sample
+        assert post(api_server, path, doc, {"X-Priority": "1"})[0] == 200
+    assert queued_count(api_server, "linear", 1) == before + 2
 
 
 def test_seed_predict_half_precision_and_headers(api_server):

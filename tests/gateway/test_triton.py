@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +13,7 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import http
+from tests.gateway.conftest import queued_count
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -123,20 +123,12 @@ def test_bytes_reach_the_model_check(client):
             client.infer("linear", [inp])
 
 
-def _queued_count(api_server, priority):
-    _, _, body = http("GET", api_server.url + "/metrics")
-    pattern = (r'zeroserve_inference_queue_seconds_count\{[^}]*model="linear"[^}]*'
-               rf'priority="{priority}"[^}}]*\}} ([0-9.e+]+)')
-    found = re.search(pattern, body.decode())
-    return float(found.group(1)) if found else 0.0
-
-
 def test_priority_reaches_the_broker(client, api_server):
-    before = _queued_count(api_server, 1)
+    before = queued_count(api_server, "linear", 1)
     for _ in range(3):
         client.infer("linear", [linear_input(X)], priority=1)
     # the broker files each request under the priority it was given
-    assert _queued_count(api_server, 1) == before + 3
+    assert queued_count(api_server, "linear", 1) == before + 3
 
 
 def test_timeout_reaches_the_broker(client):

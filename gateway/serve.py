@@ -17,6 +17,7 @@ import uvicorn
 
 from zeroserve.broker.sdnotify import Notifier
 from zeroserve.gateway.app import Gateway, Settings, create_app
+from zeroserve.gateway.fastpath import InferFastPath
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class GatewayServer(uvicorn.Server):
 def run_gateway(frontend: str, args: Any) -> int:
     app = create_app(Settings(frontend=frontend, max_body_bytes=args.max_body_bytes,
                               admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", "")))
-    config = uvicorn.Config(app, host=args.http_host, port=args.http_port,
+    config = uvicorn.Config(InferFastPath(app), host=args.http_host, port=args.http_port,
                             loop="uvloop", http="httptools", access_log=False,
                             log_level=args.log_level, log_config=None,
                             timeout_graceful_shutdown=int(args.shutdown_timeout_s))

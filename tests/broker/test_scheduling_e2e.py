@@ -187,3 +187,27 @@ def test_cancelled_request_leaves_the_queue(server):
             return metrics
     metrics = asyncio.run(go())
     assert 'zeroserve_requests_rejected_total{model="cancel",reason="cancelled"} 1.0' in metrics
+
+
+def test_http_client_that_disconnects_takes_its_queued_request_along(server):
+    import socket
+
+    with Client(server.control) as c:
+        wait_for(lambda: c.control("status")["inflight_batches"] == 0, 30, "idle worker")
+    occupy(server, "cancel", n=300_000)
+    payload = body(1)
+    request = (f"POST /v2/models/cancel/infer HTTP/1.1\r\nHost: x\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+               ).encode() + payload
+    with Client(server.control) as c:
+        before = c.control("metrics")["broker"]
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(request)
+        wait_for(lambda: c.control("status")["queues"]["cancel"] == 1, 10, "queued")
+        sock.close()  # the client gives up
+        wait_for(lambda: c.control("status")["queues"]["cancel"] == 0, 10,
+                 "the queue to empty")
+        after = c.control("metrics")["broker"]
+    line = 'zeroserve_requests_rejected_total{model="cancel",reason="cancelled"}'
+    count = lambda text: float(text.split(line)[1].split()[0]) if line in text else 0.0  # noqa
+    assert count(after) == count(before) + 1

@@ -59,3 +59,16 @@ def setup_logging(role: str, level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def exposed_endpoints(endpoints: Endpoints) -> list[str]:
+    """tcp:// endpoints bound beyond loopback. Anything that reaches them can run
+    models, so the broker refuses them until CurveZMQ keys are supported."""
+    exposed = []
+    for ep in (endpoints.frontend, endpoints.backend, endpoints.control):
+        if not ep.startswith("tcp://"):
+            continue
+        host = ep[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
+            exposed.append(ep)
+    return exposed

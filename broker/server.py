@@ -29,7 +29,7 @@ from zeroserve.broker.lifecycle import Lifecycle, LifecycleOptions
 from zeroserve.broker.membership import Inflight, Membership, WorkerState
 from zeroserve.broker.metrics import BrokerMetrics
 from zeroserve.broker.operations import Operations
-from zeroserve.broker.runtime import Endpoints
+from zeroserve.broker.runtime import Endpoints, exposed_endpoints
 from zeroserve.broker.scheduler import Entry, Scheduler
 from zeroserve.broker.sdnotify import Notifier
 
@@ -619,6 +619,12 @@ class _Payload:
 
 
 def run_broker(endpoints: Endpoints, model_dir: Path, args: Any) -> int:
+    exposed = exposed_endpoints(endpoints)
+    if exposed:
+        logger.error("refusing to bind %s: tcp:// beyond loopback needs CurveZMQ keys, which "
+                     "this version does not support yet; use ipc:// or a loopback address "
+                     "(and an SSH or WireGuard tunnel between hosts)", ", ".join(exposed))
+        return 2
     broker = Broker(endpoints, model_dir, heartbeat_s=args.heartbeat_s,
                     worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s,
                     latency_model=args.latency_model == "on",

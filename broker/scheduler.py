@@ -212,8 +212,10 @@ class Scheduler:
         ahead = sum(e.samples for lvl, heap in q.levels.items() if lvl <= priority
                     for _, _, e in heap if e.state == QUEUED)
         cap = q.policy.cap
-        batches = math.ceil(ahead / cap)
-        return batches * predict(cap) / max(workers, 1)
+        full, rest = divmod(ahead, cap)
+        # the last batch is a partial one: predicting it at full size refused requests
+        # that had time
+        return (full * predict(cap) + (predict(rest) if rest else 0.0)) / max(workers, 1)
 
     # -- batch formation ----------------------------------------------------
     def take(self, model: str, now: float, predict: Predict = _no_latency,

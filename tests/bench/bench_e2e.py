@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16,64")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    threads = os.cpu_count() or 1
+    threads = max(1, (os.cpu_count() or 1) - 1)  # what zeroserve serve picks
     srv = h.start(h.example_repo({"mlp": {}}), workers=1, threads=threads)
     try:
         body = h.v2_body_file("mlp")

@@ -25,7 +25,7 @@ from typing import Any
 from tests.bench import harness as h
 from zeroserve.broker.client import AsyncClient, Client, InferError
 
-THREADS = os.cpu_count() or 1
+THREADS = max(1, (os.cpu_count() or 1) - 1)  # what zeroserve serve picks
 
 
 def batch_stats(srv: Any, model: str) -> tuple[float, float]:

@@ -235,3 +235,12 @@ def test_drop_model_returns_what_was_queued_and_forgets_the_model():
         s.add(entry(k))
     assert sorted(e.key for e in s.drop_model("m")) == ["a", "b"]
     assert s.models_waiting() == [] and s.drop_model("m") == []
+
+
+def test_wait_estimate_counts_a_partial_batch_at_its_own_size():
+    s = make(Policy(max_batch_size=16))
+    for i in range(18):
+        s.add(entry(i))
+    # one full batch of 16 and a batch of 2: 1 ms + 1 ms per sample each
+    assert abs(s.estimate_wait("m", 1, lambda b: 0.001 + 0.001 * b, workers=1)
+               - (0.017 + 0.003)) < 1e-9

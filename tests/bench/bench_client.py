@@ -16,18 +16,15 @@ import asyncio
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tests.bench import harness
 from zeroserve.broker.client import AsyncClient, Client, InferError
 from zeroserve.broker.runtime import cache_dir
 
@@ -157,55 +154,27 @@ def http(url: str, concurrency: int, warmup_s: float, duration_s: float,
     return wrk(url, concurrency, duration_s, body)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(runtime: Path, port: int, workers: int, log: Any) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "zeroserve.broker.cli", "serve", "--runtime-dir", str(runtime),
-            "--http-port", str(port), "--workers", str(workers), "--log-level", "warning"]
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"zeroserve serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/mlp/ready",
-                                        timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.1)  # polling a deadline-bound wait
-    raise SystemExit("zeroserve serve did not become ready")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--duration-s", type=float, default=10.0)
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--procs", type=int, default=2,
                     help="client processes for the direct client above C=1")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed (Debian: apt-get install wrk)")
     levels = [int(c) for c in args.concurrency.split(",")]
-    runtime = Path(tempfile.mkdtemp(prefix="zsbench", dir="/tmp"))
-    port = free_port()
-    log = open(runtime / "serve.log", "wb")
-    proc = start_server(runtime, port, args.workers, log)
+    srv = harness.start(harness.example_repo({"mlp": {}}), workers=args.workers)
     results: dict[str, Any] = {"cores": os.cpu_count(), "workers": args.workers}
     try:
-        frontend = f"ipc://{runtime}/frontend"
-        body = runtime / "mlp.json"
+        frontend = srv.frontend
+        body = srv.runtime / "mlp.json"
         body.write_text(json.dumps({"inputs": [{"name": "input", "shape": [1, 256],
                                                 "datatype": "FP32",
                                                 "data": X.ravel().tolist()}]}))
-        url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+        url = f"{srv.url}/v2/models/mlp/infer"
         results["ping_c1"] = ping_c1(frontend, min(3.0, args.duration_s))
         for c in levels:
             results[f"direct_c{c}"] = (direct_c1(frontend, args.warmup_s, args.duration_s)
@@ -214,10 +183,7 @@ def main() -> int:
                                            args.duration_s))
             results[f"http_c{c}"] = http(url, c, args.warmup_s, args.duration_s, body)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
-        log.close()
-        shutil.rmtree(runtime, ignore_errors=True)
+        srv.stop()
     model_file = cache_dir() / "examples" / "mlp" / "1" / "model.pt"
     results["in_process"] = [in_process(model_file, b) for b in (1, 64)]
     print_table(results, levels)

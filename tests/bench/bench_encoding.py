@@ -16,8 +16,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,14 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.bench import harness
+
 HERE = Path(__file__).resolve().parent
 LUA = HERE / "post.lua"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def bodies(folder: Path) -> dict[str, tuple[Path, list[str]]]:
@@ -87,26 +81,6 @@ def in_process(model_dir: Path, threads: int) -> dict[int, float]:
     return ms
 
 
-def serve(port: int, runtime: Path, log: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "zeroserve.broker.cli", "serve", "--http-port", str(port),
-            "--runtime-dir", str(runtime), "--log-level", "warning"]
-    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 300  # the first start builds the examples
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"zeroserve serve exited:\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready",
-                                        timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.2)  # noqa: sleep-ok (a script polling for readiness)
-    raise RuntimeError("server not ready in 300 s")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warmup-s", type=float, default=3.0)
@@ -117,9 +91,8 @@ def main() -> int:
         print("wrk is not installed (Debian package wrk)", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="zsbench", dir="/tmp"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/v2/models/cnn/infer"
-    proc = serve(port, work / "rt", work / "serve.log")
+    srv = harness.start(harness.example_repo({"cnn": {}}))
+    url = f"{srv.url}/v2/models/cnn/infer"
     results = {}
     try:
         cases = bodies(work)
@@ -131,8 +104,7 @@ def main() -> int:
             results[name] = wrk(url, path, headers, args.measure_s, args.concurrency)
             results[name]["body_bytes"] = path.stat().st_size
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        srv.stop()
     from zeroserve.broker.runtime import cache_dir
 
     limits = {n: in_process(cache_dir() / "examples", threads=n)

@@ -17,7 +17,7 @@ import pytest
 
 from zeroserve.broker.client import AsyncClient, Client, InferError
 from zeroserve.broker.protocol import ErrorCode
-from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for, write_model
+from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

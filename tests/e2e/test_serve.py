@@ -16,7 +16,6 @@ import torch
 import zmq
 
 from zeroserve.broker.client import AsyncClient, Client, InferError
-from zeroserve.broker.protocol import ErrorCode
 from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for, write_model
 
 pytestmark = pytest.mark.timeout(180)

@@ -30,7 +30,34 @@ def make_repo() -> Path:
         linear_config("linear", version_policy={"all": True})))
     write_model(repo, "half", 1, "nn.ReLU()", elementwise_config("half", "FP16"))
     write_model(repo, "bf16", 1, "nn.ReLU()", elementwise_config("bf16", "BF16"))
+    write_upper(repo)
     return repo
+
+
+UPPER = '''
+import numpy as np
+
+
+class Model:
+    """BYTES in, BYTES out: each string upper-cased (a Python handler)."""
+
+    def load(self, version_dir, device):
+        pass
+
+    def predict(self, inputs):
+        text = inputs["input"]
+        return {"output": np.array([t.upper() for t in text.reshape(-1)],
+                                   dtype=object).reshape(text.shape)}
+'''
+
+
+def write_upper(repo: Path) -> None:
+    (repo / "upper" / "1").mkdir(parents=True)
+    (repo / "upper" / "1" / "model.py").write_text(UPPER)
+    (repo / "upper" / "config.json").write_text(json.dumps({
+        "name": "upper", "platform": "python", "max_batch_size": 8,
+        "inputs": [{"name": "input", "datatype": "BYTES", "shape": [-1]}],
+        "outputs": [{"name": "output", "datatype": "BYTES", "shape": [-1]}]}))
 
 
 def queued_count(srv: Server, model: str, priority: int) -> float:
@@ -47,7 +74,7 @@ def _all_ready(srv: Server) -> bool:
         models = c.control("models")["models"]
         workers = c.control("status")["workers"]
     return (len(workers) == 2 and models["linear"]["ready"] == [1, 2]
-            and all(models[m]["ready"] for m in ("half", "bf16")))
+            and all(models[m]["ready"] for m in ("half", "bf16", "upper")))
 
 
 @pytest.fixture(scope="session")

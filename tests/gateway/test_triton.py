@@ -109,18 +109,33 @@ def test_bf16_binary(client):
             triton.InferRequestedOutput("output", binary_data=False)])
 
 
-def test_bytes_reach_the_model_check(client):
-    # TorchScript cannot take strings, and no model platform here accepts BYTES yet;
-    # tests/gateway/test_v2.py round-trips BYTES through the codec. Over HTTP, BYTES
-    # sent both ways decode and reach the broker's check, which names the mismatch.
-    arr = np.array([[b"ab", b"", b"\x00\xff", "é".encode()]], dtype=object)
-    for binary in (True, False):
-        if not binary:
-            arr = np.array([["ab", "", "x", "é"]], dtype=object)
-        inp = triton.InferInput("input", [1, 4], "BYTES")
-        inp.set_data_from_numpy(arr, binary_data=binary)
-        with pytest.raises(InferenceServerException, match="datatype BYTES"):
-            client.infer("linear", [inp])
+def _as_bytes(values):
+    return [x.encode() if isinstance(x, str) else bytes(x) for x in values.reshape(-1)]
+
+
+def test_bytes_round_trip_through_a_python_handler(client):
+    raw = np.array([[b"ab", b"", b"\x00\xff", "\u00e9t\u00e9".encode()]], dtype=object)
+    inp = triton.InferInput("input", [1, 4], "BYTES")
+    inp.set_data_from_numpy(raw, binary_data=True)
+    got = client.infer("upper", [inp]).as_numpy("output")  # binary out by default
+    assert _as_bytes(got) == [b"AB", b"", b"\x00\xff", "\u00e9T\u00e9".encode()]
+    # JSON carries text: every mix of JSON and binary, in and out
+    text = np.array([["ab", "", "x y", "\u00e9t\u00e9"]], dtype=object)
+    want = [b"AB", b"", b"X Y", "\u00e9T\u00e9".encode()]  # bytes.upper: ASCII only
+    for binary_in in (True, False):
+        for binary_out in (True, False):
+            inp = triton.InferInput("input", [1, 4], "BYTES")
+            inp.set_data_from_numpy(text, binary_data=binary_in)
+            out = triton.InferRequestedOutput("output", binary_data=binary_out)
+            got = client.infer("upper", [inp], outputs=[out]).as_numpy("output")
+            assert got.shape == (1, 4) and _as_bytes(got) == want, (binary_in, binary_out)
+
+
+def test_bytes_to_a_torchscript_model_is_a_clear_400(client):
+    inp = triton.InferInput("input", [1, 4], "BYTES")
+    inp.set_data_from_numpy(np.array([[b"a", b"b", b"c", b"d"]], dtype=object))
+    with pytest.raises(InferenceServerException, match="datatype BYTES"):
+        client.infer("linear", [inp])
 
 
 def test_priority_reaches_the_broker(client, api_server):

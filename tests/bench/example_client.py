@@ -28,7 +28,7 @@ def infer_with_retry(client: Client, x: np.ndarray, attempts: int = 5) -> np.nda
         except InferError as err:
             if not err.retryable or attempt == attempts - 1:
                 raise
-            time.sleep(err.retry_after_s or 0.1 * 2 ** attempt)  # back off, then retry
+            time.sleep(err.retry_after_s or 0.1 * 2 ** attempt)  # noqa: sleep-ok (client back-off)
     raise AssertionError("unreachable")
 
 

@@ -140,6 +140,10 @@ class Broker(Operations, Workforce):
             if self.stopping and (not self.inflight and not self._queued()
                                   or now >= self._stop_deadline):
                 self._fail_everything(p.ErrorCode.UNAVAILABLE, "broker is shutting down")
+                # workers leaving too can go now; the others wait for the next broker
+                for worker in self.members.workers.values():
+                    self._send(self.backend, worker.identity,
+                               p.encode_simple(p.Kind.DISCONNECT, reason="broker stopping"))
                 return
             timeout_ms = self._poll_timeout_ms(now)
             events = dict(self.poller.poll(timeout_ms))

@@ -210,6 +210,11 @@ class Worker:
             logger.info("drained; exiting%s", " to be restarted" if self.recycle_reason else "")
             self._exit = RECYCLE_EXIT_CODE if self.recycle_reason else 0
             return
+        if reason == "broker stopping":
+            if self.stopping:
+                logger.info("the broker stops too; exiting")
+                self._exit = 0
+            return  # otherwise reconnect to the next broker when this one is gone
         logger.info("broker does not know us (%s); registering again", reason)
         self._send_ready()
         if self._draining:

@@ -161,6 +161,8 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=64 << 20)
     p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight HTTP requests may take to finish")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind with SO_REUSEPORT, so several gateway processes share the port")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -174,6 +176,8 @@ def parser() -> argparse.ArgumentParser:
     _gateway_opts(p)
     p.add_argument("--workers", type=int, default=0,
                    help="worker processes (default: one per GPU, else 1)")
+    p.add_argument("--http-workers", type=int, default=1,
+                   help="gateway processes sharing the HTTP port (one core each at most)")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("broker", help="run the broker")

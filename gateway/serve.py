@@ -8,9 +8,9 @@ uvicorn stops accepting, lets in-flight requests finish for up to
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from types import FrameType
-import os
 from typing import Any
 
 import uvicorn
@@ -60,5 +60,18 @@ def run_gateway(frontend: str, args: Any) -> int:
                             log_level=args.log_level, log_config=None,
                             timeout_graceful_shutdown=int(args.shutdown_timeout_s))
     logger.info("gateway on http://%s:%d, broker %s", args.http_host, args.http_port, frontend)
-    GatewayServer(config, app.state.gateway).run()
+    sockets = [shared_socket(args.http_host, args.http_port)] if args.reuse_port else None
+    GatewayServer(config, app.state.gateway).run(sockets=sockets)
     return 0
+
+
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A listening socket that other gateway processes bind too (SO_REUSEPORT): the
+    kernel spreads new connections over them, each process with its own DEALER."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock

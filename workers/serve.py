@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -24,6 +25,23 @@ def _base(args: Any, command: str) -> list[str]:
         if getattr(args, name):
             argv += [f"--{name}", getattr(args, name)]
     return argv
+
+
+def gateways(args: Any) -> list[Child]:
+    """One gateway process, or several sharing the port (SO_REUSEPORT) and one
+    prometheus multiprocess folder, so /metrics on any of them counts them all."""
+    argv = _base(args, "gateway") + [
+        "--http-host", args.http_host, "--http-port", str(args.http_port),
+        "--max-body-bytes", str(args.max_body_bytes),
+        "--shutdown-timeout-s", str(args.shutdown_timeout_s)]
+    n = max(1, args.http_workers)
+    if n == 1:
+        return [Child("gateway", argv)]
+    prom = (Path(args.runtime_dir) if args.runtime_dir else runtime_dir()) / "prometheus"
+    shutil.rmtree(prom, ignore_errors=True)  # figures of an earlier run's processes
+    prom.mkdir(parents=True)
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(prom)}
+    return [Child(f"gateway {i}", argv + ["--reuse-port"], env) for i in range(n)]
 
 
 def run_serve(args: Any) -> int:
@@ -52,10 +70,7 @@ def run_serve(args: Any) -> int:
         if args.device:
             argv += ["--device", args.device]
         children.append(Child(f"worker {hostname()}/{i}", argv, env))
-    children.append(Child("gateway", _base(args, "gateway") + [
-        "--http-host", args.http_host, "--http-port", str(args.http_port),
-        "--max-body-bytes", str(args.max_body_bytes),
-        "--shutdown-timeout-s", str(args.shutdown_timeout_s)]))
+    children += gateways(args)
     sup = Supervisor(children, stop_timeout_s=args.drain_timeout_s + 5)
     url = f"http://{args.http_host}:{args.http_port}"
 

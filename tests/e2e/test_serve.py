@@ -145,9 +145,12 @@ def test_garbage_on_every_broker_socket_is_dropped_and_serving_goes_on(server):
 
 def test_gateway_and_broker_never_import_torch():
     code = ("import sys; import zeroserve.gateway.app, zeroserve.gateway.serve, "
+            "zeroserve.gateway.fastpath, zeroserve.gateway.registration, "
             "zeroserve.broker.server, zeroserve.broker.cli, zeroserve.broker.client, "
+            "zeroserve.broker.lifecycle, zeroserve.broker.registration, "
+            "zeroserve.broker.placement, zeroserve.broker.hasher, "
             "zeroserve.workers.supervisor, zeroserve.workers.serve, "
-            "zeroserve.models.repository; "
+            "zeroserve.models.repository, zeroserve.models.watcher; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

@@ -78,8 +78,9 @@ def _new_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
     sock.setsockopt(zmq.IMMEDIATE, 1)   # queue nothing for a broker that is not there
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    # bounded, like the broker's side: past it a send fails at once (overloaded)
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.setsockopt(zmq.RCVHWM, 1000)
     sock.setsockopt(zmq.IDENTITY, f"c-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode())
     sock.connect(endpoint)
     return sock
@@ -131,9 +132,11 @@ class Client:
     """Blocking client; one per thread (ZeroMQ sockets are not thread-safe)."""
 
     def __init__(self, endpoint: str | None = None, *, timeout_s: float = 30.0,
-                 connect_timeout_s: float = 5.0, ctx: zmq.Context[Any] | None = None) -> None:
+                 connect_timeout_s: float = 5.0, ctx: zmq.Context[Any] | None = None,
+                 admin_token: str = "") -> None:
         self.endpoint = endpoint or Endpoints.in_dir().frontend
         self.timeout_s = timeout_s
+        self.admin_token = admin_token
         self.connect_timeout_s = connect_timeout_s
         self._ctx = ctx or zmq.Context.instance()
         self._ids = itertools.count(1)
@@ -168,7 +171,7 @@ class Client:
 
     def control(self, verb: str, **args: Any) -> Any:
         rid = f"ctl-{next(self._ids)}"
-        frames = p.encode_simple(p.Kind.CONTROL, id=rid, verb=verb, args=args)
+        frames = p.encode(p.ControlRequest(rid, verb, args, self.admin_token))
         return _control_result(self._roundtrip(frames, rid, self.timeout_s))
 
     def _roundtrip(self, frames: list[Any], rid: str, wait_s: float) -> Any:
@@ -223,8 +226,10 @@ class AsyncClient:
     """
 
     def __init__(self, endpoint: str | None = None, *, ping_s: float = 0.5,
-                 broker_timeout_s: float = 3.0, ctx: zmq.Context[Any] | None = None) -> None:
+                 broker_timeout_s: float = 3.0, ctx: zmq.Context[Any] | None = None,
+                 admin_token: str = "") -> None:
         self.endpoint = endpoint or Endpoints.in_dir().frontend
+        self.admin_token = admin_token
         self.ping_s = ping_s
         self.broker_timeout_s = broker_timeout_s
         self._ctx = ctx or zmq.Context.instance()
@@ -275,8 +280,8 @@ class AsyncClient:
 
     async def control(self, verb: str, **args: Any) -> Any:
         rid = f"ctl-{next(self._ids)}"
-        header = await self._call(p.encode_simple(p.Kind.CONTROL, id=rid, verb=verb,
-                                                  args=args), rid, cancel=False)
+        header = await self._call(p.encode(p.ControlRequest(rid, verb, args, self.admin_token)),
+                                  rid, cancel=False)
         if isinstance(header, InferError):
             raise header
         return _control_result(header)
@@ -289,11 +294,13 @@ class AsyncClient:
         self._pending[rid] = fut
         try:
             if not self._send(frames):
-                raise InferError(p.ErrorCode.UNAVAILABLE, "broker is not reachable")
+                # connected, yet the socket would block: the broker is not keeping up
+                raise InferError(p.ErrorCode.OVERLOADED, "the broker is not keeping up with "
+                                 "requests (its queue to this client is full)", 1.0)
             return await fut
         except asyncio.CancelledError:
             if cancel and self._sock is not None:
-                self._send(p.encode_simple(p.Kind.CANCEL, id=rid))
+                self._send(p.encode(p.Cancel(rid)))
             raise
         finally:
             self._pending.pop(rid, None)
@@ -338,7 +345,7 @@ class AsyncClient:
     async def _pinger(self) -> None:
         was_connected = False
         while True:
-            self._send(p.encode_simple(p.Kind.PING))
+            self._send(p.encode(p.Ping()))
             await asyncio.sleep(self.ping_s)
             # belt and braces for the edge-triggered descriptors: a missed edge costs
             # at most one ping interval, never a hang

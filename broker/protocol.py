@@ -9,6 +9,11 @@ The header always carries ``v`` (the protocol version). Tensors never pass
 through msgpack: a header lists ``[name, datatype, shape]`` triples and each
 tensor's raw bytes follow as their own frame, in the same order.
 
+Every message kind has a frozen dataclass here. Inference messages (request,
+reply, error, batch, result) carry tensors and have their own codecs; the others
+are declared with a field schema and go through :func:`encode` / :func:`decode`,
+which validate every field's type and never ``assert``.
+
 Time on the wire is a remaining budget (``timeout_ms``) computed when a message
 is sent, so processes on different hosts need no shared clock.
 
@@ -18,17 +23,31 @@ Nothing here imports torch: the broker and gateway use it too.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, Sequence
 
 import msgpack
-import numpy as np
+
+from zeroserve.broker.tensors import (DTYPES, ITEM_BYTES, Buffer, ProtocolError, Tensor,
+                                      TensorMeta, datatype_of, from_numpy,
+                                      pack_bytes_elements, to_numpy, unpack_bytes_elements)
+
+__all__ = ["DTYPES", "ITEM_BYTES", "Buffer", "ProtocolError", "Tensor", "TensorMeta",
+           "datatype_of", "from_numpy", "pack_bytes_elements", "to_numpy",
+           "unpack_bytes_elements"]
 
 PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
 
 
-class ProtocolError(ValueError):
-    """A message that does not follow this protocol."""
+class VersionMismatch(ProtocolError):
+    """A well-formed message of a protocol version this peer does not speak; ``header``
+    lets the receiver answer the request it names."""
+
+    def __init__(self, header: dict[str, Any], message: str) -> None:
+        super().__init__(message)
+        self.header = header
 
 
 class Kind(bytes, enum.Enum):
@@ -47,7 +66,8 @@ class Kind(bytes, enum.Enum):
     LOAD = b"\x14"
     LOADED = b"\x15"
     UNLOAD = b"\x16"
-    DISCONNECT = b"\x17"
+    DISCONNECT = b"\x17"   # broker -> worker
+    LEAVE = b"\x18"        # worker -> broker
     # control (CLI, gateway metadata and metrics)
     CONTROL = b"\x20"
     CONTROL_REPLY = b"\x21"
@@ -72,6 +92,7 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "internal"
     FORBIDDEN = "forbidden"          # management: not allowed (registration disabled, path)
     CONFLICT = "conflict"            # management: the model already exists
+    UNAUTHORIZED = "unauthorized"    # control: a state-changing verb without the admin token
 
     @property
     def retryable(self) -> bool:
@@ -79,46 +100,24 @@ class ErrorCode(str, enum.Enum):
                         ErrorCode.UNAVAILABLE, ErrorCode.QUOTA)
 
 
-# KServe v2 datatype -> numpy dtype. BF16 has no numpy dtype: it travels as raw
-# 2-byte words and only workers (torch) interpret it.
-DTYPES: dict[str, np.dtype[Any] | None] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype("<u1"), "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"), "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype("<i1"), "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
-    "BF16": None,
-    "BYTES": None,
-}
-ITEM_BYTES = {name: (dt.itemsize if dt is not None else 2) for name, dt in DTYPES.items()
-              if name != "BYTES"}
+class DisconnectReason(str, enum.Enum):
+    """Why the broker tells a worker to go (broker -> worker DISCONNECT)."""
+
+    UNKNOWN_WORKER = "unknown_worker"    # register again (the broker restarted, or purged it)
+    DRAINED = "drained"                  # nothing of ours runs on you any more: exit
+    HUNG = "hung"                        # a batch ran past max_execution_ms: exit now
+    BROKER_STOPPING = "broker_stopping"  # exit if you are stopping too, else wait for the next
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
+class LeaveReason(str, enum.Enum):
+    """Why a worker leaves (worker -> broker LEAVE)."""
 
-    def nbytes(self) -> int | None:
-        """Exact byte size, or None for BYTES (variable length)."""
-        if self.datatype == "BYTES":
-            return None
-        n = ITEM_BYTES[self.datatype]
-        for d in self.shape:
-            n *= d
-        return n
+    SHUTDOWN = "shutdown"    # SIGTERM: drain me, then I exit
+    RECYCLE = "recycle"      # memory not returned: drain me, then I exit to be restarted
 
 
-Buffer = Any  # bytes, memoryview, zmq.Frame: anything with the buffer protocol
-
-
-@dataclass(frozen=True)
-class Tensor:
-    meta: TensorMeta
-    data: Buffer
-
+# ---------------------------------------------------------------------------
+# inference messages (they carry tensors)
 
 @dataclass(frozen=True)
 class InferRequest:
@@ -173,7 +172,9 @@ class Batch:
 
 @dataclass(frozen=True)
 class BatchResult:
-    """worker -> broker. On failure ``error`` is set and ``replies`` is empty."""
+    """worker -> broker. On failure ``error`` is set and ``replies`` is empty.
+    ``phases_ms`` splits ``compute_ms`` into input assembly, the model call and output
+    encoding (``input``, ``infer``, ``output``)."""
 
     batch_id: int
     replies: Sequence[InferReply]
@@ -181,6 +182,216 @@ class BatchResult:
     error: str | None = None
     retry: bool = False     # the batch never ran here (say, its model is not loaded)
     expired: bool = False   # never ran: its deadline passed before it could start
+    phases_ms: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------
+# everything else: plain headers with a declared schema
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_pairs(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and _is_int(x[1])
+        for x in v)
+
+
+_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "int": (_is_int, "an integer"),
+    "float": (_is_number, "a number"),
+    "bool": (lambda v: isinstance(v, bool), "a boolean"),
+    "map": (lambda v: isinstance(v, dict), "a map"),
+    "pairs": (_is_pairs, "a list of [name, version] pairs"),
+    "any": (lambda v: True, "anything"),
+}
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """client -> broker: withdraw a queued request."""
+    KIND = Kind.CANCEL
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Ping:
+    KIND = Kind.PING
+
+
+@dataclass(frozen=True)
+class Pong:
+    KIND = Kind.PONG
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """worker -> broker: register (again), with what is already loaded."""
+    KIND = Kind.READY
+    worker_id: str
+    credits: int = 2
+    pid: int = 0
+    host: str = ""
+    device: str = ""
+    models: list[list[Any]] = field(default_factory=list)   # [[model, version], ...]
+    memory_budget_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerHeartbeat:
+    """worker -> broker: alive, with its memory and its metrics text."""
+    KIND = Kind.HEARTBEAT
+    memory: dict[str, Any] = field(default_factory=dict)
+    metrics: str = ""
+
+
+@dataclass(frozen=True)
+class BrokerHeartbeat:
+    """broker -> worker: alive. The worker heartbeats at ``interval_s`` too, and counts
+    the broker lost after ``expiry_s`` of silence (the broker's own worker expiry)."""
+    KIND = Kind.HEARTBEAT
+    interval_s: float = 0.5
+    expiry_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class LoadModel:
+    """broker -> worker: load (and warm up) a version; ``sha256`` is what the broker's
+    repository holds (empty: not known)."""
+    KIND = Kind.LOAD
+    model: str
+    version: int
+    path: str
+    config: dict[str, Any]
+    sha256: str = ""
+
+
+@dataclass(frozen=True)
+class ModelLoaded:
+    """worker -> broker: the outcome of a LOAD."""
+    KIND = Kind.LOADED
+    model: str
+    version: int
+    ok: bool
+    error: str = ""
+    sha256: str = ""
+    memory_bytes: int = 0
+    load_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class UnloadModel:
+    KIND = Kind.UNLOAD
+    model: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Disconnect:
+    """broker -> worker. ``restart``: exit so that the supervisor starts you again."""
+    KIND = Kind.DISCONNECT
+    reason: DisconnectReason
+    restart: bool = False
+
+
+@dataclass(frozen=True)
+class Leave:
+    """worker -> broker: I am leaving; with ``drain``, once my batches are done."""
+    KIND = Kind.LEAVE
+    reason: LeaveReason
+    drain: bool = True
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    """CLI / gateway -> broker: a control verb. ``token`` is the admin token, needed for
+    verbs that change state when the broker has one."""
+    KIND = Kind.CONTROL
+    call_id: str
+    verb: str
+    args: dict[str, Any] = field(default_factory=dict)
+    token: str = ""
+
+
+@dataclass(frozen=True)
+class ControlReply:
+    KIND = Kind.CONTROL_REPLY
+    call_id: str
+    ok: bool
+    result: Any = None
+    code: str = ""
+    error: str = ""
+
+
+# the wire names of fields whose Python name differs (kept short and stable on the wire)
+_WIRE = {"request_id": "id", "call_id": "id"}
+_TYPES = {"str": "str", "int": "int", "float": "float", "bool": "bool",
+          "dict[str, Any]": "map", "list[list[Any]]": "pairs", "Any": "any"}
+_ENUMS: dict[str, type[enum.Enum]] = {"DisconnectReason": DisconnectReason,
+                                      "LeaveReason": LeaveReason}
+
+
+def _schema(cls: type) -> list[tuple[str, str, Any, Any]]:
+    """(field, wire name, check name or enum class, default) per field of a message."""
+    out = []
+    for f in fields(cls):
+        typ = str(f.type)  # annotations are strings here (from __future__ import annotations)
+        check: Any = _ENUMS.get(typ) or _TYPES[typ]
+        default: Any = ...
+        if f.default_factory is not MISSING:
+            default = f.default_factory
+        elif f.default is not MISSING:
+            default = f.default
+        out.append((f.name, _WIRE.get(f.name, f.name), check, default))
+    return out
+
+
+MESSAGES = (Cancel, Ping, Pong, WorkerReady, WorkerHeartbeat, BrokerHeartbeat, LoadModel,
+            ModelLoaded, UnloadModel, Disconnect, Leave, ControlRequest, ControlReply)
+_SCHEMAS = {cls: _schema(cls) for cls in MESSAGES}
+
+
+def encode(msg: Any) -> list[Buffer]:
+    """Frames of a schema-declared message (everything but the inference messages)."""
+    header: dict[str, Any] = {}
+    for name, wire, _, _ in _SCHEMAS[type(msg)]:
+        value = getattr(msg, name)
+        header[wire] = value.value if isinstance(value, enum.Enum) else value
+    return _pack(msg.KIND, header)
+
+
+def decode(cls: type, header: dict[str, Any]) -> Any:
+    """A schema-declared message from its header; ProtocolError names a bad field."""
+    values: dict[str, Any] = {}
+    for name, wire, check, default in _SCHEMAS[cls]:
+        if wire not in header or header[wire] is None:
+            if default is ...:
+                raise ProtocolError(f"{cls.__name__}: field {wire!r} is missing")
+            values[name] = default() if callable(default) else default
+            continue
+        value = header[wire]
+        if isinstance(check, type) and issubclass(check, enum.Enum):
+            try:
+                value = check(value)
+            except (ValueError, TypeError):
+                raise ProtocolError(f"{cls.__name__}: field {wire!r} is not one of "
+                                    f"{', '.join(e.value for e in check)}") from None
+        else:
+            ok, what = _CHECKS[check]
+            if not ok(value):
+                raise ProtocolError(f"{cls.__name__}: field {wire!r} must be {what}, "
+                                    f"got {type(value).__name__}")
+            if check == "float":
+                value = float(value)
+        values[name] = value
+    return cls(**values)
 
 
 # ---------------------------------------------------------------------------
@@ -197,7 +408,7 @@ def peek_kind(frames: Sequence[Buffer]) -> Kind:
     raw = bytes(frames[0])
     kind = _KINDS.get(raw)
     if kind is None:
-        raise ProtocolError(f"unknown message kind {raw!r}")
+        raise ProtocolError(f"unknown message kind {raw[:8]!r}")
     return kind
 
 
@@ -207,13 +418,13 @@ def unpack(frames: Sequence[Buffer]) -> tuple[Kind, dict[str, Any], Sequence[Buf
     try:
         header = msgpack.unpackb(bytes(frames[1]), raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"header is not msgpack: {exc}") from None
+        raise ProtocolError(f"header is not msgpack: {type(exc).__name__}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a map")
     version = header.get("v")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"protocol version {version!r} not supported (this peer speaks {PROTOCOL_VERSION})")
+        raise VersionMismatch(header, f"protocol version {version!r} is not supported (this "
+                                      f"peer speaks {', '.join(map(str, SUPPORTED_VERSIONS))})")
     return kind, header, frames[2:]
 
 
@@ -240,10 +451,11 @@ def _metas(raw: Any) -> list[TensorMeta]:
         if not (isinstance(entry, list) and len(entry) == 3):
             raise ProtocolError("each tensor must be [name, datatype, shape]")
         name, datatype, shape = entry
-        if not isinstance(name, str) or datatype not in DTYPES:
-            raise ProtocolError(f"bad tensor name or datatype: {name!r} {datatype!r}")
+        if not isinstance(name, str) or not isinstance(datatype, str) \
+                or datatype not in DTYPES:
+            raise ProtocolError(f"bad tensor name or datatype: {name!r} {datatype!r}"[:200])
         if not (isinstance(shape, list) and all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+                _is_int(d) and 0 <= d < 2**40 for d in shape)):
             raise ProtocolError(f"tensor {name!r}: shape must be a list of ints >= 0")
         metas.append(TensorMeta(name, datatype, tuple(shape)))
     return metas
@@ -287,13 +499,19 @@ def decode_request(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReq
     if outputs is not None and not all(isinstance(o, str) for o in outputs):
         raise ProtocolError("'outputs' must be a list of names")
     version = _field(header, "version", int, None)
+    if version is not None and version < 1:
+        raise ProtocolError(f"version must be a positive integer, got {version}")
+    timeout_ms = float(_field(header, "timeout_ms", (int, float), 0.0))
+    if not math.isfinite(timeout_ms) or timeout_ms < 0:
+        raise ProtocolError(f"timeout_ms must be a finite number >= 0 (0: the model's "
+                            f"default), got {timeout_ms}")
     return InferRequest(
         request_id=_field(header, "id", str),
         model=_field(header, "model", str),
         tensors=_decode_tensors(header.get("tensors"), frames),
         version=version,
         priority=_field(header, "priority", int, 0),
-        timeout_ms=float(_field(header, "timeout_ms", (int, float), 0.0)),
+        timeout_ms=timeout_ms,
         tenant=_field(header, "tenant", str, ""),
         outputs=outputs,
     )
@@ -302,7 +520,7 @@ def decode_request(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReq
 def request_id_of(header: dict[str, Any]) -> str | None:
     """Best effort: the id of a request whose body failed to decode, to answer it."""
     rid = header.get("id")
-    return rid if isinstance(rid, str) else None
+    return rid if isinstance(rid, str) and len(rid) <= 256 else None
 
 
 def encode_reply(rep: InferReply) -> list[Buffer]:
@@ -338,11 +556,6 @@ def decode_error(header: dict[str, Any]) -> ErrorReply:
                       float(retry) if retry is not None else None)
 
 
-def encode_simple(kind: Kind, **header: Any) -> list[Buffer]:
-    """Messages whose header is a plain map: cancel, ping, ready, heartbeat, load, control."""
-    return _pack(kind, header)
-
-
 # ---------------------------------------------------------------------------
 # broker <-> worker
 
@@ -362,9 +575,10 @@ def decode_batch(header: dict[str, Any], frames: Sequence[Buffer]) -> Batch:
     raw_items = _field(header, "items", list)
     items, pos = [], 0
     for raw in raw_items:
-        if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], str)):
+        if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], str)
+                and isinstance(raw[1], list)):
             raise ProtocolError("each batch item must be [id, tensors, outputs]")
-        n = len(raw[1]) if isinstance(raw[1], list) else 0
+        n = len(raw[1])
         items.append(BatchItem(raw[0], _decode_tensors(raw[1], frames[pos:pos + n]), raw[2]))
         pos += n
     if pos != len(frames):
@@ -381,7 +595,8 @@ def encode_result(result: BatchResult) -> list[Buffer]:
         replies.append([rep.request_id, metas])
         bufs.extend(rep_bufs)
     header = {"id": result.batch_id, "replies": replies, "compute_ms": result.compute_ms,
-              "error": result.error, "retry": result.retry, "expired": result.expired}
+              "error": result.error, "retry": result.retry, "expired": result.expired,
+              "phases_ms": result.phases_ms}
     return _pack(Kind.RESULT, header) + bufs
 
 
@@ -389,83 +604,22 @@ def decode_result(header: dict[str, Any], frames: Sequence[Buffer],
                   model: str, version: int) -> BatchResult:
     replies, pos = [], 0
     for raw in _field(header, "replies", list):
-        if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], str)):
+        if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], str)
+                and isinstance(raw[1], list)):
             raise ProtocolError("each reply must be [id, tensors]")
-        n = len(raw[1]) if isinstance(raw[1], list) else 0
+        n = len(raw[1])
         replies.append(InferReply(raw[0], model, version,
                                   _decode_tensors(raw[1], frames[pos:pos + n])))
         pos += n
     if pos != len(frames):
         raise ProtocolError(f"result declares {pos} tensors but carries {len(frames)} frames")
+    phases = _field(header, "phases_ms", dict, {})
     return BatchResult(_field(header, "id", int), replies,
                        float(_field(header, "compute_ms", (int, float), 0.0)),
                        _field(header, "error", str, None), _field(header, "retry", bool, False),
-                       _field(header, "expired", bool, False))
+                       _field(header, "expired", bool, False),
+                       {str(k): float(v) for k, v in phases.items() if _is_number(v)})
 
 
 def result_batch_id(header: dict[str, Any]) -> int:
     return int(_field(header, "id", int))
-
-
-# ---------------------------------------------------------------------------
-# BYTES tensors: each element a 4-byte little-endian length, then its bytes
-# (the same layout as the HTTP binary extension).
-
-def pack_bytes_elements(items: Sequence[bytes]) -> bytes:
-    out = bytearray()
-    for item in items:
-        out += len(item).to_bytes(4, "little")
-        out += item
-    return bytes(out)
-
-
-def unpack_bytes_elements(buf: Buffer, count: int | None = None) -> list[bytes]:
-    data = memoryview(buf).cast("B")
-    items, pos = [], 0
-    while pos < len(data):
-        if pos + 4 > len(data):
-            raise ProtocolError("BYTES tensor: truncated length prefix")
-        n = int.from_bytes(data[pos:pos + 4], "little")
-        pos += 4
-        if pos + n > len(data):
-            raise ProtocolError("BYTES tensor: element runs past the end of the buffer")
-        items.append(bytes(data[pos:pos + n]))
-        pos += n
-    if count is not None and len(items) != count:
-        raise ProtocolError(f"BYTES tensor: {len(items)} elements, shape needs {count}")
-    return items
-
-
-def to_numpy(tensor: Tensor) -> np.ndarray:
-    """A read-only numpy view of a tensor (BYTES -> object array of bytes)."""
-    meta = tensor.meta
-    if meta.datatype == "BYTES":
-        count = int(np.prod(meta.shape)) if meta.shape else 1
-        arr = np.empty(count, dtype=object)
-        arr[:] = unpack_bytes_elements(tensor.data, count)
-        return arr.reshape(meta.shape)
-    dtype = DTYPES[meta.datatype]
-    if dtype is None:
-        raise ProtocolError(f"{meta.datatype} has no numpy dtype")
-    return np.frombuffer(tensor.data, dtype=dtype).reshape(meta.shape)
-
-
-def from_numpy(name: str, arr: np.ndarray, datatype: str | None = None) -> Tensor:
-    """Wrap a numpy array as a tensor; the array is made C-contiguous if needed."""
-    if datatype is None:
-        datatype = datatype_of(arr.dtype)
-    if datatype == "BYTES":
-        flat = [x if isinstance(x, bytes) else str(x).encode() for x in arr.reshape(-1)]
-        return Tensor(TensorMeta(name, "BYTES", tuple(arr.shape)), pack_bytes_elements(flat))
-    arr = np.ascontiguousarray(arr, dtype=DTYPES[datatype])
-    return Tensor(TensorMeta(name, datatype, tuple(arr.shape)), memoryview(arr).cast("B"))
-
-
-def datatype_of(dtype: np.dtype[Any]) -> str:
-    if dtype == np.object_ or dtype.kind in ("S", "U"):
-        return "BYTES"
-    native = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
-    for name, dt in DTYPES.items():
-        if dt is not None and dt == native:
-            return name
-    raise ProtocolError(f"numpy dtype {dtype} has no KServe datatype")

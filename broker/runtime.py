@@ -1,11 +1,10 @@
-"""Where components find each other, and the one log format every process uses."""
+"""Where components find each other: the runtime folder, its endpoints, and the lock
+that keeps a second broker out of a folder one already serves."""
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,22 +42,55 @@ class Endpoints:
                    f"ipc://{folder}/control")
 
 
+class RuntimeDirError(RuntimeError):
+    """A runtime folder the broker must not serve from; the message says why."""
+
+
 def ensure_runtime_dir(folder: Path) -> None:
+    """Create the folder 0700, or check an existing one: the ipc sockets in it accept
+    anyone who can reach them, so nobody else may be able to write there."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.stat()
+    if st.st_uid != os.getuid() and os.getuid() != 0:
+        raise RuntimeDirError(f"runtime folder {folder} belongs to uid {st.st_uid}, not to "
+                              f"this user (uid {os.getuid()})")
+    if st.st_mode & 0o022:
+        raise RuntimeDirError(f"runtime folder {folder} is writable by others (mode "
+                              f"{st.st_mode & 0o777:o}); chmod go-w it, or use another one")
+
+
+class BrokerLock:
+    """An flock on ``<runtime>/broker.lock`` held for the broker's life, with its pid in
+    it: a second broker on the same folder would take over the first one's sockets."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / "broker.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RuntimeDirError(f"another broker (pid {holder}) already serves "
+                                  f"{self.path.parent}; stop it or use another "
+                                  "--runtime-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def hostname() -> str:
     return socket.gethostname().split(".")[0]
-
-
-def setup_logging(role: str, level: str = "info") -> None:
-    """One format for every process: time, level, role and pid, logger, message."""
-    fmt = f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s"
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(fmt))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def exposed_endpoints(endpoints: Endpoints) -> list[str]:

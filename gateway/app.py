@@ -39,21 +39,36 @@ class Settings:
     max_body_bytes: int = 64 << 20
     broker_timeout_s: float = 3.0
     admin_token: str = ""      # management routes from anywhere with it; loopback only without
+    control: str = ""          # the broker's control socket (default: beside the frontend)
+
+    @property
+    def control_endpoint(self) -> str:
+        if self.control:
+            return self.control
+        base, _, _ = self.frontend.rpartition("/")
+        return f"{base}/control"
 
 
 class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.client = AsyncClient(settings.frontend, broker_timeout_s=settings.broker_timeout_s)
+        # verbs that change state go to the control socket, with the admin token: the
+        # broker answers only read-only verbs on the frontend
+        self.admin = AsyncClient(settings.control_endpoint,
+                                 broker_timeout_s=settings.broker_timeout_s,
+                                 admin_token=settings.admin_token)
         self.draining = False
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         await self.client.start()
+        await self.admin.start()
         await self.client.wait_connected(1.0)
         try:
             yield
         finally:
+            await self.admin.close()
             await self.client.close()
 
     async def control(self, verb: str, **args: Any) -> Any:

@@ -77,7 +77,7 @@ class Registration:
             return error_response(400, "body must be a JSON object with name, platform, "
                                   "model_path, inputs (or input_shape) and outputs")
         try:
-            job = await self.gw.client.control("register", body=doc)
+            job = await self.gw.admin.control("register", body=doc)
             status = await self._follow(str(job["token"]))
         except InferError as exc:
             return infer_error_response(exc)
@@ -93,7 +93,7 @@ class Registration:
     async def _follow(self, token: str) -> dict[str, Any]:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         while True:
-            status: dict[str, Any] = await self.gw.client.control("register_status",
+            status: dict[str, Any] = await self.gw.admin.control("register_status",
                                                                   token=token)
             if status["state"] in ("published", "failed") or time.monotonic() > deadline:
                 return status
@@ -127,7 +127,7 @@ class Registration:
         if raw is not None and (not raw.isdigit() or int(raw) < 1):
             return error_response(400, f"version must be a positive integer, got {raw!r}")
         try:
-            doc = await self.gw.client.control(
+            doc = await self.gw.admin.control(
                 "unregister", model=request.path_params["name"],
                 version=int(raw) if raw is not None else None)
         except InferError as exc:

@@ -1,4 +1,5 @@
-"""Entry point of ``zeroserve gateway``: the Starlette app under uvicorn.
+"""Entry point of ``zeroserve gateway`` (also ``python -m zeroserve.gateway.serve``): the
+Starlette app under uvicorn.
 
 Shutdown (SIGTERM): readiness turns false at once, systemd hears STOPPING=1,
 uvicorn stops accepting, lets in-flight requests finish for up to
@@ -7,15 +8,17 @@ uvicorn stops accepting, lets in-flight requests finish for up to
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import socket
+import sys
 from types import FrameType
-from typing import Any
 
 import uvicorn
 
-from zeroserve.broker.sdnotify import Notifier
+from zeroserve.broker import options
+from zeroserve.broker.process import Notifier
 from zeroserve.gateway.app import Gateway, Settings, create_app
 from zeroserve.gateway.fastpath import InferFastPath
 
@@ -52,8 +55,10 @@ class GatewayServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_gateway(frontend: str, args: Any) -> int:
-    app = create_app(Settings(frontend=frontend, max_body_bytes=args.max_body_bytes,
+def run(args: argparse.Namespace) -> int:
+    frontend = options.endpoints(args).frontend
+    app = create_app(Settings(frontend=frontend, control=options.endpoints(args).control,
+                              max_body_bytes=args.max_body_bytes,
                               admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", "")))
     config = uvicorn.Config(InferFastPath(app), host=args.http_host, port=args.http_port,
                             loop="uvloop", http="httptools", access_log=False,
@@ -75,3 +80,11 @@ def shared_socket(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.listen(2048)
     return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    return options.run_component("gateway", run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

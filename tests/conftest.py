@@ -19,6 +19,24 @@ from typing import Any, Callable, Iterator
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# the one command, run from the checkout (the installed copy is a snapshot of it)
+ZEROSERVE = [sys.executable, str(ROOT / "bin" / "zeroserve")]
+# how each component's process shows in `ps` (zeroserve serve starts them by module)
+ROLE_MODULES = {"broker": "zeroserve.broker.server.main", "worker": "zeroserve.workers.main",
+                "gateway": "zeroserve.gateway.serve", "": "zeroserve"}
+
+
+def load_cli() -> Any:
+    """bin/zeroserve as a module, to call its main() in-process."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("zeroserve_bin", str(ROOT / "bin" / "zeroserve"))
+    spec = importlib.util.spec_from_loader("zeroserve_bin", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def wait_for(cond: Callable[[], Any], timeout_s: float = 20.0, what: str = "condition") -> Any:
@@ -86,7 +104,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = model_dir
         self.log_path = self.runtime / "serve.log"
-        argv = [sys.executable, "-m", "zeroserve.broker.cli", "serve",
+        argv = [*ZEROSERVE, "serve",
                 "--model-dir", str(model_dir), "--http-port", str(self.port),
                 "--runtime-dir", str(self.runtime), "--workers", str(workers),
                 "--threads", "1", "--log-level", "info", *(extra or [])]
@@ -118,13 +136,15 @@ class Server:
         try:
             wait_for(ready, timeout_s, "the server to become ready")
         except AssertionError:
+            log = self.log()
             self.stop()
-            raise AssertionError(f"server not ready:\n{self.log()}") from None
+            raise AssertionError(f"server not ready:\n{log}") from None
         return self
 
     def pids(self, role: str) -> list[int]:
         """PIDs of this server's children whose command line holds ``role``."""
-        out = subprocess.run(["pgrep", "-s", str(self.proc.pid), "-f", f"cli {role}"],
+        pattern = ROLE_MODULES[role.strip(" -")]
+        out = subprocess.run(["pgrep", "-s", str(self.proc.pid), "-f", pattern],
                              capture_output=True, text=True)
         return [int(x) for x in out.stdout.split()]
 

@@ -138,10 +138,13 @@ def _raw(t: torch.Tensor) -> tuple[str, memoryview]:
 def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
     """Run one batch. A model exception fails this batch only, with its message."""
     start = time.perf_counter()
+    marks = [start]
     try:
         inputs, sizes = assemble(loaded, batch.items, pin=loaded.device.startswith("cuda"))
+        marks.append(time.perf_counter())
         with torch.inference_mode():
             outputs = _call(loaded, inputs)
+        marks.append(time.perf_counter())
         total = sum(sizes)
         cfg = loaded.config
         replies = []
@@ -165,4 +168,8 @@ def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
     except Exception as exc:  # the model's code can raise anything
         return p.BatchResult(batch.batch_id, [], (time.perf_counter() - start) * 1000.0,
                              error=f"{type(exc).__name__}: {exc}")
-    return p.BatchResult(batch.batch_id, replies, (time.perf_counter() - start) * 1000.0)
+    marks.append(time.perf_counter())
+    phases = {name: (b - a) * 1000.0
+              for name, a, b in zip(("input", "infer", "output"), marks, marks[1:])}
+    return p.BatchResult(batch.batch_id, replies, (marks[-1] - start) * 1000.0,
+                         phases_ms=phases)

@@ -1,19 +1,24 @@
-"""Entry point of ``zeroserve worker``."""
+"""Entry point of ``zeroserve worker`` (also ``python -m zeroserve.workers.main``)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
-from typing import Any
+import sys
 
 import torch
 
+from zeroserve.broker import options
+from zeroserve.broker.runtime import hostname
 from zeroserve.workers.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
-def run_worker(endpoint: str, worker_id: str, args: Any) -> int:
+def run(args: argparse.Namespace) -> int:
+    endpoint = options.endpoints(args).backend
+    worker_id = args.worker_id or f"{hostname()}/{args.index}"
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     worker = Worker(endpoint, worker_id, credits=args.credits, device=args.device,
@@ -23,3 +28,11 @@ def run_worker(endpoint: str, worker_id: str, args: Any) -> int:
     logger.info("worker %s on %s, %d torch threads, broker %s (pid %d)", worker_id,
                 worker.device, torch.get_num_threads(), endpoint, os.getpid())
     return worker.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return options.run_component("worker", run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,15 +10,22 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from zeroserve.broker.runtime import cache_dir, hostname, runtime_dir
+from zeroserve.broker import options
+from zeroserve.broker.runtime import RuntimeDirError, cache_dir, ensure_runtime_dir, \
+    hostname, runtime_dir
 from zeroserve.workers.supervisor import Child, Supervisor, count_gpus, ensure_examples, \
     wait_http_ready
 
 logger = logging.getLogger(__name__)
 
 
+# each component is started by its module name, as a fresh process
+MODULES = {"broker": "zeroserve.broker.server.main", "worker": "zeroserve.workers.main",
+           "gateway": "zeroserve.gateway.serve"}
+
+
 def _base(args: Any, command: str) -> list[str]:
-    argv = [sys.executable, "-m", "zeroserve.broker.cli", command,
+    argv = [sys.executable, "-m", MODULES[command],
             "--log-level", args.log_level,
             "--runtime-dir", str(Path(args.runtime_dir) if args.runtime_dir else runtime_dir())]
     for name in ("frontend", "backend", "control"):
@@ -44,13 +51,20 @@ def gateways(args: Any) -> list[Child]:
     return [Child(f"gateway {i}", argv + ["--reuse-port"], env) for i in range(n)]
 
 
-def run_serve(args: Any) -> int:
+def run(args: Any) -> int:
+    try:
+        ensure_runtime_dir(Path(args.runtime_dir) if args.runtime_dir else runtime_dir())
+    except RuntimeDirError as exc:
+        logger.error("%s", exc)
+        return 2
     model_dir = Path(args.model_dir) if args.model_dir else ensure_examples(cache_dir())
     gpus = count_gpus()
     n = args.workers or max(gpus, 1)
     # one core stays with the gateway and the broker: torch's spinning threads on every
     # core cut mlp's HTTP throughput by a third on a 2-core host (measured)
     threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // n)
+    # prometheus_client picks multiprocess mode when it is imported: only gateways use it
+    own_registry: dict[str, str | None] = {"PROMETHEUS_MULTIPROC_DIR": None}
     children = [Child("broker", _base(args, "broker") + [
         "--model-dir", str(model_dir), "--heartbeat-s", str(args.heartbeat_s),
         "--worker-expiry-s", str(args.worker_expiry_s),
@@ -59,9 +73,9 @@ def run_serve(args: Any) -> int:
         "--watch", args.watch,
         "--watch-interval-s", str(args.watch_interval_s),
         "--watch-debounce-ms", str(args.watch_debounce_ms),
-        *[a for r in args.import_root or () for a in ("--import-root", r)]])]
+        *[a for r in args.import_root or () for a in ("--import-root", r)]], own_registry)]
     for i in range(n):
-        env = {"CUDA_VISIBLE_DEVICES": str(i)} if i < gpus else {}
+        env = {**own_registry, **({"CUDA_VISIBLE_DEVICES": str(i)} if i < gpus else {})}
         argv = _base(args, "worker") + ["--index", str(i), "--credits", str(args.credits),
                                         "--threads", str(threads),
                                         "--memory-budget", str(args.memory_budget),
@@ -84,3 +98,11 @@ def run_serve(args: Any) -> int:
 
     logger.info("serving %s with %d worker(s) of %d torch thread(s)", model_dir, n, threads)
     return sup.run(started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return options.run_component("serve", run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

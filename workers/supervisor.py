@@ -43,7 +43,7 @@ def ensure_examples(cache: Path) -> Path:
 class Child:
     name: str
     argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)  # None: unset it
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     next_start: float = 0.0
@@ -51,7 +51,7 @@ class Child:
     started_s: float = 0.0
 
     def start(self) -> None:
-        env = {**os.environ, **self.env}
+        env = {k: v for k, v in {**os.environ, **self.env}.items() if v is not None}
         self.proc = subprocess.Popen(self.argv, env=env)
         self.started_s = time.monotonic()
         logger.info("started %s (pid %d)", self.name, self.proc.pid)

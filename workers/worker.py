@@ -29,7 +29,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker.sdnotify import Notifier
+from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
 from zeroserve.workers import batching
@@ -62,10 +62,12 @@ class Worker:
         self.worker_id = worker_id
         self.credits = credits
         self.heartbeat_s = heartbeat_s
-        self.broker_expiry_s = broker_expiry_s
+        self.min_broker_expiry_s = self.broker_expiry_s = broker_expiry_s
         self.device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
         self.ctx = ctx or zmq.Context.instance()
+        # written by the loader thread, read by the others: iterate only under the lock
         self.models: dict[tuple[str, int], LoadedModel] = {}
+        self._models_lock = threading.Lock()
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._loads: queue.Queue[Any] = queue.Queue()
         self.drain_timeout_s = drain_timeout_s
@@ -79,6 +81,7 @@ class Worker:
         self.memory_budget_bytes = memory_budget_bytes
         self.recycle_reason = ""
         self._load_seq = 0
+        self._bad_log = RateLimitedLog(logger)
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -118,14 +121,15 @@ class Worker:
     def _send(self, frames: list[Any]) -> None:
         self.sock.send_multipart(frames, copy=False)
 
+    def _loaded(self) -> list[tuple[tuple[str, int], LoadedModel]]:
+        with self._models_lock:
+            return list(self.models.items())
+
     def _send_ready(self) -> None:
         self._last_heard = time.monotonic()
-        self._send(p.encode_simple(
-            p.Kind.READY, worker_id=self.worker_id, credits=self.credits, pid=os.getpid(),
-            host=socket.gethostname(), device=self.device,
-            models=[[m, v] for m, v in self.models],
-            shas={f"{m}/{v}": lm.sha256 for (m, v), lm in self.models.items()},
-            memory_budget_bytes=self.memory_budget_bytes))
+        self._send(p.encode(p.WorkerReady(
+            self.worker_id, self.credits, os.getpid(), socket.gethostname(), self.device,
+            [[m, v] for (m, v), _ in self._loaded()], self.memory_budget_bytes)))
 
     # -- main loop ----------------------------------------------------------
     def run(self) -> int:
@@ -157,9 +161,7 @@ class Worker:
                 self._stop_deadline = now + self.drain_timeout_s
                 logger.info("draining before exit")
                 self.notifier.stopping()
-                self._send(p.encode_simple(p.Kind.DISCONNECT, drain=True,
-                                           reason=self.recycle_reason or "shutdown",
-                                           recycle=bool(self.recycle_reason)))
+                self._send(self._leave())
             if now >= self._stop_deadline:
                 logger.warning("drain did not finish within %.0fs; exiting", self.drain_timeout_s)
                 break
@@ -187,38 +189,48 @@ class Worker:
                     if batch.timeout_ms > 0 else float("inf")
                 self._jobs.put((batch, start_by))
             elif kind is p.Kind.HEARTBEAT:
-                self._registered = True
+                self._on_heartbeat(p.decode(p.BrokerHeartbeat, header))
             elif kind is p.Kind.LOAD:
-                self._loads.put(header)
+                self._loads.put(p.decode(p.LoadModel, header))
             elif kind is p.Kind.UNLOAD:
-                self._loads.put(("unload", str(header["model"]), int(header["version"])))
+                self._loads.put(p.decode(p.UnloadModel, header))
             elif kind is p.Kind.DISCONNECT:
-                self._on_disconnect(header)
+                self._on_disconnect(p.decode(p.Disconnect, header))
         except (p.ProtocolError, KeyError, ValueError, TypeError) as exc:
-            logger.warning("dropped a malformed message from the broker: %s", exc)
+            self._bad_log.log(logging.WARNING, "dropped a malformed message from the broker: %s",
+                              str(exc)[:300])
 
-    def _on_disconnect(self, header: dict[str, Any]) -> None:
-        reason = header.get("reason")
-        if header.get("restart") and self.recycle_reason and reason == "drained":
-            logger.warning("drained; exiting to be restarted (%s)", self.recycle_reason)
-            self._exit = RECYCLE_EXIT_CODE
+    def _on_heartbeat(self, beat: p.BrokerHeartbeat) -> None:
+        """The broker sets the pace: we heartbeat as often as it does, and count it lost
+        only after more than its own expiry for us (so --heartbeat-s 4 works too)."""
+        self._registered = True
+        if beat.interval_s > 0:
+            self.heartbeat_s = beat.interval_s
+            self.broker_expiry_s = max(self.min_broker_expiry_s, 3 * beat.interval_s,
+                                       1.5 * beat.expiry_s)
+
+    def _leave(self) -> list[Any]:
+        reason = p.LeaveReason.RECYCLE if self.recycle_reason else p.LeaveReason.SHUTDOWN
+        return p.encode(p.Leave(reason, True, self.recycle_reason))
+
+    def _on_disconnect(self, msg: p.Disconnect) -> None:
+        reason = msg.reason
+        if reason is p.DisconnectReason.DRAINED:
+            logger.info("drained; exiting%s", " to be restarted" if msg.restart else "")
+            self._exit = RECYCLE_EXIT_CODE if msg.restart or self.recycle_reason else 0
             return
-        if header.get("restart"):
-            logger.error("broker asks for a restart (%s)", reason)
-            os._exit(75)  # the compute thread may be stuck inside the model
-        if reason == "drained":
-            logger.info("drained; exiting%s", " to be restarted" if self.recycle_reason else "")
-            self._exit = RECYCLE_EXIT_CODE if self.recycle_reason else 0
-            return
-        if reason == "broker stopping":
+        if msg.restart:
+            logger.error("broker asks for a restart (%s)", reason.value)
+            os._exit(RECYCLE_EXIT_CODE)  # the compute thread may be stuck inside the model
+        if reason is p.DisconnectReason.BROKER_STOPPING:
             if self.stopping:
                 logger.info("the broker stops too; exiting")
                 self._exit = 0
             return  # otherwise reconnect to the next broker when this one is gone
-        logger.info("broker does not know us (%s); registering again", reason)
+        logger.info("broker does not know us; registering again")
         self._send_ready()
         if self._draining:
-            self._send(p.encode_simple(p.Kind.DISCONNECT, reason="shutdown", drain=True))
+            self._send(self._leave())
 
     def _notify_ready_once(self) -> None:
         """READY=1 for systemd once the broker knows us and every load it asked for is
@@ -233,7 +245,7 @@ class Worker:
     def _heartbeat(self) -> None:
         rss = rss_bytes()
         self.m_memory.set(rss)
-        footprints = {f"{m}/{v}": lm.memory_bytes for (m, v), lm in self.models.items()}
+        footprints = {f"{m}/{v}": lm.memory_bytes for (m, v), lm in self._loaded()}
         memory = {"rss_bytes": rss, "budget_bytes": self.memory_budget_bytes,
                   "models": footprints, "free_bytes": self._free_bytes(footprints)}
         if self.m_gpu is not None:
@@ -241,8 +253,7 @@ class Worker:
             self.m_gpu.set(used)
             free, total = torch.cuda.mem_get_info()
             memory.update(gpu_used_bytes=used, gpu_free_bytes=free, gpu_total_bytes=total)
-        self._send(p.encode_simple(p.Kind.HEARTBEAT, memory=memory,
-                                   metrics=generate_latest(self.registry).decode()))
+        self._send(p.encode(p.WorkerHeartbeat(memory, generate_latest(self.registry).decode())))
 
     # -- threads ------------------------------------------------------------
     def _compute_loop(self) -> None:
@@ -273,39 +284,41 @@ class Worker:
         out.connect(f"inproc://results-{id(self)}")
         try:
             while (job := self._loads.get()) is not _STOP:
-                if isinstance(job, tuple):
-                    self._unload(job[1], job[2])
+                if isinstance(job, p.UnloadModel):
+                    self.unload_version(job.model, job.version)
                 else:
-                    out.send_multipart(self._load(job))
+                    out.send_multipart(p.encode(self.load_version(job)))
                 self._loads.task_done()
         finally:
             out.close(linger=0)
 
-    def _load(self, header: dict[str, Any]) -> list[Any]:
-        name, version = str(header["model"]), int(header["version"])
+    def load_version(self, msg: p.LoadModel) -> p.ModelLoaded:
+        name, version = msg.model, msg.version
         try:
-            cfg = parse_config(header["config"], f"config of {name}")
-            loaded = load(cfg, version, Path(header["path"]), self.device, self._memory_probe)
+            cfg = parse_config(msg.config, f"config of {name}")
+            loaded = load(cfg, version, Path(msg.path), self.device, self._memory_probe)
         except (LoadError, ValueError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)
-            return p.encode_simple(p.Kind.LOADED, model=name, version=version, ok=False,
-                                   error=str(exc))
+            return p.ModelLoaded(name, version, False, error=str(exc))
         self._load_seq += 1
         loaded.extra["seq"] = self._load_seq
-        old = self.models.get((name, version))
-        self.models[(name, version)] = loaded
+        with self._models_lock:
+            old = self.models.get((name, version))
+            self.models[(name, version)] = loaded
         if old is not None:  # the same version changed in place: the new one replaces it
             old.release()
             del old
         self.m_model_memory.labels(name, str(version)).set(loaded.memory_bytes)
         logger.info("loaded %s/%d (sha256 %s, %.1f MB, %.2fs)", name, version,
                     loaded.sha256[:12], loaded.memory_bytes / 1e6, loaded.load_s)
-        return p.encode_simple(p.Kind.LOADED, model=name, version=version, ok=True,
-                               sha256=loaded.sha256, memory_bytes=loaded.memory_bytes,
-                               load_s=loaded.load_s)
+        return p.ModelLoaded(name, version, True, sha256=loaded.sha256,
+                             memory_bytes=loaded.memory_bytes, load_s=loaded.load_s)
 
-    def _unload(self, name: str, version: int) -> None:
-        loaded = self.models.pop((name, version), None)
+    def unload_version(self, name: str, version: int) -> None:
+        with self._models_lock:
+            loaded = self.models.pop((name, version), None)
+            later = [m.memory_bytes for m in self.models.values()
+                     if loaded is not None and m.extra.get("seq", 0) > loaded.extra.get("seq", 0)]
         if loaded is None:
             return
         try:
@@ -313,9 +326,7 @@ class Worker:
         except KeyError:
             pass
         # what memory may legitimately stay: models loaded after this one and still held
-        expected = loaded.probe_before + sum(
-            m.memory_bytes for m in self.models.values()
-            if m.extra.get("seq", 0) > loaded.extra.get("seq", 0))
+        expected = loaded.probe_before + sum(later)
         loaded.release()
         del loaded
         gc.collect()

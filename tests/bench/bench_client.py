@@ -84,7 +84,7 @@ def ping_c1(frontend: str, duration_s: float) -> dict[str, Any]:
     try:
         start = time.perf_counter()
         while (t0 := time.perf_counter()) - start < duration_s:
-            sock.send_multipart(p.encode_simple(p.Kind.PING))
+            sock.send_multipart(p.encode(p.Ping()))
             if not sock.poll(5000):
                 raise SystemExit("no PONG from the broker")
             sock.recv_multipart()

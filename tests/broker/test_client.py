@@ -30,7 +30,7 @@ async def _stand_in(sock, got_request=None):
         frames = await sock.recv_multipart()
         kind = p.unpack(frames[1:])[0]
         if kind is p.Kind.PING:
-            await sock.send_multipart([frames[0], *p.encode_simple(p.Kind.PONG)])
+            await sock.send_multipart([frames[0], *p.encode(p.Pong())])
         elif kind is p.Kind.REQUEST and got_request is not None:
             got_request.set()
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from zeroserve.broker import cli, config
+from zeroserve.broker import config, options
+from tests.conftest import load_cli
 
 
 @pytest.fixture(autouse=True)
@@ -30,22 +31,22 @@ def test_precedence_is_flag_then_env_then_file_then_default(tmp_path: Path,
                            'max_body_bytes = 1000\n[broker]\nheartbeat_s = 2\n')
     monkeypatch.setenv("ZEROSERVE_GATEWAY_HTTP_PORT", "9002")
     monkeypatch.setenv("ZEROSERVE_GATEWAY_MAX_BODY_BYTES", "2000")
-    args = cli.parse(["gateway", "--config", str(path), "--http-port", "9003"])
+    args = options.parse(["gateway", "--config", str(path), "--http-port", "9003"])
     assert args.http_port == 9003            # flag over env and file
     assert args.max_body_bytes == 2000       # env over file
     assert args.http_host == "127.0.0.2"     # file over default
     assert args.shutdown_timeout_s == 30.0   # default
-    broker = cli.parse(["broker", "--config", str(path)])
+    broker = options.parse(["broker", "--config", str(path)])
     assert broker.heartbeat_s == 2.0 and isinstance(broker.heartbeat_s, float)
     # the default file comes from $ZEROSERVE_CONFIG
     monkeypatch.delenv("ZEROSERVE_GATEWAY_HTTP_PORT")
     monkeypatch.setenv("ZEROSERVE_CONFIG", str(path))
-    assert cli.parse(["gateway"]).http_port == 9001
+    assert options.parse(["gateway"]).http_port == 9001
 
 
 def test_control_verbs_find_the_broker_through_the_broker_table(tmp_path: Path) -> None:
     path = write(tmp_path, '[broker]\nruntime_dir = "/srv/zs"\n')
-    args = cli.parse(["drain", "h/0", "--config", str(path)])
+    args = options.parse(["drain", "h/0", "--config", str(path)])
     assert args.runtime_dir == "/srv/zs" and args.worker == "h/0"
 
 
@@ -60,21 +61,21 @@ def test_bad_files_are_errors_that_name_the_key(tmp_path: Path, text: str, needl
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path, text)
     with pytest.raises(config.ConfigError, match=None) as err:
-        cli.parse(["broker", "--config", str(path)])
+        options.parse(["broker", "--config", str(path)])
     assert needle in str(err.value)
-    assert cli.main(["config", "show", "--config", str(path)]) == 2
+    assert load_cli().main(["config", "show", "--config", str(path)]) == 2
     assert needle in capsys.readouterr().err
 
 
 def test_unknown_or_malformed_environment_variables_are_errors(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("ZEROSERVE_GATEWAY_HTTP_PRT", "1")
-    assert cli.main(["gateway", "--http-port", "1"]) == 2
+    assert load_cli().main(["gateway", "--http-port", "1"]) == 2
     assert "ZEROSERVE_GATEWAY_HTTP_PRT" in capsys.readouterr().err
     monkeypatch.delenv("ZEROSERVE_GATEWAY_HTTP_PRT")
     monkeypatch.setenv("ZEROSERVE_WORKER_CREDITS", "many")
     with pytest.raises(config.ConfigError, match="ZEROSERVE_WORKER_CREDITS: 'many'"):
-        cli.parse(["worker"])
+        options.parse(["worker"])
 
 
 def test_config_show_prints_the_effective_config_as_toml(
@@ -82,14 +83,14 @@ def test_config_show_prints_the_effective_config_as_toml(
         capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path, '[serve]\nworkers = 3\n[gateway]\nhttp_port = 9001\n')
     monkeypatch.setenv("ZEROSERVE_GATEWAY_HTTP_PORT", "9002")
-    assert cli.main(["config", "show", "--config", str(path)]) == 0
+    assert load_cli().main(["config", "show", "--config", str(path)]) == 0
     shown = tomllib.loads(capsys.readouterr().out)
     assert set(shown) == {"broker", "worker", "gateway", "serve"}
     assert shown["serve"]["workers"] == 3 and shown["gateway"]["http_port"] == 9002
     assert shown["broker"]["drain_timeout_s"] == 30.0
     assert "model_dir" not in shown["broker"]  # unset options are comments
     # every flag of every component is a key
-    subs = cli._subparsers(cli.parser())
+    subs = options.subparsers(options.parser())
     for component in config.COMPONENTS:
         flags = {a.dest for a in subs[component]._actions if a.option_strings} - {"help", "config"}
         assert flags == set(config.options(subs[component]))
@@ -97,4 +98,4 @@ def test_config_show_prints_the_effective_config_as_toml(
 
 def test_a_missing_config_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(config.ConfigError, match="cannot read config file"):
-        cli.parse(["broker", "--config", str(tmp_path / "nope.toml")])
+        options.parse(["broker", "--config", str(tmp_path / "nope.toml")])

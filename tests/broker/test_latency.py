@@ -1,6 +1,6 @@
 from hypothesis import given, strategies as st
 
-from zeroserve.broker.latency import LatencyBook, LatencyModel
+from zeroserve.broker.server.latency import LatencyBook, LatencyModel
 
 
 def test_fits_fixed_plus_per_sample_cost():

@@ -17,9 +17,10 @@ import zmq
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.client import Client
-from zeroserve.broker.lifecycle import LifecycleOptions
 from zeroserve.broker.runtime import Endpoints
-from zeroserve.broker.server import Broker
+from zeroserve.broker.server.broker import Broker
+from zeroserve.broker.server.loop import BrokerLoop
+from zeroserve.broker.server.swap import LifecycleOptions
 from zeroserve.models.repository import version_sha256
 from tests.conftest import linear_config, short_tmpdir
 
@@ -36,7 +37,7 @@ class FakeWorker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, wid.encode())
         self.sock.connect(endpoint)
-        self.sock.send_multipart(p.encode_simple(p.Kind.READY, worker_id=wid, credits=1))
+        self.sock.send_multipart(p.encode(p.WorkerReady(wid, 1)))
 
     def expect(self, kind: p.Kind, timeout_s: float = 10.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
@@ -49,10 +50,9 @@ class FakeWorker:
 
     def loaded(self, header: dict[str, Any], ok: bool = True, sha: str | None = None,
                error: str = "") -> None:
-        self.sock.send_multipart(p.encode_simple(
-            p.Kind.LOADED, model=header["model"], version=header["version"], ok=ok,
-            sha256=sha if sha is not None else header.get("sha256"), error=error,
-            memory_bytes=1000, load_s=0.01))
+        self.sock.send_multipart(p.encode(p.ModelLoaded(
+            header["model"], header["version"], ok, error,
+            sha if sha is not None else header.get("sha256", ""), 1000, 0.01)))
 
 
 def write_version(repo: Path, version: int, publish: bool = True) -> None:
@@ -69,11 +69,15 @@ def broker() -> Iterator[tuple[Broker, Path, zmq.Context[Any]]]:
     write_version(repo, 1, publish=False)
     (repo / "m" / "config.json").write_text(json.dumps(linear_config("m")))
     ctx: zmq.Context[Any] = zmq.Context()
-    b = Broker(Endpoints.in_dir(rt), repo, worker_expiry_s=60, ctx=ctx,
+    endpoints = Endpoints.in_dir(rt)
+    loop = BrokerLoop(endpoints, ctx)
+    b = Broker(repo, to_client=loop.to_client, to_worker=loop.to_worker,
+               to_controller=loop.to_controller, worker_expiry_s=60, ctx=ctx,
                lifecycle=LifecycleOptions(debounce_s=0.05))
+    b.endpoints = endpoints  # type: ignore[attr-defined]  # for the tests' sockets
     b.load_catalog()
-    b.bind()
-    thread = threading.Thread(target=b.run, daemon=True)
+    b.start(loop.poller)
+    thread = threading.Thread(target=loop.run, args=(b,), daemon=True)
     thread.start()
     yield b, repo, ctx
     while OPEN:
@@ -81,6 +85,7 @@ def broker() -> Iterator[tuple[Broker, Path, zmq.Context[Any]]]:
     b.request_stop()
     thread.join(10)
     b.close()
+    loop.close(0)
     ctx.destroy(linger=0)
     shutil.rmtree(repo, ignore_errors=True)
     shutil.rmtree(rt, ignore_errors=True)

@@ -1,7 +1,7 @@
 import subprocess
-import sys
 
 from zeroserve.broker.runtime import Endpoints, exposed_endpoints
+from tests.conftest import ZEROSERVE
 
 
 def test_only_tcp_beyond_loopback_is_exposed():
@@ -12,7 +12,7 @@ def test_only_tcp_beyond_loopback_is_exposed():
 
 
 def test_broker_refuses_to_bind_beyond_loopback(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "zeroserve.broker.cli", "broker",
+    out = subprocess.run([*ZEROSERVE, "broker",
                           "--model-dir", str(tmp_path), "--backend", "tcp://0.0.0.0:0",
                           "--runtime-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)

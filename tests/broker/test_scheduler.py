@@ -4,7 +4,7 @@ import math
 
 from hypothesis import given, settings, strategies as st
 
-from zeroserve.broker.scheduler import DEADLINE, DELAY, FULL, IDLE, Entry, Policy, Scheduler
+from zeroserve.broker.server.scheduler import DEADLINE, DELAY, FULL, IDLE, Entry, Policy, Scheduler
 
 
 def make(policy=Policy(max_batch_size=8)):

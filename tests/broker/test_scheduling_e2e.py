@@ -166,7 +166,7 @@ def test_batch_past_max_execution_fails_and_the_worker_is_restarted(server):
 def test_cancelled_request_leaves_the_queue(server):
     with Client(server.control) as c:
         wait_for(lambda: c.control("status")["inflight_batches"] == 0, 30, "idle worker")
-    occupy(server, "cancel", n=300_000)
+    occupy(server, "cancel", n=2_000_000)
 
     async def go():
         async with AsyncClient(server.frontend) as ac:
@@ -194,7 +194,7 @@ def test_http_client_that_disconnects_takes_its_queued_request_along(server):
 
     with Client(server.control) as c:
         wait_for(lambda: c.control("status")["inflight_batches"] == 0, 30, "idle worker")
-    occupy(server, "cancel", n=300_000)
+    occupy(server, "cancel", n=2_000_000)
     payload = body(1)
     request = (f"POST /v2/models/cancel/infer HTTP/1.1\r\nHost: x\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.conftest import linear_config, wait_for
+from tests.conftest import ZEROSERVE, linear_config, wait_for
 from zeroserve.broker.client import Client, InferError
 
 
@@ -63,7 +63,7 @@ class Load:
 
 def cli(*argv: str, timeout_s: float = 90.0) -> subprocess.CompletedProcess[str]:
     """``zeroserve ARGV`` as a real process."""
-    return subprocess.run([sys.executable, "-m", "zeroserve.broker.cli", *argv],
+    return subprocess.run([*ZEROSERVE, *argv],
                           capture_output=True, text=True, timeout=timeout_s)
 
 

@@ -135,8 +135,10 @@ def test_garbage_on_every_broker_socket_is_dropped_and_serving_goes_on(server):
             sock.send_multipart(frames)
         sock.close()
     with Client(server.control) as c:
-        wait_for(lambda: "zeroserve_bad_messages_total{socket=\"backend\"}"
-                 in c.control("metrics")["broker"], 10, "bad messages counted")
+        wait_for(lambda: all(f'zeroserve_bad_messages_total{{reason="malformed",socket="{name}"}}'
+                             in c.control("metrics")["broker"]
+                             for name in ("frontend", "backend", "control")),
+                 10, "bad messages counted on every socket")
     x = np.ones((1, 4), np.float32)
     with Client(server.frontend) as c:
         np.testing.assert_allclose(c.infer("linear", {"input": x}, version=1).outputs["output"],
@@ -146,9 +148,10 @@ def test_garbage_on_every_broker_socket_is_dropped_and_serving_goes_on(server):
 def test_gateway_and_broker_never_import_torch():
     code = ("import sys; import zeroserve.gateway.app, zeroserve.gateway.serve, "
             "zeroserve.gateway.fastpath, zeroserve.gateway.registration, "
-            "zeroserve.broker.server, zeroserve.broker.cli, zeroserve.broker.client, "
-            "zeroserve.broker.lifecycle, zeroserve.broker.registration, "
-            "zeroserve.broker.placement, zeroserve.broker.hasher, "
+            "zeroserve.broker.server.main, zeroserve.broker.options, zeroserve.broker.client, "
+            "zeroserve.broker.admin, zeroserve.broker.server.swap, "
+            "zeroserve.broker.server.registration, "
+            "zeroserve.broker.server.placement, zeroserve.broker.server.hasher, "
             "zeroserve.workers.supervisor, zeroserve.workers.serve, "
             "zeroserve.models.repository, zeroserve.models.watcher; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")

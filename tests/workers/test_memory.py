@@ -37,10 +37,10 @@ SCRIPT = textwrap.dedent('''
                     memory_tolerance_bytes=int(sys.argv[2]))
     rss, footprints = [], []
     for _ in range(20):
-        kind, reply, _ = p.unpack(worker._load(dict(header)))
-        assert reply["ok"], reply
-        footprints.append(reply["memory_bytes"])
-        worker._unload("mlp", 1)
+        reply = worker.load_version(p.LoadModel(**header))
+        assert reply.ok, reply
+        footprints.append(reply.memory_bytes)
+        worker.unload_version("mlp", 1)
         gc.collect()
         rss.append(rss_bytes())
     print(json.dumps({"rss": rss, "footprints": footprints,

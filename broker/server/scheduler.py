@@ -38,6 +38,13 @@ class Entry:
     seq: int = 0
     state: int = QUEUED
 
+    def again(self) -> "Entry":
+        """A fresh entry for the same request, to queue it again (a retry): the old one
+        may still sit in the queue's heaps, and one object in two places would be taken
+        twice."""
+        return Entry(self.key, self.model, self.priority, self.arrival_s, self.deadline_s,
+                     self.samples, self.version, self.payload)
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -73,18 +80,49 @@ class _Queue:
     policy: Policy
     levels: dict[int, list[tuple[float, int, Entry]]] = field(default_factory=dict)
     fifo: deque[Entry] = field(default_factory=deque)
+    # per priority: arrival order (the newest is shed first) and queued samples, so that
+    # admission and shedding cost the same at any queue depth
+    arrivals: dict[int, deque[Entry]] = field(default_factory=dict)
+    level_samples: dict[int, int] = field(default_factory=dict)
     count: int = 0
     samples: int = 0
 
     def push(self, e: Entry) -> None:
+        if len(self.fifo) > 4 * self.count + 1024:
+            self._compact()
         heapq.heappush(self.levels.setdefault(e.priority, []), (e.deadline_s, e.seq, e))
         self.fifo.append(e)
+        self.arrivals.setdefault(e.priority, deque()).append(e)
+        self.level_samples[e.priority] = self.level_samples.get(e.priority, 0) + e.samples
         self.count += 1
         self.samples += e.samples
+
+    def _compact(self) -> None:
+        """Drop answered entries from the middle of the arrival lists and heaps (they
+        leave lazily from the ends otherwise), so memory follows the live queue."""
+        self.fifo = deque(e for e in self.fifo if e.state == QUEUED)
+        self.arrivals = {lvl: deque(e for e in d if e.state == QUEUED)
+                         for lvl, d in self.arrivals.items()}
+        self.levels = {lvl: [t for t in h if t[2].state == QUEUED]
+                       for lvl, h in self.levels.items()}
+        for heap in self.levels.values():
+            heapq.heapify(heap)
 
     def forget(self, e: Entry) -> None:
         self.count -= 1
         self.samples -= e.samples
+        self.level_samples[e.priority] -= e.samples
+
+    def newest(self, level: int) -> Entry | None:
+        arrivals = self.arrivals.get(level)
+        while arrivals and arrivals[-1].state != QUEUED:
+            arrivals.pop()
+        while arrivals and arrivals[0].state != QUEUED:
+            arrivals.popleft()
+        return arrivals[-1] if arrivals else None
+
+    def samples_at_or_above(self, priority: int) -> int:
+        return sum(n for lvl, n in self.level_samples.items() if lvl <= priority)
 
     def oldest(self) -> Entry | None:
         while self.fifo and self.fifo[0].state != QUEUED:
@@ -117,7 +155,7 @@ class Scheduler:
         self._queues: dict[str, _Queue] = {}
         self._by_key: dict[Hashable, Entry] = {}
         self._deadlines: list[tuple[float, int, Entry]] = []
-        self._seq = itertools.count()
+        self._seq = itertools.count(1)  # 0: never queued
 
     # -- configuration ------------------------------------------------------
     def set_policy(self, model: str, policy: Policy) -> None:
@@ -126,6 +164,9 @@ class Scheduler:
             self._queues[model] = _Queue(policy)
         else:
             q.policy = policy
+
+    def knows(self, model: str) -> bool:
+        return model in self._queues
 
     def drop_model(self, model: str) -> list[Entry]:
         """Forget a model; returns its queued entries for the caller to answer."""
@@ -145,6 +186,8 @@ class Scheduler:
         q = self._queues[entry.model]
         if entry.key in self._by_key:
             raise KeyError(f"duplicate request key {entry.key!r}")
+        if entry.seq:
+            raise ValueError("an entry is queued once; queue entry.again() to retry it")
         entry.seq = next(self._seq)
         shed: list[Entry] = []
         if q.count >= q.policy.max_queue_size:
@@ -158,6 +201,9 @@ class Scheduler:
         q.push(entry)
         self._by_key[entry.key] = entry
         if entry.deadline_s != math.inf:
+            if len(self._deadlines) > 4 * len(self._by_key) + 1024:
+                self._deadlines = [t for t in self._deadlines if t[2].state == QUEUED]
+                heapq.heapify(self._deadlines)
             heapq.heappush(self._deadlines, (entry.deadline_s, entry.seq, entry))
         return shed
 
@@ -209,8 +255,7 @@ class Scheduler:
         q = self._queues.get(model)
         if q is None or not q.count:
             return 0.0
-        ahead = sum(e.samples for lvl, heap in q.levels.items() if lvl <= priority
-                    for _, _, e in heap if e.state == QUEUED)
+        ahead = q.samples_at_or_above(priority)
         cap = q.policy.cap
         full, rest = divmod(ahead, cap)
         # the last batch is a partial one: predicting it at full size refused requests
@@ -319,8 +364,8 @@ class Scheduler:
 
     @staticmethod
     def _lowest_newest(q: _Queue) -> Entry | None:
-        for level in sorted(q.levels, reverse=True):
-            live = [e for _, _, e in q.levels[level] if e.state == QUEUED]
-            if live:
-                return max(live, key=lambda e: e.seq)
+        for level in sorted(q.arrivals, reverse=True):
+            victim = q.newest(level)
+            if victim is not None:
+                return victim
         return None

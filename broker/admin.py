@@ -1,4 +1,4 @@
-"""The operator's verbs over the control socket: drain, undrain, reload.
+"""The operator's verbs over the control socket: status, models, drain, undrain, reload.
 
 Exit codes: 0 done; 1 the broker refused (unknown worker or model, bad input, a
 load failed); 3 the broker is unreachable or stopped answering; 4 a ``--wait``
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, Callable
 
+from zeroserve.broker import options
 from zeroserve.broker.client import Client, ErrorCode, InferError
 
 EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_WAIT_TIMEOUT = 0, 1, 3, 4
@@ -107,9 +109,17 @@ VERBS: dict[str, Callable[[Client, argparse.Namespace], tuple[Any, str]]] = {
 }
 
 
-def run_verb(args: argparse.Namespace, endpoint: str) -> int:
+def admin_token() -> str:
+    """The token that state-changing verbs carry (the broker checks it when it has one)."""
+    return os.environ.get("ZEROSERVE_ADMIN_TOKEN", "")
+
+
+def run_verb(args: argparse.Namespace) -> int:
+    """``zeroserve drain|undrain|reload``."""
+    endpoint = options.endpoints(args).control
     try:
-        with Client(endpoint, timeout_s=args.timeout, connect_timeout_s=args.timeout) as client:
+        with Client(endpoint, timeout_s=args.timeout, connect_timeout_s=args.timeout,
+                    admin_token=admin_token()) as client:
             result, text = VERBS[args.verb](client, args)
     except InferError as exc:
         code = EXIT_UNREACHABLE if exc.code is ErrorCode.UNAVAILABLE else EXIT_REFUSED
@@ -126,3 +136,37 @@ def fail(args: argparse.Namespace, code: str, message: str, exit_code: int) -> i
         print(json.dumps({"code": code, "error": message}, sort_keys=True))
     print(f"zeroserve {args.verb}: {message}", file=sys.stderr)
     return exit_code
+
+
+def run_control(args: argparse.Namespace) -> int:
+    """``zeroserve status|models``: read-only, printed for people or as JSON."""
+    try:
+        with Client(options.endpoints(args).control, timeout_s=args.timeout,
+                    connect_timeout_s=args.timeout) as client:
+            result = client.control(args.verb)
+    except InferError as exc:
+        return fail(args, exc.code.value, exc.message,
+                    EXIT_UNREACHABLE if exc.code is ErrorCode.UNAVAILABLE else EXIT_REFUSED)
+    print(json.dumps(result, indent=2, sort_keys=True) if args.json else human(args.verb, result))
+    return EXIT_OK
+
+
+def human(verb: str, result: Any) -> str:
+    if verb == "status":
+        lines = [f"{'WORKER':<24} {'STATE':<9} {'INFLIGHT':>8} {'RSS MB':>8}  MODELS"]
+        for w in result["workers"]:
+            rss = w.get("memory", {}).get("rss_bytes", 0) / 1e6
+            lines.append(f"{w['id']:<24} {w['state']:<9} {w['inflight_batches']:>8} "
+                         f"{rss:>8.0f}  {', '.join(w['models'])}")
+        lines.append("queues: " + (", ".join(f"{m}={d}" for m, d in result["queues"].items())
+                                   or "none"))
+        return "\n".join(lines)
+    if verb == "models":
+        lines = [f"{'MODEL':<20} {'VERSIONS':<12} {'READY':<12} WORKERS"]
+        for name, m in result["models"].items():
+            lines.append(f"{name:<20} {','.join(map(str, m['versions'])):<12} "
+                         f"{','.join(map(str, m['ready'])) or '-':<12} {', '.join(m['workers'])}")
+        for name, err in result["errors"].items():
+            lines.append(f"{name:<20} ERROR {err}")
+        return "\n".join(lines)
+    return json.dumps(result, indent=2, sort_keys=True)

@@ -16,22 +16,22 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import zmq
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker.catalog import CatalogModel
-from zeroserve.broker.hasher import Hasher
-from zeroserve.broker.membership import WorkerState
-from zeroserve.broker.placement import Placement
-from zeroserve.broker.registration import Registrar
+from zeroserve.broker.server.catalog import Catalog, CatalogModel
+from zeroserve.broker.server.hasher import Hasher
+from zeroserve.broker.server.metrics import BrokerMetrics
+from zeroserve.broker.server.placement import Placement
+from zeroserve.broker.server.pool import WorkerPool, WorkerState
+from zeroserve.broker.server.registration import Registrar
+from zeroserve.broker.server.requests import RequestPath
+from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.models.repository import ConfigError, ModelConfig, RepoModel, load_config, \
     scan, version_sha256
 from zeroserve.models.watcher import ALL, RepoWatcher
-
-if TYPE_CHECKING:
-    from zeroserve.broker.server import Broker
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,21 @@ def placed_on(cfg: ModelConfig, worker: WorkerState) -> bool:
 
 
 class Lifecycle:
-    def __init__(self, broker: "Broker", options: LifecycleOptions | None = None) -> None:
-        self.b = broker
+    """The catalog's one path to change: the watcher, SIGHUP, ``zeroserve reload`` and a
+    worker joining all come here, and every change is a two-phase swap."""
+
+    def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
+                 requests: RequestPath, metrics: BrokerMetrics, clock: Callable[[], float],
+                 ctx: zmq.Context[Any], options: LifecycleOptions | None = None) -> None:
+        self.catalog = catalog
+        self.scheduler = scheduler
+        self.pool = pool
+        self.requests = requests
+        self.metrics = metrics
+        self.clock = clock
+        self.ctx = ctx
         self.opts = options or LifecycleOptions()
-        self.root = broker.catalog.root
+        self.root = catalog.root
         self.watcher: RepoWatcher | None = None
         self.hasher: Hasher | None = None
         self.shas: dict[str, dict[int, str]] = {}
@@ -85,22 +96,19 @@ class Lifecycle:
         self.forced: dict[str, set[int]] = {}   # operator reloads waiting for their hashes
         self.retiring: list[tuple[bytes, str, int]] = []
         self.placement = Placement(self)
-        self.last_used = self.placement.last_used   # the broker stamps it per batch
         self.registrar = Registrar(self)
-        self.hooks: list[Any] = [self.registrar]   # trial loads: seen before swaps
-        broker.control.verbs.update(self.registrar.verbs())
 
     # -- setup (Broker.bind / load_catalog / close) -----------------------------
     def prime(self) -> None:
         """At startup, before serving: the sha256 of every served version."""
-        for name, model in self.b.catalog.models.items():
+        for name, model in self.catalog.models.items():
             self.shas[name] = {v: version_sha256(model.path / str(v)) for v in model.versions}
 
     def start(self, poller: zmq.Poller) -> None:
         self.registrar.clean_leftovers()
         self.watcher = RepoWatcher(self.root, self.opts.watch, self.opts.debounce_s,
-                                   self.opts.poll_s, self.b.clock)
-        self.hasher = Hasher(self.b.ctx)
+                                   self.opts.poll_s, self.clock)
+        self.hasher = Hasher(self.ctx)
         if self.watcher.inotify is not None:
             # zmq.Poller reports plain descriptors by number, whatever was registered
             poller.register(self.watcher.inotify.fileno(), zmq.POLLIN)
@@ -126,7 +134,7 @@ class Lifecycle:
         if self.swaps:
             first = min(s.started_s for s in self.swaps.values()) + self.opts.swap_timeout_s
             due = first if due is None else min(due, first)
-        if (copy := self.registrar.next_due(self.b.clock())) is not None:
+        if (copy := self.registrar.next_due(self.clock())) is not None:
             due = copy if due is None else min(due, copy)
         return due
 
@@ -151,7 +159,7 @@ class Lifecycle:
         except ConfigError as exc:
             logger.error("%s", exc)
             return
-        names = set(found) | set(errors) | set(self.b.catalog.models) if ALL in dirty \
+        names = set(found) | set(errors) | set(self.catalog.models) if ALL in dirty \
             else dirty - {ALL}
         for folder in sorted(names):
             if folder in self.swaps:
@@ -160,8 +168,29 @@ class Lifecycle:
                 self._hash(found[folder])
             elif folder in errors:
                 self._on_error(folder, errors[folder])
-            elif folder in self.b.catalog.models:
+            elif folder in self.catalog.models:
                 self.remove_model(folder, "its folder was removed")
+
+    def reload_model(self, name: str, version: int | None) -> dict[str, Any]:
+        """``zeroserve reload MODEL[/V]``: a fresh load of the version(s) on every worker
+        placed for the model, swapped in two phases once all are ready; the old load
+        keeps serving until then, and keeps serving if any load fails."""
+        model = self.catalog.get(name)
+        if model is None:
+            raise LookupError(f"unknown model {name!r}")
+        if version is not None and version not in model.versions:
+            raise LookupError(f"version {version} of model {name!r} is not served")
+        versions = [version] if version is not None else list(model.versions)
+        workers = self.reload(name, versions)
+        return {"model": name, "versions": versions,
+                "loads": [f"{w}:{name}/{v}" for w in workers for v in versions]}
+
+    def reload_repository(self) -> None:
+        """SIGHUP: rescan everything (hashed off the loop, swapped in two phases) and
+        bring every worker in line with what is committed now."""
+        self.rescan({ALL})
+        for worker in list(self.pool.workers.values()):
+            self.sync_worker(worker)
 
     def reload(self, name: str, versions: list[int]) -> list[str]:
         """``zeroserve reload``: load these versions afresh on every worker placed for
@@ -172,7 +201,7 @@ class Lifecycle:
             raise LookupError(errors.get(name, f"model {name!r} is not in the repository"))
         self.failed = {f for f in self.failed if f[0] != name}
         self.forced.setdefault(name, set()).update(versions)
-        placed = [w for w in self.b.members.workers.values()
+        placed = [w for w in self.pool.workers.values()
                   if not w.draining and placed_on(found[name].config, w)]
         for w in placed:
             for v in versions:
@@ -194,17 +223,17 @@ class Lifecycle:
         path = self.root / folder
         writing = self.watcher is not None and any(
             path in w.parents for w in self.watcher.writing)
-        if folder in self.b.catalog.models and not writing:
+        if folder in self.catalog.models and not writing:
             try:
                 load_config(path)
             except ConfigError:
                 # a broken config.json: the old config keeps serving, the error shows
-                self.b.catalog.errors[folder] = error
+                self.catalog.errors[folder] = error
                 logger.error("model %s: %s (the loaded versions keep serving)", folder, error)
                 return
             self.remove_model(folder, "no version folder is left")
             return
-        self.b.catalog.errors[folder] = error
+        self.catalog.errors[folder] = error
         logger.warning("model folder %s not served: %s", folder, error)
 
     def _on_hashed(self, result: dict[str, Any]) -> None:
@@ -217,13 +246,13 @@ class Lifecycle:
         forced = self.forced.pop(name, set()) & set(rm.versions)
         if result["errors"]:
             logger.info("model %s changed while hashing; waiting for the next event", name)
-            for w in self.b.members.workers.values():
+            for w in self.pool.workers.values():
                 w.loading -= {(name, v) for v in forced}
             return
         shas = {int(v): str(s) for v, s in result["shas"].items()}
-        cur = self.b.catalog.get(name)
+        cur = self.catalog.get(name)
         committed = self.shas.get(name, {})
-        self.b.catalog.errors.pop(name, None)
+        self.catalog.errors.pop(name, None)
         if not forced and cur is not None and cur.config == rm.config \
                 and cur.versions == rm.versions \
                 and all(committed.get(v) == shas[v] for v in rm.versions):
@@ -234,12 +263,12 @@ class Lifecycle:
                             if reload_all or committed.get(v) != shas[v]}
         if any((name, v, shas[v]) in self.failed for v in changed):
             return  # this exact content failed already; its failure stays visible
-        self._start_swap(Swap(rm, shas, changed, self.b.clock()))
+        self._start_swap(Swap(rm, shas, changed, self.clock()))
 
     # -- the two phases -----------------------------------------------------
     def _start_swap(self, swap: Swap) -> None:
         cfg = swap.repo.config
-        workers = [w for w in self.b.members.workers.values()
+        workers = [w for w in self.pool.workers.values()
                    if not w.draining and placed_on(cfg, w)]
         if not swap.changed or not workers:
             self._commit(swap)
@@ -248,43 +277,80 @@ class Lifecycle:
             swap.workers.add(w.identity)
             for v in sorted(swap.changed):
                 self._flush_retiring(w, cfg.name, v)
-                w.loading.add((cfg.name, v))
                 swap.waiting.add((w.identity, v))
-                self.b._send(self.b.backend, w.identity, p.encode_simple(
-                    p.Kind.LOAD, model=cfg.name, version=v, path=str(swap.repo.path / str(v)),
-                    config=cfg.to_json(), sha256=swap.shas[v]))
+                self.pool.load(w, p.LoadModel(cfg.name, v, str(swap.repo.path / str(v)),
+                                              cfg.to_json(), swap.shas[v]))
         self.swaps[cfg.name] = swap
         logger.info("model %s: preparing version(s) %s on %d worker(s)", cfg.name,
                     sorted(swap.changed), len(workers))
 
-    def on_loaded(self, worker: WorkerState, header: dict[str, Any]) -> bool:
-        """A LOADED that belongs to a swap (or a hook); False: the broker's own path."""
-        self.placement.on_loaded(worker, header)  # may turn it into a refused load
-        for hook in self.hooks:
-            if hook.on_loaded(worker, header):
-                return True
-        name, version = str(header["model"]), int(header["version"])
+    def on_loaded(self, worker: WorkerState, msg: p.ModelLoaded) -> None:
+        """A LOADED: a registration's trial, part of a swap, or a plain sync load."""
+        msg = self.placement.check(worker, msg)  # may turn it into a refused load
+        if self.registrar.on_loaded(worker, msg):
+            return
+        name, version = msg.model, msg.version
         swap = self.swaps.get(name)
         if swap is None or (worker.identity, version) not in swap.waiting:
-            return False
+            self._on_sync_loaded(worker, msg)
+            return
         swap.waiting.discard((worker.identity, version))
         worker.loading.discard((name, version))
         key = f"{name}/{version}"
-        if not header.get("ok"):
-            worker.load_errors[key] = str(header.get("error"))
-            self.b.metrics.model_loaded(name, False, 0.0)
-            self._fail(swap, f"worker {worker.worker_id} failed to load {key}: "
-                             f"{header.get('error')}")
-            return True
-        self.b.metrics.model_loaded(name, True, float(header.get("load_s", 0.0)))
+        if not msg.ok:
+            worker.load_errors[key] = msg.error
+            self.metrics.model_loaded(name, False, 0.0)
+            self._fail(swap, f"worker {worker.worker_id} failed to load {key}: {msg.error}")
+            return
+        self.metrics.model_loaded(name, True, msg.load_s)
         worker.load_errors.pop(key, None)
-        if header.get("sha256") != swap.shas[version]:
-            self._exclude(swap, worker, version, str(header.get("sha256")))
+        if msg.sha256 != swap.shas[version]:
+            self._exclude(swap, worker, version, msg.sha256)
         else:
             worker.loaded.add((name, version))
             swap.loaded.add((worker.identity, version))
         self._maybe_finish(swap)
-        return True
+
+    def _on_sync_loaded(self, worker: WorkerState, msg: p.ModelLoaded) -> None:
+        key = (msg.model, msg.version)
+        worker.loading.discard(key)
+        model = self.catalog.get(msg.model)
+        if msg.ok:
+            worker.loaded.add(key)
+            worker.load_errors.pop(f"{msg.model}/{msg.version}", None)
+            self.metrics.model_loaded(msg.model, True, msg.load_s)
+            if model is not None and msg.version in model.versions:
+                model.ready.add(msg.version)
+            else:
+                self.pool.unload(worker, *key)
+            logger.info("worker %s loaded %s/%d in %.2fs", worker.worker_id, msg.model,
+                        msg.version, msg.load_s)
+        else:
+            worker.load_errors[f"{msg.model}/{msg.version}"] = msg.error
+            self.metrics.model_loaded(msg.model, False, 0.0)
+            logger.error("worker %s failed to load %s/%d: %s", worker.worker_id, msg.model,
+                         msg.version, msg.error)
+
+    def sync_worker(self, worker: WorkerState) -> None:
+        """Tell a worker to load what it should serve and unload what it should not."""
+        wanted = {(name, v) for name, m in self.catalog.models.items()
+                  if placed_on(m.config, worker) for v in m.versions}
+        for name, version in sorted(wanted - worker.loaded - worker.loading):
+            model = self.catalog.models[name]
+            self.pool.load(worker, p.LoadModel(name, version, str(model.path / str(version)),
+                                               model.config.to_json(),
+                                               self.shas.get(name, {}).get(version, "")))
+        for name, version in sorted(worker.loaded - wanted):
+            self.pool.unload(worker, name, version)
+        for key in worker.loaded & wanted:
+            self.catalog.models[key[0]].ready.add(key[1])
+
+    def worker_removed(self) -> None:
+        """A worker left: versions no live worker holds are no longer routable."""
+        workers = self.pool.workers.values()
+        for model in self.catalog.models.values():
+            model.ready = {v for v in model.ready
+                           if any(w.holds(model.config.name, v) for w in workers)}
 
     def _exclude(self, swap: Swap, worker: WorkerState, version: int, sha: str) -> None:
         why = (f"sha256 {sha[:12]} differs from the repository's "
@@ -294,8 +360,7 @@ class Lifecycle:
         swap.excluded.add(worker.identity)
         swap.workers.discard(worker.identity)
         swap.waiting = {(i, v) for i, v in swap.waiting if i != worker.identity}
-        self.b._send(self.b.backend, worker.identity,
-                     p.encode_simple(p.Kind.UNLOAD, model=swap.name, version=version))
+        self.pool.unload(worker, swap.name, version)
 
     def _maybe_finish(self, swap: Swap) -> None:
         if swap.waiting or self.swaps.get(swap.name) is not swap:
@@ -307,7 +372,7 @@ class Lifecycle:
 
     def _check_swaps(self, now: float) -> None:
         for swap in list(self.swaps.values()):
-            gone = {i for i in swap.workers if i not in self.b.members.workers}
+            gone = {i for i in swap.workers if i not in self.pool.workers}
             if gone:  # a worker that left cannot answer; the others decide
                 swap.workers -= gone
                 swap.waiting = {(i, v) for i, v in swap.waiting if i not in gone}
@@ -322,33 +387,32 @@ class Lifecycle:
     def _commit(self, swap: Swap) -> None:
         rm, name = swap.repo, swap.name
         self.swaps.pop(name, None)
-        b = self.b
-        model = b.catalog.get(name)
+        model = self.catalog.get(name)
         replaced = model is not None
         if model is None:
-            model = b.catalog.models[name] = CatalogModel(rm.config, rm.path, rm.versions)
+            model = self.catalog.models[name] = CatalogModel(rm.config, rm.path, rm.versions)
         else:
             model.config, model.path, model.versions = rm.config, rm.path, rm.versions
-        b.scheduler.set_policy(name, model.policy())
+        self.scheduler.set_policy(name, model.policy())
         served = set(rm.versions)
-        workers = list(b.members.workers.values())
+        workers = list(self.pool.workers.values())
         model.ready = {v for v in served if any(w.holds(name, v) for w in workers)}
         self.shas[name] = dict(swap.shas)
         self.failures.pop(name, None)
-        b.catalog.errors.pop(name, None)
+        self.catalog.errors.pop(name, None)
         gone: set[int] = set()
         for w in workers:
             for v in w.versions_of(name) - served:
                 self._retire(w, name, v)
                 gone.add(v)
-        self._reroute(name, gone)
+        self.requests.reroute(name, gone)
         for w in workers:
             if w.identity not in swap.excluded and w.identity not in swap.workers:
-                b.sync_worker(w)   # joined meanwhile: loads what is now committed
+                self.sync_worker(w)   # joined meanwhile: loads what is now committed
         if replaced and swap.changed:
-            b.metrics.swaps.labels(name).inc()
+            self.metrics.swaps.labels(name).inc()
         logger.info("model %s now serves version(s) %s (prepared in %.3f s)", name,
-                    sorted(served), b.clock() - swap.started_s)
+                    sorted(served), self.clock() - swap.started_s)
         self._after_swap(name)
 
     def _fail(self, swap: Swap, why: str, retry: bool = False) -> None:
@@ -360,10 +424,10 @@ class Lifecycle:
             self.watcher.dirty.add(name)  # rescanned after the debounce
         for v in swap.changed if not retry else ():
             self.failed.add((name, v, swap.shas[v]))
-        cur = self.b.catalog.get(name)
+        cur = self.catalog.get(name)
         served = set(cur.versions) if cur is not None else set()
         for identity, v in swap.loaded:
-            w = self.b.members.workers.get(identity)
+            w = self.pool.workers.get(identity)
             if w is not None and v not in served:
                 self._retire(w, name, v)
         logger.error("model %s: swap to version(s) %s failed; %s: %s", name,
@@ -387,58 +451,37 @@ class Lifecycle:
         key = (worker.identity, name, version)
         if key in self.retiring:  # loaded again before it went: unload first, in order
             self.retiring.remove(key)
-            self.b._send(self.b.backend, worker.identity,
-                         p.encode_simple(p.Kind.UNLOAD, model=name, version=version))
+            self.pool.unload(worker, name, version)
 
     def _retire_idle(self) -> None:
-        busy = {(r.worker, r.model, r.version) for r in self.b.inflight.values()}
+        busy = self.pool.busy()
         keep = []
         for key in self.retiring:
             identity, name, version = key
+            worker = self.pool.get(identity)
             if key in busy:
                 keep.append(key)
-            elif identity in self.b.members.workers:
+            elif worker is not None:
                 self.placement.footprints.pop(key, None)
-                self.b._send(self.b.backend, identity,
-                             p.encode_simple(p.Kind.UNLOAD, model=name, version=version))
+                self.pool.unload(worker, name, version)
         self.retiring = keep
 
     def unload_now(self, worker: WorkerState, name: str, version: int) -> None:
-        worker.loaded.discard((name, version))
-        self.b._send(self.b.backend, worker.identity,
-                     p.encode_simple(p.Kind.UNLOAD, model=name, version=version))
+        self.pool.unload(worker, name, version)
 
     def evict(self, worker: WorkerState, name: str, version: int) -> None:
         """Memory: an idle model leaves this worker; routable only where others hold it."""
         self._retire(worker, name, version)
-        model = self.b.catalog.get(name)
+        model = self.catalog.get(name)
         if model is not None:
             model.ready = {v for v in model.ready
-                           if any(w.holds(name, v) for w in self.b.members.workers.values())}
-
-    def _reroute(self, name: str, gone: set[int]) -> None:
-        """Queued requests for versions that left: unpinned ones follow the new default,
-        pinned ones get not found."""
-        if not gone:
-            return
-        for entry in self.b.scheduler.queued(name):
-            if entry.version not in gone:
-                continue
-            if getattr(entry.payload, "pinned", False):
-                if self.b.scheduler.cancel(entry.key) is not None:
-                    self.b._answer_error(entry, p.ErrorCode.NOT_FOUND,
-                                         f"version {entry.version} of model {name!r} was "
-                                         "retired")
-            else:
-                entry.version = None
+                           if any(w.holds(name, v) for w in self.pool.workers.values())}
 
     def remove_model(self, name: str, why: str) -> None:
-        b = self.b
-        if b.catalog.models.pop(name, None) is None:
+        if self.catalog.models.pop(name, None) is None:
             return
-        for entry in b.scheduler.drop_model(name):
-            b._answer_error(entry, p.ErrorCode.NOT_FOUND, f"model {name!r} was removed")
-        for w in b.members.workers.values():
+        self.requests.fail_queued(name, p.ErrorCode.NOT_FOUND, f"model {name!r} was removed")
+        for w in self.pool.workers.values():
             for v in w.versions_of(name):
                 self._retire(w, name, v)
         self.shas.pop(name, None)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroserve.broker import sdnotify
+from zeroserve.broker import process as sdnotify
 
 
 @pytest.fixture

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker.control import ControlError
-from zeroserve.broker.membership import WorkerState
+from zeroserve.broker.server.control import ControlError
+from zeroserve.broker.server.pool import WorkerState
 from zeroserve.models.repository import NAME_RE, ConfigError, ModelConfig, is_temp_name, \
     parse_config
 
 if TYPE_CHECKING:
-    from zeroserve.broker.lifecycle import Lifecycle
+    from zeroserve.broker.server.swap import Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Registrar:
                                f"roots ({', '.join(str(r) for r in roots)})")
         if not source.exists():
             raise ControlError("bad_input", f"model_path {source_raw!r} does not exist")
-        if (self.root / cfg.name).exists() or cfg.name in self.lc.b.catalog.models or any(
+        if (self.root / cfg.name).exists() or cfg.name in self.lc.catalog.models or any(
                 j.config.name == cfg.name and j.state in ("copying", "loading")
                 for j in self.jobs.values()):
             raise ControlError("conflict", f"model {cfg.name!r} already exists")
@@ -155,38 +155,36 @@ class Registrar:
         return now + 0.02 if any(j.state == "copying" for j in self.jobs.values()) else None
 
     def _trial(self, job: Job) -> None:
-        b = self.lc.b
-        worker = next((w for w in b.members.workers.values() if not w.draining), None)
+        worker = next((w for w in self.lc.pool.workers.values() if not w.draining), None)
         if worker is None:
             job.kind, job.error = "load", "no worker is connected to trial-load the model"
             self._finish(job, ok=False)
             return
         version = job.versions[-1]
         job.state, job.worker = "loading", worker.identity
-        b._send(b.backend, worker.identity, p.encode_simple(
-            p.Kind.LOAD, model=_TRIAL_PREFIX + job.token, version=version,
-            path=str(job.temp / str(version)), config=job.config.to_json()))
+        self.lc.pool.load(worker, p.LoadModel(_TRIAL_PREFIX + job.token, version,
+                                              str(job.temp / str(version)),
+                                              job.config.to_json()))
 
-    def on_loaded(self, worker: WorkerState, header: dict[str, Any]) -> bool:
-        name = str(header.get("model", ""))
-        if not name.startswith(_TRIAL_PREFIX):
+    def on_loaded(self, worker: WorkerState, msg: p.ModelLoaded) -> bool:
+        """A trial load's outcome (True), or not a trial (False)."""
+        if not msg.model.startswith(_TRIAL_PREFIX):
             return False
-        job = self.jobs.get(name[len(_TRIAL_PREFIX):])
+        worker.loading.discard((msg.model, msg.version))
+        job = self.jobs.get(msg.model[len(_TRIAL_PREFIX):])
         if job is None or job.state != "loading":
             return True
-        b = self.lc.b
-        if header.get("ok"):
-            b._send(b.backend, worker.identity, p.encode_simple(
-                p.Kind.UNLOAD, model=name, version=int(header["version"])))
+        if msg.ok:
+            self.lc.pool.unload(worker, msg.model, msg.version)
         else:
-            job.kind, job.error = "load", str(header.get("error"))
-        self._finish(job, ok=bool(header.get("ok")))
+            job.kind, job.error = "load", msg.error
+        self._finish(job, ok=msg.ok)
         return True
 
     def check_workers(self) -> None:
         """A trial worker that left cannot answer: fail its job."""
         for job in self.jobs.values():
-            if job.state == "loading" and job.worker not in self.lc.b.members.workers:
+            if job.state == "loading" and self.lc.pool.get(job.worker) is None:
                 job.kind, job.error = "load", "the worker trial-loading the model went away"
                 self._finish(job, ok=False)
 

@@ -1,4 +1,5 @@
-"""systemd's notify protocol in a few lines, no dependency.
+"""Process plumbing every component shares: the one log format, a rate-limited log,
+and systemd's notify protocol in a few lines, no dependency.
 
 A unit with ``Type=notify`` sets ``$NOTIFY_SOCKET`` (a unix datagram socket; a
 leading ``@`` means the abstract namespace). Each component says ``READY=1`` once
@@ -13,9 +14,44 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
+from typing import Any
 
 logger = logging.getLogger(__name__)
+
+
+def setup_logging(role: str, level: str = "info") -> None:
+    """One format for every process: time, level, role and pid, logger, message."""
+    fmt = f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s"
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+class RateLimitedLog:
+    """At most one line per ``1/per_s`` seconds; the lines held back are counted and
+    their number said on the next one, so a flood of bad input cannot flood the log."""
+
+    def __init__(self, log: logging.Logger, per_s: float = 1.0) -> None:
+        self._log = log
+        self._interval_s = 1.0 / per_s
+        self._next_s = 0.0
+        self._held = 0
+
+    def log(self, level: int, msg: str, *args: Any, exc_info: Any = None) -> bool:
+        now = time.monotonic()
+        if now < self._next_s:
+            self._held += 1
+            return False
+        self._next_s = now + self._interval_s
+        if self._held:
+            msg += f" ({self._held} similar line(s) held back)"
+            self._held = 0
+        self._log.log(level, msg, *args, exc_info=exc_info)
+        return True
 
 
 def notify(state: str) -> bool:

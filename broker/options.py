@@ -1,111 +1,31 @@
-"""``zeroserve``: the one command. Each subcommand imports only what it needs, so
-``zeroserve broker`` and ``zeroserve gateway`` never import torch."""
+"""The command line's options, declared once for every component, and how the config
+file and the environment apply to them (see :mod:`config`).
+
+Torch-free and import-free: this module only describes arguments. ``bin/zeroserve``
+dispatches a subcommand to the component that runs it, and each component's own
+``main(argv)`` (``python -m zeroserve.workers.main`` and so on, which is how
+``zeroserve serve`` starts them) parses its arguments here too.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from zeroserve.broker import config
-from zeroserve.broker.runtime import Endpoints, cache_dir, ensure_runtime_dir, hostname, \
-    runtime_dir, setup_logging
+from zeroserve.broker.runtime import Endpoints, cache_dir, runtime_dir
 
 
-def _endpoints(args: argparse.Namespace) -> Endpoints:
+def endpoints(args: argparse.Namespace) -> Endpoints:
     base = Endpoints.in_dir(Path(args.runtime_dir) if args.runtime_dir else None)
     return Endpoints(args.frontend or base.frontend, args.backend or base.backend,
                      args.control or base.control)
 
 
-def _own_registry() -> None:
-    # prometheus_client's multiprocess mode is for gateway processes only: the broker
-    # and workers ship their own registries over the wire (see gateway/metrics.py)
-    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-
-
-def cmd_broker(args: argparse.Namespace) -> int:
-    setup_logging("broker", args.log_level)
-    _own_registry()
-    from zeroserve.broker.server import run_broker
-    return run_broker(_endpoints(args), Path(args.model_dir), args)
-
-
-def cmd_worker(args: argparse.Namespace) -> int:
-    setup_logging(f"worker{args.index}", args.log_level)
-    _own_registry()
-    from zeroserve.workers.main import run_worker
-    worker_id = args.worker_id or f"{hostname()}/{args.index}"
-    return run_worker(_endpoints(args).backend, worker_id, args)
-
-
-def cmd_gateway(args: argparse.Namespace) -> int:
-    setup_logging("gateway", args.log_level)
-    from zeroserve.gateway.serve import run_gateway
-    return run_gateway(_endpoints(args).frontend, args)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    setup_logging("serve", args.log_level)
-    from zeroserve.workers.serve import run_serve
-    return run_serve(args)
-
-
-def cmd_operate(args: argparse.Namespace) -> int:
-    from zeroserve.broker.operate import run_verb
-    return run_verb(args, _endpoints(args).control)
-
-
-def cmd_config(args: argparse.Namespace) -> int:
-    try:
-        effective = config.load(_subparsers(parser()), _config_path(args))
-    except config.ConfigError as exc:
-        print(f"zeroserve config: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(effective, indent=2, sort_keys=True) if args.json
-          else config.to_toml(effective), end="\n" if args.json else "")
-    return 0
-
-
-def cmd_control(args: argparse.Namespace) -> int:
-    from zeroserve.broker.client import Client, ErrorCode, InferError
-    verb_args: dict[str, Any] = {}
-    try:
-        with Client(_endpoints(args).control, timeout_s=args.timeout) as client:
-            result = client.control(args.verb, **verb_args)
-    except InferError as exc:
-        from zeroserve.broker.operate import fail
-        return fail(args, exc.code.value, exc.message,
-                    3 if exc.code is ErrorCode.UNAVAILABLE else 1)
-    if args.json:
-        print(json.dumps(result, indent=2, sort_keys=True))
-    else:
-        print(_human(args.verb, result))
-    return 0
-
-
-def _human(verb: str, result: Any) -> str:
-    if verb == "status":
-        lines = [f"{'WORKER':<24} {'STATE':<9} {'INFLIGHT':>8} {'RSS MB':>8}  MODELS"]
-        for w in result["workers"]:
-            rss = w.get("memory", {}).get("rss_bytes", 0) / 1e6
-            lines.append(f"{w['id']:<24} {w['state']:<9} {w['inflight_batches']:>8} "
-                         f"{rss:>8.0f}  {', '.join(w['models'])}")
-        lines.append("queues: " + (", ".join(f"{m}={d}" for m, d in result["queues"].items())
-                                   or "none"))
-        return "\n".join(lines)
-    if verb == "models":
-        lines = [f"{'MODEL':<20} {'VERSIONS':<12} {'READY':<12} WORKERS"]
-        for name, m in result["models"].items():
-            lines.append(f"{name:<20} {','.join(map(str, m['versions'])):<12} "
-                         f"{','.join(map(str, m['ready'])) or '-':<12} {', '.join(m['workers'])}")
-        for name, err in result["errors"].items():
-            lines.append(f"{name:<20} ERROR {err}")
-        return "\n".join(lines)
-    return json.dumps(result, indent=2, sort_keys=True)
+def runtime_folder(args: argparse.Namespace) -> Path:
+    return Path(args.runtime_dir) if getattr(args, "runtime_dir", None) else runtime_dir()
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -178,24 +98,20 @@ def parser() -> argparse.ArgumentParser:
                    help="worker processes (default: one per GPU, else 1)")
     p.add_argument("--http-workers", type=int, default=1,
                    help="gateway processes sharing the HTTP port (one core each at most)")
-    p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("broker", help="run the broker")
     _common(p)
     _broker_opts(p)
-    p.set_defaults(fn=cmd_broker)
 
     p = sub.add_parser("worker", help="run one worker")
     _common(p)
     _worker_opts(p)
     p.add_argument("--index", type=int, default=0, help="GPU index or CPU worker number")
     p.add_argument("--worker-id", default=None, help="default: <host>/<index>")
-    p.set_defaults(fn=cmd_worker)
 
     p = sub.add_parser("gateway", help="run the HTTP gateway")
     _common(p)
     _gateway_opts(p)
-    p.set_defaults(fn=cmd_gateway)
 
     for verb, text in (("status", "workers, their models and queues"),
                        ("models", "models and their versions")):
@@ -203,13 +119,12 @@ def parser() -> argparse.ArgumentParser:
         _common(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
-        p.set_defaults(fn=cmd_control, verb=verb)
+        p.set_defaults(verb=verb)
     _operate_parsers(sub)
     p = sub.add_parser("config", help="show the effective configuration")
     p.add_argument("action", choices=["show"])
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _config_opt(p)
-    p.set_defaults(fn=cmd_config)
     return ap
 
 
@@ -220,7 +135,7 @@ def _operate_parsers(sub: Any) -> None:
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--timeout", type=float, default=5.0,
                        help="seconds to wait for the broker to answer")
-        p.set_defaults(fn=cmd_operate, verb=name)
+        p.set_defaults(verb=name)
         return p
 
     p = verb("drain", "stop sending new batches to a worker")
@@ -237,7 +152,7 @@ def _operate_parsers(sub: Any) -> None:
     p.add_argument("--wait-timeout", type=float, default=120.0)
 
 
-def _subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in ap._actions:  # argparse keeps the subcommands here
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
@@ -251,7 +166,7 @@ def _config_path(args: argparse.Namespace) -> Path | None:
 def _apply_config(ap: argparse.ArgumentParser, args: argparse.Namespace,
                   argv: list[str] | None) -> argparse.Namespace:
     """Make env > file > default the subcommand's defaults; parse again so flags win."""
-    subs = _subparsers(ap)
+    subs = subparsers(ap)
     path = _config_path(args)
     doc = config.read_file(path)
     config.check_file(doc, subs, path)
@@ -273,20 +188,49 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args if args.command == "config" else _apply_config(ap, args, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def show_config(args: argparse.Namespace) -> int:
+    """``zeroserve config show``: every option with its effective value."""
+    import json
+    import sys
+
     try:
-        args = parse(argv)
+        effective = config.load(subparsers(parser()), _config_path(args))
     except config.ConfigError as exc:
-        print(f"zeroserve: {exc}", file=sys.stderr)
+        print(f"zeroserve config: {exc}", file=sys.stderr)
         return 2
+    print(json.dumps(effective, indent=2, sort_keys=True) if args.json
+          else config.to_toml(effective), end="\n" if args.json else "")
+    return 0
+
+
+def prepare(args: argparse.Namespace) -> argparse.Namespace:
+    """What every component does with its arguments before it runs."""
     if getattr(args, "runtime_dir", None):
         os.environ["ZEROSERVE_RUNTIME_DIR"] = args.runtime_dir
-    if hasattr(args, "model_dir") and args.command == "broker" and not args.model_dir:
+    if args.command == "broker" and not args.model_dir:
         args.model_dir = str(cache_dir() / "examples")
-    if args.command in ("broker", "serve"):
-        ensure_runtime_dir(Path(args.runtime_dir) if args.runtime_dir else runtime_dir())
-    return int(args.fn(args))
+    if args.command in ("broker", "worker"):
+        # prometheus_client's multiprocess mode is for gateway processes only: the broker
+        # and workers ship their own registries over the wire (see gateway/metrics.py)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return args
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run_component(command: str, run: Callable[[argparse.Namespace], int],
+                  argv: list[str] | None) -> int:
+    """``python -m <component module> ARGS``: parse as ``zeroserve <command> ARGS``."""
+    import sys
+
+    from zeroserve.broker.process import setup_logging
+
+    try:
+        args = parse([command, *(sys.argv[1:] if argv is None else argv)])
+    except config.ConfigError as exc:
+        print(f"zeroserve {command}: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(role_of(args), args.log_level)
+    return int(run(prepare(args)))
+
+
+def role_of(args: argparse.Namespace) -> str:
+    return f"worker{args.index}" if args.command == "worker" else str(args.command)

@@ -6,14 +6,16 @@ says so (its load counts as failed: in a swap, the old version keeps serving).""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from zeroserve.broker.membership import WorkerState
+from zeroserve.broker import protocol as p
+from zeroserve.broker.server.pool import WorkerState
 
 if TYPE_CHECKING:
-    from zeroserve.broker.lifecycle import Lifecycle
+    from zeroserve.broker.server.swap import Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +28,6 @@ class Placement:
     def __init__(self, lifecycle: "Lifecycle") -> None:
         self.lc = lifecycle
         self.footprints: dict[tuple[bytes, str, int], int] = {}
-        self.last_used: dict[str, float] = {}
 
     @staticmethod
     def budget(worker: WorkerState) -> int:
@@ -36,27 +37,27 @@ class Placement:
     def used(self, worker: WorkerState) -> int:
         return sum(self.footprints.get((worker.identity, m, v), 0) for m, v in worker.loaded)
 
-    def on_loaded(self, worker: WorkerState, header: dict[str, Any]) -> None:
+    def check(self, worker: WorkerState, msg: p.ModelLoaded) -> p.ModelLoaded:
         """Record a footprint; refuse (turn into a failed load) what cannot fit."""
-        if not header.get("ok"):
-            return
-        name, version = str(header["model"]), int(header["version"])
+        if not msg.ok:
+            return msg
+        name, version = msg.model, msg.version
         if name.startswith(".trial-"):
-            return  # a registration's trial: unloaded at once
-        need = int(header.get("memory_bytes", 0))
+            return msg  # a registration's trial: unloaded at once
+        need = msg.memory_bytes
         self.footprints[(worker.identity, name, version)] = need
         budget = self.budget(worker)
         if not budget:
-            return
+            return msg
         used = self.used(worker) - self.footprints.get((worker.identity, name, version), 0) \
             * ((name, version) in worker.loaded)
         if used + need <= budget:
-            return
+            return msg
         idle = self._idle(worker, name)
         evictable = sum(self._cost(worker, m) for m in idle)
         if need <= budget and used - evictable + need <= budget:
             self._evict(worker, name, idle, used + need - budget)
-            return
+            return msg
         why = (f"{name}/{version} needs {_mb(need)} but worker {worker.worker_id} has a "
                f"memory budget of {_mb(budget)} with {_mb(used - evictable)} in use by models "
                "that are busy; it does not fit")
@@ -65,9 +66,9 @@ class Placement:
                    f"{worker.worker_id}'s whole memory budget of {_mb(budget)}")
         logger.error("refusing %s/%d on %s: %s", name, version, worker.worker_id, why)
         self.lc.failures[name] = {"error": why, "versions": [version], "time": time.time()}
-        header.update(ok=False, error=why)
         self.footprints.pop((worker.identity, name, version), None)
         self.lc.unload_now(worker, name, version)
+        return dataclasses.replace(msg, ok=False, error=why)
 
     def _cost(self, worker: WorkerState, model: str) -> int:
         return sum(self.footprints.get((worker.identity, model, v), 0)
@@ -75,11 +76,10 @@ class Placement:
 
     def _idle(self, worker: WorkerState, keep: str) -> list[str]:
         """Models on the worker with nothing queued or running, least recently used first."""
-        b = self.lc.b
-        busy = {r.model for r in b.inflight.values() if r.worker == worker.identity}
+        busy = self.lc.pool.busy_models(worker)
         return sorted({m for m, _ in worker.loaded if m != keep and m not in busy
-                       and not b.scheduler.depth(m)},
-                      key=lambda m: self.last_used.get(m, 0.0))
+                       and not self.lc.scheduler.depth(m)},
+                      key=self.lc.requests.last_used)
 
     def _evict(self, worker: WorkerState, keep: str, idle: list[str], needed: int) -> None:
         freed = 0

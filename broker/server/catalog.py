@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from zeroserve.broker.protocol import TensorMeta
-from zeroserve.broker.scheduler import Policy
+from zeroserve.broker.server.scheduler import Policy
 from zeroserve.models.repository import ModelConfig, RepoModel, scan
 
 

@@ -51,10 +51,9 @@ class BrokerMetrics:
         self.alive = Gauge("workers_alive", "Workers registered with the broker",
                            namespace=ns, registry=r)
         self.bad = Counter("bad_messages", "Malformed messages counted and dropped",
-                           ["socket"], namespace=ns, registry=r)
+                           ["socket", "reason"], namespace=ns, registry=r)
 
-    def request_done(self, model: str, version: int, priority: int, queue_s: float,
-                     total_s: float) -> None:
+    def request_done(self, model: str, version: int, queue_s: float, total_s: float) -> None:
         self.requests.labels(model, "ok").inc()
         self.latency.labels(model, str(version), "ok").observe(total_s)
 
@@ -74,7 +73,8 @@ class BrokerMetrics:
         self.batches.labels(model, reason).inc()
         self.batch_size.labels(model).observe(samples)
 
-    def batch_done(self, model: str, samples: int, compute_s: float) -> None:
+    def batch_done(self, model: str, samples: int, compute_s: float,
+                   phases_ms: dict[str, float] | None = None) -> None:
         self.compute.labels(model).observe(compute_s)
 
     def model_loaded(self, model: str, ok: bool, seconds: float) -> None:
@@ -87,8 +87,8 @@ class BrokerMetrics:
     def workers_alive(self, n: int) -> None:
         self.alive.set(n)
 
-    def bad_message(self, where: str) -> None:
-        self.bad.labels(where).inc()
+    def bad_message(self, where: str, reason: str) -> None:
+        self.bad.labels(where, reason).inc()
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -1,0 +1,316 @@
+"""The broker process's objects, put together: the worker pool, the scheduler, the
+request path, the catalog and its swaps, and the control verbs. The socket loop
+(:mod:`loop`) calls the ``on_*`` methods with messages and :meth:`tick` with time;
+everything here is sent through the functions it is given, so the same objects run
+against real sockets and, in tests, against plain lists.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from zeroserve.broker import protocol as p
+from zeroserve.broker.process import Notifier
+from zeroserve.broker.runtime import hostname
+from zeroserve.broker.server.catalog import Catalog
+from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
+from zeroserve.broker.server.latency import LatencyBook
+from zeroserve.broker.server.metrics import BrokerMetrics
+from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.requests import RequestPath
+from zeroserve.broker.server.scheduler import Scheduler
+from zeroserve.broker.server.swap import Lifecycle, LifecycleOptions
+
+logger = logging.getLogger(__name__)
+
+Send = Callable[[bytes, list[Any]], bool]
+Clock = Callable[[], float]
+
+
+class Broker:
+    def __init__(self, model_dir: Path, *, to_client: Send, to_worker: Send,
+                 to_controller: Send, heartbeat_s: float = 0.5, worker_expiry_s: float = 2.0,
+                 drain_timeout_s: float = 30.0, latency_model: bool = True,
+                 clock: Clock = time.monotonic, ctx: zmq.Context[Any] | None = None,
+                 lifecycle: LifecycleOptions | None = None, admin_token: str = "") -> None:
+        self.clock = clock
+        self.drain_timeout_s = drain_timeout_s
+        self._to_client = to_client
+        self._to_controller = to_controller
+        self.metrics = BrokerMetrics()
+        self.catalog = Catalog(model_dir)
+        self.scheduler = Scheduler()
+        self.pool = WorkerPool(to_worker, clock, heartbeat_s=heartbeat_s,
+                               expiry_s=worker_expiry_s)
+        self.requests = RequestPath(self.catalog, self.scheduler, self.pool,
+                                    LatencyBook(enabled=latency_model), self.metrics, to_client,
+                                    random.Random())
+        self.lifecycle = Lifecycle(self.catalog, self.scheduler, self.pool, self.requests,
+                                   self.metrics, clock, ctx or zmq.Context.instance(), lifecycle)
+        self.control = ControlTable(admin_token)
+        self._add_verbs()
+        self.notifier = Notifier()
+        self.stopping = False
+        self._stop_deadline = math.inf
+        self._reload_requested = False
+        self._next_heartbeat = 0.0
+
+    # -- setup --------------------------------------------------------------
+    def load_catalog(self) -> None:
+        """At startup: read the repository and hash what it serves (before serving)."""
+        self.catalog.rescan()
+        for name, model in self.catalog.models.items():
+            self.scheduler.set_policy(name, model.policy())
+        self.lifecycle.prime()
+        for name, err in self.catalog.errors.items():
+            logger.error("model %s not served: %s", name, err)
+        logger.info("catalog: %s", ", ".join(
+            f"{n} v{list(m.versions)}" for n, m in sorted(self.catalog.models.items())) or "empty")
+
+    def start(self, poller: zmq.Poller) -> None:
+        self.lifecycle.start(poller)
+        self.notifier.ready()
+
+    def close(self) -> None:
+        self.lifecycle.close()
+
+    def request_stop(self) -> None:
+        if not self.stopping:
+            self.stopping = True
+            self.requests.admitting = False
+            self._stop_deadline = self.clock() + self.drain_timeout_s
+            self.notifier.stopping()
+            logger.info("stopping: %d request(s) to finish", self.requests.open_count())
+
+    def request_reload(self) -> None:
+        self._reload_requested = True
+
+    # -- frontend -----------------------------------------------------------
+    def on_frontend(self, client: bytes, frames: list[Any]) -> None:
+        try:
+            kind, header, bufs = p.unpack(frames)
+        except p.VersionMismatch as exc:
+            rid = p.request_id_of(exc.header)
+            if rid is not None:  # the request names itself: tell it which versions we speak
+                self.requests.refuse(client, rid, p.ErrorCode.BAD_INPUT, str(exc), model="")
+            raise
+        if kind is p.Kind.REQUEST:
+            self.requests.on_request(client, header, bufs, self.clock())
+        elif kind is p.Kind.CANCEL:
+            self.requests.on_cancel(client, p.decode(p.Cancel, header).request_id)
+        elif kind is p.Kind.PING:
+            self._to_client(client, p.encode(p.Pong()))
+        elif kind is p.Kind.CONTROL:
+            msg = p.decode(p.ControlRequest, header)
+            self._to_client(client, self.control.handle(msg, on_frontend=True))
+        else:
+            raise p.ProtocolError(f"unexpected kind {kind.name} on the frontend")
+
+    def client_gone(self, client: bytes) -> None:
+        withdrawn = self.requests.client_gone(client)
+        if withdrawn:
+            logger.info("a client went away; %d queued request(s) withdrawn", withdrawn)
+
+    def on_control(self, client: bytes, frames: list[Any]) -> None:
+        kind, header, _ = p.unpack(frames)
+        if kind is p.Kind.PING:  # a long-lived controller (the gateway) watching us
+            self._to_controller(client, p.encode(p.Pong()))
+            return
+        if kind is not p.Kind.CONTROL:
+            raise p.ProtocolError(f"unexpected kind {kind.name} on the control socket")
+        msg = p.decode(p.ControlRequest, header)
+        self._to_controller(client, self.control.handle(msg, on_frontend=False))
+
+    # -- backend ------------------------------------------------------------
+    def on_backend(self, identity: bytes, frames: list[Any]) -> None:
+        kind, header, bufs = p.unpack(frames)
+        now = self.clock()
+        if kind is p.Kind.READY:
+            self.worker_ready(identity, p.decode(p.WorkerReady, header), now)
+            return
+        worker = self.pool.get(identity)
+        if worker is None:
+            # a worker we do not know (we restarted, or removed it): it registers again
+            self.pool.disconnect(identity, p.DisconnectReason.UNKNOWN_WORKER)
+            return
+        worker.last_seen_s = now
+        if kind is p.Kind.RESULT:
+            self.requests.on_result(worker, header, bufs, now)
+        elif kind is p.Kind.HEARTBEAT:
+            beat = p.decode(p.WorkerHeartbeat, header)
+            worker.metrics_text, worker.memory = beat.metrics, beat.memory
+        elif kind is p.Kind.LOADED:
+            self.lifecycle.on_loaded(worker, p.decode(p.ModelLoaded, header))
+        elif kind is p.Kind.LEAVE:
+            self._on_leave(worker, p.decode(p.Leave, header))
+        else:
+            raise p.ProtocolError(f"unexpected kind {kind.name} on the backend")
+
+    def worker_ready(self, identity: bytes, ready: p.WorkerReady, now: float) -> None:
+        old = self.pool.get(identity)
+        if old is not None:
+            self._lose(old, Loss.REREGISTERED)
+        worker = self.pool.register(identity, ready, now)
+        self.lifecycle.sync_worker(worker)
+        self.metrics.workers_alive(len(self.pool.workers))
+
+    def _on_leave(self, worker: WorkerState, msg: p.Leave) -> None:
+        logger.info("worker %s leaves: %s %s", worker.worker_id, msg.reason.value, msg.detail)
+        if msg.drain:
+            self.pool.leave(worker, recycle=msg.reason is p.LeaveReason.RECYCLE)
+        else:
+            self._lose(worker, Loss.LEFT)
+
+    def worker_connection_closed(self, identity: bytes) -> None:
+        worker = self.pool.get(identity)
+        if worker is not None:
+            self._lose(worker, Loss.CRASHED)
+
+    def _lose(self, worker: WorkerState, loss: Loss) -> None:
+        lost = self.pool.remove(worker, loss)
+        self.requests.worker_lost(lost, loss, worker.worker_id, self.clock())
+        self.lifecycle.worker_removed()
+        self.metrics.workers_alive(len(self.pool.workers))
+
+    # -- time ---------------------------------------------------------------
+    def on_events(self, events: dict[Any, int]) -> None:
+        self.lifecycle.on_events(events)
+
+    def tick(self, now: float) -> None:
+        """Everything time-driven, then dispatch."""
+        if self._reload_requested:
+            self._reload_repository()
+        self.requests.expire(now)
+        for identity in self.requests.overdue(now):
+            worker = self.pool.get(identity)
+            if worker is not None:
+                logger.error("worker %s hung past max_execution_ms; restarting it",
+                             worker.worker_id)
+                self.pool.disconnect(identity, p.DisconnectReason.HUNG, restart=True)
+                self._lose(worker, Loss.HUNG)
+        self.notifier.watchdog(now)
+        self.lifecycle.tick(now)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.pool.heartbeat_s
+            for worker in self.pool.heartbeat(now):
+                self._lose(worker, Loss.SILENT)
+        for worker in self.pool.drained():
+            self.pool.release(worker)
+            self.metrics.workers_alive(len(self.pool.workers))
+        if self.stopping:
+            self._fail_unservable()
+        self.requests.dispatch(now)
+
+    def next_due(self, now: float) -> float:
+        due = [self._next_heartbeat]
+        for d in (self.requests.next_due(now), self.lifecycle.next_due()):
+            if d is not None:
+                due.append(d)
+        if self.stopping:
+            due.append(self._stop_deadline)
+        return min(due)
+
+    def finished(self, now: float) -> bool:
+        """Whether a stopping broker may exit: everything it accepted is answered, or the
+        drain bound passed (what is left gets 503). Workers that stop too are told."""
+        if not self.stopping or (self.requests.open_count() and now < self._stop_deadline):
+            return False
+        self.requests.fail_everything(p.ErrorCode.UNAVAILABLE, "broker is shutting down")
+        for identity in list(self.pool.workers):
+            self.pool.disconnect(identity, p.DisconnectReason.BROKER_STOPPING)
+        return True
+
+    def _fail_unservable(self) -> None:
+        """While stopping, queued work that no staying worker can take fails now."""
+        for name in list(self.scheduler.models_waiting()):
+            if not any(w.holds(name) and not w.draining for w in self.pool.workers.values()):
+                self.requests.fail_queued(name, p.ErrorCode.UNAVAILABLE,
+                                          "broker is shutting down and no worker can take this")
+
+    def _reload_repository(self) -> None:
+        """SIGHUP: the watcher's path for the whole repository (hashed off the loop,
+        swapped in two phases), and every worker brought in line with it."""
+        self._reload_requested = False
+        self.notifier.reloading()
+        logger.info("reloading the model repository")
+        self.lifecycle.reload_repository()
+        self.notifier.ready()
+
+    # -- control verbs ------------------------------------------------------
+    def _add_verbs(self) -> None:
+        c = self.control
+        c.add("status", self._status)
+        c.add("models", self._models)
+        c.add("metadata", self._metadata)
+        c.add("config", lambda a: self._model(a).config.to_json())
+        c.add("metrics", self._metrics)
+        c.add("drain", lambda a: self.pool.set_draining(worker_arg(a), True)
+              .describe(self.clock()), mutates=True)
+        c.add("undrain", lambda a: self.pool.set_draining(worker_arg(a), False)
+              .describe(self.clock()), mutates=True)
+        c.add("restart", self._restart, mutates=True)
+        c.add("reload", lambda a: self.lifecycle.reload_model(*model_arg(a)), mutates=True)
+        registrar = self.lifecycle.registrar
+        c.add("register", registrar.register, mutates=True)
+        c.add("register_status", registrar.status, mutates=True)
+        c.add("unregister", registrar.unregister, mutates=True)
+
+    def _model(self, args: dict[str, Any]) -> Any:
+        name, version = args.get("model"), args.get("version")
+        model = self.catalog.get(name) if isinstance(name, str) else None
+        if model is None:
+            raise LookupError(f"unknown model {name!r}")
+        if version is not None and version not in model.versions:
+            raise LookupError(f"version {version} of model {name!r} is not served")
+        return model
+
+    def _restart(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Drain a worker, then let it exit cleanly so its supervisor starts it again."""
+        worker = self.pool.named(worker_arg(args))
+        logger.info("worker %s restarting by the operator after %d batch(es)",
+                    worker.worker_id, len(worker.inflight))
+        described = worker.describe(self.clock())
+        self.pool.leave(worker)
+        return described
+
+    def _status(self, _: dict[str, Any]) -> dict[str, Any]:
+        now = self.clock()
+        return {"workers": [w.describe(now) for w in self.pool.workers.values()],
+                "queues": {m: self.scheduler.depth(m) for m in self.catalog.models},
+                "inflight_batches": len(self.pool.inflight), "stopping": self.stopping,
+                "pid": os.getpid()}
+
+    def _models(self, _: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for name, m in sorted(self.catalog.models.items()):
+            out[name] = {"versions": list(m.versions), "ready": sorted(m.ready),
+                         "default_version": m.default_version if m.ready else None,
+                         "platform": m.config.platform,
+                         "workers": sorted(w.worker_id for w in self.pool.holders(name)),
+                         **self.lifecycle.describe(name)}
+        errors = dict(self.catalog.errors)
+        for name, failure in self.lifecycle.failures.items():
+            errors.setdefault(name, failure["error"])
+        return {"models": out, "errors": errors}
+
+    def _metadata(self, args: dict[str, Any]) -> dict[str, Any]:
+        model = self._model(args)
+        meta = model.metadata()
+        meta["ready"] = bool(model.ready if args.get("version") is None
+                             else args["version"] in model.ready)
+        meta["max_batch_size"] = model.config.max_batch_size
+        return meta
+
+    def _metrics(self, _: dict[str, Any]) -> dict[str, Any]:
+        for name in self.catalog.models:
+            self.metrics.queue_depth.labels(name).set(self.scheduler.depth(name))
+        return {"broker": self.metrics.render(), "instance": f"{hostname()}:{os.getpid()}",
+                "workers": {w.worker_id: w.metrics_text for w in self.pool.workers.values()}}

@@ -1,0 +1,109 @@
+"""Entry point of ``zeroserve broker`` (also ``python -m zeroserve.broker.server.main``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from zeroserve.broker import options
+from zeroserve.broker.runtime import BrokerLock, Endpoints, RuntimeDirError, \
+    ensure_runtime_dir, exposed_endpoints
+from zeroserve.broker.server.broker import Broker
+from zeroserve.broker.server.loop import BrokerLoop
+from zeroserve.broker.server.swap import LifecycleOptions
+
+logger = logging.getLogger(__name__)
+
+
+def check_timing(heartbeat_s: float, worker_expiry_s: float) -> str | None:
+    """Heartbeats must be able to keep a worker alive: several fit in one expiry."""
+    if heartbeat_s <= 0:
+        return f"--heartbeat-s must be > 0, got {heartbeat_s:g}"
+    if worker_expiry_s < 2 * heartbeat_s:
+        return (f"--worker-expiry-s ({worker_expiry_s:g}) must be at least twice "
+                f"--heartbeat-s ({heartbeat_s:g}), or live workers would be dropped")
+    return None
+
+
+def build(endpoints: Endpoints, model_dir: Path, args: Any,
+          ctx: zmq.Context[Any]) -> tuple[BrokerLoop, Broker]:
+    loop = BrokerLoop(endpoints, ctx)
+    broker = Broker(model_dir, to_client=loop.to_client, to_worker=loop.to_worker,
+                    to_controller=loop.to_controller, heartbeat_s=args.heartbeat_s,
+                    worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s,
+                    latency_model=args.latency_model == "on", ctx=ctx,
+                    admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", ""),
+                    lifecycle=LifecycleOptions(
+                        watch=args.watch, debounce_s=args.watch_debounce_ms / 1000.0,
+                        poll_s=args.watch_interval_s,
+                        import_roots=tuple(Path(r) for r in args.import_root or ())))
+    return loop, broker
+
+
+def run(args: argparse.Namespace) -> int:
+    endpoints = options.endpoints(args)
+    exposed = exposed_endpoints(endpoints)
+    if exposed:
+        logger.error("refusing to bind %s: tcp:// beyond loopback needs CurveZMQ keys, which "
+                     "this version does not support yet; use ipc:// or a loopback address "
+                     "(and an SSH or WireGuard tunnel between hosts)", ", ".join(exposed))
+        return 2
+    if (why := check_timing(args.heartbeat_s, args.worker_expiry_s)) is not None:
+        logger.error("%s", why)
+        return 2
+    folder = options.runtime_folder(args)
+    lock = BrokerLock(folder)
+    try:
+        ensure_runtime_dir(folder)
+        lock.acquire()
+    except (RuntimeDirError, OSError) as exc:
+        logger.error("%s", exc)
+        return 2
+    try:
+        return _serve(endpoints, Path(args.model_dir), args)
+    finally:
+        lock.release()
+
+
+def _serve(endpoints: Endpoints, model_dir: Path, args: Any) -> int:
+    ctx: zmq.Context[Any] = zmq.Context()
+    loop, broker = build(endpoints, model_dir, args, ctx)
+    try:
+        broker.load_catalog()
+    except ValueError as exc:  # ConfigError: the repository folder is missing
+        logger.error("%s", exc)
+        loop.close(0)
+        ctx.term()
+        return 2
+    # handlers only set a flag; the wakeup fd makes the poller return at once
+    signal.set_wakeup_fd(loop.wakeup_fd)
+    signal.signal(signal.SIGTERM, lambda *_: broker.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: broker.request_stop())
+    signal.signal(signal.SIGHUP, lambda *_: broker.request_reload())
+    broker.start(loop.poller)
+    logger.info("broker listening: frontend %s, backend %s, control %s",
+                endpoints.frontend, endpoints.backend, endpoints.control)
+    try:
+        loop.run(broker, broker.clock)
+    finally:
+        signal.set_wakeup_fd(-1)
+        broker.close()
+        loop.close()
+        ctx.term()  # blocks until the last answers have left (bounded by linger)
+    logger.info("broker stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return options.run_component("broker", run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

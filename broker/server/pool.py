@@ -1,0 +1,250 @@
+"""The worker pool: membership, credits, heartbeats, the batches in flight on each
+worker, and the one place that sends anything to a worker.
+
+It decides nothing about requests: when a worker is lost it hands back that
+worker's in-flight batches, and the request path decides what each request gets.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from zeroserve.broker import protocol as p
+from zeroserve.broker.server.scheduler import Entry
+
+logger = logging.getLogger(__name__)
+
+Send = Callable[[bytes, list[Any]], bool]
+
+
+class Loss(enum.Enum):
+    """How a worker was lost, which decides what its in-flight requests get."""
+
+    CRASHED = "its connection closed (the process died)"
+    REREGISTERED = "it registered again (it restarted)"
+    SILENT = "its heartbeats stopped"
+    HUNG = "a batch ran past max_execution_ms"
+    UNREACHABLE = "a send to it failed"
+    LEFT = "it left"
+
+
+@dataclass
+class Inflight:
+    """A batch sent to a worker and not yet answered."""
+
+    batch_id: int
+    worker: bytes
+    model: str
+    version: int
+    entries: dict[str, Entry]
+    samples: int
+    reason: str
+    sent_s: float
+    exec_deadline_s: float = math.inf
+
+
+@dataclass
+class WorkerState:
+    identity: bytes
+    worker_id: str
+    credits: int
+    last_seen_s: float
+    info: dict[str, Any] = field(default_factory=dict)
+    loaded: set[tuple[str, int]] = field(default_factory=set)
+    loading: set[tuple[str, int]] = field(default_factory=set)
+    load_errors: dict[str, str] = field(default_factory=dict)
+    inflight: list[int] = field(default_factory=list)   # batch ids, in the order sent
+    draining: bool = False
+    exiting: bool = False
+    recycle: bool = False
+    metrics_text: str = ""
+    memory: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def free(self) -> int:
+        return 0 if self.draining else self.credits - len(self.inflight)
+
+    def holds(self, model: str, version: int | None = None) -> bool:
+        if version is None:
+            return any(m == model for m, _ in self.loaded)
+        return (model, version) in self.loaded
+
+    def versions_of(self, model: str) -> set[int]:
+        return {v for m, v in self.loaded if m == model}
+
+    def describe(self, now: float) -> dict[str, Any]:
+        return {
+            "id": self.worker_id,
+            "state": "draining" if self.draining else "ready",
+            "credits": self.credits,
+            "inflight_batches": len(self.inflight),
+            "models": sorted(f"{m}/{v}" for m, v in self.loaded),
+            "loading": sorted(f"{m}/{v}" for m, v in self.loading),
+            "load_errors": dict(self.load_errors),
+            "last_seen_s": round(now - self.last_seen_s, 3),
+            "memory": self.memory,
+            **{k: v for k, v in self.info.items() if k in ("pid", "host", "device")},
+        }
+
+
+class WorkerPool:
+    def __init__(self, send: Send, clock: Callable[[], float], *, heartbeat_s: float = 0.5,
+                 expiry_s: float = 2.0) -> None:
+        self._send = send
+        self._clock = clock
+        self.heartbeat_s = heartbeat_s
+        self.expiry_s = expiry_s
+        self.workers: dict[bytes, WorkerState] = {}
+        self.inflight: dict[int, Inflight] = {}
+        self._batch_ids = itertools.count(1)
+
+    # -- membership ---------------------------------------------------------
+    def register(self, identity: bytes, ready: p.WorkerReady, now: float) -> WorkerState:
+        worker = WorkerState(identity, ready.worker_id or identity.decode(errors="replace"),
+                             max(1, min(ready.credits, 64)), now,
+                             info={"pid": ready.pid, "host": ready.host, "device": ready.device,
+                                   "memory_budget_bytes": ready.memory_budget_bytes})
+        worker.loaded = {(str(m), int(v)) for m, v in ready.models}
+        self.workers[identity] = worker
+        logger.info("worker %s ready (pid %s, %s, %d credits)", worker.worker_id, ready.pid,
+                    ready.device, worker.credits)
+        return worker
+
+    def get(self, identity: bytes) -> WorkerState | None:
+        return self.workers.get(identity)
+
+    def by_id(self, worker_id: str) -> WorkerState | None:
+        return next((w for w in self.workers.values() if w.worker_id == worker_id), None)
+
+    def holders(self, model: str, version: int | None = None) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.holds(model, version)]
+
+    def free_holder(self, model: str) -> WorkerState | None:
+        """The least busy worker with a free credit that holds the model."""
+        best = None
+        for w in self.workers.values():
+            if w.free > 0 and w.holds(model):
+                if best is None or len(w.inflight) < len(best.inflight):
+                    best = w
+        return best
+
+    def named(self, worker_id: str) -> WorkerState:
+        worker = self.by_id(worker_id)
+        if worker is None:
+            known = ", ".join(sorted(w.worker_id for w in self.workers.values()))
+            raise LookupError(f"unknown worker {worker_id!r} (known: {known or 'none'})")
+        return worker
+
+    def set_draining(self, worker_id: str, draining: bool) -> WorkerState:
+        """Stop (or resume) sending new batches to a worker; its in-flight ones finish."""
+        worker = self.named(worker_id)
+        if not draining and worker.exiting:
+            raise LookupError(f"worker {worker_id!r} is leaving and cannot be undrained")
+        worker.draining = draining
+        logger.info("worker %s %s", worker_id, "drained" if draining else "undrained")
+        return worker
+
+    def leave(self, worker: WorkerState, recycle: bool = False) -> None:
+        """The worker drains, then exits once nothing of ours runs on it (see drained)."""
+        worker.draining = worker.exiting = True
+        worker.recycle = worker.recycle or recycle
+
+    def remove(self, worker: WorkerState, loss: Loss, quiet: bool = False) -> list[Inflight]:
+        """Forget a worker; returns its in-flight batches, oldest first."""
+        if self.workers.pop(worker.identity, None) is None:
+            return []
+        if not quiet:
+            logger.warning("worker %s removed: %s", worker.worker_id, loss.value)
+        lost = [self.inflight.pop(b) for b in worker.inflight if b in self.inflight]
+        worker.inflight = []
+        return lost
+
+    # -- batches ------------------------------------------------------------
+    def send_batch(self, worker: WorkerState, model: str, version: int,
+                   entries: list[Entry], items: list[p.BatchItem], reason: str, now: float,
+                   exec_s: float) -> Inflight | None:
+        """Send a batch; None (and the worker is unreachable) if the send failed."""
+        batch_id = next(self._batch_ids)
+        tightest = min(e.deadline_s for e in entries)
+        rec = Inflight(batch_id, worker.identity, model, version,
+                       {it.request_id: e for it, e in zip(items, entries)},
+                       sum(e.samples for e in entries), reason, now,
+                       now + exec_s if exec_s > 0 else math.inf)
+        frames = p.encode_batch(p.Batch(batch_id, model, version, items,
+                                        (tightest - now) * 1000.0 if tightest < math.inf else 0))
+        if not self._send(worker.identity, frames):
+            return None
+        self.inflight[batch_id] = rec
+        worker.inflight.append(batch_id)
+        return rec
+
+    def finish(self, batch_id: int) -> Inflight | None:
+        """The in-flight record of an answered batch, or None if it is no longer ours
+        (its worker was lost, or it timed out): a late answer is then dropped."""
+        rec = self.inflight.pop(batch_id, None)
+        if rec is not None:
+            worker = self.workers.get(rec.worker)
+            if worker is not None and batch_id in worker.inflight:
+                worker.inflight.remove(batch_id)
+        return rec
+
+    def overdue(self, now: float) -> list[Inflight]:
+        return [r for r in self.inflight.values() if r.exec_deadline_s <= now]
+
+    def next_exec_deadline(self) -> float | None:
+        return min((r.exec_deadline_s for r in self.inflight.values()), default=None)
+
+    def busy(self) -> set[tuple[bytes, str, int]]:
+        return {(r.worker, r.model, r.version) for r in self.inflight.values()}
+
+    def busy_models(self, worker: WorkerState) -> set[str]:
+        return {self.inflight[b].model for b in worker.inflight if b in self.inflight}
+
+    def busy_until(self, worker: WorkerState, now: float,
+                   predict: Callable[[str, int], float]) -> float:
+        """When a worker is predicted to finish the batches it has (they run in order);
+        ``predict(model, samples)`` is that worker's latency model."""
+        cursor = now
+        for i, batch_id in enumerate(worker.inflight):
+            rec = self.inflight[batch_id]
+            run_s = predict(rec.model, rec.samples)
+            cursor = max(cursor, rec.sent_s + run_s) if i == 0 else cursor + run_s
+        return cursor
+
+    # -- messages to workers ----------------------------------------------------
+    def load(self, worker: WorkerState, msg: p.LoadModel) -> None:
+        worker.loading.add((msg.model, msg.version))
+        self._send(worker.identity, p.encode(msg))
+
+    def unload(self, worker: WorkerState, model: str, version: int) -> None:
+        worker.loaded.discard((model, version))
+        self._send(worker.identity, p.encode(p.UnloadModel(model, version)))
+
+    def disconnect(self, identity: bytes, reason: p.DisconnectReason,
+                   restart: bool = False) -> None:
+        self._send(identity, p.encode(p.Disconnect(reason, restart)))
+
+    def heartbeat(self, now: float) -> list[WorkerState]:
+        """Heartbeat every worker; returns the ones that fell silent (not yet removed)."""
+        silent = [w for w in self.workers.values() if now - w.last_seen_s > self.expiry_s]
+        frames = p.encode(p.BrokerHeartbeat(self.heartbeat_s, self.expiry_s))
+        for worker in self.workers.values():
+            if worker not in silent:
+                self._send(worker.identity, frames)
+        return silent
+
+    def drained(self) -> Iterable[WorkerState]:
+        """Workers leaving with nothing of ours in flight: they may go now."""
+        return [w for w in self.workers.values() if w.exiting and not w.inflight]
+
+    def release(self, worker: WorkerState) -> None:
+        """A drained worker that is leaving: tell it to exit and forget it."""
+        self.disconnect(worker.identity, p.DisconnectReason.DRAINED, restart=worker.recycle)
+        logger.info("worker %s drained %s", worker.worker_id,
+                    "to restart" if worker.recycle else "for shutdown")
+        self.remove(worker, Loss.LEFT, quiet=True)

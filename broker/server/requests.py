@@ -1,0 +1,348 @@
+"""The request path: admission, dispatch, results and answers.
+
+A request is in exactly one place: queued in the scheduler, in one batch in flight
+on one worker (the pool's record), or answered. Every answer goes through
+:meth:`RequestPath.answer_error` or the reply in :meth:`on_result`, which close the
+request's key; a key answered once is never answered again, so a late result from
+a worker presumed dead, a retry racing a cancel, or an expiry racing a result can
+never produce a second answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from typing import Any, Callable, Sequence
+
+from zeroserve.broker import protocol as p
+from zeroserve.broker.server.admission import admission_error, deadline_of
+from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError, check_inputs, \
+    normalize_priority
+from zeroserve.broker.server.latency import LatencyBook
+from zeroserve.broker.server.metrics import BrokerMetrics
+from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.scheduler import Entry, Scheduler
+
+logger = logging.getLogger(__name__)
+
+Send = Callable[[bytes, list[Any]], bool]
+Key = tuple[bytes, str]
+
+
+class Payload:
+    __slots__ = ("client", "request", "pinned", "attempts")
+
+    def __init__(self, client: bytes, request: p.InferRequest, pinned: bool) -> None:
+        self.client = client
+        self.request = request
+        self.pinned = pinned
+        self.attempts = 0
+
+
+class RequestPath:
+    def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
+                 latency: LatencyBook, metrics: BrokerMetrics, reply: Send,
+                 rng: random.Random | None = None) -> None:
+        self.catalog = catalog
+        self.scheduler = scheduler
+        self.pool = pool
+        self.latency = latency
+        self.metrics = metrics
+        self._reply = reply
+        self._rng = rng or random.Random()
+        self._open: dict[Key, str] = {}               # admitted, not answered: key -> model
+        self._by_client: dict[bytes, set[str]] = {}
+        self._last_used: dict[str, float] = {}
+        self.admitting = True                          # False while the broker stops
+
+    # -- state --------------------------------------------------------------
+    def open_count(self) -> int:
+        return len(self._open)
+
+    def is_open(self, key: Key) -> bool:
+        return key in self._open
+
+    def last_used(self, model: str) -> float:
+        return self._last_used.get(model, 0.0)
+
+    # -- intake -------------------------------------------------------------
+    def on_request(self, client: bytes, header: dict[str, Any], bufs: Sequence[Any],
+                   now: float) -> None:
+        try:
+            req = p.decode_request(header, bufs)
+        except p.ProtocolError as exc:
+            rid = p.request_id_of(header)
+            if rid is None:
+                raise  # nothing to answer: the loop counts it as a malformed message
+            self.refuse(client, rid, p.ErrorCode.BAD_INPUT, str(exc), model="")
+            return
+        key = (client, req.request_id)
+        if key in self._open:
+            self.refuse(client, req.request_id, p.ErrorCode.BAD_INPUT,
+                        "a request with this id is already in progress", model=req.model)
+            return
+        model = self.catalog.get(req.model)
+        err = admission_error(req, model, self.pool, self.admitting)
+        if err is not None:
+            self.refuse(client, req.request_id, err[0], err[1], model=req.model)
+            return
+        assert model is not None
+        try:
+            samples = check_inputs(model.config, [t.meta for t in req.tensors], req.outputs)
+        except RequestError as exc:
+            self.refuse(client, req.request_id, p.ErrorCode.BAD_INPUT, str(exc),
+                        model=req.model)
+            return
+        entry = self._entry(client, req, model, samples, now)
+        if entry is None:
+            return
+        self._open[key] = req.model
+        self._by_client.setdefault(client, set()).add(req.request_id)
+        self._queue(entry)
+
+    def _entry(self, client: bytes, req: p.InferRequest, model: CatalogModel, samples: int,
+               now: float) -> Entry | None:
+        """The queue entry, or None when the deadline cannot be met (refused now)."""
+        cfg = model.config
+        priority = normalize_priority(req.priority, cfg)
+        timeout_ms, deadline = deadline_of(req, cfg, now)
+        predict = self.latency.predictor(req.model)
+        holders = self.pool.holders(req.model)
+        wait_s = self.scheduler.estimate_wait(req.model, priority, predict, len(holders))
+        wait_s += min((self._busy_until(w, now) for w in holders), default=now) - now
+        if now + wait_s + predict(samples) > deadline:
+            self.refuse(client, req.request_id, p.ErrorCode.DEADLINE,
+                        f"deadline of {timeout_ms:g} ms cannot be met: the queue ahead needs "
+                        f"about {wait_s * 1000:.1f} ms", model=req.model)
+            return None
+        version = req.version
+        if version is None and cfg.traffic:
+            version = model.route(self._rng)
+        return Entry(key=(client, req.request_id), model=req.model, priority=priority,
+                     arrival_s=now, deadline_s=deadline, samples=samples, version=version,
+                     payload=Payload(client, req, req.version is not None))
+
+    def _queue(self, entry: Entry) -> None:
+        for victim in self.scheduler.add(entry):
+            predict = self.latency.predictor(victim.model)
+            retry = self.scheduler.estimate_wait(victim.model, 1, predict,
+                                                 len(self.pool.holders(victim.model)))
+            self.answer_error(victim, p.ErrorCode.OVERLOADED,
+                              f"queue of model {victim.model!r} is full",
+                              retry_after_s=max(1.0, math.ceil(retry)))
+
+    def on_cancel(self, client: bytes, request_id: str) -> None:
+        entry = self.scheduler.cancel((client, request_id))
+        if entry is not None:
+            self.answer_error(entry, p.ErrorCode.CANCELLED, "cancelled by the client")
+
+    def client_gone(self, client: bytes) -> int:
+        """A client's connection closed: its queued requests leave the queue (what is in
+        flight finishes; its answer goes nowhere). Returns how many were withdrawn."""
+        withdrawn = 0
+        for rid in list(self._by_client.get(client, ())):
+            entry = self.scheduler.cancel((client, rid))
+            if entry is not None:
+                self.answer_error(entry, p.ErrorCode.CANCELLED, "the client went away")
+                withdrawn += 1
+        return withdrawn
+
+    # -- results ------------------------------------------------------------
+    def on_result(self, worker: WorkerState, header: dict[str, Any], bufs: Sequence[Any],
+                  now: float) -> None:
+        rec = self.pool.finish(p.result_batch_id(header))
+        if rec is None:
+            return  # already answered or retried (its worker was lost, or it timed out)
+        try:
+            result = p.decode_result(header, bufs, rec.model, rec.version)
+        except p.ProtocolError as exc:
+            self._fail_batch(rec, p.ErrorCode.INTERNAL, f"worker sent a malformed result: {exc}")
+            raise
+        if result.error is not None:
+            if result.retry:
+                self._requeue(list(rec.entries.values()), result.error, now)
+            else:
+                code = p.ErrorCode.DEADLINE if result.expired else p.ErrorCode.MODEL_ERROR
+                self._fail_batch(rec, code, result.error)
+            return
+        compute_s = result.compute_ms / 1000.0
+        self.latency.observe(rec.model, worker.worker_id, rec.samples, compute_s)
+        self.metrics.batch_done(rec.model, rec.samples, compute_s, result.phases_ms)
+        for rep in result.replies:
+            entry = rec.entries.pop(rep.request_id, None)
+            if entry is None or not self._close(entry.key):
+                continue
+            pl: Payload = entry.payload
+            queue_s = rec.sent_s - entry.arrival_s
+            self.metrics.request_done(rec.model, rec.version, queue_s, now - entry.arrival_s)
+            stats = {"queue_ms": queue_s * 1000.0, "compute_ms": result.compute_ms,
+                     "batch_size": rec.samples}
+            self._reply(pl.client, p.encode_reply(
+                p.InferReply(pl.request.request_id, rec.model, rec.version, rep.tensors, stats)))
+        self._fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
+
+    # -- workers lost ---------------------------------------------------------
+    def worker_lost(self, lost: list[Inflight], loss: Loss, worker_id: str, now: float) -> None:
+        """What a lost worker's in-flight requests get. Retried once elsewhere while their
+        deadlines allow, except the batch that was running on a worker that went silent:
+        it may be what stopped the worker, so it is not sent to another one (a poison
+        input must not take down every worker)."""
+        why = f"worker {worker_id} was lost while running this request: {loss.value}"
+        for i, rec in enumerate(lost):
+            if loss is Loss.SILENT and i == 0:
+                self._fail_batch(rec, p.ErrorCode.WORKER_LOST, f"{why}; retry")
+            else:
+                self._requeue(list(rec.entries.values()), why, now)
+
+    def overdue(self, now: float) -> list[bytes]:
+        """Batches past max_execution_ms fail (504, never retried elsewhere); returns the
+        identities of their workers, which are hung and must go."""
+        hung = []
+        for rec in self.pool.overdue(now):
+            self.pool.finish(rec.batch_id)
+            self._fail_batch(rec, p.ErrorCode.DEADLINE,
+                             f"batch ran past max_execution_ms of model {rec.model!r}")
+            hung.append(rec.worker)
+        return hung
+
+    def _requeue(self, entries: list[Entry], why: str, now: float) -> None:
+        for entry in entries:
+            pl: Payload = entry.payload
+            if pl.attempts < 1 and entry.deadline_s > now and self.pool.holders(entry.model) \
+                    and self.scheduler.knows(entry.model) and self.is_open(entry.key):
+                pl.attempts += 1
+                fresh = entry.again()
+                fresh.version = entry.version if pl.pinned else None
+                self._queue(fresh)
+            else:
+                self.answer_error(entry, p.ErrorCode.WORKER_LOST, f"{why}; retry")
+
+    def _fail_batch(self, rec: Inflight, code: p.ErrorCode, message: str) -> None:
+        for entry in rec.entries.values():
+            self.answer_error(entry, code, message)
+        rec.entries.clear()
+
+    # -- time ---------------------------------------------------------------
+    def expire(self, now: float) -> None:
+        for entry in self.scheduler.expire(now):
+            self.answer_error(entry, p.ErrorCode.DEADLINE, "deadline exceeded while queued")
+
+    def dispatch(self, now: float) -> None:
+        for name in self.scheduler.models_waiting():
+            model = self.catalog.get(name)
+            if model is not None:
+                self._dispatch_model(model, now)
+
+    def _dispatch_model(self, model: CatalogModel, now: float) -> None:
+        name = model.config.name
+        while True:
+            worker = self.pool.free_holder(name)
+            if worker is None:
+                return
+            held, default = worker.versions_of(name), model.default_version
+
+            def resolve(e: Entry, held: set[int] = held, default: int = default) -> int | None:
+                v = e.version if e.version is not None else default
+                return v if v in held else None
+
+            predict = self.latency.predictor(name, worker.worker_id)
+            decision = self.scheduler.take(name, now, predict, resolve,
+                                           start_s=self._busy_until(worker, now))
+            if decision is None:
+                return
+            for entry in decision.doomed:
+                self.answer_error(entry, p.ErrorCode.DEADLINE,
+                                  "deadline cannot be met: the work ahead of this request "
+                                  "takes longer than its remaining time")
+            if not decision.entries:
+                if decision.doomed:
+                    continue
+                return
+            self._send_batch(worker, model, decision.entries, decision.reason, now)
+
+    def _send_batch(self, worker: WorkerState, model: CatalogModel, entries: list[Entry],
+                    reason: str, now: float) -> None:
+        version = entries[0].version
+        assert version is not None
+        items = [p.BatchItem(str(i), e.payload.request.tensors, e.payload.request.outputs)
+                 for i, e in enumerate(entries)]
+        exec_s = model.config.dynamic_batching.max_execution_ms / 1000.0
+        rec = self.pool.send_batch(worker, model.config.name, version, entries, items, reason,
+                                   now, exec_s)
+        if rec is None:
+            self.worker_lost(self.pool.remove(worker, Loss.UNREACHABLE), Loss.UNREACHABLE,
+                             worker.worker_id, now)
+            self._requeue(entries, f"worker {worker.worker_id} is unreachable", now)
+            return
+        self._last_used[model.config.name] = now
+        self.metrics.batch_sent(model.config.name, reason, rec.samples)
+        for entry in entries:
+            self.metrics.queued(model.config.name, entry.priority, now - entry.arrival_s)
+
+    def _busy_until(self, worker: WorkerState, now: float) -> float:
+        def predict(model: str, samples: int) -> float:
+            return self.latency.predictor(model, worker.worker_id)(samples)
+        return self.pool.busy_until(worker, now, predict)
+
+    def next_due(self, now: float) -> float | None:
+        due = [d for d in (self.scheduler.next_deadline(), self.pool.next_exec_deadline())
+               if d is not None]
+        for name in self.scheduler.models_waiting():
+            d = self.scheduler.next_due(name, now, self.latency.predictor(name))
+            if d is not None:
+                due.append(d)
+        return min(due, default=None)
+
+    # -- answers ------------------------------------------------------------
+    def _close(self, key: Key) -> bool:
+        """Mark a request answered; False if it already was (then send nothing)."""
+        if self._open.pop(key, None) is None:
+            return False
+        rids = self._by_client.get(key[0])
+        if rids is not None:
+            rids.discard(key[1])
+            if not rids:
+                del self._by_client[key[0]]
+        return True
+
+    def answer_error(self, entry: Entry, code: p.ErrorCode, message: str,
+                     retry_after_s: float | None = None) -> None:
+        if not self._close(entry.key):
+            return
+        pl: Payload = entry.payload
+        self.refuse(pl.client, pl.request.request_id, code, message, entry.model, retry_after_s)
+
+    def refuse(self, client: bytes, request_id: str, code: p.ErrorCode, message: str,
+               model: str, retry_after_s: float | None = None) -> None:
+        """An error answer to a request that holds no place (refused at the door)."""
+        self.metrics.error(model, code)
+        self._reply(client, p.encode_error(p.ErrorReply(request_id, code, message,
+                                                        retry_after_s)))
+
+    def fail_queued(self, model: str, code: p.ErrorCode, message: str) -> None:
+        for entry in self.scheduler.drop_model(model):
+            self.answer_error(entry, code, message)
+
+    def fail_everything(self, code: p.ErrorCode, message: str) -> None:
+        for name in list(self.scheduler.models_waiting()):
+            self.fail_queued(name, code, message)
+        for batch_id in list(self.pool.inflight):
+            rec = self.pool.finish(batch_id)
+            if rec is not None:
+                self._fail_batch(rec, code, message)
+
+    def reroute(self, name: str, gone: set[int]) -> None:
+        """Queued requests for versions that left: unpinned ones follow the new default,
+        pinned ones get not found."""
+        if not gone:
+            return
+        for entry in self.scheduler.queued(name):
+            if entry.version not in gone:
+                continue
+            if entry.payload.pinned:
+                if self.scheduler.cancel(entry.key) is not None:
+                    self.answer_error(entry, p.ErrorCode.NOT_FOUND,
+                                      f"version {entry.version} of model {name!r} was retired")
+            else:
+                entry.version = None

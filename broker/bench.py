@@ -112,7 +112,7 @@ def levels_of(args: argparse.Namespace) -> list[tuple[str, float, bl.LevelPlan]]
         if not counted:
             raise Usage(f"--trace {args.trace}: no arrival after the {w:g} s warm-up "
                         "(try --warmup-s 0)")
-        span = max(counted[-1] - w, 1e-3)
+        span = max(counted[-1] - w, 0.0) + 1e-3  # the window holds the last arrival
         return [("trace", round(len(counted) / span, 1), bl.LevelPlan(0, offsets, w, span))]
     if args.rate:
         return [("rate", r, bl.LevelPlan(0, bl.arrivals(r, w + d, args.distribution,

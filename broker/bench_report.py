@@ -187,6 +187,7 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (ax_lat, ax_tp) = plt.subplots(1, 2, figsize=(11, 4.2))
     series: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -211,6 +212,9 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     for ax in (ax_lat, ax_tp):
         if loads and min(loads) > 0 and max(loads) / min(loads) >= 8:
             ax.set_xscale("log", base=2)  # 1, 16, 64 spread out evenly
+            ax.set_xticks(sorted(set(loads)))
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

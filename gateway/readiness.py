@@ -43,8 +43,9 @@ async def not_ready(control: Control, mode: str = STRICT) -> str | None:
     for name, error in errors.items():
         reason = " ".join(str(error).split())[:MAX_REASON_CHARS]
         problems[name] = f"failed: {reason}"
+    exempt = set(doc.get("optional") or ())   # names, failed first loads included
     blocking = [(name, why) for name, why in sorted(problems.items())
-                if not await _optional(control, name, models.get(name))]
+                if name not in exempt and not await _optional(control, name, models.get(name))]
     if not blocking:
         return None
     return "not ready (strict readiness): " + "; ".join(
@@ -52,8 +53,9 @@ async def not_ready(control: Control, mode: str = STRICT) -> str | None:
 
 
 async def _optional(control: Control, name: str, entry: dict[str, Any] | None) -> bool:
-    """Whether the model's config exempts it. A model whose config does not parse is
-    not in the catalog, so nothing can exempt it: fix the config or remove it."""
+    """Whether the model's config exempts it. A model that never loaded is not in the
+    catalog, so only the broker's top-level ``optional`` list can exempt it; one whose
+    config does not parse cannot be exempt at all: fix the config or remove it."""
     if entry is None:
         return False
     if "optional" in entry:  # a broker that reports it saves a round trip per model

@@ -146,6 +146,9 @@ def test_garbage_on_every_broker_socket_is_dropped_and_serving_goes_on(server):
 def test_gateway_and_broker_never_import_torch():
     code = ("import sys; import zeroserve.gateway.app, zeroserve.gateway.serve, "
             "zeroserve.gateway.fastpath, zeroserve.gateway.registration, "
+            "zeroserve.gateway.routes_ext, zeroserve.gateway.readiness, "
+            "zeroserve.gateway.shm, zeroserve.gateway.classification, "
+            "zeroserve.gateway.logging_ext, "
             "zeroserve.broker.server, zeroserve.broker.cli, zeroserve.broker.client, "
             "zeroserve.broker.lifecycle, zeroserve.broker.registration, "
             "zeroserve.broker.placement, zeroserve.broker.hasher, "

@@ -56,6 +56,11 @@ class GatewayServer(uvicorn.Server):
                 said = why
             await asyncio.sleep(READY_POLL_S)  # the broker's view changes without telling us
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.announcer is not None:
+            self.announcer.cancel()   # stopping before ready: nothing left to announce
+        await super().shutdown(sockets)
+
     async def on_tick(self, counter: int) -> bool:
         self.notifier.watchdog()
         return await super().on_tick(counter)

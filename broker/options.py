@@ -83,6 +83,12 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long in-flight HTTP requests may take to finish")
     p.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT, so several gateway processes share the port")
+    p.add_argument("--readiness", choices=["strict", "any"], default="strict",
+                   help="ready when every model serves (strict) or one does (any, weaker)")
+    p.add_argument("--server-name", default="zeroserve", help="name in GET /v2")
+    p.add_argument("--server-version", default="", help="version in GET /v2 (default: ours)")
+    p.add_argument("--allow-shared-memory", action="store_true",
+                   help="let clients on this host pass tensors in system shared memory")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -19,8 +19,12 @@ from starlette.routing import Route
 
 from zeroserve.broker import __version__
 from zeroserve.broker.client import AsyncClient, InferError
+from zeroserve.broker import protocol as p
 from zeroserve.broker.protocol import ErrorCode
-from zeroserve.gateway import metrics, openapi, routes_simple, v2
+from zeroserve.gateway import metrics, openapi, readiness, routes_simple, v2
+from zeroserve.gateway.classification import classify
+from zeroserve.gateway.logging_ext import LogSettings
+from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.http import STATUS, BadRequest, BodyTooLarge, bounded_int, \
     compressed, error_response, infer_error_response, json_response, path_version, \
     read_body, too_large_response
@@ -30,7 +34,9 @@ __all__ = ["STATUS", "Settings", "create_app", "error_response", "json_response"
 
 logger = logging.getLogger(__name__)
 
-EXTENSIONS = ["binary_tensor_data", "schedule_policy", "model_configuration"]
+# exactly what this gateway implements; system_shared_memory only when it is on
+EXTENSIONS = ["binary_tensor_data", "schedule_policy", "model_configuration",
+              "classification", "logging"]
 
 
 @dataclass
@@ -40,6 +46,10 @@ class Settings:
     broker_timeout_s: float = 3.0
     admin_token: str = ""      # management routes from anywhere with it; loopback only without
     control: str = ""          # the broker's control socket (default: beside the frontend)
+    readiness: str = readiness.STRICT
+    server_name: str = "zeroserve"
+    server_version: str = __version__
+    allow_shared_memory: bool = False
 
     @property
     def control_endpoint(self) -> str:
@@ -47,6 +57,9 @@ class Settings:
             return self.control
         base, _, _ = self.frontend.rpartition("/")
         return f"{base}/control"
+
+    def extensions(self) -> list[str]:
+        return EXTENSIONS + (["system_shared_memory"] if self.allow_shared_memory else [])
 
 
 class Gateway:
@@ -59,6 +72,8 @@ class Gateway:
                                  broker_timeout_s=settings.broker_timeout_s,
                                  admin_token=settings.admin_token)
         self.draining = False
+        self.shm = SharedMemory(settings.allow_shared_memory)
+        self.logs = LogSettings()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -69,6 +84,7 @@ class Gateway:
             yield
         finally:
             await self.admin.close()
+            self.shm.close()
             await self.client.close()
 
     async def control(self, verb: str, **args: Any) -> Any:
@@ -98,17 +114,14 @@ class Gateway:
         if not self.client.connected:
             return "broker is not reachable"
         try:
-            models = (await self.control("models"))["models"]
+            return await readiness.not_ready(self.control, self.settings.readiness)
         except InferError as exc:
             return exc.message
-        # "ready" is what the broker can route to; "workers" who hold it right now
-        if not any(m["ready"] and m["workers"] for m in models.values()):
-            return "no model is ready on any live worker"
-        return None
 
     async def server_metadata(self, request: Request) -> Response:
-        return json_response({"name": "zeroserve", "version": __version__,
-                              "extensions": EXTENSIONS})
+        return json_response({"name": self.settings.server_name,
+                              "version": self.settings.server_version,
+                              "extensions": self.settings.extensions()})
 
     # -- models -------------------------------------------------------------
     async def model_metadata(self, request: Request) -> Response:
@@ -118,8 +131,8 @@ class Gateway:
             return infer_error_response(exc)
         except BadRequest as exc:
             return error_response(400, str(exc))
-        meta.pop("ready", None)
-        meta.pop("max_batch_size", None)
+        for internal in ("ready", "max_batch_size", "labels"):
+            meta.pop(internal, None)
         return json_response(meta)
 
     async def model_config(self, request: Request) -> Response:
@@ -153,7 +166,8 @@ class Gateway:
             body = await read_body(request, self.settings.max_body_bytes)
             hlen = request.headers.get(v2.HEADER_LENGTH)
             req = v2.decode_request(body, int(hlen) if hlen is not None and hlen.isdigit()
-                                    else None if hlen is None else -1)
+                                    else None if hlen is None else -1,
+                                    self.shm.read if self.shm.enabled else None)
             priority = bounded_int(req.parameters.get("priority", 0), "priority")
             timeout_us = bounded_int(req.parameters.get("timeout", 0), "timeout")
             if req.parameters.get("sequence_id"):
@@ -169,14 +183,30 @@ class Gateway:
         except InferError as exc:
             return infer_error_response(exc)
         try:
+            tensors = reply.tensors
+            if req.classified:
+                tensors = await self._classify(reply.model, reply.version, tensors,
+                                               req.classified)
             body, json_len = v2.encode_response(reply.model, reply.version, req.id,
-                                                reply.tensors, req)
+                                                tensors, req, self.shm.write)
+        except InferError as exc:
+            return infer_error_response(exc)
         except v2.DecodeError as exc:
             return error_response(400, str(exc))
         if json_len is None:
             return compressed(request, body)
         return compressed(request, body, 200, {"Inference-Header-Content-Length": str(json_len)},
                           media_type="application/octet-stream")
+
+    async def _classify(self, model: str, version: int, tensors: list[p.Tensor],
+                        counts: dict[str, int]) -> list[p.Tensor]:
+        """The top N of each output that asks for it. The model's metadata says
+        whether dimension 0 is the batch, and (once the broker sends them) its labels."""
+        meta = await self.control("metadata", model=model, version=version)
+        batched = int(meta.get("max_batch_size") or 0) > 0
+        labels = meta.get("labels")
+        return [classify(t, counts[t.meta.name], batched, labels)
+                if t.meta.name in counts else t for t in tensors]
 
 
 def create_app(settings: Settings) -> Starlette:
@@ -201,7 +231,9 @@ def create_app(settings: Settings) -> Starlette:
         Route("/metrics", metrics.Scrape(gw.control).endpoint, methods=["GET"]),
     ]
     from zeroserve.gateway.registration import Registration  # it imports this module
+    from zeroserve.gateway.routes_ext import Extensions
     routes += Registration(gw).routes()
+    routes += Extensions(gw).routes()
     routes.append(openapi.route(routes))
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -26,9 +26,9 @@ ANY_JSON: dict[str, Any] = {}
 WHY = {
     200: "OK", 201: "registered", 400: "bad input (the message says what)",
     401: "an admin token is configured: send Authorization: Bearer <token>",
-    403: "management refused (not loopback, wrong token, registration disabled, or "
-         "model_path outside the import roots)",
-    404: "unknown model or version", 409: "the model already exists",
+    403: "management refused (not loopback, wrong token, registration disabled, "
+         "model_path outside the import roots, or shared memory off)",
+    404: "unknown model, version or shared-memory region", 409: "the model already exists",
     422: "the model failed to load (the loader's message)",
     413: "request body too large", 429: "overloaded or over quota (Retry-After)",
     500: "the model raised", 503: "no worker, draining, or broker down (Retry-After)",
@@ -65,6 +65,17 @@ REGISTER = {"type": "object", "required": ["name", "platform", "model_path"], "p
     "model_path": {"type": "string"}, "max_batch_size": {"type": "integer", "minimum": 0},
     "input_shape": {"type": "object"}, "inputs": {"type": "array"},
     "outputs": {"type": "array"}}}
+SHM_REGISTER = {"type": "object", "required": ["key", "byte_size"], "properties": {
+    "key": {"type": "string", "description": "POSIX shm name, /dev/shm/<key>"},
+    "offset": {"type": "integer", "minimum": 0},
+    "byte_size": {"type": "integer", "minimum": 0}}}
+LOG_SETTINGS = {"type": "object", "properties": {
+    "log_info": {"type": "boolean"}, "log_warning": {"type": "boolean"},
+    "log_error": {"type": "boolean"},
+    "log_verbose_level": {"type": "integer", "minimum": 0},
+    "log_format": {"type": "string", "enum": ["default", "ISO8601"]},
+    "log_file": {"type": "string", "description": "read-only: always empty (stderr)"}}}
+SHM = "/v2/systemsharedmemory"
 SIMPLE_HEADERS = [
     {"name": "X-Priority", "in": "header", "schema": {"type": "integer", "minimum": 0},
      "example": 1},
@@ -75,8 +86,9 @@ SIMPLE_HEADERS = [
 # (method, path, summary, statuses, request body schema or None, media type of a 200)
 ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]] = [
     ("get", "/v2/health/live", "Server live", [200], None, None),
-    ("get", "/v2/health/ready", "Server ready: broker reachable, a model ready on a live "
-     "worker", [200, 503], None, None),
+    ("get", "/v2/health/ready", "Server ready: broker reachable and every model ready on a "
+     "live worker (--readiness strict), or one model (--readiness any)", [200, 503], None,
+     None),
     ("get", "/healthz", "Liveness", [200], None, None),
     ("get", "/readyz", "Readiness (as /v2/health/ready)", [200, 503], None, None),
     ("get", "/v2", "Server metadata", [200], None, "application/json"),
@@ -116,6 +128,18 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
      [200, 400, 401, 403, 404, 503], None, "application/json"),
     ("delete", "/v1/models/{name}/versions/{version}", "Remove one version",
      [200, 400, 401, 403, 404, 503], None, "application/json"),
+    ("get", SHM + "/status", "Registered system shared-memory regions", [200, 403], None,
+     "application/json"),
+    ("get", SHM + "/region/{region}/status", "One shared-memory region", [200, 403, 404],
+     None, "application/json"),
+    ("post", SHM + "/region/{region}/register", "Register a region of /dev/shm/<key>",
+     [200, 400, 401, 403], SHM_REGISTER, None),
+    ("post", SHM + "/unregister", "Unregister every region", [200, 401, 403], None, None),
+    ("post", SHM + "/region/{region}/unregister", "Unregister one region (unknown: no "
+     "error)", [200, 401, 403], None, None),
+    ("get", "/v2/logging", "Log settings", [200], None, "application/json"),
+    ("post", "/v2/logging", "Change log settings (the keys given)", [200, 400, 401, 403],
+     LOG_SETTINGS, "application/json"),
 ]
 
 
@@ -123,12 +147,12 @@ def _operation(method: str, path: str, summary: str, statuses: list[int],
                body: dict[str, Any] | None, media: str | None,
                example: Example | None) -> dict[str, Any]:
     params: list[dict[str, Any]] = []
-    for name in ("name", "version"):
+    for name in ("name", "version", "region"):
         if "{" + name + "}" in path:
-            schema = {"type": "string"} if name == "name" else VERSION
+            schema = VERSION if name == "version" else {"type": "string"}
             param: dict[str, Any] = {"name": name, "in": "path", "required": True,
                                      "schema": schema}
-            if example is not None:
+            if example is not None and name != "region":
                 param["example"] = example[0] if name == "name" else "1"
             params.append(param)
     if path.startswith(("/models/", "/predictions/")):
@@ -151,7 +175,8 @@ def _operation(method: str, path: str, summary: str, statuses: list[int],
         op["parameters"] = params
     if body is not None:
         content: dict[str, Any] = {"schema": body}
-        if example is not None:
+        if example is not None and any(body is b for b in (V2_REQUEST, SEED_REQUEST,
+                                                           ANY_JSON)):
             kind = "v2" if body is V2_REQUEST else "seed" if body is SEED_REQUEST else "ts"
             content["example"] = example[1][kind]
         op["requestBody"] = {"required": True, "content": {"application/json": content}}

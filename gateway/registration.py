@@ -10,7 +10,6 @@ configured (``ZEROSERVE_ADMIN_TOKEN``), in which case they need
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -21,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from zeroserve.broker.client import InferError
+from zeroserve.gateway.access import refused
 from zeroserve.gateway.app import BodyTooLarge, error_response, infer_error_response, \
     json_response, read_body
 
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 REGISTER_TIMEOUT_S = 300.0
 STATUS_POLL_S = 0.05
 
@@ -49,20 +48,7 @@ class Registration:
 
     def _refused(self, request: Request) -> Response | None:
         """None when the caller may manage models; else the 401/403 answer."""
-        token = self.gw.settings.admin_token
-        if token:
-            given = request.headers.get("authorization", "")
-            if not given.startswith("Bearer "):
-                return error_response(401, "this route needs Authorization: Bearer <token>",
-                                      {"WWW-Authenticate": "Bearer"})
-            if not hmac.compare_digest(given[7:].encode(), token.encode()):
-                return error_response(403, "the admin token is wrong")
-            return None
-        host = request.client.host if request.client else ""
-        if host not in LOOPBACK:
-            return error_response(403, "model management answers only on loopback unless "
-                                  "an admin token is configured")
-        return None
+        return refused(request, self.gw.settings.admin_token)
 
     async def create(self, request: Request) -> Response:
         if (refused := self._refused(request)) is not None:

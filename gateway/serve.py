@@ -9,6 +9,7 @@ uvicorn stops accepting, lets in-flight requests finish for up to
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
@@ -17,12 +18,14 @@ from types import FrameType
 
 import uvicorn
 
-from zeroserve.broker import options
-from zeroserve.broker.process import Notifier
+from zeroserve.broker import __version__, options
+from zeroserve.broker.process import Notifier, notify
 from zeroserve.gateway.app import Gateway, Settings, create_app
 from zeroserve.gateway.fastpath import InferFastPath
 
 logger = logging.getLogger(__name__)
+
+READY_POLL_S = 0.2
 
 
 class GatewayServer(uvicorn.Server):
@@ -32,11 +35,33 @@ class GatewayServer(uvicorn.Server):
         super().__init__(config)
         self.gateway = gateway
         self.notifier = Notifier()
+        self.announcer: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.started:  # the listening socket is open: HTTP answers from now on
-            self.notifier.ready()
+        if self.started:  # HTTP answers from now on; READY=1 waits for the models
+            self.announcer = asyncio.ensure_future(self.announce_ready())
+
+    async def announce_ready(self) -> None:
+        """READY=1 once /v2/health/ready would say 200 (the same rule), so systemd
+        units ordered after the gateway start when its models serve."""
+        said = None
+        while not self.should_exit:
+            why = await self.gateway._not_ready()
+            if why is None:
+                self.notifier.ready(f"serving ({self.gateway.settings.readiness} readiness)")
+                logger.info("ready (%s readiness)", self.gateway.settings.readiness)
+                return
+            if why != said:
+                logger.info("not ready yet: %s", why)
+                notify(f"STATUS={why[:200]}")
+                said = why
+            await asyncio.sleep(READY_POLL_S)  # the broker's view changes without telling us
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.announcer is not None:
+            self.announcer.cancel()   # stopping before ready: nothing left to announce
+        await super().shutdown(sockets)
 
     async def on_tick(self, counter: int) -> bool:
         self.notifier.watchdog()
@@ -59,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
     frontend = options.endpoints(args).frontend
     app = create_app(Settings(frontend=frontend, control=options.endpoints(args).control,
                               max_body_bytes=args.max_body_bytes,
-                              admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", "")))
+                              admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", ""),
+                              readiness=args.readiness, server_name=args.server_name,
+                              server_version=args.server_version or __version__,
+                              allow_shared_memory=args.allow_shared_memory))
     config = uvicorn.Config(InferFastPath(app), host=args.http_host, port=args.http_port,
                             loop="uvloop", http="httptools", access_log=False,
                             log_level=args.log_level, log_config=None,

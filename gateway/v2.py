@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import orjson
@@ -19,10 +19,29 @@ class DecodeError(ValueError):
     """A request body that does not follow the protocol (HTTP 400)."""
 
 
+# (region, offset, byte_size) -> the bytes, or DecodeError naming the region
+ShmReader = Callable[[str, int, int], bytes]
+# (region, offset, byte_size, data): data into the region, or DecodeError naming it
+ShmWriter = Callable[[str, int, int, memoryview], None]
+
+SHM_REGION = "shared_memory_region"
+SHM_OFFSET = "shared_memory_offset"
+SHM_SIZE = "shared_memory_byte_size"
+
+
+@dataclass(frozen=True)
+class ShmPlace:
+    region: str
+    offset: int
+    byte_size: int
+
+
 @dataclass
 class RequestedOutput:
     name: str
     binary: bool
+    classification: int = 0           # top N as "value:index[:label]", 0 = the tensor
+    shm: ShmPlace | None = None       # written into a registered region, not the body
 
 
 @dataclass
@@ -36,6 +55,10 @@ class V2Request:
     @property
     def output_names(self) -> list[str] | None:
         return [o.name for o in self.outputs] if self.outputs is not None else None
+
+    @property
+    def classified(self) -> dict[str, int]:
+        return {o.name: o.classification for o in self.outputs or () if o.classification}
 
 
 def _shape(raw: Any, where: str) -> tuple[int, ...]:
@@ -85,8 +108,42 @@ def _flatten(data: Any) -> list[Any]:
     return out
 
 
-def decode_request(body: bytes, header_length: int | None) -> V2Request:
-    """Parse an infer body. ``header_length`` is Inference-Header-Content-Length."""
+def _count(where: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DecodeError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def shm_place(where: str, params: dict[str, Any]) -> ShmPlace:
+    region = params[SHM_REGION]
+    if not isinstance(region, str) or not region:
+        raise DecodeError(f"{where}: {SHM_REGION} must name a registered region")
+    if SHM_SIZE not in params:
+        raise DecodeError(f"{where}: {SHM_REGION} needs {SHM_SIZE}")
+    return ShmPlace(region, _count(where, SHM_OFFSET, params.get(SHM_OFFSET, 0)),
+                    _count(where, SHM_SIZE, params[SHM_SIZE]))
+
+
+def _raw_tensor(name: str, datatype: str, shape: tuple[int, ...], raw: Any,
+                what: str) -> p.Tensor:
+    """A tensor from raw little-endian bytes, checked against its shape and datatype."""
+    meta = p.TensorMeta(name, datatype, shape)
+    expected = meta.nbytes()
+    if expected is not None and expected != len(raw):
+        raise DecodeError(f"input {name!r}: {len(raw)} bytes of {what} for shape "
+                          f"{list(shape)} {datatype} (expected {expected})")
+    if expected is None:
+        try:
+            p.unpack_bytes_elements(raw, math.prod(shape))
+        except p.ProtocolError as exc:
+            raise DecodeError(f"input {name!r}: {exc}") from None
+    return p.Tensor(meta, raw)
+
+
+def decode_request(body: bytes, header_length: int | None,
+                   shm: ShmReader | None = None) -> V2Request:
+    """Parse an infer body. ``header_length`` is Inference-Header-Content-Length;
+    ``shm`` reads inputs that name a shared-memory region (None: the extension is off)."""
     if header_length is not None:
         if header_length < 0 or header_length > len(body):
             raise DecodeError(f"Inference-Header-Content-Length {header_length} exceeds the "
@@ -120,27 +177,23 @@ def decode_request(body: bytes, header_length: int | None) -> V2Request:
         iparams = inp.get("parameters") or {}
         if not isinstance(iparams, dict):
             raise DecodeError(f"input {name!r}: 'parameters' must be an object")
-        if "shared_memory_region" in iparams:
-            raise DecodeError("shared memory is not supported")
         size = iparams.get("binary_data_size")
-        if size is not None:
+        if SHM_REGION in iparams:
+            if shm is None:
+                raise DecodeError(f"input {name!r} names a shared-memory region, but "
+                                  "shared memory is off (gateway --allow-shared-memory)")
+            place = shm_place(f"input {name!r}", iparams)
+            raw = shm(place.region, place.offset, place.byte_size)
+            tensors.append(_raw_tensor(name, datatype, shape, raw,
+                                       f"shared-memory region {place.region!r}"))
+        elif size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise DecodeError(f"input {name!r}: bad binary_data_size {size!r}")
             if pos + size > len(binary):
                 raise DecodeError(f"input {name!r}: binary_data_size {size} runs past the body")
             raw = binary[pos:pos + size]
             pos += size
-            meta = p.TensorMeta(name, datatype, shape)
-            expected = meta.nbytes()
-            if expected is not None and expected != size:
-                raise DecodeError(f"input {name!r}: {size} bytes for shape {list(shape)} "
-                                  f"{datatype} (expected {expected})")
-            if expected is None:
-                try:
-                    p.unpack_bytes_elements(raw, math.prod(shape))
-                except p.ProtocolError as exc:
-                    raise DecodeError(f"input {name!r}: {exc}") from None
-            tensors.append(p.Tensor(meta, raw))
+            tensors.append(_raw_tensor(name, datatype, shape, raw, "binary data"))
         else:
             if "data" not in inp:
                 raise DecodeError(f"input {name!r}: no 'data' and no binary_data_size")
@@ -152,23 +205,32 @@ def decode_request(body: bytes, header_length: int | None) -> V2Request:
     if doc.get("outputs") is not None:
         if not isinstance(doc["outputs"], list):
             raise DecodeError("'outputs' must be a list")
-        outputs = []
-        for out in doc["outputs"]:
-            if not isinstance(out, dict) or not isinstance(out.get("name"), str):
-                raise DecodeError("each of 'outputs' must be an object with a 'name'")
-            oparams = out.get("parameters") or {}
-            if not isinstance(oparams, dict):
-                raise DecodeError(f"output {out['name']!r}: 'parameters' must be an object")
-            if oparams.get("class_count"):
-                raise DecodeError("classification outputs are not supported")
-            if "shared_memory_region" in oparams:
-                raise DecodeError("shared memory is not supported")
-            outputs.append(RequestedOutput(out["name"],
-                                           bool(oparams.get("binary_data", binary_default))))
+        outputs = [_requested_output(out, binary_default, shm is not None)
+                   for out in doc["outputs"]]
     rid = doc.get("id")
     if rid is not None and not isinstance(rid, str):
         raise DecodeError("'id' must be a string")
     return V2Request(rid, tensors, params, outputs, binary_default)
+
+
+def _requested_output(out: Any, binary_default: bool, shm_on: bool) -> RequestedOutput:
+    if not isinstance(out, dict) or not isinstance(out.get("name"), str):
+        raise DecodeError("each of 'outputs' must be an object with a 'name'")
+    where = f"output {out['name']!r}"
+    oparams = out.get("parameters") or {}
+    if not isinstance(oparams, dict):
+        raise DecodeError(f"{where}: 'parameters' must be an object")
+    classes = _count(where, "classification", oparams.get("classification", 0))
+    place = None
+    if SHM_REGION in oparams:
+        if not shm_on:
+            raise DecodeError(f"{where} names a shared-memory region, but shared memory "
+                              "is off (gateway --allow-shared-memory)")
+        if classes:
+            raise DecodeError(f"{where}: a classification cannot go to shared memory")
+        place = shm_place(where, oparams)
+    return RequestedOutput(out["name"], bool(oparams.get("binary_data", binary_default)),
+                           classes, place)
 
 
 def _json_data(t: p.Tensor) -> Any:
@@ -181,14 +243,27 @@ def _json_data(t: p.Tensor) -> Any:
 
 
 def encode_response(model: str, version: int, request_id: str | None,
-                    tensors: Sequence[p.Tensor], req: V2Request) -> tuple[bytes, int | None]:
-    """Returns (body, json header length or None when the body is all JSON)."""
+                    tensors: Sequence[p.Tensor], req: V2Request,
+                    shm: ShmWriter | None = None) -> tuple[bytes, int | None]:
+    """Returns (body, json header length or None when the body is all JSON). Outputs
+    placed in shared memory are written through ``shm`` and carry no data."""
     binary_for = {o.name: o.binary for o in req.outputs} if req.outputs is not None else {}
+    places = {o.name: o.shm for o in req.outputs or () if o.shm is not None}
     outs, blobs = [], []
     for t in tensors:
         entry: dict[str, Any] = {"name": t.meta.name, "datatype": t.meta.datatype,
                                  "shape": list(t.meta.shape)}
-        if binary_for.get(t.meta.name, req.binary_default) or t.meta.datatype == "BF16" and \
+        place = places.get(t.meta.name)
+        if place is not None and shm is not None:
+            data = memoryview(t.data).cast("B")
+            if data.nbytes > place.byte_size:
+                raise DecodeError(f"output {t.meta.name!r} is {data.nbytes} bytes, more than "
+                                  f"the {place.byte_size} {SHM_SIZE} given for region "
+                                  f"{place.region!r}")
+            shm(place.region, place.offset, data.nbytes, data)
+            entry["parameters"] = {SHM_REGION: place.region, SHM_SIZE: data.nbytes,
+                                   **({SHM_OFFSET: place.offset} if place.offset else {})}
+        elif binary_for.get(t.meta.name, req.binary_default) or t.meta.datatype == "BF16" and \
                 t.meta.name not in binary_for:
             raw = bytes(t.data)
             entry["parameters"] = {"binary_data_size": len(raw)}

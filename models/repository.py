@@ -69,6 +69,8 @@ class ModelConfig:
     traffic: dict[str, int] = field(default_factory=dict)
     instances: dict[str, Any] = field(default_factory=lambda: {"count": 0, "workers": []})
     warmup: dict[str, Any] = field(default_factory=lambda: {"batch_sizes": [1, 8]})
+    # exempt from strict server readiness: a failure to load it is reported, not fatal
+    optional: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -133,7 +135,8 @@ def _tensors(where: str, fld: str, raw: Any) -> tuple[TensorSpec, ...]:
 
 _DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
 _TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
-               "version_policy", "traffic", "instances", "warmup", "input_shape", "backend"}
+               "version_policy", "traffic", "instances", "warmup", "input_shape", "backend",
+               "optional"}
 
 
 def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
@@ -234,13 +237,17 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
     warmup = raw.get("warmup") or {"batch_sizes": [1, 8]}
     if not isinstance(warmup, dict) or not isinstance(warmup.get("batch_sizes", []), list):
         raise _fail(where, "warmup", 'must be {"batch_sizes": [sizes]}')
+    optional = raw.get("optional", False)
+    if not isinstance(optional, bool):
+        raise _fail(where, "optional", f"must be true or false, got {optional!r}")
     return ModelConfig(
         name=name, platform=PLATFORMS[platform], inputs=inputs, outputs=outputs,
         max_batch_size=mbs, dynamic_batching=_dynamic_batching(where, raw.get("dynamic_batching")),
         version_policy=_version_policy(where, raw.get("version_policy")),
         traffic={k: int(v) for k, v in traffic.items()}, instances=instances,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
-                                for b in warmup.get("batch_sizes", [])]})
+                                for b in warmup.get("batch_sizes", [])]},
+        optional=optional)
 
 
 def load_config(model_dir: Path) -> ModelConfig:
@@ -252,6 +259,25 @@ def load_config(model_dir: Path) -> ModelConfig:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: not valid JSON: {exc}") from None
     return parse_config(raw, str(path), expected_name=model_dir.name)
+
+
+LABELS_FILE = "labels.txt"
+MAX_LABELS_BYTES = 4 << 20
+
+
+def load_labels(model_dir: Path) -> list[str] | None:
+    """The class labels of ``<model>/labels.txt`` (line i names class i), or None.
+
+    Read for the classification extension; an unreadable or huge file is ignored with
+    None rather than failing the model, since labels only decorate its answers."""
+    path = model_dir / LABELS_FILE
+    try:
+        if path.stat().st_size > MAX_LABELS_BYTES:
+            return None
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return text.splitlines()
 
 
 def is_temp_name(name: str) -> bool:

@@ -40,7 +40,10 @@ def gateways(args: Any) -> list[Child]:
     argv = _base(args, "gateway") + [
         "--http-host", args.http_host, "--http-port", str(args.http_port),
         "--max-body-bytes", str(args.max_body_bytes),
-        "--shutdown-timeout-s", str(args.shutdown_timeout_s)]
+        "--shutdown-timeout-s", str(args.shutdown_timeout_s),
+        "--readiness", args.readiness, "--server-name", args.server_name,
+        *(["--server-version", args.server_version] if args.server_version else []),
+        *(["--allow-shared-memory"] if args.allow_shared_memory else [])]
     n = max(1, args.http_workers)
     if n == 1:
         return [Child("gateway", argv)]

@@ -143,7 +143,7 @@ def test_reload_retries_a_failed_load_once_the_file_is_fixed(serve) -> None:  # 
     (repo / "broken" / "1").mkdir(parents=True)
     (repo / "broken" / "1" / "model.pt").write_bytes(b"not a torchscript file")
     (repo / "broken" / "config.json").write_text(json.dumps(linear_config("broken")))
-    server = serve(repo)
+    server = serve(repo, extra=["--readiness", "any"])  # strict: never ready with broken
     c = ["--control", server.control, "--timeout", "5"]
 
     def failed() -> bool:

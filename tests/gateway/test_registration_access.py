@@ -34,3 +34,19 @@ def test_with_a_token_anyone_holding_it_may_manage() -> None:
     assert missing is not None and missing.status_code == 401
     wrong = reg._refused(request("10.1.2.3", "Bearer nope"))
     assert wrong is not None and wrong.status_code == 403
+
+
+def test_shared_memory_and_log_writes_follow_the_same_rule() -> None:
+    import asyncio
+
+    from zeroserve.gateway.routes_ext import Extensions
+
+    ext = Extensions(Gateway(Settings("ipc:///tmp/zs-unused", allow_shared_memory=True)))
+    for handler in (ext.shm_register, ext.shm_unregister, ext.change_log_settings):
+        req = request("10.1.2.3")
+        req.scope["path_params"] = {"region": "r"}
+        answer = asyncio.run(handler(req))
+        assert answer.status_code == 403 and b"only on loopback" in answer.body
+    ext = Extensions(Gateway(Settings("ipc:///tmp/zs-unused", admin_token="tok")))
+    answer = asyncio.run(ext.change_log_settings(request("127.0.0.1")))
+    assert answer.status_code == 401

@@ -1,7 +1,7 @@
 """One TOML file for every component, derived from the command line's own options.
 
 Each option of ``zeroserve broker|worker|gateway|serve`` is declared once, as an
-argparse flag in ``broker/cli.py``; this module reads the same option as
+argparse flag in ``broker/options.py``; this module reads the same option as
 ``[<component>] <option>`` in the file and as ``ZEROSERVE_<COMPONENT>_<OPTION>``
 in the environment (``--http-port`` of ``zeroserve gateway`` is
 ``[gateway] http_port`` and ``ZEROSERVE_GATEWAY_HTTP_PORT``). Precedence: flag >

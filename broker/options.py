@@ -127,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
         p.set_defaults(verb=verb)
     _operate_parsers(sub)
+    from zeroserve.broker.bench import main as bench  # torch-free; only its options here
+    p = sub.add_parser("bench", help=bench.HELP, description=bench.HELP)
+    bench.add_arguments(p)
     p = sub.add_parser("config", help="show the effective configuration")
     p.add_argument("action", choices=["show"])
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import Server, free_port, short_tmpdir
-from zeroserve.broker import bench_load as bl
-from zeroserve.broker import bench_report as br
+from zeroserve.broker.bench import load as bl
+from zeroserve.broker.bench import report as br
 
 SHORT = ["--warmup-s", "0.2", "--duration-s", "0.8", "--quiet"]
 
@@ -169,7 +169,7 @@ def test_split_deals_every_arrival_and_merge_keeps_every_sample() -> None:
 
 
 def test_bench_modules_never_import_torch() -> None:
-    code = ("import sys, zeroserve.broker.bench, zeroserve.broker.bench_report; "
+    code = ("import sys, zeroserve.broker.bench.main, zeroserve.broker.bench.report; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

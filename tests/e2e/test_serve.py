@@ -150,7 +150,7 @@ def test_gateway_and_broker_never_import_torch():
     torch-free parts of models/ and workers/, in one fresh interpreter."""
     modules = [f"zeroserve.{'.'.join(path.relative_to(ROOT).with_suffix('').parts)}"
                for folder in ("gateway", "broker") for path in sorted((ROOT / folder).rglob("*.py"))
-               if path.name != "__init__.py"]
+               if path.name not in ("__init__.py", "__main__.py")]
     modules += ["zeroserve.workers.supervisor", "zeroserve.workers.serve",
                 "zeroserve.models.repository", "zeroserve.models.watcher"]
     code = (f"import sys, importlib; [importlib.import_module(m) for m in {modules!r}]; "

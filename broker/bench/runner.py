@@ -10,7 +10,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from zeroserve.broker import bench_load as bl
+from zeroserve.broker.bench import load as bl
 
 Progress = Callable[[int, int], None]   # answers so far (ok, errors), all processes
 START_MARGIN_S = 0.3   # from "go" to the first request: every process is waiting by then

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from zeroserve.broker.bench_load import Samples
+from zeroserve.broker.bench.load import Samples
 
 CPU_BOUND = 0.9        # a load process above this share of a core is the bottleneck
 LAG_BOUND_S = 0.005    # open loop: sends this late (p99) mean the generator fell behind

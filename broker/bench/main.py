@@ -26,10 +26,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from zeroserve.broker import bench_inputs as bi
-from zeroserve.broker import bench_load as bl
-from zeroserve.broker import bench_report as br
-from zeroserve.broker.bench_runner import START_MARGIN_S, make_runner
+from zeroserve.broker.bench import inputs as bi
+from zeroserve.broker.bench import load as bl
+from zeroserve.broker.bench import report as br
+from zeroserve.broker.bench.runner import START_MARGIN_S, make_runner
 from zeroserve.broker.client import AsyncClient, ErrorCode, InferError
 from zeroserve.broker.runtime import Endpoints, cache_dir
 

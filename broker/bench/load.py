@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from zeroserve.broker import bench_inputs as bi
-from zeroserve.broker.bench_http import HttpConnection, HttpError, Url, request_bytes
+from zeroserve.broker.bench import inputs as bi
+from zeroserve.broker.bench.http import HttpConnection, HttpError, Url, request_bytes
 from zeroserve.broker.client import AsyncClient, InferError
 
 TRANSPORTS = ("http-json", "http-binary", "direct")

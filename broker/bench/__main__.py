@@ -1,0 +1,5 @@
+import sys
+
+from zeroserve.broker.bench.main import main
+
+sys.exit(main())

@@ -100,3 +100,72 @@ def test_arbitrary_garbage_never_escapes_as_another_exception(kind, header):
             p.decode_request(h, bufs)
     except p.ProtocolError:
         pass
+
+
+def request_header(**fields):
+    req = p.InferRequest("r1", "m", [p.from_numpy("input", np.zeros((1, 4), np.float32))])
+    kind, header, bufs = p.unpack(p.encode_request(req))
+    header.update(fields)
+    return header, bufs
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0])
+def test_nan_infinite_and_negative_timeouts_are_refused(timeout):
+    header, bufs = request_header(timeout_ms=timeout)
+    with pytest.raises(p.ProtocolError, match="finite number >= 0"):
+        p.decode_request(header, bufs)
+
+
+@pytest.mark.parametrize("datatype", [["FP32"], {"a": 1}, 3, None])
+def test_a_datatype_of_the_wrong_type_is_a_protocol_error(datatype):
+    header, bufs = request_header(tensors=[["input", datatype, [1, 4]]])
+    with pytest.raises(p.ProtocolError, match="datatype"):
+        p.decode_request(header, bufs)
+
+
+def test_another_protocol_version_names_the_versions_spoken():
+    frames = p.encode_request(p.InferRequest("r1", "m", []))
+    header = msgpack.unpackb(frames[1])
+    header["v"] = 2
+    with pytest.raises(p.VersionMismatch, match=r"version 2 is not supported .*speaks 1") as err:
+        p.unpack([frames[0], msgpack.packb(header)])
+    assert p.request_id_of(err.value.header) == "r1"
+
+
+def test_a_zero_size_tensor_travels():
+    t = p.from_numpy("input", np.zeros((0, 256), np.float32))
+    assert t.meta.shape == (0, 256) and bytes(t.data) == b""
+
+
+def test_typed_messages_round_trip_and_name_a_bad_field():
+    msg = p.LoadModel("m", 3, "/models/m/3", {"name": "m"}, "ab" * 32)
+    kind, header, _ = p.unpack(p.encode(msg))
+    assert kind is p.Kind.LOAD and p.decode(p.LoadModel, header) == msg
+    with pytest.raises(p.ProtocolError, match="'version' must be an integer"):
+        p.decode(p.LoadModel, {**header, "version": "3"})
+    with pytest.raises(p.ProtocolError, match="not one of"):
+        p.decode(p.Disconnect, {"reason": "because"})
+
+
+@given(st.sampled_from(p.MESSAGES),
+       st.dictionaries(st.sampled_from(["id", "model", "version", "ok", "reason", "verb",
+                                        "args", "models", "credits", "interval_s", "drain"]),
+                       st.one_of(st.none(), st.booleans(), st.integers(), st.floats(),
+                                 st.text(max_size=5), st.lists(st.integers(), max_size=2),
+                                 st.dictionaries(st.text(max_size=2), st.integers(),
+                                                 max_size=2))))
+def test_any_header_decodes_or_is_a_protocol_error(cls, header):
+    try:
+        p.decode(cls, header)
+    except p.ProtocolError:
+        pass
+
+
+@given(st.lists(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(),
+                          st.binary(), st.lists(st.integers())), min_size=0, max_size=4))
+def test_any_tensor_list_decodes_or_is_a_protocol_error(raw):
+    header, _ = request_header(tensors=[raw])
+    try:
+        p.decode_request(header, [b""])
+    except p.ProtocolError:
+        pass

@@ -1,0 +1,250 @@
+"""No input ends the broker's loop, and only who may change state can: malformed frames on
+every socket (a corpus, then hypothesis-made headers), requests that name themselves
+get a typed error, state-changing verbs are refused on the frontend and need the admin
+token, a second broker and an unsafe runtime folder are refused. Real processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zeroserve.broker import protocol as p
+from zeroserve.broker.client import Client, ErrorCode, InferError
+from tests.conftest import ZEROSERVE, Server, http, linear_config, short_tmpdir, wait_for, \
+    write_model
+
+pytestmark = pytest.mark.timeout(240)
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    repo = short_tmpdir("zsrepo")
+    write_model(repo, "linear", 1, "nn.Linear(4, 3)", linear_config("linear"))
+    srv = Server(repo, env={"ZEROSERVE_ADMIN_TOKEN": TOKEN}).wait_ready()
+    yield srv
+    srv.stop()
+
+
+def broker_pid(srv: Server) -> int:
+    (pid,) = srv.pids("broker")
+    return pid
+
+
+def still_serves(srv: Server) -> None:
+    with Client(srv.frontend, timeout_s=10) as c:
+        out = c.infer("linear", {"input": np.ones((1, 4), np.float32)})
+    assert out.outputs["output"].shape == (1, 3)
+
+
+class Raw:
+    """A DEALER that sends any frames and reads answers with a deadline."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(endpoint)
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def answer(self, rid: str, timeout_s: float = 5.0) -> tuple[p.Kind, dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = int((deadline - time.monotonic()) * 1000)
+            assert left > 0 and self.sock.poll(left), f"no answer to {rid!r}"
+            kind, header, _ = p.unpack(self.sock.recv_multipart())
+            if header.get("id") == rid:
+                return kind, header
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def request_frames(rid: str, **fields: Any) -> list[bytes]:
+    frames = p.encode_request(p.InferRequest(
+        rid, "linear", [p.from_numpy("input", np.ones((1, 4), np.float32))]))
+    header = msgpack.unpackb(frames[1])
+    header.update(fields)
+    return [bytes(frames[0]), msgpack.packb(header), *[bytes(f) for f in frames[2:]]]
+
+
+def corpus() -> list[list[bytes]]:
+    """Random bytes, wrong frame counts, unknown kinds and versions, every header field
+    of a request with a wrong type, wrong byte lengths."""
+    good = request_frames("x")
+    out: list[list[bytes]] = [[b""], [b"\x01"], [os.urandom(64)], [b"\xff", b"junk"],
+                              [b"\x01", b"\xc1\xc1"], [b"\x01", msgpack.packb([1, 2])],
+                              [b"\x01", msgpack.packb({"v": 99})], good[:2],
+                              good + [b"extra"], [good[0], good[1], good[2][:-1]]]
+    for kind in p.Kind:
+        out.append([kind.value, msgpack.packb({"v": 1})])
+        out.append([kind.value, msgpack.packb({"v": 1, "id": 7, "verb": [], "reason": {}})])
+    for name in ("model", "version", "priority", "timeout_ms", "tenant", "tensors",
+                 "outputs"):
+        for bad in ([1, 2], {"k": "v"}, "str", 1.5, True, None, -1):
+            out.append(request_frames(None, **{name: bad}))  # type: ignore[arg-type]
+    return out
+
+
+@pytest.mark.parametrize("socket_name", ["frontend", "backend", "control"])
+def test_a_corpus_of_malformed_frames_ends_nothing(server: Server, socket_name: str) -> None:
+    pid = broker_pid(server)
+    raw = Raw(f"ipc://{server.runtime}/{socket_name}")
+    for frames in corpus():
+        raw.send(frames)
+    raw.close()
+    with Client(server.control) as c:
+        wait_for(lambda: f'socket="{socket_name}"' in c.control("metrics")["broker"], 10,
+                 "the bad messages counted")
+    still_serves(server)
+    assert broker_pid(server) == pid
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(header=st.dictionaries(
+    st.sampled_from(["v", "id", "model", "version", "priority", "timeout_ms", "tensors",
+                     "outputs", "verb", "args", "reason", "worker_id", "credits", "models"]),
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8),
+              st.binary(max_size=8), st.lists(st.one_of(st.integers(), st.text(max_size=3)),
+                                              max_size=3))),
+    kind=st.sampled_from(list(p.Kind)), socket_name=st.sampled_from(["frontend", "backend",
+                                                                     "control"]))
+def test_hypothesis_headers_on_every_socket(server: Server, header: dict[str, Any],
+                                            kind: p.Kind, socket_name: str) -> None:
+    raw = Raw(f"ipc://{server.runtime}/{socket_name}")
+    raw.send([kind.value, msgpack.packb(header)])
+    raw.close()
+
+
+def test_after_the_fuzz_the_same_broker_still_answers(server: Server) -> None:
+    pid = broker_pid(server)
+    still_serves(server)
+    assert broker_pid(server) == pid
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"timeout_ms": math.nan}, "finite number"),
+    ({"timeout_ms": math.inf}, "finite number"),
+    ({"timeout_ms": -5.0}, "finite number"),
+    ({"tensors": [["input", ["FP32"], [1, 4]]]}, "datatype"),
+    ({"tensors": [["input", {"a": 1}, [1, 4]]]}, "datatype"),
+    ({"v": 2}, "version 2 is not supported"),
+])
+def test_a_request_that_names_itself_gets_a_typed_error(server: Server, fields: dict[str, Any],
+                                                       needle: str) -> None:
+    raw = Raw(server.frontend)
+    raw.send(request_frames("named", **fields))
+    kind, header = raw.answer("named")
+    raw.close()
+    assert kind is p.Kind.ERROR and header["code"] == "bad_input"
+    assert needle in header["message"]
+
+
+def test_a_zero_size_batch_is_a_clear_bad_input(server: Server) -> None:
+    with Client(server.frontend, timeout_s=10) as c, pytest.raises(InferError) as err:
+        c.infer("linear", {"input": np.zeros((0, 4), np.float32)})
+    assert err.value.code is ErrorCode.BAD_INPUT and "batch size 0" in err.value.message
+
+
+@pytest.mark.parametrize("verb, args", [
+    ("drain", {"worker": "x/0"}), ("undrain", {"worker": "x/0"}),
+    ("restart", {"worker": "x/0"}), ("reload", {"model": "linear"}),
+    ("unregister", {"model": "linear"}), ("register", {"body": {}}),
+])
+def test_state_changing_verbs_are_refused_on_the_frontend(server: Server, verb: str,
+                                                          args: dict[str, Any]) -> None:
+    with Client(server.frontend, timeout_s=5, admin_token=TOKEN) as c:
+        with pytest.raises(InferError) as err:
+            c.control(verb, **args)
+        assert err.value.code is ErrorCode.FORBIDDEN
+        assert "control socket only" in err.value.message
+        assert c.control("models")["models"]["linear"]["ready"] == [1]  # read-only is fine
+
+
+def test_the_control_socket_needs_the_admin_token(server: Server) -> None:
+    with Client(server.control, timeout_s=5) as c:
+        with pytest.raises(InferError) as err:
+            c.control("drain", worker="nobody/0")
+        assert err.value.code is ErrorCode.UNAUTHORIZED
+        assert c.control("status")["workers"]  # reading needs no token
+    with Client(server.control, timeout_s=5, admin_token="wrong") as c:
+        with pytest.raises(InferError) as err:
+            c.control("reload", model="linear")
+        assert err.value.code is ErrorCode.UNAUTHORIZED
+    with Client(server.control, timeout_s=5, admin_token=TOKEN) as c:
+        with pytest.raises(InferError) as err:
+            c.control("drain", worker="nobody/0")
+        assert err.value.code is ErrorCode.NOT_FOUND  # authorized: it got to the verb
+
+
+def test_a_second_broker_on_the_same_folder_exits_naming_the_first(server: Server) -> None:
+    out = subprocess.run([*ZEROSERVE, "broker", "--model-dir", str(server.model_dir),
+                          "--runtime-dir", str(server.runtime)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"another broker (pid {broker_pid(server)})" in out.stderr
+    still_serves(server)
+
+
+def test_a_runtime_folder_others_can_write_is_refused(tmp_path: Path) -> None:
+    folder = short_tmpdir("zsrt")
+    try:
+        folder.chmod(0o777)
+        out = subprocess.run([*ZEROSERVE, "broker", "--model-dir", str(tmp_path),
+                              "--runtime-dir", str(folder)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "writable by others" in out.stderr
+        assert not (folder / "frontend").exists()
+    finally:
+        folder.chmod(0o700)
+        for child in folder.iterdir():
+            child.unlink()
+        folder.rmdir()
+
+
+def test_a_direct_client_that_disconnects_has_its_queued_requests_withdrawn(
+        server: Server) -> None:
+    with Client(server.control, timeout_s=5, admin_token=TOKEN) as ctl:
+        (worker,) = ctl.control("status")["workers"]
+        ctl.control("drain", worker=worker["id"])   # nothing runs: requests stay queued
+        try:
+            raw = Raw(server.frontend)
+            for i in range(5):
+                raw.send(request_frames(f"q{i}"))
+            wait_for(lambda: ctl.control("status")["queues"]["linear"] == 5, 10, "queued")
+            raw.sock.setsockopt(zmq.LINGER, 0)
+            raw.close()
+            wait_for(lambda: ctl.control("status")["queues"]["linear"] == 0, 10,
+                     "the queue to empty")
+            metrics = ctl.control("metrics")["broker"]
+        finally:
+            ctl.control("undrain", worker=worker["id"])
+    assert 'zeroserve_requests_rejected_total{model="linear",reason="cancelled"} 5.0' in metrics
+
+
+def test_a_zero_size_batch_over_http_is_a_400(server: Server) -> None:
+    for body, headers in (
+            (json.dumps({"inputs": [{"name": "input", "shape": [0, 4], "datatype": "FP32",
+                                     "data": []}]}).encode(), {}),
+            (json.dumps({"inputs": [{"name": "input", "shape": [0, 4], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 0}}]}).encode(),
+             {"Inference-Header-Content-Length": "0"})):
+        if headers:
+            headers = {"Inference-Header-Content-Length": str(len(body))}
+        code, _, got = http("POST", server.url + "/v2/models/linear/infer", body, headers)
+        assert code == 400, got
+        assert "batch size 0" in json.loads(got)["error"]

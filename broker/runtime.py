@@ -83,6 +83,12 @@ class BrokerLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
+    def check_free(self) -> None:
+        """Raise RuntimeDirError when another broker holds the folder (a probe: the
+        lock is taken and let go at once)."""
+        self.acquire()
+        self.release()
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroserve.broker import options
-from zeroserve.broker.runtime import RuntimeDirError, cache_dir, ensure_runtime_dir, \
+from zeroserve.broker.runtime import BrokerLock, RuntimeDirError, cache_dir, ensure_runtime_dir, \
     hostname, runtime_dir
 from zeroserve.workers.supervisor import Child, Supervisor, count_gpus, ensure_examples, \
     wait_http_ready
@@ -55,8 +55,10 @@ def gateways(args: Any) -> list[Child]:
 
 
 def run(args: Any) -> int:
+    folder = Path(args.runtime_dir) if args.runtime_dir else runtime_dir()
     try:
-        ensure_runtime_dir(Path(args.runtime_dir) if args.runtime_dir else runtime_dir())
+        ensure_runtime_dir(folder)
+        BrokerLock(folder).check_free()  # a second server would take over the first's sockets
     except RuntimeDirError as exc:
         logger.error("%s", exc)
         return 2

@@ -200,6 +200,15 @@ def test_a_second_broker_on_the_same_folder_exits_naming_the_first(server: Serve
     still_serves(server)
 
 
+def test_a_second_server_on_the_same_folder_is_refused(server: Server) -> None:
+    out = subprocess.run([*ZEROSERVE, "serve", "--model-dir", str(server.model_dir),
+                          "--runtime-dir", str(server.runtime), "--http-port", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"another broker (pid {broker_pid(server)})" in out.stderr
+    still_serves(server)
+
+
 def test_a_runtime_folder_others_can_write_is_refused(tmp_path: Path) -> None:
     folder = short_tmpdir("zsrt")
     try:

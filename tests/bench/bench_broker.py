@@ -50,6 +50,8 @@ def cpu_s(pid: int) -> float:
 class Checkout:
     """A zeroserve source tree to run: this one, or an older commit in a worktree."""
 
+    broker_pattern = "zeroserve.broker.server.main"
+
     def __init__(self, rev: str | None) -> None:
         self.rev = rev or "HEAD (working tree)"
         self.tmp: Path | None = None
@@ -66,6 +68,8 @@ class Checkout:
                       if old_cli.exists() else
                       [sys.executable, str(self.tmp / "zeroserve" / "bin" / "zeroserve"),
                        "serve"])
+        if old_cli.exists():  # before the broker process had its own module
+            self.broker_pattern = "cli broker"
 
     def close(self) -> None:
         if self.tmp is not None:
@@ -77,6 +81,7 @@ class Checkout:
 class Running:
     def __init__(self, checkout: Checkout, repo: Path, workers: int) -> None:
         self.runtime = short_tmpdir("zsrt")
+        self.broker_pattern = checkout.broker_pattern
         self.port = free_port()
         self.log = open(self.runtime / "serve.log", "wb")
         self.proc = subprocess.Popen(
@@ -96,9 +101,10 @@ class Running:
             return False
 
     def broker_pid(self) -> int:
-        out = subprocess.run(["pgrep", "-s", str(self.proc.pid), "-f", "broker"],
+        out = subprocess.run(["pgrep", "-s", str(self.proc.pid), "-f", self.broker_pattern],
                              capture_output=True, text=True)
-        return min(int(x) for x in out.stdout.split())
+        (pid,) = [int(x) for x in out.stdout.split()]
+        return pid
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

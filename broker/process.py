@@ -31,6 +31,20 @@ def setup_logging(role: str, level: str = "info") -> None:
     root.setLevel(level.upper())
 
 
+def trim_memory() -> bool:
+    """Give freed heap memory back to the system (glibc ``malloc_trim``). Message buffers
+    of tens of KB come from the heap once glibc's mmap threshold has grown, and a burst
+    of them leaves the heap large long after they are freed. False where unavailable."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 class RateLimitedLog:
     """At most one line per ``1/per_s`` seconds; the lines held back are counted and
     their number said on the next one, so a flood of bad input cannot flood the log."""

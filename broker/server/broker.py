@@ -18,7 +18,7 @@ from typing import Any, Callable
 import zmq
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker.process import Notifier
+from zeroserve.broker.process import Notifier, trim_memory
 from zeroserve.broker.runtime import hostname
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
@@ -62,6 +62,7 @@ class Broker:
         self._stop_deadline = math.inf
         self._reload_requested = False
         self._next_heartbeat = 0.0
+        self._busy_since_trim = False
 
     # -- setup --------------------------------------------------------------
     def load_catalog(self) -> None:
@@ -200,6 +201,7 @@ class Broker:
         self.lifecycle.tick(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.pool.heartbeat_s
+            self._trim_when_idle()
             for worker in self.pool.heartbeat(now):
                 self._lose(worker, Loss.SILENT)
         for worker in self.pool.drained():
@@ -208,6 +210,15 @@ class Broker:
         if self.stopping:
             self._fail_unservable()
         self.requests.dispatch(now)
+
+    def _trim_when_idle(self) -> None:
+        """After a burst, once nothing is held, the memory it took goes back (checked at
+        each heartbeat; trimming costs milliseconds, so never while requests wait)."""
+        if self.requests.open_count():
+            self._busy_since_trim = True
+        elif self._busy_since_trim:
+            self._busy_since_trim = False
+            trim_memory()
 
     def next_due(self, now: float) -> float:
         due = [self._next_heartbeat]

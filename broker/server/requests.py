@@ -31,13 +31,19 @@ Key = tuple[bytes, str]
 
 
 class Payload:
-    __slots__ = ("client", "request", "pinned", "attempts")
+    __slots__ = ("client", "request_id", "request", "pinned", "attempts")
 
     def __init__(self, client: bytes, request: p.InferRequest, pinned: bool) -> None:
         self.client = client
-        self.request = request
+        self.request_id = request.request_id
+        self.request: p.InferRequest | None = request
         self.pinned = pinned
         self.attempts = 0
+
+    def release(self) -> None:
+        """Answered: let go of the tensor frames. The entry itself may linger in the
+        scheduler's lazily cleaned heaps; its frames must not."""
+        self.request = None
 
 
 class RequestPath:
@@ -179,7 +185,8 @@ class RequestPath:
             stats = {"queue_ms": queue_s * 1000.0, "compute_ms": result.compute_ms,
                      "batch_size": rec.samples}
             self._reply(pl.client, p.encode_reply(
-                p.InferReply(pl.request.request_id, rec.model, rec.version, rep.tensors, stats)))
+                p.InferReply(pl.request_id, rec.model, rec.version, rep.tensors, stats)))
+            pl.release()
         self._fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
 
     # -- workers lost ---------------------------------------------------------
@@ -266,7 +273,7 @@ class RequestPath:
         version = entries[0].version
         assert version is not None
         items = [p.BatchItem(str(i), e.payload.request.tensors, e.payload.request.outputs)
-                 for i, e in enumerate(entries)]
+                 for i, e in enumerate(entries)]  # open entries: their requests are held
         exec_s = model.config.dynamic_batching.max_execution_ms / 1000.0
         rec = self.pool.send_batch(worker, model.config.name, version, entries, items, reason,
                                    now, exec_s)
@@ -311,7 +318,8 @@ class RequestPath:
         if not self._close(entry.key):
             return
         pl: Payload = entry.payload
-        self.refuse(pl.client, pl.request.request_id, code, message, entry.model, retry_after_s)
+        self.refuse(pl.client, pl.request_id, code, message, entry.model, retry_after_s)
+        pl.release()
 
     def refuse(self, client: bytes, request_id: str, code: p.ErrorCode, message: str,
                model: str, retry_after_s: float | None = None) -> None:

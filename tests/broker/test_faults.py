@@ -118,9 +118,10 @@ def test_a_corpus_of_malformed_frames_ends_nothing(server: Server, socket_name: 
 @given(header=st.dictionaries(
     st.sampled_from(["v", "id", "model", "version", "priority", "timeout_ms", "tensors",
                      "outputs", "verb", "args", "reason", "worker_id", "credits", "models"]),
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8),
-              st.binary(max_size=8), st.lists(st.one_of(st.integers(), st.text(max_size=3)),
-                                              max_size=3))),
+    st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
+              st.text(max_size=8), st.binary(max_size=8),
+              st.lists(st.one_of(st.integers(-2**63, 2**63), st.text(max_size=3)),
+                       max_size=3))),
     kind=st.sampled_from(list(p.Kind)), socket_name=st.sampled_from(["frontend", "backend",
                                                                      "control"]))
 def test_hypothesis_headers_on_every_socket(server: Server, header: dict[str, Any],

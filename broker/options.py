@@ -62,6 +62,9 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import-root", action="append", default=None, metavar="DIR",
                    help="folder that POST /v1/models may copy models from (repeatable; "
                         "none: registration is disabled)")
+    p.add_argument("--tenants", default=None, metavar="FILE",
+                   help="tenants file (TOML): API keys, quotas, QoS classes (none: every "
+                        "caller is one anonymous tenant)")
 
 
 def _worker_opts(p: argparse.ArgumentParser) -> None:

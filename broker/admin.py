@@ -62,6 +62,11 @@ def undrain(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def reload(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    if getattr(args, "reload_tenants", False):
+        if args.model is not None or args.worker is not None:
+            raise InferError(ErrorCode.BAD_INPUT, "--tenants takes no MODEL or --worker")
+        res = client.control("reload_tenants")
+        return res, f"tenants reloaded from {res['file']}: {', '.join(res['tenants']) or 'none'}"
     if (args.model is None) == (args.worker is None):
         raise InferError(ErrorCode.BAD_INPUT, "name either MODEL[/VERSION] or --worker WORKER")
     if args.worker is not None:

@@ -165,6 +165,10 @@ def human(verb: str, result: Any) -> str:
                          f"{rss:>8.0f}  {', '.join(w['models'])}")
         lines.append("queues: " + (", ".join(f"{m}={d}" for m, d in result["queues"].items())
                                    or "none"))
+        for name, t in result.get("tenants", {}).items():
+            rejected = sum(t["rejected"].values())
+            lines.append(f"tenant {name}: {t['rate']:.2f} req/s, {t['inflight']} in flight, "
+                         f"{rejected} rejected")
         return "\n".join(lines)
     if verb == "models":
         lines = [f"{'MODEL':<20} {'VERSIONS':<12} {'READY':<12} WORKERS"]

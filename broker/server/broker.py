@@ -303,7 +303,7 @@ class Broker:
         return {"workers": [w.describe(now) for w in self.pool.workers.values()],
                 "queues": {m: self.scheduler.depth(m) for m in self.catalog.models},
                 "inflight_batches": len(self.pool.inflight), "stopping": self.stopping,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "tenants": self.tenancy.summary()}
 
     def _models(self, _: dict[str, Any]) -> dict[str, Any]:
         out = {}

@@ -237,6 +237,11 @@ class Tenancy:
         return {"enabled": self.enabled, "file": str(self.path) if self.path else None,
                 "tenants": out}
 
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """For ``status``: per tenant its observed rate, in-flight and rejections."""
+        full = self.describe()["tenants"]
+        return {n: {k: t[k] for k in ("rate", "inflight", "rejected")} for n, t in full.items()}
+
     def reload_verb(self, _: dict[str, Any]) -> dict[str, Any]:
         try:
             return self.reload()

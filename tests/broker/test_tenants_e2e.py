@@ -146,6 +146,8 @@ def test_tenants_verb_cli_and_metrics_show_each_tenant(world: World) -> None:
     assert bob["inflight"] == 0 and bob["qos"] == "best_effort"
     human = world.cli("tenants")
     assert human.returncode == 0 and "slow" in human.stdout and "quota=" in human.stdout
+    status = world.cli("status")
+    assert status.returncode == 0 and "tenant bob:" in status.stdout, status.stdout
     with Client(world.server.control) as c:
         text = c.control("metrics")["broker"]
     assert 'zeroserve_tenant_rejections_total{reason="unauthorized",tenant="unknown"}' in text

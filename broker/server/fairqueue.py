@@ -4,6 +4,7 @@ Pure: no clock at all (virtual time is work served), so it is tested with plain 
 from __future__ import annotations
 
 import heapq
+import math
 import itertools
 from typing import TYPE_CHECKING, Iterator
 
@@ -28,12 +29,14 @@ class FairLevel:
     neither. Cost: a heap over the tenants that have work at this level.
     """
 
-    __slots__ = ("heaps", "vt", "clock")
+    __slots__ = ("heaps", "vt", "clock", "samples", "weights")
 
     def __init__(self) -> None:
         self.heaps: dict[str, list[tuple[float, int, Entry]]] = {}
         self.vt: dict[str, float] = {}
         self.clock = 0.0
+        self.samples: dict[str, int] = {}     # queued, per tenant with work here
+        self.weights: dict[str, float] = {}
 
     def _live(self, tenant: str) -> list[tuple[float, int, Entry]]:
         heap = self.heaps.get(tenant, [])
@@ -47,6 +50,26 @@ class FairLevel:
             self.vt[e.tenant] = max(self.vt.get(e.tenant, 0.0), self.clock)
             self.heaps[e.tenant] = heap
         heapq.heappush(heap, (e.deadline_s, e.seq, e))
+        self.samples[e.tenant] = self.samples.get(e.tenant, 0) + e.samples
+        self.weights[e.tenant] = e.weight
+
+    def forget(self, e: Entry) -> None:
+        """``e`` left the queue (taken, cancelled, expired, shed)."""
+        left = self.samples.get(e.tenant, 0) - e.samples
+        if left > 0:
+            self.samples[e.tenant] = left
+        else:
+            self.samples.pop(e.tenant, None)
+            self.weights.pop(e.tenant, None)
+
+    def ahead(self, tenant: str, weight: float, samples: int) -> int:
+        """Queued samples served before a new request of ``samples`` from ``tenant``:
+        its own queue, and of every other tenant at most its weight's worth of the same
+        virtual time (an estimate: it ignores how far apart virtual times are now)."""
+        mine = self.samples.get(tenant, 0)
+        span = (mine + samples) / weight
+        return mine + sum(min(n, math.ceil(span * self.weights[u]))
+                          for u, n in self.samples.items() if u != tenant)
 
     def charge(self, e: Entry) -> None:
         """``e`` was taken: its tenant has been served its work."""

@@ -23,7 +23,7 @@ from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
-from zeroserve.broker.server.tenancy import Refusal, Tenancy
+from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class RequestPath:
             self.refuse(client, req.request_id, grant.code, grant.message, req.model,
                         grant.retry_after_s)
             return
-        entry = self._entry(client, grant.request, model, samples, now)
+        entry = self._entry(client, grant.request, model, samples, now, grant)
         if entry is None:
             self.tenancy.release(key)
             self.tenancy.rejected(grant.tenant, p.ErrorCode.DEADLINE)
@@ -124,14 +124,16 @@ class RequestPath:
         self._queue(entry)
 
     def _entry(self, client: bytes, req: p.InferRequest, model: CatalogModel, samples: int,
-               now: float) -> Entry | None:
+               now: float, grant: Grant | None = None) -> Entry | None:
         """The queue entry, or None when the deadline cannot be met (refused now)."""
         cfg = model.config
         priority = normalize_priority(req.priority, cfg)
         timeout_ms, deadline = deadline_of(req, cfg, now)
         predict = self.latency.predictor(req.model)
         holders = self.pool.holders(req.model)
-        wait_s = self.scheduler.estimate_wait(req.model, priority, predict, len(holders))
+        wait_s = self.scheduler.estimate_wait(
+            req.model, priority, predict, len(holders), *(
+                (grant.tenant, grant.weight, samples) if grant is not None else ()))
         wait_s += min((self._busy_until(w, now) for w in holders), default=now) - now
         if now + wait_s + predict(samples) > deadline:
             self.refuse(client, req.request_id, p.ErrorCode.DEADLINE,

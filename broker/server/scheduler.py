@@ -124,6 +124,7 @@ class _Queue:
         self.count -= 1
         self.samples -= e.samples
         self.level_samples[e.priority] -= e.samples
+        self.levels[e.priority].forget(e)
 
     def newest(self, level: tuple[int, int]) -> Entry | None:
         arrivals = self.arrivals.get(level)
@@ -133,8 +134,14 @@ class _Queue:
             arrivals.popleft()
         return arrivals[-1] if arrivals else None
 
-    def samples_at_or_above(self, priority: int) -> int:
-        return sum(n for lvl, n in self.level_samples.items() if lvl <= priority)
+    def samples_at_or_above(self, priority: int, tenant: str | None = None,
+                            weight: float = 1.0, samples: int = 0) -> int:
+        """Queued samples that run before a new request: every higher priority, and at its
+        own, all of it (no tenant named) or what fair queuing serves first."""
+        if tenant is None or priority not in self.levels:
+            return sum(n for lvl, n in self.level_samples.items() if lvl <= priority)
+        return sum(n for lvl, n in self.level_samples.items() if lvl < priority) \
+            + self.levels[priority].ahead(tenant, weight, samples)
 
     def oldest(self) -> Entry | None:
         while self.fifo and self.fifo[0].state != QUEUED:
@@ -260,12 +267,17 @@ class Scheduler:
         q = self._queues.get(model)
         return next(q.ordered(now), None) if q and q.count else None
 
-    def estimate_wait(self, model: str, priority: int, predict: Predict, workers: int) -> float:
-        """Seconds until work queued at this priority or above has run."""
+    def estimate_wait(self, model: str, priority: int, predict: Predict, workers: int,
+                      tenant: str | None = None, weight: float = 1.0,
+                      samples: int = 0) -> float:
+        """Seconds until the work queued ahead of a new request has run: at this priority
+        or above, or, with ``tenant`` (and the request's ``weight`` and ``samples``), what
+        fair queuing serves before it (a tenant under its share does not wait for the
+        backlog of one over it, and is not refused for it)."""
         q = self._queues.get(model)
         if q is None or not q.count:
             return 0.0
-        ahead = q.samples_at_or_above(priority)
+        ahead = q.samples_at_or_above(priority, tenant, weight, samples)
         cap = q.policy.cap
         full, rest = divmod(ahead, cap)
         # the last batch is a partial one: predicting it at full size refused requests

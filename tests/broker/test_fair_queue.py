@@ -128,3 +128,16 @@ def test_overload_sheds_best_effort_then_burstable_then_guaranteed() -> None:
     # a best_effort arrival into a queue of guaranteed work is the one shed
     assert [v.key for v in s.add(entry("e2", "e", rank=2, prio=1))] == ["e2"]
     assert [v.key for v in s.add(entry("g4", "g", rank=0, prio=1))] == ["g3"]
+
+
+def test_wait_estimate_of_a_tenant_under_its_share_ignores_the_flood() -> None:
+    s = make()
+    for i in range(100):
+        s.add(entry(("flood", i), "flood"))
+    s.add(entry(("polite", 0), "polite"))
+    one = lambda n: n * 0.01  # noqa: E731 - 10 ms a sample
+    assert s.estimate_wait("m", 1, one, 1) == 1.01                      # no tenant named
+    assert s.estimate_wait("m", 1, one, 1, "polite", 1.0, 1) == 0.03    # 1 own + 2 of flood
+    assert s.estimate_wait("m", 1, one, 1, "flood", 1.0, 1) == 1.01
+    serve(s, 101)
+    assert s.estimate_wait("m", 1, one, 1, "polite", 1.0, 1) == 0.0

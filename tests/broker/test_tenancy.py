@@ -98,3 +98,15 @@ def test_metric_labels_are_configured_names_or_unknown(tmp_path: Path) -> None:
     tenants = {line.split('tenant="')[1].split('"')[0] for line in text.splitlines()
                if 'tenant="' in line}
     assert tenants == {"a", "unknown"}
+
+
+def test_samples_rate_is_a_second_bucket(tmp_path: Path) -> None:
+    t, key, _, _ = setup(tmp_path, "samples_rate = 10\nsamples_burst = 8\n")
+    who = t.identify(req(key))
+    assert isinstance(who, Tenant)
+    assert isinstance(t.admit(who, ("c", "1"), req(key, "1"), 6, 0.0), Grant)
+    r = t.admit(who, ("c", "2"), req(key, "2"), 6, 0.0)
+    assert isinstance(r, Refusal) and "samples rate" in r.message
+    assert r.retry_after_s == pytest.approx(0.4)
+    r = t.admit(who, ("c", "3"), req(key, "3"), 9, 0.0)   # more than the burst: never
+    assert isinstance(r, Refusal) and r.retry_after_s is None and "burst" in r.message

@@ -42,7 +42,27 @@ def _wait(client: Client, cond: Callable[[dict[str, Any]], Any], timeout_s: floa
         time.sleep(POLL_S)  # polling interval of a deadline-bound wait
 
 
+def _one_worker(args: argparse.Namespace) -> None:
+    if bool(args.worker) == bool(args.all):
+        raise InferError(ErrorCode.BAD_INPUT, f"{args.verb}: name either a WORKER or --all")
+
+
+def drain_all(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    """The broker's stop path without the exit: nothing new is admitted, what it holds
+    is dispatched and answered; ``--wait`` returns once nothing is queued or running."""
+    res = client.control("drain_all")
+    if not args.wait:
+        return res, f"broker draining: {res['open_requests']} request(s) to finish"
+    st = _wait(client, lambda st: st if not st["inflight_batches"]
+               and not any(st["queues"].values()) else None,
+               args.wait_timeout, "the broker's queue to finish")
+    return st, "broker drained: nothing queued or in flight, admitting nothing new"
+
+
 def drain(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    _one_worker(args)
+    if args.all:
+        return drain_all(client, args)
     w = client.control("drain", worker=args.worker)
     if args.wait:
         def empty(st: dict[str, Any]) -> Any:
@@ -57,6 +77,9 @@ def drain(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def undrain(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    _one_worker(args)
+    if args.all:
+        return client.control("undrain_all"), "broker admits requests again"
     w = client.control("undrain", worker=args.worker)
     return w, f"worker {args.worker} takes batches again"
 

@@ -158,12 +158,15 @@ def _operate_parsers(sub: Any) -> None:
         p.set_defaults(verb=name)
         return p
 
-    p = verb("drain", "stop sending new batches to a worker")
-    p.add_argument("worker", help="worker id, such as host/0")
+    p = verb("drain", "stop sending new batches to a worker (--all: the broker admits "
+                      "nothing new and finishes its queue, as a stop does, without exiting)")
+    p.add_argument("worker", nargs="?", help="worker id, such as host/0")
+    p.add_argument("--all", action="store_true", help="the whole broker instead of a worker")
     p.add_argument("--wait", action="store_true", help="return once its batches are done")
     p.add_argument("--wait-timeout", type=float, default=60.0)
-    p = verb("undrain", "send batches to a drained worker again")
-    p.add_argument("worker", help="worker id, such as host/0")
+    p = verb("undrain", "send batches to a drained worker again (--all: admit again)")
+    p.add_argument("worker", nargs="?", help="worker id, such as host/0")
+    p.add_argument("--all", action="store_true", help="the whole broker instead of a worker")
     p = verb("reload", "load MODEL[/VERSION] afresh, restart a worker (--worker), or "
              "read the tenants file again (--tenants)")
     p.add_argument("model", nargs="?", help="MODEL or MODEL/VERSION")

@@ -1,9 +1,12 @@
 """Entry point of ``zeroserve gateway`` (also ``python -m zeroserve.gateway.serve``): the
 Starlette app under uvicorn.
 
-Shutdown (SIGTERM): readiness turns false at once, systemd hears STOPPING=1,
-uvicorn stops accepting, lets in-flight requests finish for up to
-``shutdown_timeout_s``, runs the lifespan shutdown and exits.
+Shutdown (SIGTERM): readiness turns false at once, systemd hears STOPPING=1, the
+broker hears that this gateway drains (so a stopping broker still takes what it
+forwards), the listener closes, and connections opened before keep being served
+while any request is in flight (a keep-alive client may send its next request on
+one); once none is, or ``shutdown_timeout_s`` passed, uvicorn closes them, runs the
+lifespan shutdown and exits.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from types import FrameType
 
 import uvicorn
@@ -26,6 +30,7 @@ from zeroserve.gateway.fastpath import InferFastPath
 logger = logging.getLogger(__name__)
 
 READY_POLL_S = 0.2
+DRAIN_POLL_S = 0.05   # how often the drain looks whether requests are still in flight
 
 
 class GatewayServer(uvicorn.Server):
@@ -36,6 +41,7 @@ class GatewayServer(uvicorn.Server):
         self.gateway = gateway
         self.notifier = Notifier()
         self.announcer: asyncio.Task[None] | None = None
+        self.drain_notice: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -61,7 +67,35 @@ class GatewayServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.announcer is not None:
             self.announcer.cancel()   # stopping before ready: nothing left to announce
+        for server in self.servers:   # new connections are refused from now on
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        await self.drain_open_connections()
         await super().shutdown(sockets)
+
+    async def drain_open_connections(self) -> None:
+        """uvicorn closes idle keep-alive connections as soon as it shuts down; this keeps
+        them (and takes their requests) while any request is still in flight, which is
+        how long the server as a whole drains."""
+        bound = self.config.timeout_graceful_shutdown
+        deadline = time.monotonic() + (bound if bound is not None else 30.0)
+        while self.server_state.tasks and not self.force_exit \
+                and time.monotonic() < deadline:
+            self.notifier.watchdog()   # the drain may outlast WatchdogSec
+            await asyncio.sleep(DRAIN_POLL_S)
+        if bound is not None:  # what is left of the bound, for uvicorn's own wait
+            self.config.timeout_graceful_shutdown = max(1, int(deadline - time.monotonic()))
+        logger.info("open connections drained (%d request(s) still in flight)",
+                    len(self.server_state.tasks))
+
+    async def tell_broker_draining(self) -> None:
+        """On the same socket as the requests, so the broker hears it before any request
+        sent after it; a broker that is down has nothing to hear."""
+        try:
+            await self.gateway.control("draining")
+        except Exception as exc:  # noqa: BLE001 - best effort: an old broker, or none
+            logger.info("the broker did not take the drain notice: %s", exc)
 
     async def on_tick(self, counter: int) -> bool:
         self.notifier.watchdog()
@@ -77,6 +111,8 @@ class GatewayServer(uvicorn.Server):
             logger.info("signal %d: draining in-flight requests", sig)
             self.gateway.draining = True
             self.notifier.stopping()
+            if self.started:
+                self.drain_notice = asyncio.ensure_future(self.tell_broker_draining())
         super().handle_exit(sig, frame)
 
 

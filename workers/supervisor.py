@@ -21,6 +21,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+ROLES = ("gateway", "broker", "worker")   # the stop order (child names start with these)
+
 
 def count_gpus() -> int:
     """GPUs visible to this host, without importing torch."""
@@ -120,23 +122,34 @@ class Supervisor:
         return due
 
     def shutdown(self) -> int:
-        """SIGTERM everything at once (each component drains), then SIGKILL stragglers."""
+        """The server's one stop order: the gateways first (they close their listeners
+        and finish the requests of their open connections, which the broker still
+        takes), then the broker (it admits nothing new and answers what it accepted),
+        then the workers, which the broker has released by then (each exits at once).
+        Each stage waits up to ``stop_timeout_s``, longer than the components' own drain
+        bounds, before anything is killed."""
         logger.info("stopping %d children", len(self.children))
-        for child in self.children:
+        for role in ROLES:
+            self._stop([c for c in self.children if c.name.startswith(role)])
+        self._stop([c for c in self.children if not c.name.startswith(ROLES)])
+        return 0
+
+    def _stop(self, children: list[Child]) -> None:
+        for child in children:
             if child.alive():
                 assert child.proc is not None
                 child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout_s
-        for child in self.children:
+        for child in children:
             if child.proc is None:
                 continue
             try:
                 child.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.error("%s did not stop in time; killing it", child.name)
+                logger.error("%s did not stop within %.0fs; killing it", child.name,
+                             self.stop_timeout_s)
                 child.proc.kill()
                 child.proc.wait()
-        return 0
 
 
 def wait_http_ready(url: str, timeout_s: float, sup: Supervisor) -> bool:

@@ -77,6 +77,7 @@ class Worker:
         self._exit: int | None = None
         self.notifier = Notifier()
         self._registered = False  # the broker has heartbeated us since our READY
+        self._broker_stopped = False  # it said BROKER_STOPPING and no broker spoke since
         self.memory_tolerance_bytes = memory_tolerance_bytes
         self.memory_budget_bytes = memory_budget_bytes
         self.recycle_reason = ""
@@ -156,7 +157,12 @@ class Worker:
                     break
                 logger.warning("broker silent for %.1fs; reconnecting", now - self._last_heard)
                 self._reconnect()
+            if self.stopping and self._broker_stopped:
+                logger.info("stopping; the broker is gone, nothing of its runs here")
+                break
             if self.stopping and not self._draining:
+                # the broker decides when we go: alone, we drain and our work moves to
+                # others; if it stops too, it keeps us until its queue is done
                 self._draining = True
                 self._stop_deadline = now + self.drain_timeout_s
                 logger.info("draining before exit")
@@ -204,6 +210,7 @@ class Worker:
         """The broker sets the pace: we heartbeat as often as it does, and count it lost
         only after more than its own expiry for us (so --heartbeat-s 4 works too)."""
         self._registered = True
+        self._broker_stopped = False
         if beat.interval_s > 0:
             self.heartbeat_s = beat.interval_s
             self.broker_expiry_s = max(self.min_broker_expiry_s, 3 * beat.interval_s,
@@ -224,8 +231,9 @@ class Worker:
             os._exit(RECYCLE_EXIT_CODE)  # the compute thread may be stuck inside the model
         if reason is p.DisconnectReason.BROKER_STOPPING:
             if self.stopping:
-                logger.info("the broker stops too; exiting")
+                logger.info("the broker stops too and released us; exiting")
                 self._exit = 0
+            self._broker_stopped = True
             return  # otherwise reconnect to the next broker when this one is gone
         logger.info("broker does not know us; registering again")
         self._send_ready()

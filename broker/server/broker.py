@@ -62,7 +62,12 @@ class Broker:
         self._add_verbs()
         self.notifier = Notifier()
         self.stopping = False
+        self._stop_requested = False
+        self._exit_requested = False
+        self._exiting = False          # stopping to exit, not only drained (drain --all)
         self._stop_deadline = math.inf
+        self._drain_clients: set[bytes] = set()    # gateways draining their connections
+        self._left_s: dict[bytes, float] = {}      # when a worker said it shuts down
         self._reload_requested = False
         self._next_heartbeat = 0.0
         self._busy_since_trim = False
@@ -87,12 +92,46 @@ class Broker:
         self.lifecycle.close()
 
     def request_stop(self) -> None:
-        if not self.stopping:
-            self.stopping = True
-            self.requests.admitting = False
+        """SIGTERM: stop admitting, finish what was accepted, then exit. Only sets flags:
+        a signal handler may run in the middle of a tick, so the change itself happens
+        at the next one (:meth:`_begin_stop`)."""
+        self._exit_requested = self._stop_requested = True
+
+    def _begin_stop(self) -> None:
+        """The one stop path, for SIGTERM and ``drain --all`` alike (that one without
+        exiting): no new work, everything accepted dispatched, and workers that were
+        signalled with us kept at work until it is answered."""
+        if not self._stop_requested:
+            return
+        self._stop_requested = False
+        if self._exit_requested and not self._exiting:
+            self._exiting = True
             self._stop_deadline = self.clock() + self.drain_timeout_s
             self.notifier.stopping()
-            logger.info("stopping: %d request(s) to finish", self.requests.open_count())
+        if self.stopping:
+            return
+        self.stopping = True
+        self.requests.admitting = False
+        kept = [w for w in self.pool.workers.values() if w.exiting and not w.recycle]
+        for worker in kept:  # signalled with us: they run our queue until it is done
+            worker.draining = False
+        logger.info("%s: %d request(s) to finish, %d leaving worker(s) kept until then",
+                    "stopping" if self._exiting else "draining all",
+                    self.requests.open_count(), len(kept))
+
+    def _drain_all(self, _: dict[str, Any]) -> dict[str, Any]:
+        self._stop_requested = True
+        self._begin_stop()
+        return {"draining": True, "open_requests": self.requests.open_count()}
+
+    def _undrain_all(self, _: dict[str, Any]) -> dict[str, Any]:
+        if self._exiting:
+            raise LookupError("the broker is stopping and cannot be undrained")
+        self.stopping, self.requests.admitting = False, True
+        for worker in self.pool.workers.values():
+            worker.draining = worker.draining or worker.exiting  # leavers leave again
+        logger.info("undrained: admitting requests again")
+        return {"draining": False, "open_requests": self.requests.open_count()}
 
     def request_reload(self) -> None:
         self._reload_requested = True
@@ -107,6 +146,8 @@ class Broker:
                 self.requests.refuse(client, rid, p.ErrorCode.BAD_INPUT, str(exc), model="")
             raise
         if kind is p.Kind.REQUEST:
+            if self.stopping:  # only a draining gateway's requests are still taken
+                self.requests.admitting = client in self._drain_clients and self._exiting
             self.requests.on_request(client, header, bufs, self.clock())
         elif kind is p.Kind.CANCEL:
             self.requests.on_cancel(client, p.decode(p.Cancel, header).request_id)
@@ -114,11 +155,21 @@ class Broker:
             self._to_client(client, p.encode(p.Pong()))
         elif kind is p.Kind.CONTROL:
             msg = p.decode(p.ControlRequest, header)
+            if msg.verb == "draining":
+                self._client_draining(client)
             self._to_client(client, self.control.handle(msg, on_frontend=True))
         else:
             raise p.ProtocolError(f"unexpected kind {kind.name} on the frontend")
 
+    def _client_draining(self, client: bytes) -> None:
+        """A gateway stopping: what it forwards from now on comes from connections opened
+        before its signal, which a stopping broker still takes. It says so on the socket
+        its requests use, so the notice precedes them."""
+        self._drain_clients.add(client)
+        logger.info("a gateway drains its open connections; its requests stay admitted")
+
     def client_gone(self, client: bytes) -> None:
+        self._drain_clients.discard(client)
         withdrawn = self.requests.client_gone(client)
         if withdrawn:
             logger.info("a client went away; %d queued request(s) withdrawn", withdrawn)
@@ -168,10 +219,17 @@ class Broker:
 
     def _on_leave(self, worker: WorkerState, msg: p.Leave) -> None:
         logger.info("worker %s leaves: %s %s", worker.worker_id, msg.reason.value, msg.detail)
-        if msg.drain:
-            self.pool.leave(worker, recycle=msg.reason is p.LeaveReason.RECYCLE)
-        else:
+        if not msg.drain:
             self._lose(worker, Loss.LEFT)
+            return
+        recycle = msg.reason is p.LeaveReason.RECYCLE
+        self.pool.leave(worker, recycle=recycle)
+        if self.stopping and not recycle:
+            # the whole server stops: keep it until what we accepted is answered
+            worker.draining = False
+            logger.info("worker %s kept until the broker's queue is done", worker.worker_id)
+        elif not recycle:
+            self._left_s[worker.identity] = self.clock()
 
     def worker_connection_closed(self, identity: bytes) -> None:
         worker = self.pool.get(identity)
@@ -190,6 +248,7 @@ class Broker:
 
     def tick(self, now: float) -> None:
         """Everything time-driven, then dispatch."""
+        self._begin_stop()
         if self._reload_requested:
             self._reload_repository()
         self.requests.expire(now)
@@ -207,12 +266,25 @@ class Broker:
             self._trim_when_idle()
             for worker in self.pool.heartbeat(now):
                 self._lose(worker, Loss.SILENT)
-        for worker in self.pool.drained():
-            self.pool.release(worker)
-            self.metrics.workers_alive(len(self.pool.workers))
+        self._release_drained(now)
         if self.stopping:
             self._fail_unservable()
         self.requests.dispatch(now)
+
+    def _release_drained(self, now: float) -> None:
+        """Leaving workers with nothing in flight go, except those a stopping broker keeps
+        (they leave when it exits). One that left on SIGTERM waits a heartbeat first: the
+        same signal may be on its way to us (a process group, a systemd target), and then
+        it stays to run our queue instead of leaving it stranded."""
+        for worker in self.pool.drained():
+            if self.stopping and not worker.draining and self.requests.open_count():
+                continue
+            if not self.stopping and now < self._left_s.get(worker.identity, -math.inf) \
+                    + self.pool.heartbeat_s:
+                continue
+            self._left_s.pop(worker.identity, None)
+            self.pool.release(worker)
+            self.metrics.workers_alive(len(self.pool.workers))
 
     def _trim_when_idle(self) -> None:
         """After a burst, once nothing is held, the memory it took goes back (checked at
@@ -228,18 +300,27 @@ class Broker:
         for d in (self.requests.next_due(now), self.lifecycle.next_due()):
             if d is not None:
                 due.append(d)
-        if self.stopping:
+        if self._exiting:
             due.append(self._stop_deadline)
         return min(due)
 
     def finished(self, now: float) -> bool:
         """Whether a stopping broker may exit: everything it accepted is answered, or the
         drain bound passed (what is left gets 503). Workers that stop too are told."""
-        if not self.stopping or (self.requests.open_count() and now < self._stop_deadline):
+        self._begin_stop()
+        if not self._exiting or (self.requests.open_count() and now < self._stop_deadline):
             return False
+        left = self.requests.open_count()
+        if left:
+            self.metrics.shutdown_failed(left)
+            logger.error("drain bound of %.0fs passed: %d request(s) answered 503",
+                         self.drain_timeout_s, left)
         self.requests.fail_everything(p.ErrorCode.UNAVAILABLE, "broker is shutting down")
-        for identity in list(self.pool.workers):
-            self.pool.disconnect(identity, p.DisconnectReason.BROKER_STOPPING)
+        for worker in list(self.pool.workers.values()):
+            # a worker stopping with us exits on this; the others wait for the next broker
+            self.pool.disconnect(worker.identity, p.DisconnectReason.BROKER_STOPPING)
+        logger.info("every accepted request answered; releasing %d worker(s)",
+                    len(self.pool.workers))
         return True
 
     def _fail_unservable(self) -> None:
@@ -271,6 +352,9 @@ class Broker:
               .describe(self.clock()), mutates=True)
         c.add("undrain", lambda a: self.pool.set_draining(worker_arg(a), False)
               .describe(self.clock()), mutates=True)
+        c.add("drain_all", self._drain_all, mutates=True)
+        c.add("undrain_all", self._undrain_all, mutates=True)
+        c.add("draining", lambda _: {"ok": True})  # a gateway's notice (see on_frontend)
         c.add("restart", self._restart, mutates=True)
         c.add("reload", lambda a: self.lifecycle.reload_model(*model_arg(a)), mutates=True)
         registrar = self.lifecycle.registrar

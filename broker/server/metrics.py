@@ -50,6 +50,9 @@ class BrokerMetrics:
                                  registry=r)
         self.alive = Gauge("workers_alive", "Workers registered with the broker",
                            namespace=ns, registry=r)
+        self.shutdown_cut = Counter("shutdown_unfinished", "Accepted requests answered 503 "
+                                    "because the drain bound passed while stopping",
+                                    namespace=ns, registry=r)
         self.bad = Counter("bad_messages", "Malformed messages counted and dropped",
                            ["socket", "reason"], namespace=ns, registry=r)
 
@@ -86,6 +89,9 @@ class BrokerMetrics:
 
     def workers_alive(self, n: int) -> None:
         self.alive.set(n)
+
+    def shutdown_failed(self, n: int) -> None:
+        self.shutdown_cut.inc(n)
 
     def bad_message(self, where: str, reason: str) -> None:
         self.bad.labels(where, reason).inc()

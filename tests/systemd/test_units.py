@@ -68,6 +68,25 @@ def test_units_are_notify_hardened_and_stop_slower_than_they_drain() -> None:
     assert "CUDA_VISIBLE_DEVICES=%i" in unit("zeroserve-worker@.service")["Environment"]
 
 
+def test_stopping_the_target_signals_every_component_at_once() -> None:
+    """The stop order lives in the components (gateway drains, broker keeps the workers
+    until its work is answered): systemd must not hold one back, as After=/Before=
+    between them would (a worker ordered after the broker is stopped before it)."""
+    components = NAMES[1:]
+    stems = [n.split("@")[0].removesuffix(".service") for n in components]
+    for name in components:
+        u = unit(name)
+        assert u["PartOf"] == ["zeroserve.target"], name
+        assert u["KillMode"] == ["mixed"], name          # SIGTERM to the main process
+        ordering = " ".join(u.get("After", []) + u.get("Before", []))
+        assert not any(stem in ordering for stem in stems), (name, ordering)
+        # none starts first, so each may create the shared sockets' folder, and none
+        # removes it when it stops while the others still use it
+        assert u["RuntimeDirectory"] == ["zeroserve"], name
+        assert u["RuntimeDirectoryPreserve"] == ["yes"], name
+    assert "Stopping it" in (UNITS / "zeroserve.target").read_text()
+
+
 class NotifySocket:
     """A unix datagram socket the test binds, standing in for systemd."""
 

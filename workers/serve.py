@@ -91,7 +91,9 @@ def run(args: Any) -> int:
             argv += ["--device", args.device]
         children.append(Child(f"worker {hostname()}/{i}", argv, env))
     children += gateways(args)
-    sup = Supervisor(children, stop_timeout_s=args.drain_timeout_s + 5)
+    # each stop stage outlasts the bound of the component it waits for
+    sup = Supervisor(children,
+                     stop_timeout_s=max(args.drain_timeout_s, args.shutdown_timeout_s) + 5)
     url = f"http://{args.http_host}:{args.http_port}"
 
     def announce() -> None:

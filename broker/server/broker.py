@@ -237,6 +237,7 @@ class Broker:
             self._lose(worker, Loss.CRASHED)
 
     def _lose(self, worker: WorkerState, loss: Loss) -> None:
+        self._left_s.pop(worker.identity, None)
         lost = self.pool.remove(worker, loss)
         self.requests.worker_lost(lost, loss, worker.worker_id, self.clock())
         self.lifecycle.worker_removed()

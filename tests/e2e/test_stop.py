@@ -164,6 +164,10 @@ def stop_under_load(repo: Path, signal_it: Callable[[Server], None]) -> None:
                  and status(srv)["queues"].get("slow", 0) >= 3, 20, "six accepted requests")
         signal_it(srv)
         wait_for(lambda: refused(srv), 5, "new connections to be refused")
+        keep.request("GET", "/v2/health/ready")   # a probe on an open connection: not ready
+        probe = keep.getresponse()
+        probe.read()
+        assert probe.status == 503
         during = infer_on(keep, 100.0)    # an open keep-alive connection, during the drain
         for t in threads:
             t.join(40)

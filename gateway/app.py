@@ -23,7 +23,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway import metrics, openapi, readiness, routes_simple, v2
 from zeroserve.gateway.classification import classify
-from zeroserve.gateway.logging_ext import LogSettings
+from zeroserve.broker.logsettings import LogSettings
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.http import STATUS, BadRequest, BodyTooLarge, bounded_int, \
     compressed, error_response, infer_error_response, json_response, path_version, \

@@ -16,7 +16,7 @@ from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.access import refused
 from zeroserve.gateway.http import BodyTooLarge, BadRequest, error_response, \
     json_response, read_body
-from zeroserve.gateway.logging_ext import SettingsError
+from zeroserve.broker.logsettings import SettingsError
 from zeroserve.gateway.shm import ShmError
 
 if TYPE_CHECKING:

@@ -78,7 +78,9 @@ def run(args: Any) -> int:
         "--watch", args.watch,
         "--watch-interval-s", str(args.watch_interval_s),
         "--watch-debounce-ms", str(args.watch_debounce_ms),
-        *[a for r in args.import_root or () for a in ("--import-root", r)]], own_registry)]
+        *[a for r in args.import_root or () for a in ("--import-root", r)],
+        "--model-control-mode", args.model_control_mode,
+        *[a for m in args.load_model or () for a in ("--load-model", m)]], own_registry)]
     for i in range(n):
         env = {**own_registry, **({"CUDA_VISIBLE_DEVICES": str(i)} if i < gpus else {})}
         argv = _base(args, "worker") + ["--index", str(i), "--credits", str(args.credits),

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 # exactly what this gateway implements; system_shared_memory only when it is on
 EXTENSIONS = ["binary_tensor_data", "schedule_policy", "model_configuration",
-              "classification", "logging"]
+              "classification", "logging", "statistics", "model_repository"]
 
 
 @dataclass
@@ -213,7 +213,10 @@ def create_app(settings: Settings) -> Starlette:
     gw = Gateway(settings)
     m = "/v2/models/{name}"
     mv = "/v2/models/{name}/versions/{version}"
+    from zeroserve.gateway.routes_repo import RepositoryRoutes
+    repository = RepositoryRoutes(gw)
     routes = [
+        *repository.stats_routes(),   # before m: "/v2/models/stats" is no model's metadata
         Route("/v2/health/live", gw.live, methods=["GET"]),
         Route("/v2/health/ready", gw.ready, methods=["GET"]),
         Route("/healthz", gw.live, methods=["GET"]),
@@ -234,6 +237,7 @@ def create_app(settings: Settings) -> Starlette:
     from zeroserve.gateway.routes_ext import Extensions
     routes += Registration(gw).routes()
     routes += Extensions(gw).routes()
+    routes += repository.routes()
     routes.append(openapi.route(routes))
 
     async def http_error(request: Request, exc: Exception) -> Response:

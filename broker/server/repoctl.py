@@ -153,11 +153,15 @@ class RepositoryControl:
             self._files = Path(tempfile.mkdtemp(prefix="zeroserve-load-"))
         folder = self._files / f"{name}-{next(self._ids)}"
         for rel, data in files.items():
-            target = (folder / rel).resolve()
-            if folder.resolve() not in target.parents:
-                raise _failed(name, f"file:{rel} leaves the model folder")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
+            try:
+                target = (folder / rel).resolve()
+                if folder.resolve() not in target.parents:
+                    raise _failed(name, f"file:{rel} leaves the model folder")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+            except (OSError, ValueError) as exc:   # ValueError: a NUL in the name
+                shutil.rmtree(folder, ignore_errors=True)
+                raise _failed(name, f"file:{rel} cannot be written: {exc}") from None
         return folder
 
     def load_status(self, args: dict[str, Any]) -> dict[str, Any]:

@@ -61,6 +61,7 @@ def test_server_identity_and_honest_extensions(client) -> None:
     assert meta["name"] == "triton" and meta["version"] == "2.99.0"
     assert set(meta["extensions"]) == {"binary_tensor_data", "schedule_policy",
                                        "model_configuration", "classification", "logging",
+                                       "statistics", "model_repository",
                                        "system_shared_memory"}
 
 

@@ -47,11 +47,15 @@ def test_served_document_carries_a_ready_model_as_example(api_server):
     assert status == 200, got
 
 
-@pytest.fixture
-def scratch_server():
-    """Its own repository: the fuzzer's DELETEs and registrations change it."""
+@pytest.fixture(params=["poll", "explicit"])
+def scratch_server(request):
+    """Its own repository: the fuzzer's DELETEs and registrations change it. Under
+    explicit model control its loads and unloads reach the broker's loader too."""
     imports = short_tmpdir("zsimp")
-    srv = Server(make_repo(), extra=["--import-root", str(imports)]).wait_ready()
+    extra = ["--import-root", str(imports), "--model-control-mode", request.param]
+    if request.param == "explicit":
+        extra += [a for m in ("linear", "half", "bf16", "upper") for a in ("--load-model", m)]
+    srv = Server(make_repo(), extra=extra).wait_ready()
     yield srv
     srv.stop()
 

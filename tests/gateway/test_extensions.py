@@ -213,3 +213,20 @@ def test_load_and_unload_are_refused_while_the_repository_is_polled(client) -> N
         client.unload_model("linear")
     assert {"name": "linear", "version": "1", "state": "READY", "reason": ""} in \
         client.get_model_repository_index()
+
+
+def test_class_labels_come_from_labels_txt(client, srv) -> None:
+    scratch = short_tmpdir("zslab")
+    write_model(scratch, "labelled", 1, "nn.Linear(4, 3)", linear_config("labelled"))
+    (scratch / "labelled" / "labels.txt").write_text("cat\ndog\nbird\n")
+    (scratch / "labelled").rename(srv.model_dir / "labelled")
+    shutil.rmtree(scratch)
+    wait_for(lambda: client.is_model_ready("labelled"), 30, "labelled to load")
+    out = triton.InferRequestedOutput("output", binary_data=False, class_count=1)
+    got = client.infer("labelled", [linear_input()], outputs=[out]).as_numpy("output")
+    names = ["cat", "dog", "bird"]
+    for row in got:
+        value, index, label = (row[0].decode() if isinstance(row[0], bytes)
+                               else row[0]).split(":")
+        assert label == names[int(index)]
+

@@ -141,3 +141,24 @@ def test_a_load_with_files_and_one_that_fails_on_the_worker(client, tmp_path) ->
     assert not client.is_model_ready("broken")
     with pytest.raises(InferenceServerException, match="need a config"):
         client.load_model("fresh", files={"file:1/model.pt": b"x"})
+
+
+def test_model_control_none_loads_everything_and_refuses_changes() -> None:
+    repo = short_tmpdir("zsrepo")
+    for name in ("linear", "other"):
+        write_model(repo, name, 1, "nn.Linear(4, 3)", linear_config(name))
+    srv = Server(repo, extra=["--model-control-mode", "none"])
+    try:
+        srv.wait_ready()
+        c = triton.InferenceServerClient(srv.url.removeprefix("http://"))
+        assert states(c) == {"linear": "READY", "other": "READY"}
+        with pytest.raises(InferenceServerException, match="model control mode 'none'"):
+            c.load_model("other")
+        with pytest.raises(InferenceServerException, match="model control mode 'none'"):
+            c.unload_model("other")
+        assert c.is_model_ready("other")
+        assert "model control none:" in srv.log() and "is not watched" in srv.log()
+        c.close()
+    finally:
+        srv.stop()
+        shutil.rmtree(repo, ignore_errors=True)

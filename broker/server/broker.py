@@ -318,7 +318,8 @@ class Broker:
         errors = dict(self.catalog.errors)
         for name, failure in self.lifecycle.failures.items():
             errors.setdefault(name, failure["error"])
-        return {"models": out, "errors": errors, "optional": optional_models(self.catalog, errors)}
+        return {"models": out, "errors": errors,
+                "optional": optional_models(self.catalog, errors)}
 
     def _metadata(self, args: dict[str, Any]) -> dict[str, Any]:
         model = self._model(args)

@@ -89,7 +89,12 @@ class RepositoryControl:
             cat.errors[name] = f"--load-model {name}: no such model folder"
 
     def _published(self, name: str) -> None:
-        self.wanted.add(name)   # registering a model asks for it
+        """Registration published (or removed) a folder: registering asks for the model."""
+        if (self.lc.root / name).is_dir():
+            self.wanted.add(name)
+        else:
+            self.wanted.discard(name)
+            self.overrides.pop(name, None)
         self.lc.rescan_one(name)
 
     def close(self) -> None:

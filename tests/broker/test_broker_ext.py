@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import json
 import shutil
-from typing import Any
+import threading
+from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
+import zmq
+
 from zeroserve.broker import protocol as p
 from zeroserve.broker.client import Client, InferError
+from zeroserve.broker.runtime import Endpoints
+from zeroserve.broker.server.broker import Broker
+from zeroserve.broker.server.loop import BrokerLoop
 from zeroserve.broker.server.stats import ModelStatistics
+from zeroserve.broker.server.swap import LifecycleOptions
 from zeroserve.models.repository import version_sha256
-from tests.broker.test_lifecycle import FakeWorker, broker, control, write_version
-from tests.conftest import linear_config, wait_for
+from tests.broker.test_lifecycle import OPEN, FakeWorker, broker, control, write_version
+from tests.conftest import linear_config, short_tmpdir, wait_for
 
 __all__ = ["broker"]  # the fixture, shared with test_lifecycle
 
@@ -100,3 +108,79 @@ def test_statistics_count_samples_batches_and_phases() -> None:
     assert doc["memory_usage"] == [{"type": "CPU", "id": 0, "byte_size": 9}]
     stats.forget("m")
     assert stats.render("m", [1], 1, {})[0]["execution_count"] == 0
+
+
+@pytest.fixture
+def explicit() -> Iterator[tuple[Broker, Path, zmq.Context[Any]]]:
+    """A broker under explicit model control: ``m`` loaded at start, ``n`` only there."""
+    repo, rt = short_tmpdir("zsrepo"), short_tmpdir("zsrt")
+    for name in ("m", "n"):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.pt").write_bytes(f"weights of {name}".encode())
+        (repo / name / "config.json").write_text(json.dumps(linear_config(name)))
+    ctx: zmq.Context[Any] = zmq.Context()
+    endpoints = Endpoints.in_dir(rt)
+    loop = BrokerLoop(endpoints, ctx)
+    b = Broker(repo, to_client=loop.to_client, to_worker=loop.to_worker,
+               to_controller=loop.to_controller, worker_expiry_s=60, ctx=ctx,
+               lifecycle=LifecycleOptions(control_mode="explicit", load_models=("m",)))
+    b.endpoints = endpoints  # type: ignore[attr-defined]  # for the tests' sockets
+    b.load_catalog()
+    b.start(loop.poller)
+    thread = threading.Thread(target=loop.run, args=(b,), daemon=True)
+    thread.start()
+    yield b, repo, ctx
+    while OPEN:
+        OPEN.pop().close(linger=0)
+    b.request_stop()
+    thread.join(10)
+    b.close()
+    loop.close(0)
+    ctx.destroy(linger=0)
+    shutil.rmtree(repo, ignore_errors=True)
+    shutil.rmtree(rt, ignore_errors=True)
+
+
+def outcome(b: Broker, token: str) -> dict[str, Any]:
+    """The load's status once it is no longer loading (reported once by the broker)."""
+    def ended() -> dict[str, Any] | None:
+        status = call(b, "repository_load_status", token=token)
+        return status if status["state"] != "loading" else None
+    return wait_for(ended, 10, "the load to end")  # type: ignore[no-any-return]
+
+
+def index(b: Broker) -> dict[str, tuple[str, str]]:
+    return {e["name"]: (e["state"], e["reason"]) for e in call(b, "repository_index")}
+
+
+def test_explicit_control_loads_what_is_asked_for(explicit) -> None:
+    b, repo, ctx = explicit
+    w0 = FakeWorker(ctx, b.endpoints.backend, "host/0")
+    first = w0.expect(p.Kind.LOAD)
+    assert first["model"] == "m", "only --load-model's model loads at start"
+    w0.loaded(first)
+    wait_for(lambda: index(b)["m"][0] == "READY", 10, "m ready")
+    assert index(b)["n"] == ("UNAVAILABLE", "not loaded")
+    assert list(call(b, "models")["models"]) == ["m"]
+    b.request_reload()   # SIGHUP rescans only the models asked for
+    job = call(b, "repository_load", model="n")
+    assert call(b, "repository_load_status", token=job["token"])["state"] == "loading"
+    load = w0.expect(p.Kind.LOAD)
+    assert load["model"] == "n"
+    assert index(b)["n"][0] == "LOADING"
+    w0.loaded(load)
+    assert outcome(b, job["token"]) == {"state": "ready", "model": "n", "error": ""}
+    assert index(b)["n"] == ("READY", "")
+    job = call(b, "repository_load", model="n", config=json.dumps(linear_config("n", mbs=2)))
+    w0.loaded(w0.expect(p.Kind.LOAD), ok=False, error="no such luck")
+    failed = outcome(b, job["token"])
+    assert failed["state"] == "failed" and failed["error"].startswith("failed to load 'n'")
+    assert "no such luck" in failed["error"]
+    assert call(b, "config", model="n")["max_batch_size"] == 8, "the failure flipped nothing"
+    call(b, "repository_unload", model="n")
+    assert w0.expect(p.Kind.UNLOAD)["model"] == "n"
+    assert index(b)["n"] == ("UNAVAILABLE", "unloaded")
+    with pytest.raises(InferError, match="failed to load 'n'.*Expecting"):
+        call(b, "repository_load", model="n", config="{broken")
+    with pytest.raises(InferError, match="failed to load 'zz'"):
+        call(b, "repository_load", model="zz")

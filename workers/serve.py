@@ -62,6 +62,10 @@ def run(args: Any) -> int:
     except RuntimeDirError as exc:
         logger.error("%s", exc)
         return 2
+    if args.load_model and args.model_control_mode != "explicit":
+        logger.error("--load-model needs --model-control-mode explicit (the other modes "
+                     "load every model folder)")
+        return 2
     model_dir = Path(args.model_dir) if args.model_dir else ensure_examples(cache_dir())
     gpus = count_gpus()
     n = args.workers or max(gpus, 1)

@@ -71,6 +71,11 @@ def test_schemathesis_finds_no_500_and_no_undeclared_status(scratch_server, tmp_
            "--no-color", "--report", "junit",
            "--report-dir", str(tmp_path)]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    if "AST constructor recursion depth mismatch" in out.stdout:
+        # CPython 3.11's ast.parse is not thread-safe (python/cpython#106905): hypothesis,
+        # describing a strategy in one of the two workers, can hit it. Not our API: once more
+        out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=150)
     tail = (out.stdout + out.stderr)[-6000:]
     assert out.returncode == 0, tail
     selected = re.search(r"Selected: (\d+)/", out.stdout)

@@ -62,6 +62,11 @@ def undrain(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def reload(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    if getattr(args, "reload_tenants", False):
+        if args.model is not None or args.worker is not None:
+            raise InferError(ErrorCode.BAD_INPUT, "--tenants takes no MODEL or --worker")
+        res = client.control("reload_tenants")
+        return res, f"tenants reloaded from {res['file']}: {', '.join(res['tenants']) or 'none'}"
     if (args.model is None) == (args.worker is None):
         raise InferError(ErrorCode.BAD_INPUT, "name either MODEL[/VERSION] or --worker WORKER")
     if args.worker is not None:
@@ -160,6 +165,10 @@ def human(verb: str, result: Any) -> str:
                          f"{rss:>8.0f}  {', '.join(w['models'])}")
         lines.append("queues: " + (", ".join(f"{m}={d}" for m, d in result["queues"].items())
                                    or "none"))
+        for name, t in result.get("tenants", {}).items():
+            rejected = sum(t["rejected"].values())
+            lines.append(f"tenant {name}: {t['rate']:.2f} req/s, {t['inflight']} in flight, "
+                         f"{rejected} rejected")
         return "\n".join(lines)
     if verb == "models":
         lines = [f"{'MODEL':<20} {'VERSIONS':<12} {'READY':<12} WORKERS"]

@@ -133,10 +133,11 @@ class Client:
 
     def __init__(self, endpoint: str | None = None, *, timeout_s: float = 30.0,
                  connect_timeout_s: float = 5.0, ctx: zmq.Context[Any] | None = None,
-                 admin_token: str = "") -> None:
+                 admin_token: str = "", api_key: str = "") -> None:
         self.endpoint = endpoint or Endpoints.in_dir().frontend
         self.timeout_s = timeout_s
         self.admin_token = admin_token
+        self.api_key = api_key  # sent with every request (a tenant's key); infer(api_key=) wins
         self.connect_timeout_s = connect_timeout_s
         self._ctx = ctx or zmq.Context.instance()
         self._ids = itertools.count(1)
@@ -159,10 +160,11 @@ class Client:
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
               version: int | None = None, priority: int = 0, timeout_ms: float = 0.0,
-              outputs: Sequence[str] | None = None, tenant: str = "") -> InferResult:
+              outputs: Sequence[str] | None = None, tenant: str = "",
+              api_key: str | None = None) -> InferResult:
         rid = str(next(self._ids))
         req = p.InferRequest(rid, model, _tensors(inputs), version, priority, timeout_ms,
-                             tenant, outputs)
+                             tenant, outputs, self.api_key if api_key is None else api_key)
         wait_s = timeout_ms / 1000.0 + 5.0 if timeout_ms else self.timeout_s
         answer = self._roundtrip(p.encode_request(req), rid, wait_s)
         if isinstance(answer, InferError):
@@ -227,9 +229,10 @@ class AsyncClient:
 
     def __init__(self, endpoint: str | None = None, *, ping_s: float = 0.5,
                  broker_timeout_s: float = 3.0, ctx: zmq.Context[Any] | None = None,
-                 admin_token: str = "") -> None:
+                 admin_token: str = "", api_key: str = "") -> None:
         self.endpoint = endpoint or Endpoints.in_dir().frontend
         self.admin_token = admin_token
+        self.api_key = api_key  # the default key; the gateway passes each caller's instead
         self.ping_s = ping_s
         self.broker_timeout_s = broker_timeout_s
         self._ctx = ctx or zmq.Context.instance()
@@ -265,10 +268,11 @@ class AsyncClient:
     async def infer_tensors(self, model: str, tensors: Sequence[p.Tensor], *,
                             version: int | None = None, priority: int = 0,
                             timeout_ms: float = 0.0, outputs: Sequence[str] | None = None,
-                            tenant: str = "") -> p.InferReply:
+                            tenant: str = "", api_key: str | None = None) -> p.InferReply:
         """Like :meth:`infer` but with raw tensors in and out (no numpy conversion)."""
         rid = str(next(self._ids))
-        req = p.InferRequest(rid, model, tensors, version, priority, timeout_ms, tenant, outputs)
+        req = p.InferRequest(rid, model, tensors, version, priority, timeout_ms, tenant, outputs,
+                             self.api_key if api_key is None else api_key)
         answer = await self._call(p.encode_request(req), rid, cancel=True)
         if isinstance(answer, InferError):
             raise answer

@@ -62,6 +62,9 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import-root", action="append", default=None, metavar="DIR",
                    help="folder that POST /v1/models may copy models from (repeatable; "
                         "none: registration is disabled)")
+    p.add_argument("--tenants", default=None, metavar="FILE",
+                   help="tenants file (TOML): API keys, quotas, QoS classes (none: every "
+                        "caller is one anonymous tenant)")
     p.add_argument("--model-control-mode", choices=["none", "poll", "explicit"],
                    default="poll",
                    help="poll: serve every model folder and follow changes (the watcher); "
@@ -135,6 +138,14 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
         p.set_defaults(verb=verb)
     _operate_parsers(sub)
+    p = sub.add_parser("tenants", help="tenants' rate, in-flight and rejections; add-key NAME")
+    _common(p)
+    p.add_argument("action", nargs="?", choices=["show", "add-key"], default="show")
+    p.add_argument("name", nargs="?", help="tenant (add-key)")
+    p.add_argument("--tenants", default=None, metavar="FILE", help="tenants file (add-key)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+    p.set_defaults(verb="tenants")
     from zeroserve.broker.bench import main as bench  # torch-free; only its options here
     p = sub.add_parser("bench", help=bench.HELP, description=bench.HELP)
     bench.add_arguments(p)
@@ -161,8 +172,11 @@ def _operate_parsers(sub: Any) -> None:
     p.add_argument("--wait-timeout", type=float, default=60.0)
     p = verb("undrain", "send batches to a drained worker again")
     p.add_argument("worker", help="worker id, such as host/0")
-    p = verb("reload", "load MODEL[/VERSION] afresh, or restart a worker (--worker)")
+    p = verb("reload", "load MODEL[/VERSION] afresh, restart a worker (--worker), or "
+             "read the tenants file again (--tenants)")
     p.add_argument("model", nargs="?", help="MODEL or MODEL/VERSION")
+    p.add_argument("--tenants", action="store_true", dest="reload_tenants",
+                   help="read the broker's tenants file again (a bad one is refused)")
     p.add_argument("--worker", default=None, help="drain this worker, restart it, rejoin")
     p.add_argument("--wait", action="store_true",
                    help="return once the loads finished or the worker is back")

@@ -130,8 +130,9 @@ class InferRequest:
     version: int | None = None
     priority: int = 0
     timeout_ms: float = 0.0
-    tenant: str = ""
+    tenant: str = ""          # unused; the broker names the tenant from ``api_key``
     outputs: Sequence[str] | None = None
+    api_key: str = ""         # who is calling, when the broker has a tenants file
 
 
 @dataclass(frozen=True)
@@ -501,6 +502,8 @@ def encode_request(req: InferRequest) -> list[Buffer]:
               "priority": req.priority, "timeout_ms": float(req.timeout_ms),
               "tenant": req.tenant, "tensors": metas,
               "outputs": list(req.outputs) if req.outputs is not None else None}
+    if req.api_key:
+        header["api_key"] = req.api_key
     return _pack(Kind.REQUEST, header) + bufs
 
 
@@ -524,6 +527,7 @@ def decode_request(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReq
         timeout_ms=timeout_ms,
         tenant=_field(header, "tenant", str, ""),
         outputs=outputs,
+        api_key=_field(header, "api_key", str, ""),
     )
 
 

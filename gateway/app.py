@@ -25,6 +25,7 @@ from zeroserve.gateway import metrics, openapi, readiness, routes_simple, v2
 from zeroserve.gateway.classification import classify
 from zeroserve.broker.logsettings import LogSettings
 from zeroserve.gateway.shm import SharedMemory
+from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.http import STATUS, BadRequest, BodyTooLarge, bounded_int, \
     compressed, error_response, infer_error_response, json_response, path_version, \
     read_body, too_large_response
@@ -179,7 +180,8 @@ class Gateway:
         try:
             reply = await self.client.infer_tensors(
                 name, req.tensors, version=version, priority=priority,
-                timeout_ms=timeout_us / 1000.0, outputs=req.output_names)
+                timeout_ms=timeout_us / 1000.0, outputs=req.output_names,
+                api_key=api_key_of(request.headers))
         except InferError as exc:
             return infer_error_response(exc)
         try:

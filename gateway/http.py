@@ -4,6 +4,7 @@ body reading with a size limit and request decompression, response compression."
 from __future__ import annotations
 
 import gzip
+import math
 import zlib
 from typing import Any
 
@@ -20,7 +21,7 @@ STATUS = {
     ErrorCode.OVERLOADED: 429, ErrorCode.QUOTA: 429, ErrorCode.NO_WORKER: 503,
     ErrorCode.UNAVAILABLE: 503, ErrorCode.WORKER_LOST: 503, ErrorCode.MODEL_ERROR: 500,
     ErrorCode.CANCELLED: 499, ErrorCode.INTERNAL: 500,
-    ErrorCode.FORBIDDEN: 403, ErrorCode.CONFLICT: 409,
+    ErrorCode.FORBIDDEN: 403, ErrorCode.CONFLICT: 409, ErrorCode.UNAUTHORIZED: 401,
 }
 # msgpack carries integers up to 64 bits; keep what the wire sees well inside that
 MAX_INT = 2**31 - 1
@@ -45,8 +46,10 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 
 def infer_error_response(err: InferError) -> Response:
     headers = None
-    if err.retry_after_s is not None:
-        headers = {"Retry-After": str(max(1, round(err.retry_after_s)))}
+    if err.retry_after_s is not None:  # rounded up: retrying earlier is refused again
+        headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))}
+    elif err.code is ErrorCode.UNAUTHORIZED:
+        headers = {"WWW-Authenticate": "Bearer"}
     elif err.code in (ErrorCode.OVERLOADED, ErrorCode.NO_WORKER, ErrorCode.UNAVAILABLE):
         headers = {"Retry-After": "1"}
     return error_response(STATUS.get(err.code, 500), err.message, headers)

@@ -21,6 +21,7 @@ from starlette.routing import Route
 from zeroserve.broker import protocol as p
 from zeroserve.broker.client import InferError
 from zeroserve.gateway import simple
+from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.http import MAX_INT, BadRequest, BodyTooLarge, compressed, \
     error_response, header_int, infer_error_response, json_response, read_body, \
     too_large_response
@@ -96,7 +97,7 @@ class SimpleRoutes:
         timeout_ms = header_int(request, "x-timeout-ms")
         return await self.gw.client.infer_tensors(
             request.path_params["name"], tensors, version=version, priority=priority,
-            timeout_ms=float(timeout_ms), outputs=outputs)
+            timeout_ms=float(timeout_ms), outputs=outputs, api_key=api_key_of(request.headers))
 
     async def predict(self, request: Request) -> Response:
         return await self._serve(request, self._predict)

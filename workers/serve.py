@@ -83,6 +83,7 @@ def run(args: Any) -> int:
         "--watch-interval-s", str(args.watch_interval_s),
         "--watch-debounce-ms", str(args.watch_debounce_ms),
         *[a for r in args.import_root or () for a in ("--import-root", r)],
+        *(["--tenants", args.tenants] if args.tenants else []),
         "--model-control-mode", args.model_control_mode,
         *[a for m in args.load_model or () for a in ("--load-model", m)]], own_registry)]
     for i in range(n):

@@ -30,6 +30,7 @@ from zeroserve.broker.server.repoctl import RepositoryControl
 from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.swap import Lifecycle, LifecycleOptions
+from zeroserve.broker.server.tenancy import Tenancy
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class Broker:
                  to_controller: Send, heartbeat_s: float = 0.5, worker_expiry_s: float = 2.0,
                  drain_timeout_s: float = 30.0, latency_model: bool = True,
                  clock: Clock = time.monotonic, ctx: zmq.Context[Any] | None = None,
-                 lifecycle: LifecycleOptions | None = None, admin_token: str = "") -> None:
+                 lifecycle: LifecycleOptions | None = None, admin_token: str = "",
+                 tenants_path: Path | None = None) -> None:
         self.clock = clock
         self.drain_timeout_s = drain_timeout_s
         self._to_client = to_client
@@ -52,9 +54,10 @@ class Broker:
         self.scheduler = Scheduler()
         self.pool = WorkerPool(to_worker, clock, heartbeat_s=heartbeat_s,
                                expiry_s=worker_expiry_s)
+        self.tenancy = Tenancy(tenants_path, self.metrics.registry, clock)  # TenantsError
         self.requests = RequestPath(self.catalog, self.scheduler, self.pool,
                                     LatencyBook(enabled=latency_model), self.metrics, to_client,
-                                    random.Random())
+                                    random.Random(), self.tenancy)
         self.requests.clock = clock
         self.lifecycle = Lifecycle(self.catalog, self.scheduler, self.pool, self.requests,
                                    self.metrics, clock, ctx or zmq.Context.instance(), lifecycle)
@@ -259,6 +262,7 @@ class Broker:
         swapped in two phases), and every worker brought in line with it."""
         self._reload_requested = False
         self.notifier.reloading()
+        self.tenancy.reload_quietly()
         logger.info("reloading the model repository")
         self.lifecycle.reload_repository()
         self.notifier.ready()
@@ -281,6 +285,8 @@ class Broker:
         c.add("register", registrar.register, mutates=True)
         c.add("register_status", registrar.status, mutates=True)
         c.add("unregister", registrar.unregister, mutates=True)
+        c.add("tenants", self.tenancy.describe)
+        c.add("reload_tenants", self.tenancy.reload_verb, mutates=True)
 
     def _model(self, args: dict[str, Any]) -> Any:
         name, version = args.get("model"), args.get("version")
@@ -305,7 +311,7 @@ class Broker:
         return {"workers": [w.describe(now) for w in self.pool.workers.values()],
                 "queues": {m: self.scheduler.depth(m) for m in self.catalog.models},
                 "inflight_batches": len(self.pool.inflight), "stopping": self.stopping,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "tenants": self.tenancy.summary()}
 
     def _models(self, _: dict[str, Any]) -> dict[str, Any]:
         out = {}

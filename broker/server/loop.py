@@ -46,12 +46,13 @@ class Connections:
         self._peer: dict[int, bytes] = {}
         self._fd: dict[bytes, int] = {}
 
-    def note(self, identity: bytes, fd: int) -> list[bytes]:
+    def note(self, identity: bytes, fd: int, fresh: bool = False) -> list[bytes]:
         """Record that ``identity`` speaks on ``fd``; returns peers found gone meanwhile.
-        A new mapping reads the monitor first: a descriptor is reused only after its
-        old connection's DISCONNECTED event was queued, so that event is never taken
-        for the new peer's."""
-        if self._fd.get(identity) == fd:
+        A new mapping, or a peer introducing itself (``fresh``: a worker's READY), reads
+        the monitor first: a descriptor is reused only after its old connection's
+        DISCONNECTED event was queued, so that event is never taken for the new
+        connection's, even when a restarted worker comes back on the same descriptor."""
+        if self._fd.get(identity) == fd and not fresh:
             return []
         gone = self.closed()
         old = self._fd.pop(identity, None)
@@ -177,7 +178,8 @@ class BrokerLoop:
             try:
                 identity = frames[0].bytes
                 if conns is not None and gone is not None:
-                    for peer in conns.note(identity, frames[0].get(zmq.SRCFD)):
+                    fresh = len(frames) > 1 and frames[1].bytes == p.Kind.READY.value
+                    for peer in conns.note(identity, frames[0].get(zmq.SRCFD), fresh):
                         gone(peer)
                 if len(frames) < 2:
                     raise p.ProtocolError("a message without a body")

@@ -16,6 +16,7 @@ from zeroserve.broker import options
 from zeroserve.broker.runtime import BrokerLock, Endpoints, RuntimeDirError, \
     ensure_runtime_dir, exposed_endpoints
 from zeroserve.broker.server.broker import Broker
+from zeroserve.broker.server import tenants
 from zeroserve.broker.server.loop import BrokerLoop
 from zeroserve.broker.server.swap import LifecycleOptions
 
@@ -40,6 +41,7 @@ def build(endpoints: Endpoints, model_dir: Path, args: Any,
                     worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s,
                     latency_model=args.latency_model == "on", ctx=ctx,
                     admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", ""),
+                    tenants_path=Path(args.tenants) if args.tenants else None,
                     lifecycle=LifecycleOptions(
                         watch=args.watch, debounce_s=args.watch_debounce_ms / 1000.0,
                         poll_s=args.watch_interval_s,
@@ -64,6 +66,12 @@ def run(args: argparse.Namespace) -> int:
     if (why := check_timing(args.heartbeat_s, args.worker_expiry_s)) is not None:
         logger.error("%s", why)
         return 2
+    if args.tenants:
+        try:
+            tenants.load(Path(args.tenants))
+        except tenants.TenantsError as exc:
+            logger.error("%s", exc)
+            return 2
     folder = options.runtime_folder(args)
     lock = BrokerLock(folder)
     try:

@@ -25,6 +25,7 @@ from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
+from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ Key = tuple[bytes, str]
 
 
 class Payload:
-    __slots__ = ("client", "request_id", "request", "pinned", "attempts")
+    __slots__ = ("client", "request_id", "request", "pinned", "attempts", "notes")
 
     def __init__(self, client: bytes, request: p.InferRequest, pinned: bool) -> None:
         self.client = client
@@ -41,6 +42,7 @@ class Payload:
         self.request: p.InferRequest | None = request
         self.pinned = pinned
         self.attempts = 0
+        self.notes: dict[str, float] = {}   # the tenant's clamps, for the reply's stats
 
     def release(self) -> None:
         """Answered: let go of the tensor frames. The entry itself may linger in the
@@ -51,8 +53,9 @@ class Payload:
 class RequestPath:
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
                  latency: LatencyBook, metrics: BrokerMetrics, reply: Send,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, tenancy: Tenancy | None = None) -> None:
         self.catalog = catalog
+        self.tenancy = tenancy or Tenancy(None, metrics.registry, lambda: 0.0)
         self.scheduler = scheduler
         self.pool = pool
         self.latency = latency
@@ -92,6 +95,10 @@ class RequestPath:
             self.refuse(client, req.request_id, p.ErrorCode.BAD_INPUT,
                         "a request with this id is already in progress", model=req.model)
             return
+        who = self.tenancy.identify(req)
+        if isinstance(who, Refusal):
+            self.refuse(client, req.request_id, who.code, who.message, model=req.model)
+            return
         model = self.catalog.get(req.model)
         err = admission_error(req, model, self.pool, self.admitting)
         if err is not None:
@@ -104,22 +111,33 @@ class RequestPath:
             self.refuse(client, req.request_id, p.ErrorCode.BAD_INPUT, str(exc),
                         model=req.model)
             return
-        entry = self._entry(client, req, model, samples, now)
-        if entry is None:
+        grant = self.tenancy.admit(who, key, req, samples, now)
+        if isinstance(grant, Refusal):
+            self.refuse(client, req.request_id, grant.code, grant.message, req.model,
+                        grant.retry_after_s)
             return
+        entry = self._entry(client, grant.request, model, samples, now, grant)
+        if entry is None:
+            self.tenancy.release(key)
+            self.tenancy.rejected(grant.tenant, p.ErrorCode.DEADLINE)
+            return
+        entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
+        entry.payload.notes = grant.notes
         self._open[key] = req.model
         self._by_client.setdefault(client, set()).add(req.request_id)
         self._queue(entry)
 
     def _entry(self, client: bytes, req: p.InferRequest, model: CatalogModel, samples: int,
-               now: float) -> Entry | None:
+               now: float, grant: Grant | None = None) -> Entry | None:
         """The queue entry, or None when the deadline cannot be met (refused now)."""
         cfg = model.config
         priority = normalize_priority(req.priority, cfg)
         timeout_ms, deadline = deadline_of(req, cfg, now)
         predict = self.latency.predictor(req.model)
         holders = self.pool.holders(req.model)
-        wait_s = self.scheduler.estimate_wait(req.model, priority, predict, len(holders))
+        wait_s = self.scheduler.estimate_wait(
+            req.model, priority, predict, len(holders), *(
+                (grant.tenant, grant.weight, samples) if grant is not None else ()))
         wait_s += min((self._busy_until(w, now) for w in holders), default=now) - now
         if now + wait_s + predict(samples) > deadline:
             self.refuse(client, req.request_id, p.ErrorCode.DEADLINE,
@@ -191,7 +209,7 @@ class RequestPath:
             self.stats.request_done(rec.model, rec.version, queue_s, now - entry.arrival_s,
                                     result.phases_ms, result.compute_ms)
             stats = {"queue_ms": queue_s * 1000.0, "compute_ms": result.compute_ms,
-                     "batch_size": rec.samples}
+                     "batch_size": rec.samples, **pl.notes}
             self._reply(pl.client, p.encode_reply(
                 p.InferReply(pl.request_id, rec.model, rec.version, rep.tensors, stats)))
             pl.release()
@@ -294,6 +312,7 @@ class RequestPath:
         self.metrics.batch_sent(model.config.name, reason, rec.samples)
         for entry in entries:
             self.metrics.queued(model.config.name, entry.priority, now - entry.arrival_s)
+            self.tenancy.queued(entry.tenant, now - entry.arrival_s)
 
     def _busy_until(self, worker: WorkerState, now: float) -> float:
         def predict(model: str, samples: int) -> float:
@@ -314,6 +333,7 @@ class RequestPath:
         """Mark a request answered; False if it already was (then send nothing)."""
         if self._open.pop(key, None) is None:
             return False
+        self.tenancy.release(key)
         rids = self._by_client.get(key[0])
         if rids is not None:
             rids.discard(key[1])
@@ -327,6 +347,7 @@ class RequestPath:
             return
         self.stats.request_failed(entry.model, entry.version,
                                   max(0.0, self.clock() - entry.arrival_s))
+        self.tenancy.rejected(entry.tenant, code)
         pl: Payload = entry.payload
         self.refuse(pl.client, pl.request_id, code, message, entry.model, retry_after_s)
         pl.release()

@@ -7,7 +7,13 @@ Order within a model's queue:
   1. requests that have waited ``aging_s`` or more, oldest first (the aging bound:
      no request waits behind younger, higher-priority traffic for longer than that);
   2. then strict priority, 1 highest;
-  3. earliest deadline first within a priority, arrival order among equals.
+  3. within a priority, weighted fair queuing over tenants (see :class:`_Level`);
+  4. earliest deadline first within a tenant, arrival order among equals.
+With one tenant (no tenants file) 3 is a no-op: the order is what it was before tenants.
+
+Shedding under overload takes the newest entry of the worst QoS class first
+(``shed_rank``: best_effort before burstable before guaranteed), lowest priority
+within a class.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
 
-QUEUED, TAKEN, GONE = 0, 1, 2
+from zeroserve.broker.server.fairqueue import GONE, QUEUED, TAKEN, FairLevel as _Level
+
+__all__ = ["GONE", "QUEUED", "TAKEN"]
 
 # why a batch left the queue (label of zeroserve_batches_total{reason})
 FULL, IDLE, DELAY, DEADLINE = "full", "idle", "delay_expired", "deadline"
@@ -37,13 +45,17 @@ class Entry:
     payload: Any = None
     seq: int = 0
     state: int = QUEUED
+    tenant: str = ""          # fair share unit within a priority
+    weight: float = 1.0       # the tenant's share
+    shed_rank: int = 0        # QoS class: the highest rank is shed first
 
     def again(self) -> "Entry":
         """A fresh entry for the same request, to queue it again (a retry): the old one
         may still sit in the queue's heaps, and one object in two places would be taken
         twice."""
         return Entry(self.key, self.model, self.priority, self.arrival_s, self.deadline_s,
-                     self.samples, self.version, self.payload)
+                     self.samples, self.version, self.payload, tenant=self.tenant,
+                     weight=self.weight, shed_rank=self.shed_rank)
 
 
 @dataclass(frozen=True)
@@ -74,15 +86,14 @@ Predict = Callable[[int], float]
 def _no_latency(_: int) -> float:
     return 0.0
 
-
 @dataclass
 class _Queue:
     policy: Policy
-    levels: dict[int, list[tuple[float, int, Entry]]] = field(default_factory=dict)
+    levels: dict[int, _Level] = field(default_factory=dict)
     fifo: deque[Entry] = field(default_factory=deque)
-    # per priority: arrival order (the newest is shed first) and queued samples, so that
-    # admission and shedding cost the same at any queue depth
-    arrivals: dict[int, deque[Entry]] = field(default_factory=dict)
+    # per (shed rank, priority): arrival order (the newest is shed first); per priority:
+    # queued samples, so that admission and shedding cost the same at any queue depth
+    arrivals: dict[tuple[int, int], deque[Entry]] = field(default_factory=dict)
     level_samples: dict[int, int] = field(default_factory=dict)
     count: int = 0
     samples: int = 0
@@ -90,9 +101,12 @@ class _Queue:
     def push(self, e: Entry) -> None:
         if len(self.fifo) > 4 * self.count + 1024:
             self._compact()
-        heapq.heappush(self.levels.setdefault(e.priority, []), (e.deadline_s, e.seq, e))
+        level = self.levels.get(e.priority)
+        if level is None:
+            level = self.levels[e.priority] = _Level()
+        level.push(e)
         self.fifo.append(e)
-        self.arrivals.setdefault(e.priority, deque()).append(e)
+        self.arrivals.setdefault((e.shed_rank, e.priority), deque()).append(e)
         self.level_samples[e.priority] = self.level_samples.get(e.priority, 0) + e.samples
         self.count += 1
         self.samples += e.samples
@@ -103,17 +117,16 @@ class _Queue:
         self.fifo = deque(e for e in self.fifo if e.state == QUEUED)
         self.arrivals = {lvl: deque(e for e in d if e.state == QUEUED)
                          for lvl, d in self.arrivals.items()}
-        self.levels = {lvl: [t for t in h if t[2].state == QUEUED]
-                       for lvl, h in self.levels.items()}
-        for heap in self.levels.values():
-            heapq.heapify(heap)
+        for level in self.levels.values():
+            level.compact()
 
     def forget(self, e: Entry) -> None:
         self.count -= 1
         self.samples -= e.samples
         self.level_samples[e.priority] -= e.samples
+        self.levels[e.priority].forget(e)
 
-    def newest(self, level: int) -> Entry | None:
+    def newest(self, level: tuple[int, int]) -> Entry | None:
         arrivals = self.arrivals.get(level)
         while arrivals and arrivals[-1].state != QUEUED:
             arrivals.pop()
@@ -121,8 +134,14 @@ class _Queue:
             arrivals.popleft()
         return arrivals[-1] if arrivals else None
 
-    def samples_at_or_above(self, priority: int) -> int:
-        return sum(n for lvl, n in self.level_samples.items() if lvl <= priority)
+    def samples_at_or_above(self, priority: int, tenant: str | None = None,
+                            weight: float = 1.0, samples: int = 0) -> int:
+        """Queued samples that run before a new request: every higher priority, and at its
+        own, all of it (no tenant named) or what fair queuing serves first."""
+        if tenant is None or priority not in self.levels:
+            return sum(n for lvl, n in self.level_samples.items() if lvl <= priority)
+        return sum(n for lvl, n in self.level_samples.items() if lvl < priority) \
+            + self.levels[priority].ahead(tenant, weight, samples)
 
     def oldest(self) -> Entry | None:
         while self.fifo and self.fifo[0].state != QUEUED:
@@ -140,11 +159,8 @@ class _Queue:
                 aged_ids.add(id(e))
                 yield e
         for level in sorted(self.levels):
-            heap = self.levels[level]
-            while heap and heap[0][2].state != QUEUED:
-                heapq.heappop(heap)
-            for _, _, e in sorted(heap) if len(heap) > 1 else heap:
-                if e.state == QUEUED and id(e) not in aged_ids:
+            for e in self.levels[level].ordered():
+                if id(e) not in aged_ids:
                     yield e
 
 
@@ -192,7 +208,8 @@ class Scheduler:
         shed: list[Entry] = []
         if q.count >= q.policy.max_queue_size:
             victim = self._lowest_newest(q)
-            if victim is None or victim.priority <= entry.priority:
+            if victim is None or (victim.shed_rank, victim.priority) <= \
+                    (entry.shed_rank, entry.priority):
                 entry.state = GONE
                 return [entry]
             self._remove(victim)
@@ -250,12 +267,17 @@ class Scheduler:
         q = self._queues.get(model)
         return next(q.ordered(now), None) if q and q.count else None
 
-    def estimate_wait(self, model: str, priority: int, predict: Predict, workers: int) -> float:
-        """Seconds until work queued at this priority or above has run."""
+    def estimate_wait(self, model: str, priority: int, predict: Predict, workers: int,
+                      tenant: str | None = None, weight: float = 1.0,
+                      samples: int = 0) -> float:
+        """Seconds until the work queued ahead of a new request has run: at this priority
+        or above, or, with ``tenant`` (and the request's ``weight`` and ``samples``), what
+        fair queuing serves before it (a tenant under its share does not wait for the
+        backlog of one over it, and is not refused for it)."""
         q = self._queues.get(model)
         if q is None or not q.count:
             return 0.0
-        ahead = q.samples_at_or_above(priority)
+        ahead = q.samples_at_or_above(priority, tenant, weight, samples)
         cap = q.policy.cap
         full, rest = divmod(ahead, cap)
         # the last batch is a partial one: predicting it at full size refused requests
@@ -316,6 +338,7 @@ class Scheduler:
         for e in batch:
             e.state = TAKEN
             e.version = version
+            q.levels[e.priority].charge(e)
             q.forget(e)
             del self._by_key[e.key]
         for e in doomed:
@@ -364,6 +387,7 @@ class Scheduler:
 
     @staticmethod
     def _lowest_newest(q: _Queue) -> Entry | None:
+        """The newest entry of the worst class, lowest priority within it."""
         for level in sorted(q.arrivals, reverse=True):
             victim = q.newest(level)
             if victim is not None:

@@ -59,7 +59,7 @@ def server() -> Iterator[Server]:
 
 def workers(srv: Server) -> list[dict[str, Any]]:
     with Client(srv.control, timeout_s=5) as c:
-        return [w for w in c.control("status")["workers"] if w["models"]]
+        return [w for w in c.control("status")["workers"] if len(w["models"]) == 2]
 
 
 def answered_by_broker(srv: Server, model: str) -> int:

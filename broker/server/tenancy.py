@@ -1,0 +1,249 @@
+"""The broker's side of tenants: who a request is, whether it may queue, what it is
+counted as. The request path asks :meth:`Tenancy.identify` at the door and
+:meth:`Tenancy.admit` once the request is known to be well formed, and tells
+:meth:`Tenancy.release` when its one answer goes out. Without a tenants file every
+request is the anonymous tenant and nothing is refused here.
+
+Metrics carry a ``tenant`` label bounded to the configured names plus ``anonymous``
+(no tenants file) and ``unknown`` (a key that matched no tenant).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Hashable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from zeroserve.broker import protocol as p
+from zeroserve.broker.server.control import ControlError
+from zeroserve.broker.server.tenants import ANONYMOUS, DEFAULT_QOS, UNKNOWN, Tenant, \
+    TenantsError, TenantSet, TokenBucket, load
+
+logger = logging.getLogger(__name__)
+
+_ANON = Tenant(ANONYMOUS, DEFAULT_QOS["guaranteed"])
+RATE_TAU_S = 10.0   # the observed rate shown by `zeroserve tenants` is averaged over ~this
+_BUCKETS = (.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: p.ErrorCode
+    message: str
+    tenant: str
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What an admitted request runs as."""
+
+    request: p.InferRequest        # priority and timeout clamped
+    tenant: str
+    weight: float
+    shed_rank: int
+    notes: dict[str, float]        # for the reply's stats (what was clamped)
+
+
+class _State:
+    """What the broker counts per tenant; survives reloads by name."""
+
+    __slots__ = ("bucket", "samples", "inflight", "admitted", "rejected", "rate", "stamp")
+
+    def __init__(self) -> None:
+        self.bucket: TokenBucket | None = None
+        self.samples: TokenBucket | None = None
+        self.inflight = 0
+        self.admitted = 0
+        self.rejected: dict[str, int] = {}
+        self.rate = 0.0   # exponentially decayed requests/s
+        self.stamp = 0.0
+
+    def observed_rate(self, now: float) -> float:
+        return self.rate * math.exp(-max(0.0, now - self.stamp) / RATE_TAU_S)
+
+    def count(self, now: float) -> None:
+        self.admitted += 1
+        self.rate = self.observed_rate(now) + 1.0 / RATE_TAU_S
+        self.stamp = now
+
+
+def _bucket(old: TokenBucket | None, rate: float, burst: float, now: float) -> TokenBucket | None:
+    if rate <= 0:
+        return None
+    return old.resized(rate, burst, now) if old is not None else TokenBucket(rate, burst, now)
+
+
+class Tenancy:
+    def __init__(self, path: Path | None, registry: CollectorRegistry,
+                 clock: Callable[[], float]) -> None:
+        self.path = path
+        self.clock = clock
+        self.set = TenantSet()
+        self._state: dict[str, _State] = {}
+        self._open: dict[Hashable, str] = {}        # admitted request key -> tenant
+        ns = "zeroserve"
+        self.m_requests = Counter("tenant_requests", "Requests admitted, by tenant",
+                                  ["tenant"], namespace=ns, registry=registry)
+        self.m_rejected = Counter("tenant_rejections", "Requests refused or dropped, by "
+                                  "tenant and reason", ["tenant", "reason"], namespace=ns,
+                                  registry=registry)
+        self.m_queue = Histogram("tenant_queue_seconds", "Time queued before dispatch, by "
+                                 "tenant", ["tenant"], namespace=ns, registry=registry,
+                                 buckets=_BUCKETS)
+        if path is not None:
+            self._install(load(path))   # a bad file at startup: TenantsError to the caller
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    # -- configuration ---------------------------------------------------------
+    def reload(self) -> dict[str, Any]:
+        """Read the file again; on any error the old tenants stay (TenantsError raised).
+        Requests in flight keep their tenant's name, and so their counts."""
+        if self.path is None:
+            raise TenantsError("the broker runs without a tenants file (--tenants FILE)")
+        self._install(load(self.path))
+        logger.info("tenants reloaded from %s: %d tenant(s)", self.path, len(self.set.tenants))
+        return {"file": str(self.path), "tenants": sorted(self.set.tenants)}
+
+    def reload_quietly(self) -> None:
+        """SIGHUP: a broken file is logged, not fatal."""
+        if self.path is None:
+            return
+        try:
+            self.reload()
+        except TenantsError as exc:
+            logger.error("tenants not reloaded, the old ones stay in force: %s", exc)
+
+    def _install(self, tset: TenantSet) -> None:
+        now = self.clock()
+        for name, t in tset.tenants.items():
+            st = self._state.setdefault(name, _State())
+            st.bucket = _bucket(st.bucket, t.rate, t.burst, now)
+            st.samples = _bucket(st.samples, t.samples_rate, t.samples_burst, now)
+        # tenants that left keep their state only while requests of theirs are open
+        for name in list(self._state):
+            if name not in tset.tenants and not self._state[name].inflight:
+                del self._state[name]
+        self.set = tset
+
+    # -- the door ------------------------------------------------------------
+    def identify(self, req: p.InferRequest) -> Tenant | Refusal:
+        if not self.enabled:
+            return _ANON
+        if not req.api_key:
+            return self._refuse(UNKNOWN, p.ErrorCode.UNAUTHORIZED, "an API key is required "
+                                "(Authorization: Bearer <key>, X-API-Key, or api_key=)")
+        name = self.set.identify(req.api_key)
+        if name is None:
+            return self._refuse(UNKNOWN, p.ErrorCode.UNAUTHORIZED, "unknown API key")
+        return self.set.tenants[name]
+
+    def admit(self, t: Tenant, key: Hashable, req: p.InferRequest, samples: int,
+              now: float) -> Grant | Refusal:
+        """Model allowed, rate and concurrency within limits: then the request holds an
+        in-flight place until :meth:`release`, and its tokens are spent."""
+        if t is _ANON:  # nothing to count against: no tenants file
+            return Grant(req, ANONYMOUS, 1.0, 0, {})
+        if not t.allows(req.model):
+            return self._refuse(t.name, p.ErrorCode.FORBIDDEN,
+                                f"tenant {t.name!r} may not call model {req.model!r}")
+        st = self._state[t.name]
+        if t.max_inflight and st.inflight >= t.max_inflight:
+            return self._refuse(t.name, p.ErrorCode.QUOTA, f"tenant {t.name!r} has "
+                                f"{st.inflight} request(s) in flight, its maximum", 1.0)
+        waits = [b.retry_after(n, now) for b, n in ((st.bucket, 1), (st.samples, samples))
+                 if b is not None]
+        wait = max(waits, default=0.0)
+        if wait > 0:
+            what = "samples" if st.samples is not None and st.samples.retry_after(
+                samples, now) == wait else "requests"
+            if math.isinf(wait):
+                return self._refuse(t.name, p.ErrorCode.QUOTA, f"a request of {samples} "
+                                    f"samples is more than tenant {t.name!r}'s burst", None)
+            return self._refuse(t.name, p.ErrorCode.QUOTA, f"tenant {t.name!r} is over its "
+                                f"{what} rate", wait)
+        for b, n in ((st.bucket, 1), (st.samples, samples)):
+            if b is not None:
+                b.take(n, now)
+        priority, p_clamped = t.clamp_priority(req.priority)
+        timeout_ms, t_clamped = t.clamp_timeout(req.timeout_ms)
+        notes: dict[str, float] = {}
+        if p_clamped:
+            notes["priority_clamped"] = 1
+            notes["priority"] = priority
+        if t_clamped:
+            notes["timeout_clamped"] = 1
+            notes["timeout_ms"] = timeout_ms
+        st.inflight += 1
+        st.count(now)
+        self._open[key] = t.name
+        self.m_requests.labels(t.name).inc()
+        return Grant(dataclasses.replace(req, priority=priority, timeout_ms=timeout_ms),
+                     t.name, t.weight, t.qos.rank, notes)
+
+    def release(self, key: Hashable) -> None:
+        """The request's one answer went out (or it was refused after admission)."""
+        name = self._open.pop(key, None)
+        st = self._state.get(name) if name is not None else None
+        if st is not None:
+            st.inflight -= 1
+            if st.inflight == 0 and name not in self.set.tenants:
+                del self._state[name]
+
+    # -- counting --------------------------------------------------------------
+    def _refuse(self, tenant: str, code: p.ErrorCode, message: str,
+                retry_after_s: float | None = None) -> Refusal:
+        self.rejected(tenant, code)
+        return Refusal(code, message, tenant, retry_after_s)
+
+    def rejected(self, tenant: str, code: p.ErrorCode) -> None:
+        tenant = self._label(tenant)
+        self.m_rejected.labels(tenant, code.value).inc()
+        st = self._state.get(tenant)
+        if st is not None:
+            st.rejected[code.value] = st.rejected.get(code.value, 0) + 1
+
+    def queued(self, tenant: str, queue_s: float) -> None:
+        self.m_queue.labels(self._label(tenant)).observe(queue_s)
+
+    def _label(self, tenant: str) -> str:
+        if not self.enabled:
+            return ANONYMOUS
+        return tenant if tenant in self.set.tenants else UNKNOWN
+
+    # -- the `tenants` verb ------------------------------------------------------
+    def describe(self, _: dict[str, Any] | None = None) -> dict[str, Any]:
+        now = self.clock()
+        out: dict[str, Any] = {}
+        for name, t in sorted(self.set.tenants.items()):
+            st = self._state.get(name) or _State()
+            out[name] = {
+                "qos": t.qos.name, "weight": t.weight, "rate_limit": t.rate,
+                "burst": t.burst, "tokens": st.bucket.available(now) if st.bucket else None,
+                "samples_rate_limit": t.samples_rate,
+                "rate": round(st.observed_rate(now), 3), "inflight": st.inflight,
+                "max_inflight": t.max_inflight, "admitted": st.admitted,
+                "rejected": dict(st.rejected),
+                "models": sorted(t.models) if t.models is not None else "*",
+                "max_timeout_ms": t.max_timeout_ms, "keys": len(t.keys)}
+        return {"enabled": self.enabled, "file": str(self.path) if self.path else None,
+                "tenants": out}
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """For ``status``: per tenant its observed rate, in-flight and rejections."""
+        full = self.describe()["tenants"]
+        return {n: {k: t[k] for k in ("rate", "inflight", "rejected")} for n, t in full.items()}
+
+    def reload_verb(self, _: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self.reload()
+        except TenantsError as exc:
+            raise ControlError("bad_input", str(exc)) from None

@@ -65,6 +65,14 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (TOML): API keys, quotas, QoS classes (none: every "
                         "caller is one anonymous tenant)")
+    p.add_argument("--model-control-mode", choices=["none", "poll", "explicit"],
+                   default="poll",
+                   help="poll: serve every model folder and follow changes (the watcher); "
+                        "none: load all at start, never watch, no load/unload calls; "
+                        "explicit: load only --load-model at start, then load/unload calls")
+    p.add_argument("--load-model", action="append", default=None, metavar="NAME",
+                   help="with --model-control-mode explicit: a model to load at start "
+                        "(repeatable)")
 
 
 def _worker_opts(p: argparse.ArgumentParser) -> None:

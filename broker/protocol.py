@@ -68,6 +68,7 @@ class Kind(bytes, enum.Enum):
     UNLOAD = b"\x16"
     DISCONNECT = b"\x17"   # broker -> worker
     LEAVE = b"\x18"        # worker -> broker
+    LOG_SETTINGS = b"\x19" # broker -> worker
     # control (CLI, gateway metadata and metrics)
     CONTROL = b"\x20"
     CONTROL_REPLY = b"\x21"
@@ -311,6 +312,14 @@ class Leave:
 
 
 @dataclass(frozen=True)
+class LogSettings:
+    """broker -> worker: the logging extension's settings (the keys given change;
+    validated by the broker, applied by the worker with zeroserve.broker.logsettings)."""
+    KIND = Kind.LOG_SETTINGS
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ControlRequest:
     """CLI / gateway -> broker: a control verb. ``token`` is the admin token, needed for
     verbs that change state when the broker has one."""
@@ -355,7 +364,8 @@ def _schema(cls: type) -> list[tuple[str, str, Any, Any]]:
 
 
 MESSAGES = (Cancel, Ping, Pong, WorkerReady, WorkerHeartbeat, BrokerHeartbeat, LoadModel,
-            ModelLoaded, UnloadModel, Disconnect, Leave, ControlRequest, ControlReply)
+            ModelLoaded, UnloadModel, Disconnect, Leave, LogSettings, ControlRequest,
+            ControlReply)
 _SCHEMAS = {cls: _schema(cls) for cls in MESSAGES}
 
 

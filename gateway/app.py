@@ -23,7 +23,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway import metrics, openapi, readiness, routes_simple, v2
 from zeroserve.gateway.classification import classify
-from zeroserve.gateway.logging_ext import LogSettings
+from zeroserve.broker.logsettings import LogSettings
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.http import STATUS, BadRequest, BodyTooLarge, bounded_int, \
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # exactly what this gateway implements; system_shared_memory only when it is on
 EXTENSIONS = ["binary_tensor_data", "schedule_policy", "model_configuration",
-              "classification", "logging"]
+              "classification", "logging", "statistics", "model_repository"]
 
 
 @dataclass
@@ -215,7 +215,10 @@ def create_app(settings: Settings) -> Starlette:
     gw = Gateway(settings)
     m = "/v2/models/{name}"
     mv = "/v2/models/{name}/versions/{version}"
+    from zeroserve.gateway.routes_repo import RepositoryRoutes
+    repository = RepositoryRoutes(gw)
     routes = [
+        *repository.stats_routes(),   # before m: "/v2/models/stats" is no model's metadata
         Route("/v2/health/live", gw.live, methods=["GET"]),
         Route("/v2/health/ready", gw.ready, methods=["GET"]),
         Route("/healthz", gw.live, methods=["GET"]),
@@ -236,6 +239,7 @@ def create_app(settings: Settings) -> Starlette:
     from zeroserve.gateway.routes_ext import Extensions
     routes += Registration(gw).routes()
     routes += Extensions(gw).routes()
+    routes += repository.routes()
     routes.append(openapi.route(routes))
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -76,6 +76,17 @@ LOG_SETTINGS = {"type": "object", "properties": {
     "log_format": {"type": "string", "enum": ["default", "ISO8601"]},
     "log_file": {"type": "string", "description": "read-only: always empty (stderr)"}}}
 SHM = "/v2/systemsharedmemory"
+REPO_INDEX = {"type": "object", "properties": {"ready": {
+    "type": "boolean", "description": "true: only the READY entries"}}}
+REPO_LOAD = {"type": "object", "properties": {"parameters": {
+    "type": "object", "properties": {"config": {
+        "type": "string", "description": "JSON of a config overriding the model's"}},
+    "additionalProperties": {"type": "string", "description": "file:<path>: base64 "
+                             "contents of a file of the model folder (needs config)"}}}}
+REPO_UNLOAD = {"type": "object", "properties": {"parameters": {
+    "type": "object", "properties": {"unload_dependents": {"type": "boolean"}}}}}
+STATS_READ = [200, 400, 404, 503]
+REPO_WRITE = [200, 400, 401, 403, 404, 413, 503]
 SIMPLE_HEADERS = [
     {"name": "X-Priority", "in": "header", "schema": {"type": "integer", "minimum": 0},
      "example": 1},
@@ -140,6 +151,20 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
     ("get", "/v2/logging", "Log settings", [200], None, "application/json"),
     ("post", "/v2/logging", "Change log settings (the keys given)", [200, 400, 401, 403],
      LOG_SETTINGS, "application/json"),
+    ("get", "/v2/models/stats", "Statistics of every served model version (Triton's "
+     "statistics extension)", [200, 503], None, "application/json"),
+    ("get", "/v2/models/{name}/stats", "Statistics of a model's versions", STATS_READ, None,
+     "application/json"),
+    ("get", "/v2/models/{name}/versions/{version}/stats", "Statistics of one version",
+     STATS_READ, None, "application/json"),
+    ("post", "/v2/repository/index", "Repository index: name, version, state (READY, "
+     "UNAVAILABLE, LOADING, UNLOADING) and reason", [200, 400, 413, 503], REPO_INDEX,
+     "application/json"),
+    ("post", "/v2/repository/models/{name}/load", "Load (or reload) a model, optionally "
+     "with a config override and files (--model-control-mode explicit)", REPO_WRITE,
+     REPO_LOAD, None),
+    ("post", "/v2/repository/models/{name}/unload", "Unload a model "
+     "(--model-control-mode explicit)", REPO_WRITE, REPO_UNLOAD, None),
 ]
 
 
@@ -179,7 +204,9 @@ def _operation(method: str, path: str, summary: str, statuses: list[int],
                                                            ANY_JSON)):
             kind = "v2" if body is V2_REQUEST else "seed" if body is SEED_REQUEST else "ts"
             content["example"] = example[1][kind]
-        op["requestBody"] = {"required": True, "content": {"application/json": content}}
+        optional = any(body is b for b in (REPO_INDEX, REPO_LOAD, REPO_UNLOAD))  # Triton's
+        op["requestBody"] = {"required": not optional,
+                             "content": {"application/json": content}}
     return op
 
 

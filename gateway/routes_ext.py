@@ -3,6 +3,7 @@ rule of every state-changing route (gateway/access.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.access import refused
 from zeroserve.gateway.http import BodyTooLarge, BadRequest, error_response, \
     json_response, read_body
-from zeroserve.gateway.logging_ext import SettingsError
+from zeroserve.broker.logsettings import SettingsError
 from zeroserve.gateway.shm import ShmError
 
 if TYPE_CHECKING:
@@ -110,7 +111,11 @@ class Extensions:
         """The broker applies the settings and passes them to its workers; a broker
         without the verb (or down) leaves them to this gateway alone."""
         try:
-            await self.gw.control("logging", settings=update)
+            await asyncio.wait_for(self.gw.admin.control("logging", settings=update),
+                                   self.gw.settings.broker_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("log settings not passed to the broker: no answer within %g s",
+                           self.gw.settings.broker_timeout_s)
         except InferError as exc:
             if exc.code is ErrorCode.BAD_INPUT and "unknown control verb" in exc.message:
                 logger.debug("the broker has no 'logging' verb: settings stay local")

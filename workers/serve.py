@@ -62,6 +62,10 @@ def run(args: Any) -> int:
     except RuntimeDirError as exc:
         logger.error("%s", exc)
         return 2
+    if args.load_model and args.model_control_mode != "explicit":
+        logger.error("--load-model needs --model-control-mode explicit (the other modes "
+                     "load every model folder)")
+        return 2
     model_dir = Path(args.model_dir) if args.model_dir else ensure_examples(cache_dir())
     gpus = count_gpus()
     n = args.workers or max(gpus, 1)
@@ -79,7 +83,9 @@ def run(args: Any) -> int:
         "--watch-interval-s", str(args.watch_interval_s),
         "--watch-debounce-ms", str(args.watch_debounce_ms),
         *[a for r in args.import_root or () for a in ("--import-root", r)],
-        *(["--tenants", args.tenants] if args.tenants else [])], own_registry)]
+        *(["--tenants", args.tenants] if args.tenants else []),
+        "--model-control-mode", args.model_control_mode,
+        *[a for m in args.load_model or () for a in ("--load-model", m)]], own_registry)]
     for i in range(n):
         env = {**own_registry, **({"CUDA_VISIBLE_DEVICES": str(i)} if i < gpus else {})}
         argv = _base(args, "worker") + ["--index", str(i), "--credits", str(args.credits),

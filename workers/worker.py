@@ -29,6 +29,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from zeroserve.broker import protocol as p
+from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
@@ -76,6 +77,7 @@ class Worker:
         self._stop_deadline = float("inf")
         self._exit: int | None = None
         self.notifier = Notifier()
+        self.log_settings = LogSettings()
         self._registered = False  # the broker has heartbeated us since our READY
         self._broker_stopped = False  # it said BROKER_STOPPING and no broker spoke since
         self.memory_tolerance_bytes = memory_tolerance_bytes
@@ -202,9 +204,17 @@ class Worker:
                 self._loads.put(p.decode(p.UnloadModel, header))
             elif kind is p.Kind.DISCONNECT:
                 self._on_disconnect(p.decode(p.Disconnect, header))
+            elif kind is p.Kind.LOG_SETTINGS:
+                self._on_log_settings(p.decode(p.LogSettings, header))
         except (p.ProtocolError, KeyError, ValueError, TypeError) as exc:
             self._bad_log.log(logging.WARNING, "dropped a malformed message from the broker: %s",
                               str(exc)[:300])
+
+    def _on_log_settings(self, msg: p.LogSettings) -> None:
+        try:
+            self.log_settings.apply(msg.settings)
+        except SettingsError as exc:  # the broker validated them: only a newer broker's keys
+            logger.warning("log settings from the broker not applied: %s", exc)
 
     def _on_heartbeat(self, beat: p.BrokerHeartbeat) -> None:
         """The broker sets the pace: we heartbeat as often as it does, and count it lost

@@ -20,11 +20,13 @@ import zmq
 from zeroserve.broker import protocol as p
 from zeroserve.broker.process import Notifier, trim_memory
 from zeroserve.broker.runtime import hostname
-from zeroserve.broker.server.catalog import Catalog
+from zeroserve.broker.server.catalog import Catalog, optional_models
 from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
+from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.repoctl import RepositoryControl
 from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.swap import Lifecycle, LifecycleOptions
@@ -56,10 +58,14 @@ class Broker:
         self.requests = RequestPath(self.catalog, self.scheduler, self.pool,
                                     LatencyBook(enabled=latency_model), self.metrics, to_client,
                                     random.Random(), self.tenancy)
+        self.requests.clock = clock
         self.lifecycle = Lifecycle(self.catalog, self.scheduler, self.pool, self.requests,
                                    self.metrics, clock, ctx or zmq.Context.instance(), lifecycle)
         self.control = ControlTable(admin_token)
         self._add_verbs()
+        self.repository = RepositoryControl(self.lifecycle, self.requests.stats)
+        self.repository.add_verbs(self.control)
+        ExtensionVerbs(self.catalog, self.pool, self.requests.stats).add_verbs(self.control)
         self.notifier = Notifier()
         self.stopping = False
         self._stop_requested = False
@@ -76,6 +82,7 @@ class Broker:
     def load_catalog(self) -> None:
         """At startup: read the repository and hash what it serves (before serving)."""
         self.catalog.rescan()
+        self.repository.prime()   # explicit model control: only what --load-model names
         for name, model in self.catalog.models.items():
             self.scheduler.set_policy(name, model.policy())
         self.lifecycle.prime()
@@ -90,6 +97,7 @@ class Broker:
 
     def close(self) -> None:
         self.lifecycle.close()
+        self.repository.close()
 
     def request_stop(self) -> None:
         """SIGTERM: stop admitting, finish what was accepted, then exit. Only sets flags:
@@ -395,13 +403,14 @@ class Broker:
         for name, m in sorted(self.catalog.models.items()):
             out[name] = {"versions": list(m.versions), "ready": sorted(m.ready),
                          "default_version": m.default_version if m.ready else None,
-                         "platform": m.config.platform,
+                         "platform": m.config.platform, "optional": m.config.optional,
                          "workers": sorted(w.worker_id for w in self.pool.holders(name)),
                          **self.lifecycle.describe(name)}
         errors = dict(self.catalog.errors)
         for name, failure in self.lifecycle.failures.items():
             errors.setdefault(name, failure["error"])
-        return {"models": out, "errors": errors}
+        return {"models": out, "errors": errors,
+                "optional": optional_models(self.catalog, errors)}
 
     def _metadata(self, args: dict[str, Any]) -> dict[str, Any]:
         model = self._model(args)
@@ -409,6 +418,7 @@ class Broker:
         meta["ready"] = bool(model.ready if args.get("version") is None
                              else args["version"] in model.ready)
         meta["max_batch_size"] = model.config.max_batch_size
+        meta["labels"] = model.labels
         return meta
 
     def _metrics(self, _: dict[str, Any]) -> dict[str, Any]:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from zeroserve.broker.protocol import TensorMeta
 from zeroserve.broker.server.scheduler import Policy
-from zeroserve.models.repository import ModelConfig, RepoModel, scan
+from zeroserve.models.repository import ConfigError, ModelConfig, RepoModel, load_config, \
+    load_labels, scan
 
 
 class RequestError(ValueError):
@@ -23,6 +24,7 @@ class CatalogModel:
     path: Path
     versions: tuple[int, ...]          # versions the policy serves
     ready: set[int] = field(default_factory=set)  # versions routable (loaded somewhere)
+    labels: list[str] | None = None    # labels.txt, read once per commit (classification)
 
     @property
     def default_version(self) -> int:
@@ -137,6 +139,7 @@ class Catalog:
                 added.add(name)
             elif old.config != rm.config or old.versions != rm.versions:
                 old.config, old.versions, old.path = rm.config, rm.versions, rm.path
+                old.labels = load_labels(rm.path)
                 old.ready &= set(rm.versions)
                 changed.add(name)
         removed = set(self.models) - set(found)
@@ -146,7 +149,21 @@ class Catalog:
 
     @staticmethod
     def _entry(rm: RepoModel) -> CatalogModel:
-        return CatalogModel(rm.config, rm.path, rm.versions)
+        return CatalogModel(rm.config, rm.path, rm.versions, labels=load_labels(rm.path))
 
     def get(self, name: str) -> CatalogModel | None:
         return self.models.get(name)
+
+
+def optional_models(catalog: Catalog, failed: Iterable[str]) -> list[str]:
+    """Models whose config says ``"optional": true``, including folders whose config
+    parses but whose first load failed (not in the catalog), so strict readiness can
+    exempt them; a config that does not parse is never optional."""
+    names = {n for n, m in catalog.models.items() if m.config.optional}
+    for name in set(failed) - set(catalog.models):
+        try:
+            if load_config(catalog.root / name).optional:
+                names.add(name)
+        except (ConfigError, OSError):
+            pass
+    return sorted(names)

@@ -45,7 +45,9 @@ def build(endpoints: Endpoints, model_dir: Path, args: Any,
                     lifecycle=LifecycleOptions(
                         watch=args.watch, debounce_s=args.watch_debounce_ms / 1000.0,
                         poll_s=args.watch_interval_s,
-                        import_roots=tuple(Path(r) for r in args.import_root or ())))
+                        import_roots=tuple(Path(r) for r in args.import_root or ()),
+                        control_mode=args.model_control_mode,
+                        load_models=tuple(args.load_model or ())))
     return loop, broker
 
 
@@ -56,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
         logger.error("refusing to bind %s: tcp:// beyond loopback needs CurveZMQ keys, which "
                      "this version does not support yet; use ipc:// or a loopback address "
                      "(and an SSH or WireGuard tunnel between hosts)", ", ".join(exposed))
+        return 2
+    if args.load_model and args.model_control_mode != "explicit":
+        logger.error("--load-model needs --model-control-mode explicit (the other modes "
+                     "load every model folder)")
         return 2
     if (why := check_timing(args.heartbeat_s, args.worker_expiry_s)) is not None:
         logger.error("%s", why)

@@ -102,6 +102,7 @@ class WorkerPool:
         self.workers: dict[bytes, WorkerState] = {}
         self.inflight: dict[int, Inflight] = {}
         self._batch_ids = itertools.count(1)
+        self.log_settings: dict[str, Any] = {}   # what /v2/logging changed, for joiners too
 
     # -- membership ---------------------------------------------------------
     def register(self, identity: bytes, ready: p.WorkerReady, now: float) -> WorkerState:
@@ -111,6 +112,8 @@ class WorkerPool:
                                    "memory_budget_bytes": ready.memory_budget_bytes})
         worker.loaded = {(str(m), int(v)) for m, v in ready.models}
         self.workers[identity] = worker
+        if self.log_settings:  # a worker that joins later logs as the others do
+            self._send(identity, p.encode(p.LogSettings(dict(self.log_settings))))
         logger.info("worker %s ready (pid %s, %s, %d credits)", worker.worker_id, ready.pid,
                     ready.device, worker.credits)
         return worker
@@ -224,6 +227,13 @@ class WorkerPool:
     def unload(self, worker: WorkerState, model: str, version: int) -> None:
         worker.loaded.discard((model, version))
         self._send(worker.identity, p.encode(p.UnloadModel(model, version)))
+
+    def set_log_settings(self, update: dict[str, Any]) -> None:
+        """The logging extension's changes, to every worker now and to later joiners."""
+        self.log_settings.update(update)
+        frames = p.encode(p.LogSettings(dict(update)))
+        for worker in self.workers.values():
+            self._send(worker.identity, frames)
 
     def disconnect(self, identity: bytes, reason: p.DisconnectReason,
                    restart: bool = False) -> None:

@@ -194,6 +194,7 @@ class Registrar:
                 # the publish: one rename; the watcher sees MOVED_TO and loads it
                 os.rename(job.temp, self.root / job.config.name)
                 job.state = "published"
+                self.lc.published(job.config.name)
                 logger.info("registered model %s (versions %s) from %s", job.config.name,
                             job.versions, job.source)
                 return
@@ -230,5 +231,6 @@ class Registrar:
         doomed = target.parent / f".deleted-{target.name}-{next(self._ids)}"
         os.rename(target, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+        self.lc.published(name)
         logger.info("unregistered %s", f"{name}/{version}" if version else name)
         return {"deleted": name, "version": version}

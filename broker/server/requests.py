@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from typing import Any, Callable, Sequence
 
 from zeroserve.broker import protocol as p
@@ -23,6 +24,7 @@ from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
+from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class RequestPath:
         self._by_client: dict[bytes, set[str]] = {}
         self._last_used: dict[str, float] = {}
         self.admitting = True                          # False while the broker stops
+        self.stats = ModelStatistics()                 # the statistics extension's figures
+        self.clock: Callable[[], float] = time.monotonic   # the broker's (for fail times)
 
     # -- state --------------------------------------------------------------
     def open_count(self) -> int:
@@ -193,6 +197,8 @@ class RequestPath:
         compute_s = result.compute_ms / 1000.0
         self.latency.observe(rec.model, worker.worker_id, rec.samples, compute_s)
         self.metrics.batch_done(rec.model, rec.samples, compute_s, result.phases_ms)
+        self.stats.batch_done(rec.model, rec.version, rec.samples, result.phases_ms,
+                              result.compute_ms)
         for rep in result.replies:
             entry = rec.entries.pop(rep.request_id, None)
             if entry is None or not self._close(entry.key):
@@ -200,6 +206,8 @@ class RequestPath:
             pl: Payload = entry.payload
             queue_s = rec.sent_s - entry.arrival_s
             self.metrics.request_done(rec.model, rec.version, queue_s, now - entry.arrival_s)
+            self.stats.request_done(rec.model, rec.version, queue_s, now - entry.arrival_s,
+                                    result.phases_ms, result.compute_ms)
             stats = {"queue_ms": queue_s * 1000.0, "compute_ms": result.compute_ms,
                      "batch_size": rec.samples, **pl.notes}
             self._reply(pl.client, p.encode_reply(
@@ -337,6 +345,8 @@ class RequestPath:
                      retry_after_s: float | None = None) -> None:
         if not self._close(entry.key):
             return
+        self.stats.request_failed(entry.model, entry.version,
+                                  max(0.0, self.clock() - entry.arrival_s))
         self.tenancy.rejected(entry.tenant, code)
         pl: Payload = entry.payload
         self.refuse(pl.client, pl.request_id, code, message, entry.model, retry_after_s)

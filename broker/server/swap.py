@@ -30,10 +30,12 @@ from zeroserve.broker.server.registration import Registrar
 from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.models.repository import ConfigError, ModelConfig, RepoModel, load_config, \
-    scan, version_sha256
+    load_labels, scan, version_sha256
 from zeroserve.models.watcher import ALL, RepoWatcher
 
 logger = logging.getLogger(__name__)
+
+Found = tuple[dict[str, RepoModel], dict[str, str]]
 
 # config fields that change what a worker loads; the others apply without a reload
 _RELOAD_FIELDS = ("platform", "inputs", "outputs", "max_batch_size", "warmup")
@@ -46,6 +48,8 @@ class LifecycleOptions:
     poll_s: float = 2.0
     swap_timeout_s: float = 300.0
     import_roots: tuple[Path, ...] = ()
+    control_mode: str = "poll"       # Triton's --model-control-mode: none, poll, explicit
+    load_models: tuple[str, ...] = ()   # explicit: what to load at start
 
 
 @dataclass
@@ -97,6 +101,16 @@ class Lifecycle:
         self.retiring: list[tuple[bytes, str, int]] = []
         self.placement = Placement(self)
         self.registrar = Registrar(self)
+        # what a rescan sees of the repository: explicit model control filters it to the
+        # models asked for and substitutes load overrides (see repoctl.py)
+        self.source: Callable[[Found], Found] = lambda found: found
+        self.published: Callable[[str], None] = self.rescan_one  # registration, no watcher
+
+    def rescan_one(self, name: str) -> None:
+        """A folder registration published or removed: the watcher sees the rename; with
+        the watcher off (model control none or explicit) this is called instead."""
+        if self.watcher is None:
+            self.rescan({name})
 
     # -- setup (Broker.bind / load_catalog / close) -----------------------------
     def prime(self) -> None:
@@ -106,13 +120,17 @@ class Lifecycle:
 
     def start(self, poller: zmq.Poller) -> None:
         self.registrar.clean_leftovers()
+        self.hasher = Hasher(self.ctx)
+        poller.register(self.hasher.results, zmq.POLLIN)
+        if self.opts.control_mode != "poll":  # none, explicit: the repository is not watched
+            logger.info("model control %s: %s is not watched", self.opts.control_mode,
+                        self.root)
+            return
         self.watcher = RepoWatcher(self.root, self.opts.watch, self.opts.debounce_s,
                                    self.opts.poll_s, self.clock)
-        self.hasher = Hasher(self.ctx)
         if self.watcher.inotify is not None:
             # zmq.Poller reports plain descriptors by number, whatever was registered
             poller.register(self.watcher.inotify.fileno(), zmq.POLLIN)
-        poller.register(self.hasher.results, zmq.POLLIN)
         logger.info("watching %s (%s)", self.root, self.opts.watch)
 
     def close(self) -> None:
@@ -155,11 +173,12 @@ class Lifecycle:
     def rescan(self, dirty: set[str]) -> None:
         skip = self.watcher.is_writing if self.watcher is not None else None
         try:
-            found, errors = scan(self.root, skip)
+            found, errors = self.source(scan(self.root, skip))
         except ConfigError as exc:
             logger.error("%s", exc)
             return
-        names = set(found) | set(errors) | set(self.catalog.models) if ALL in dirty \
+        names = set(found) | set(errors) | set(self.catalog.models) | set(self.failures) \
+            if ALL in dirty \
             else dirty - {ALL}
         for folder in sorted(names):
             if folder in self.swaps:
@@ -168,7 +187,7 @@ class Lifecycle:
                 self._hash(found[folder])
             elif folder in errors:
                 self._on_error(folder, errors[folder])
-            elif folder in self.catalog.models:
+            else:  # gone (or, under explicit control, not asked for)
                 self.remove_model(folder, "its folder was removed")
 
     def reload_model(self, name: str, version: int | None) -> dict[str, Any]:
@@ -196,13 +215,19 @@ class Lifecycle:
         """``zeroserve reload``: load these versions afresh on every worker placed for
         the model and swap them in (two phases, as for a change on disk), even when
         their files did not change or failed before. Returns the workers' ids."""
-        found, errors = scan(self.root)
+        found, errors = self.source(scan(self.root))
         if name not in found:
             raise LookupError(errors.get(name, f"model {name!r} is not in the repository"))
+        return self.load_now(found[name], versions)
+
+    def load_now(self, rm: RepoModel, versions: list[int]) -> list[str]:
+        """A fresh load of these versions of ``rm`` on every worker placed for it, swapped
+        in two phases (``reload``, and the repository extension's load)."""
+        name = rm.config.name
         self.failed = {f for f in self.failed if f[0] != name}
         self.forced.setdefault(name, set()).update(versions)
         placed = [w for w in self.pool.workers.values()
-                  if not w.draining and placed_on(found[name].config, w)]
+                  if not w.draining and placed_on(rm.config, w)]
         for w in placed:
             for v in versions:
                 # seen as loading from now on, so a waiting operator sees the outcome
@@ -211,7 +236,7 @@ class Lifecycle:
         if name in self.swaps:
             self.deferred.add(name)
         else:
-            self._hash(found[name])
+            self._hash(rm)
         return [w.worker_id for w in placed]
 
     def _hash(self, rm: RepoModel) -> None:
@@ -393,6 +418,7 @@ class Lifecycle:
             model = self.catalog.models[name] = CatalogModel(rm.config, rm.path, rm.versions)
         else:
             model.config, model.path, model.versions = rm.config, rm.path, rm.versions
+        model.labels = load_labels(rm.path)
         self.scheduler.set_policy(name, model.policy())
         served = set(rm.versions)
         workers = list(self.pool.workers.values())
@@ -478,6 +504,10 @@ class Lifecycle:
                            if any(w.holds(name, v) for w in self.pool.workers.values())}
 
     def remove_model(self, name: str, why: str) -> None:
+        # a folder that never loaded has no catalog entry, but its failure must go too
+        self.failures.pop(name, None)
+        self.pending.pop(name, None)
+        self.catalog.errors.pop(name, None)
         if self.catalog.models.pop(name, None) is None:
             return
         self.requests.fail_queued(name, p.ErrorCode.NOT_FOUND, f"model {name!r} was removed")

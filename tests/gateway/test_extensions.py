@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 from typing import Iterator
 
@@ -19,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from zeroserve.broker import protocol as p
 from zeroserve.gateway.classification import classify
-from tests.conftest import Server, http, linear_config, short_tmpdir, write_model
+from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for, write_model
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,6 +62,7 @@ def test_server_identity_and_honest_extensions(client) -> None:
     assert meta["name"] == "triton" and meta["version"] == "2.99.0"
     assert set(meta["extensions"]) == {"binary_tensor_data", "schedule_policy",
                                        "model_configuration", "classification", "logging",
+                                       "statistics", "model_repository",
                                        "system_shared_memory"}
 
 
@@ -188,3 +190,43 @@ def test_log_settings_read_and_change(client, srv) -> None:
         client.update_log_settings({"log_colour": True})
     back = client.update_log_settings({"log_verbose_level": 0, "log_format": "default"})
     assert back["log_verbose_level"] == 0 and back["log_info"] is True
+
+
+def test_log_settings_reach_the_broker_and_the_workers(client, srv) -> None:
+    client.update_log_settings({"log_format": "ISO8601"})
+    try:
+        write_model(srv.model_dir, "late", 1, "nn.Linear(4, 3)", linear_config("late"))
+        wait_for(lambda: client.is_model_ready("late"), 30, "late to load")
+        iso = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO "
+        log = srv.log()
+        assert re.search(iso + r"worker\d*\[\d+\] \S+: loaded late/1", log), log[-3000:]
+        assert re.search(iso + r"broker\[\d+\] \S+: model late now serves", log), log[-3000:]
+    finally:
+        client.update_log_settings({"log_format": "default"})
+
+
+def test_load_and_unload_are_refused_while_the_repository_is_polled(client) -> None:
+    with pytest.raises(InferenceServerException, match="not allowed with model control "
+                       "mode 'poll'"):
+        client.load_model("linear")
+    with pytest.raises(InferenceServerException, match="not allowed"):
+        client.unload_model("linear")
+    assert {"name": "linear", "version": "1", "state": "READY", "reason": ""} in \
+        client.get_model_repository_index()
+
+
+def test_class_labels_come_from_labels_txt(client, srv) -> None:
+    scratch = short_tmpdir("zslab")
+    write_model(scratch, "labelled", 1, "nn.Linear(4, 3)", linear_config("labelled"))
+    (scratch / "labelled" / "labels.txt").write_text("cat\ndog\nbird\n")
+    (scratch / "labelled").rename(srv.model_dir / "labelled")
+    shutil.rmtree(scratch)
+    wait_for(lambda: client.is_model_ready("labelled"), 30, "labelled to load")
+    out = triton.InferRequestedOutput("output", binary_data=False, class_count=1)
+    got = client.infer("labelled", [linear_input()], outputs=[out]).as_numpy("output")
+    names = ["cat", "dog", "bird"]
+    for row in got:
+        value, index, label = (row[0].decode() if isinstance(row[0], bytes)
+                               else row[0]).split(":")
+        assert label == names[int(index)]
+

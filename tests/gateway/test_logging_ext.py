@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from zeroserve.gateway.logging_ext import LogSettings, SettingsError
+from zeroserve.broker.logsettings import LogSettings, SettingsError
 
 
 def settings() -> tuple[LogSettings, logging.Logger, io.StringIO]:

@@ -47,11 +47,15 @@ def test_served_document_carries_a_ready_model_as_example(api_server):
     assert status == 200, got
 
 
-@pytest.fixture
-def scratch_server():
-    """Its own repository: the fuzzer's DELETEs and registrations change it."""
+@pytest.fixture(params=["poll", "explicit"])
+def scratch_server(request):
+    """Its own repository: the fuzzer's DELETEs and registrations change it. Under
+    explicit model control its loads and unloads reach the broker's loader too."""
     imports = short_tmpdir("zsimp")
-    srv = Server(make_repo(), extra=["--import-root", str(imports)]).wait_ready()
+    extra = ["--import-root", str(imports), "--model-control-mode", request.param]
+    if request.param == "explicit":
+        extra += [a for m in ("linear", "half", "bf16", "upper") for a in ("--load-model", m)]
+    srv = Server(make_repo(), extra=extra).wait_ready()
     yield srv
     srv.stop()
 
@@ -67,6 +71,11 @@ def test_schemathesis_finds_no_500_and_no_undeclared_status(scratch_server, tmp_
            "--no-color", "--report", "junit",
            "--report-dir", str(tmp_path)]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    if "AST constructor recursion depth mismatch" in out.stdout:
+        # CPython 3.11's ast.parse is not thread-safe (python/cpython#106905): hypothesis,
+        # describing a strategy in one of the two workers, can hit it. Not our API: once more
+        out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=150)
     tail = (out.stdout + out.stderr)[-6000:]
     assert out.returncode == 0, tail
     selected = re.search(r"Selected: (\d+)/", out.stdout)

@@ -150,6 +150,20 @@ def test_strict_readiness_waits_for_the_slow_model(repo, tmp_path) -> None:
         with Client(srv.control, timeout_s=5) as c:
             wait_for(lambda: "spare" in c.control("models")["errors"], 30, "spare/2 to fail")
         assert ready(srv)[0] == 200 and client.is_server_ready()
+        # an optional model whose very first load fails does not block either, and a
+        # failed model whose folder is deleted leaves the errors
+        (root / ".tmp-extra").mkdir()
+        (root / ".tmp-extra" / "config.json").write_text(json.dumps(
+            linear_config("extra", optional=True)))
+        os.rename(root / ".tmp-extra", root / "extra")
+        broken_version(root, "extra", 1)
+        with Client(srv.control, timeout_s=5) as c:
+            wait_for(lambda: "extra" in c.control("models")["errors"], 30, "extra to fail")
+            assert "extra" in c.control("models")["optional"]
+            assert ready(srv)[0] == 200
+            shutil.rmtree(root / "spare")
+            wait_for(lambda: "spare" not in c.control("models")["errors"], 30,
+                     "spare's failure to leave with its folder")
         client.close()
     finally:
         srv.stop()

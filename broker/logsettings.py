@@ -1,6 +1,7 @@
 """The logging extension (Triton's ``/v2/logging``) applied to this process's Python
-logging. Self-contained on purpose (stdlib only): the broker and the workers can
-apply the same settings with the same code once they answer a ``logging`` verb.
+logging. Self-contained on purpose (stdlib only): the gateway, the broker (its
+``logging`` verb) and the workers (the broker's LOG_SETTINGS message) apply the same
+settings with the same code.
 
 Python levels are thresholds; Triton's switches are independent (info off, warning
 on is legal), so a filter on the root handlers drops exactly the switched-off levels

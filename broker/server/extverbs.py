@@ -1,0 +1,60 @@
+"""Control verbs of the v2 extensions the broker answers for the gateway: ``stats``
+(statistics, read-only) and ``logging`` (log settings, mutating: the broker applies
+them and passes them to every worker, now and when one joins later)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from zeroserve.broker.logsettings import LogSettings, SettingsError
+from zeroserve.broker.server.catalog import Catalog
+from zeroserve.broker.server.control import ControlError, ControlTable, model_arg
+from zeroserve.broker.server.pool import WorkerPool
+from zeroserve.broker.server.stats import ModelStatistics, memory_usage
+
+logger = logging.getLogger(__name__)
+
+
+class ExtensionVerbs:
+    def __init__(self, catalog: Catalog, pool: WorkerPool, stats: ModelStatistics) -> None:
+        self.catalog = catalog
+        self.pool = pool
+        self.stats = stats
+        self.logs = LogSettings()
+
+    def add_verbs(self, control: ControlTable) -> None:
+        control.add("stats", self.statistics)
+        control.add("logging", self.logging, mutates=True)
+
+    def statistics(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Triton's ``model_stats``: every served version, or one model (one version)."""
+        if args.get("model") is None:
+            names = sorted(self.catalog.models)
+            version = None
+        else:
+            name, version = model_arg(args)
+            model = self.catalog.get(name)
+            if model is None:
+                raise LookupError(f"unknown model {name!r}")
+            if version is not None and version not in model.versions:
+                raise LookupError(f"version {version} of model {name!r} is not served")
+            names = [name]
+        out = []
+        for name in names:
+            model = self.catalog.models[name]
+            versions = [version] if version is not None else list(model.versions)
+            default = model.default_version
+            out += self.stats.render(name, versions, default,
+                                     memory_usage(self.pool.workers.values(), name))
+        return {"model_stats": out}
+
+    def logging(self, args: dict[str, Any]) -> dict[str, Any]:
+        update = args.get("settings") or {}
+        try:
+            current = self.logs.apply(update)
+        except SettingsError as exc:
+            raise ControlError("bad_input", str(exc)) from None
+        self.pool.set_log_settings(dict(update))
+        logger.info("log settings changed: %s", update)
+        return current

@@ -1,0 +1,257 @@
+"""The model repository extension (Triton's ``/v2/repository/...``) and model control
+modes (Triton's ``--model-control-mode``).
+
+``poll`` (the default): the watcher serves every folder and keeps it in line with
+its files; load and unload calls are refused, as Triton does when it polls.
+``none``: every folder is loaded at start, the repository is not watched (SIGHUP and
+``zeroserve reload`` still rescan), load and unload are refused. ``explicit``: only
+the models named by ``--load-model`` are loaded at start; the repository is not
+watched; a load call loads a model (or reloads one already loaded, two-phase, from
+its files as they are now), an unload call unloads it. A load may override the
+config (``parameters.config``) and carry files (``file:<path>`` parameters, written
+to a private folder, never into the repository); the override holds until the next
+load or unload of that model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zeroserve.broker.server.control import ControlError, ControlTable
+from zeroserve.broker.server.stats import ModelStatistics
+from zeroserve.broker.server.swap import Found, Lifecycle
+from zeroserve.models.repository import NAME_RE, ConfigError, RepoModel, list_versions, \
+    parse_config, scan, select_versions
+
+logger = logging.getLogger(__name__)
+
+MODES = ("none", "poll", "explicit")
+
+
+@dataclass
+class LoadJob:
+    token: str
+    model: str
+    started: float   # wall clock, as the lifecycle's failure times
+
+
+def _failed(name: str, why: str) -> ControlError:
+    return ControlError("bad_input", f"failed to load '{name}': {why}")
+
+
+class RepositoryControl:
+    def __init__(self, lifecycle: Lifecycle, stats: ModelStatistics) -> None:
+        self.lc = lifecycle
+        self.stats = stats
+        self.mode = lifecycle.opts.control_mode
+        if self.mode not in MODES:
+            raise ValueError(f"model control mode must be one of {', '.join(MODES)}")
+        self.wanted: set[str] = set(lifecycle.opts.load_models)
+        self.overrides: dict[str, RepoModel] = {}
+        self.unloaded: set[str] = set()
+        self.jobs: dict[str, LoadJob] = {}
+        self._ids = itertools.count(1)
+        self._files: Path | None = None
+        if self.mode == "explicit":
+            lifecycle.source = self.source
+            lifecycle.published = self._published
+
+    def add_verbs(self, control: ControlTable) -> None:
+        control.add("repository_index", self.index)
+        control.add("repository_load", self.load, mutates=True)
+        control.add("repository_load_status", self.load_status, mutates=True)
+        control.add("repository_unload", self.unload, mutates=True)
+
+    # -- what the lifecycle sees -------------------------------------------------
+    def source(self, found: Found) -> Found:
+        models, errors = found
+        models = {n: self.overrides.get(n, rm) for n, rm in models.items() if n in self.wanted}
+        models.update({n: rm for n, rm in self.overrides.items() if n in self.wanted})
+        return models, {n: e for n, e in errors.items() if n in self.wanted and n not in models}
+
+    def prime(self) -> None:
+        """At start, before hashing: explicit control serves only what was asked for."""
+        if self.mode != "explicit":
+            return
+        cat = self.lc.catalog
+        for name in [n for n in cat.models if n not in self.wanted]:
+            del cat.models[name]
+        cat.errors = {n: e for n, e in cat.errors.items() if n in self.wanted}
+        for name in sorted(self.wanted - set(cat.models) - set(cat.errors)):
+            cat.errors[name] = f"--load-model {name}: no such model folder"
+
+    def _published(self, name: str) -> None:
+        """Registration published (or removed) a folder: registering asks for the model."""
+        if (self.lc.root / name).is_dir():
+            self.wanted.add(name)
+        else:
+            self.wanted.discard(name)
+            self.overrides.pop(name, None)
+        self.lc.rescan_one(name)
+
+    def close(self) -> None:
+        if self._files is not None:
+            shutil.rmtree(self._files, ignore_errors=True)
+
+    # -- verbs ----------------------------------------------------------------
+    def _check_mode(self, verb: str) -> None:
+        if self.mode != "explicit":
+            raise ControlError("bad_input", f"explicit model {verb} is not allowed with model "
+                               f"control mode '{self.mode}' (start the broker with "
+                               "--model-control-mode explicit)")
+
+    def load(self, args: dict[str, Any]) -> dict[str, Any]:
+        name = _name(args)
+        self._check_mode("load")
+        rm = self._repo_model(name, args.get("config"), args.get("files") or {})
+        self.wanted.add(name)
+        self.unloaded.discard(name)
+        if args.get("config") is not None or args.get("files"):
+            self.overrides[name] = rm
+        else:
+            self.overrides.pop(name, None)
+        self.stats.forget(name)      # statistics count since load
+        self.lc.catalog.errors.pop(name, None)
+        self.lc.load_now(rm, list(rm.versions))
+        job = LoadJob(str(next(self._ids)), name, time.time())
+        self.jobs[job.token] = job
+        logger.info("model %s: load asked for (versions %s%s)", name, list(rm.versions),
+                    ", config overridden" if name in self.overrides else "")
+        return {"token": job.token, "model": name}
+
+    def _repo_model(self, name: str, config: Any, files: Any) -> RepoModel:
+        if not isinstance(files, dict) or not all(
+                isinstance(k, str) and isinstance(v, bytes) for k, v in files.items()):
+            raise ControlError("bad_input", "'files' must map relative paths to bytes")
+        if files and config is None:
+            raise _failed(name, "file: parameters need a config parameter as well")
+        folder = self.lc.root / name
+        if files:
+            folder = self._write_files(name, files)
+        if config is None:
+            found, errors = scan(self.lc.root)
+            if name not in found:
+                raise _failed(name, errors.get(name, "no such model in the repository"))
+            return found[name]
+        try:
+            raw = json.loads(config) if isinstance(config, str) else config
+            cfg = parse_config(raw, f"config override of {name}", expected_name=name)
+        except (ValueError, ConfigError) as exc:   # JSONDecodeError is a ValueError
+            raise _failed(name, str(exc)) from None
+        if not folder.is_dir():
+            raise _failed(name, "no such model in the repository")
+        versions = select_versions(cfg, list_versions(folder, cfg))
+        if not versions:
+            raise _failed(name, f"no version folder of {folder} holds {cfg.model_file}")
+        return RepoModel(cfg, folder, tuple(versions))
+
+    def _write_files(self, name: str, files: dict[str, bytes]) -> Path:
+        if self._files is None:
+            self._files = Path(tempfile.mkdtemp(prefix="zeroserve-load-"))
+        folder = self._files / f"{name}-{next(self._ids)}"
+        for rel, data in files.items():
+            try:
+                target = (folder / rel).resolve()
+                if folder.resolve() not in target.parents:
+                    raise _failed(name, f"file:{rel} leaves the model folder")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+            except (OSError, ValueError) as exc:   # ValueError: a NUL in the name
+                shutil.rmtree(folder, ignore_errors=True)
+                raise _failed(name, f"file:{rel} cannot be written: {exc}") from None
+        return folder
+
+    def load_status(self, args: dict[str, Any]) -> dict[str, Any]:
+        job = self.jobs.get(str(args.get("token")))
+        if job is None:
+            raise ControlError("not_found", f"no load {args.get('token')!r}")
+        state, error = self._outcome(job)
+        if state != "loading":
+            del self.jobs[job.token]   # reported once; the gateway asks until it ends
+        return {"state": state, "model": job.model,
+                "error": f"failed to load '{job.model}': {error}" if error else ""}
+
+    def _outcome(self, job: LoadJob) -> tuple[str, str]:
+        lc, name = self.lc, job.model
+        if name in lc.pending or name in lc.swaps or name in lc.deferred:
+            return "loading", ""
+        failure = lc.failures.get(name)
+        if failure is not None and failure["time"] >= job.started:
+            return "failed", str(failure["error"])
+        if name in lc.catalog.errors:
+            return "failed", lc.catalog.errors[name]
+        model = lc.catalog.get(name)
+        if model is None:
+            return "failed", "it left the repository while loading"
+        workers = list(lc.pool.workers.values())
+        if any(m == name for w in workers for m, _ in w.loading):
+            return "loading", ""
+        if model.ready:
+            return "ready", ""
+        errors = [f"{w.worker_id}: {e}" for w in workers for k, e in w.load_errors.items()
+                  if k.startswith(name + "/")]
+        return "failed", "; ".join(errors) or "no live worker holds it"
+
+    def unload(self, args: dict[str, Any]) -> dict[str, Any]:
+        name = _name(args)
+        self._check_mode("unload")
+        self.wanted.discard(name)
+        self.overrides.pop(name, None)
+        was = name in self.lc.catalog.models
+        self.lc.remove_model(name, "unloaded by the operator")
+        self.stats.forget(name)
+        self.unloaded.add(name)
+        return {"model": name, "unloaded": was}
+
+    def index(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+        ready_only = args.get("ready") is True
+        try:
+            found, errors = scan(self.lc.root)
+        except ConfigError:
+            found, errors = {}, {}
+        lc = self.lc
+        names = set(found) | set(errors) | set(lc.catalog.models) | set(self.overrides)
+        out: list[dict[str, Any]] = []
+        for name in sorted(names):
+            out += self._entries(name, found.get(name), errors.get(name))
+        return [e for e in out if e["state"] == "READY"] if ready_only else out
+
+    def _entries(self, name: str, rm: RepoModel | None, error: str | None
+                 ) -> list[dict[str, Any]]:
+        lc = self.lc
+        model = lc.catalog.get(name)
+        busy = name in lc.pending or name in lc.swaps or name in lc.deferred
+        workers = list(lc.pool.workers.values())
+        if model is None:
+            failure = lc.failures.get(name)
+            reason = (lc.catalog.errors.get(name) or (failure or {}).get("error") or error
+                      or ("unloaded" if name in self.unloaded else "not loaded"))
+            versions = [str(v) for v in rm.versions] if rm is not None else [""]
+            return [{"name": name, "version": v, "state": "LOADING" if busy else "UNAVAILABLE",
+                     "reason": "" if busy else str(reason)} for v in versions]
+        out = []
+        for v in sorted(model.versions):
+            loading = busy or any((name, v) in w.loading for w in workers)
+            state = "READY" if v in model.ready else "LOADING" if loading else "UNAVAILABLE"
+            reason = "" if state != "UNAVAILABLE" else "; ".join(
+                e for w in workers for k, e in w.load_errors.items() if k == f"{name}/{v}"
+            ) or "no live worker holds it"
+            out.append({"name": name, "version": str(v), "state": state, "reason": reason})
+        for v in sorted({v for _, n, v in lc.retiring if n == name} - set(model.versions)):
+            out.append({"name": name, "version": str(v), "state": "UNLOADING", "reason": ""})
+        return out
+
+
+def _name(args: dict[str, Any]) -> str:
+    name = args.get("model")
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ControlError("bad_input", "'model' must name a model")
+    return name

@@ -190,7 +190,8 @@ class Gateway:
                 tensors = await self._classify(reply.model, reply.version, tensors,
                                                req.classified)
             body, json_len = v2.encode_response(reply.model, reply.version, req.id,
-                                                tensors, req, self.shm.write)
+                                                tensors, req, self.shm.write,
+                                                clamped(reply.stats))
         except InferError as exc:
             return infer_error_response(exc)
         except v2.DecodeError as exc:
@@ -209,6 +210,17 @@ class Gateway:
         labels = meta.get("labels")
         return [classify(t, counts[t.meta.name], batched, labels)
                 if t.meta.name in counts else t for t in tensors]
+
+
+def clamped(stats: dict[str, float]) -> dict[str, Any] | None:
+    """What the broker changed of the request (a tenant's class caps its priority and
+    timeout), said in the response's parameters as the effective values."""
+    out: dict[str, Any] = {}
+    if stats.get("priority_clamped"):
+        out.update(priority_clamped=True, priority=int(stats.get("priority", 0)))
+    if stats.get("timeout_clamped"):
+        out.update(timeout_clamped=True, timeout=int(stats.get("timeout_ms", 0) * 1000))
+    return out or None
 
 
 def create_app(settings: Settings) -> Starlette:

@@ -244,9 +244,11 @@ def _json_data(t: p.Tensor) -> Any:
 
 def encode_response(model: str, version: int, request_id: str | None,
                     tensors: Sequence[p.Tensor], req: V2Request,
-                    shm: ShmWriter | None = None) -> tuple[bytes, int | None]:
+                    shm: ShmWriter | None = None,
+                    parameters: dict[str, Any] | None = None) -> tuple[bytes, int | None]:
     """Returns (body, json header length or None when the body is all JSON). Outputs
-    placed in shared memory are written through ``shm`` and carry no data."""
+    placed in shared memory are written through ``shm`` and carry no data.
+    ``parameters`` become the response's own (what the server changed, say)."""
     binary_for = {o.name: o.binary for o in req.outputs} if req.outputs is not None else {}
     places = {o.name: o.shm for o in req.outputs or () if o.shm is not None}
     outs, blobs = [], []
@@ -274,6 +276,8 @@ def encode_response(model: str, version: int, request_id: str | None,
     doc: dict[str, Any] = {"model_name": model, "model_version": str(version), "outputs": outs}
     if request_id is not None:
         doc["id"] = request_id
+    if parameters:
+        doc["parameters"] = parameters
     head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return head, None

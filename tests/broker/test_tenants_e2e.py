@@ -134,6 +134,15 @@ def test_priority_and_timeout_above_the_class_are_clamped_and_said(world: World)
     assert res.stats["timeout_clamped"] == 1 and res.stats["timeout_ms"] == 2000
     with Client(world.server.frontend, api_key=world.keys["alice"]) as c:
         assert "priority_clamped" not in c.infer("linear", X, priority=1).stats
+    body = json.dumps({**json.loads(BODY), "parameters": {"priority": 1,
+                                                          "timeout": 60_000_000}}).encode()
+    code, _, got = http("POST", f"{world.server.url}/v2/models/linear/infer", body,
+                        {"X-API-Key": world.keys["bob"]})
+    assert code == 200 and json.loads(got)["parameters"] == {
+        "priority_clamped": True, "priority": 2, "timeout_clamped": True, "timeout": 2_000_000}
+    code, _, got = http("POST", f"{world.server.url}/v2/models/linear/infer", BODY,
+                        {"X-API-Key": world.keys["alice"]})
+    assert code == 200 and "parameters" not in json.loads(got)
 
 
 def test_tenants_verb_cli_and_metrics_show_each_tenant(world: World) -> None:

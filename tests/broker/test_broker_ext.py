@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,13 +16,12 @@ import zmq
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.client import Client, InferError
-from zeroserve.broker.runtime import Endpoints
 from zeroserve.broker.server.broker import Broker
-from zeroserve.broker.server.loop import BrokerLoop
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.swap import LifecycleOptions
 from zeroserve.models.repository import version_sha256
 from tests.broker.test_lifecycle import OPEN, FakeWorker, broker, control, write_version
+from tests.broker.running import broker_in_thread
 from tests.conftest import linear_config, short_tmpdir, wait_for
 
 __all__ = ["broker"]  # the fixture, shared with test_lifecycle
@@ -113,32 +111,16 @@ def test_statistics_count_samples_batches_and_phases() -> None:
 @pytest.fixture
 def explicit() -> Iterator[tuple[Broker, Path, zmq.Context[Any]]]:
     """A broker under explicit model control: ``m`` loaded at start, ``n`` only there."""
-    repo, rt = short_tmpdir("zsrepo"), short_tmpdir("zsrt")
+    repo = short_tmpdir("zsrepo")
     for name in ("m", "n"):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.pt").write_bytes(f"weights of {name}".encode())
         (repo / name / "config.json").write_text(json.dumps(linear_config(name)))
-    ctx: zmq.Context[Any] = zmq.Context()
-    endpoints = Endpoints.in_dir(rt)
-    loop = BrokerLoop(endpoints, ctx)
-    b = Broker(repo, to_client=loop.to_client, to_worker=loop.to_worker,
-               to_controller=loop.to_controller, worker_expiry_s=60, ctx=ctx,
-               lifecycle=LifecycleOptions(control_mode="explicit", load_models=("m",)))
-    b.endpoints = endpoints  # type: ignore[attr-defined]  # for the tests' sockets
-    b.load_catalog()
-    b.start(loop.poller)
-    thread = threading.Thread(target=loop.run, args=(b,), daemon=True)
-    thread.start()
-    yield b, repo, ctx
-    while OPEN:
-        OPEN.pop().close(linger=0)
-    b.request_stop()
-    thread.join(10)
-    b.close()
-    loop.close(0)
-    ctx.destroy(linger=0)
+    with broker_in_thread(repo, LifecycleOptions(control_mode="explicit", load_models=("m",))) as (b, ctx):
+        yield b, repo, ctx
+        while OPEN:
+            OPEN.pop().close(linger=0)
     shutil.rmtree(repo, ignore_errors=True)
-    shutil.rmtree(rt, ignore_errors=True)
 
 
 def outcome(b: Broker, token: str) -> dict[str, Any]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,11 +16,10 @@ import zmq
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.client import Client
-from zeroserve.broker.runtime import Endpoints
 from zeroserve.broker.server.broker import Broker
-from zeroserve.broker.server.loop import BrokerLoop
 from zeroserve.broker.server.swap import LifecycleOptions
 from zeroserve.models.repository import version_sha256
+from tests.broker.running import broker_in_thread
 from tests.conftest import linear_config, short_tmpdir
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,30 +63,14 @@ def write_version(repo: Path, version: int, publish: bool = True) -> None:
 
 @pytest.fixture
 def broker() -> Iterator[tuple[Broker, Path, zmq.Context[Any]]]:
-    repo, rt = short_tmpdir("zsrepo"), short_tmpdir("zsrt")
+    repo = short_tmpdir("zsrepo")
     write_version(repo, 1, publish=False)
     (repo / "m" / "config.json").write_text(json.dumps(linear_config("m")))
-    ctx: zmq.Context[Any] = zmq.Context()
-    endpoints = Endpoints.in_dir(rt)
-    loop = BrokerLoop(endpoints, ctx)
-    b = Broker(repo, to_client=loop.to_client, to_worker=loop.to_worker,
-               to_controller=loop.to_controller, worker_expiry_s=60, ctx=ctx,
-               lifecycle=LifecycleOptions(debounce_s=0.05))
-    b.endpoints = endpoints  # type: ignore[attr-defined]  # for the tests' sockets
-    b.load_catalog()
-    b.start(loop.poller)
-    thread = threading.Thread(target=loop.run, args=(b,), daemon=True)
-    thread.start()
-    yield b, repo, ctx
-    while OPEN:
-        OPEN.pop().close(linger=0)
-    b.request_stop()
-    thread.join(10)
-    b.close()
-    loop.close(0)
-    ctx.destroy(linger=0)
+    with broker_in_thread(repo, LifecycleOptions(debounce_s=0.05)) as (b, ctx):
+        yield b, repo, ctx
+        while OPEN:
+            OPEN.pop().close(linger=0)
     shutil.rmtree(repo, ignore_errors=True)
-    shutil.rmtree(rt, ignore_errors=True)
 
 
 def control(b: Broker, verb: str) -> Any:

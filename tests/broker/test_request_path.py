@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.catalog import Catalog, CatalogModel

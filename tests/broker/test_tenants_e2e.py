@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import threading
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np

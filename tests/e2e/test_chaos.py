@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np

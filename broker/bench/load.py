@@ -18,7 +18,9 @@ from zeroserve.broker.client import AsyncClient, InferError
 
 # http-raw POSTs a body file as is: for measuring a peer server (TorchServe's
 # /predictions/NAME) with the same generator, in the same run
-TRANSPORTS = ("http-json", "http-binary", "direct", "http-raw")
+# ping: the broker's ping verb over the direct client, answered by the broker alone: the
+# messaging floor beside which the direct client's figures are read
+TRANSPORTS = ("http-json", "http-binary", "direct", "http-raw", "ping")
 
 
 @dataclass
@@ -151,6 +153,7 @@ class DirectSender:
         self.endpoint = plan.endpoint
         self.opts = plan.options
         self.tensors = bi.tensors(plan.inputs)
+        self.ping = plan.transport == "ping"
         self.client: AsyncClient | None = None
 
     async def start(self) -> None:
@@ -166,6 +169,9 @@ class DirectSender:
         assert self.client is not None
         o = self.opts
         try:
+            if self.ping:
+                await self.client.control("ping")
+                return None, None
             reply = await self.client.infer_tensors(o.model, self.tensors, version=o.version,
                                                     priority=o.priority, timeout_ms=o.timeout_ms)
         except InferError as exc:
@@ -181,7 +187,7 @@ Sender = HttpSender | DirectSender
 
 
 def make_sender(plan: Plan) -> Sender:
-    return DirectSender(plan) if plan.transport == "direct" else HttpSender(plan)
+    return DirectSender(plan) if plan.transport in ("direct", "ping") else HttpSender(plan)
 
 
 class Recorder:

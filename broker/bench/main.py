@@ -148,7 +148,7 @@ def _read_trace(path: Path) -> list[float]:
 def fetch_metadata(transport: str, args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     """The model's metadata over the transport's own path (so it also checks the server
     is there): GET /v2/models/{m} or the broker's ``metadata`` control verb."""
-    if transport == "direct":
+    if transport in ("direct", "ping"):
         return asyncio.run(_direct_metadata(endpoint, args.model, args.model_version))
     version = f"/versions/{args.model_version}" if args.model_version is not None else ""
     url = f"{args.url.rstrip('/')}/v2/models/{args.model}{version}"

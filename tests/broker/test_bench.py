@@ -152,6 +152,18 @@ def test_unreachable_server_exits_3_and_usage_errors_exit_2(tmp_path: Path) -> N
     gone.rmdir()
 
 
+def test_ping_is_answered_by_the_broker_alone(server: Server, tmp_path: Path) -> None:
+    out = bench(*targets(server), *SHORT, "--transport", "ping", "--concurrency", "4",
+                "--json", str(tmp_path / "p.json"))
+    assert out.returncode == 0, out.stderr
+    row = levels(tmp_path / "p.json")[0]
+    check_counts(row)
+    assert row["errors"] == {} and row["server_source"] == "unavailable"
+    gone = bench("-m", "linear", "--transport", "ping", "--runtime-dir",
+                 str(tmp_path / "none"), *SHORT)
+    assert gone.returncode == 3 and "unreachable" in gone.stderr
+
+
 class _PeerServer:
     """A real HTTP server on loopback that stands for a peer (TorchServe): it records
     each POST's path and body and answers 200 to /predictions/ok, 503 otherwise."""

@@ -113,8 +113,10 @@ def parser() -> argparse.ArgumentParser:
     _gateway_opts(p)
     p.add_argument("--workers", type=int, default=0,
                    help="worker processes (default: one per GPU, else 1)")
-    p.add_argument("--http-workers", type=int, default=1,
-                   help="gateway processes sharing the HTTP port (one core each at most)")
+    p.add_argument("--http-workers", type=int, default=0,
+                   help="gateway processes sharing the HTTP port (one core each at most; "
+                        "default: one per 4 cores, at most 8, and 1 with "
+                        "--allow-shared-memory)")
 
     p = sub.add_parser("broker", help="run the broker")
     _common(p)

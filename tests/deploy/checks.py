@@ -74,6 +74,8 @@ def _runtime_dir(name: str, parsed: list[tuple[dict[str, Any], Any]],
     problems = []
     for c, _ in parsed:
         m = covering_mount(c, folder)
+        if m is None and len(parsed) == 1:
+            continue  # `serve` alone: its own filesystem will do, nobody shares it
         if m is None:
             problems.append(f"{name}: {c['name']} mounts no volume holding {folder}")
         elif "emptyDir" not in volumes.get(m["name"], {}):

@@ -43,7 +43,7 @@ class Pod:
             if path == mp or path.startswith(mp + "/"):
                 base = self.volumes[m["name"]] / m.get("subPath", "")
                 return str(base) + path[len(mp):]
-        return path
+        return str(self.root / "rootfs") + path  # the container's own filesystem
 
     def argv(self, container: dict[str, Any]) -> list[str]:
         out = []

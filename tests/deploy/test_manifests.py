@@ -141,6 +141,9 @@ def test_autoscalers_read_series_the_broker_exports() -> None:
     exported = broker_series()
     rules = yaml.safe_load((DEPLOY / "k8s/prometheus-adapter/rules.yaml").read_text())["rules"]
     (rule,) = rules
+    # per pod: without the adapter's matchers and grouping every pod would read the sum
+    assert "<<.LabelMatchers>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
+    assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
     used = series_in(rule["seriesQuery"]) | series_in(rule["metricsQuery"])
     scaled = one(docs_of("k8s/overlays/keda/scaledobject.yaml"), "ScaledObject")
     (trigger,) = scaled["spec"]["triggers"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -146,7 +147,7 @@ def run_pod() -> Iterator[Any]:
     for pod in pods:
         pod.reap()
     for root in roots:
-        subprocess.run(["rm", "-rf", str(root)], check=False)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def pod_spec(relpath: str) -> dict[str, Any]:

@@ -13,7 +13,8 @@ the simulation drive it with a clock of their own. The signals, over sliding win
 
 The decision tree, first match wins::
 
-    1  serving + loading < min                      up    below_min
+    1  serving + loading < min                      up    below_min  (5d's holds
+                                                          when no worker can take it)
     2  serving > max                                down  above_max
     3  a replica is loading                         hold  loading
     4  less than window_s observed since a change   hold  warming_up
@@ -22,7 +23,7 @@ The decision tree, first match wins::
        5b utilization < low_utilization             hold  queue_not_busy  (the wait is
           not for capacity: max_queue_delay, a version held by few; more replicas idle)
        5c within up_cooldown_s of the last up       hold  cooldown
-       5d no worker has memory for one more         hold  no_memory
+       5d no worker may take one more               hold  no_memory | no_worker
        5e                                           up    queue_time | queue_depth
     6  serving > min, down_window_s observed, utilization < low_utilization and queue
        time < SLO / 2:
@@ -45,6 +46,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 UP, DOWN, HOLD = "up", "down", "hold"
+
+# why no worker can take one more replica: (reason, detail), e.g. ("no_memory", "worker
+# h/1 (cuda:1) has 1.2 GB of its 8.0 GB budget free: 0.8 GB short"), or None: one can
+Room = Callable[[], "tuple[str, str] | None"]
 
 
 @dataclass(frozen=True)
@@ -213,7 +218,7 @@ class Controller:
 
     # -- deciding -----------------------------------------------------------
     def decide(self, model: str, now: float, serving: int, loading: int,
-               room: Callable[[], str | None]) -> Decision:
+               room: Room) -> Decision:
         """One step of the tree (see the module's docstring). ``room()`` says why no
         worker can take one more replica, or None when one can; it is asked only when
         the tree gets that far."""
@@ -226,7 +231,7 @@ class Controller:
 
         if serving + loading < pol.min_replicas:
             why = room()
-            return out(UP, "below_min") if why is None else out(HOLD, "no_memory", why)
+            return out(UP, "below_min") if why is None else out(HOLD, *why)
         if pol.max_replicas and serving > pol.max_replicas:
             return out(DOWN, "above_max")
         if loading:
@@ -252,7 +257,7 @@ class Controller:
 
     @staticmethod
     def _pressure(m: _Model, now: float, serving: int, sig: Signals,
-                  room: Callable[[], str | None], out: Callable[..., Decision],
+                  room: Room, out: Callable[..., Decision],
                   reason: str) -> Decision:
         pol = m.policy
         if pol.max_replicas and serving >= pol.max_replicas:
@@ -262,9 +267,7 @@ class Controller:
         if now < m.last_up_s + pol.up_cooldown_s:
             return out(HOLD, "cooldown")
         why = room()
-        if why is not None:
-            return out(HOLD, "no_memory", why)
-        return out(UP, reason)
+        return out(UP, reason) if why is None else out(HOLD, *why)
 
     def applied(self, model: str, now: float, action: str) -> None:
         """A change was made: the cool-downs start and the windows restart from now."""

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 REFUSED_RETRY_S = 30.0      # a worker whose load failed is not asked again before this
 HISTORY = 20                # decisions kept per model for ``zeroserve status``
-_QUIET = {"steady", "warming_up", "loading"}   # holds logged at debug level only
+_QUIET = {"steady", "warming_up", "loading", "no_worker"}   # holds logged at debug level only
 
 
 def policy_of(cfg: ModelConfig) -> ScalePolicy | None:
@@ -196,7 +196,8 @@ class Replicas:
         self.metrics.scale_queue.labels(name).set(sig.queue_s)
         self.metrics.scale_utilization.labels(name).set(sig.utilization)
 
-    def _room(self, name: str, now: float) -> tuple[WorkerState | None, str | None]:
+    def _room(self, name: str, now: float
+              ) -> tuple[WorkerState | None, tuple[str, str] | None]:
         """The worker to take one more replica, or why none can."""
         model = self.lc.catalog.models[name]
         taken = set(self.assigned.get(name, ()))
@@ -205,7 +206,7 @@ class Replicas:
                       and self._default_placed(model.config, w)
                       and self.refused.get((w.identity, name), 0.0) <= now]
         if not candidates:
-            return None, "no other worker may hold it"
+            return None, ("no_worker", "no other worker may hold it")
         fits, why = [], []
         for w in candidates:
             refusals = [r for v in model.versions
@@ -216,7 +217,7 @@ class Replicas:
                 fits.append(w)
         if not fits:
             more = f" (and {len(why) - 2} more)" if len(why) > 2 else ""
-            return None, "; ".join(why[:2]) + more
+            return None, ("no_memory", "; ".join(why[:2]) + more)
         place = self.lc.placement
         return min(fits, key=lambda w: (len(w.loaded), place.used(w), len(w.inflight))), None
 

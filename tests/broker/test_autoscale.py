@@ -31,7 +31,7 @@ class Sim:
             self.c.observe("m", self.now, sample)
 
     def decide(self, serving: int, loading: int = 0,
-               room: Callable[[], str | None] = lambda: None) -> Decision:
+               room: Callable[[], tuple[str, str] | None] = lambda: None) -> Decision:
         return self.c.decide("m", self.now, serving, loading, room)
 
     def apply(self, d: Decision) -> Decision:
@@ -56,9 +56,9 @@ def test_below_min_scales_up_at_once_without_a_window() -> None:
 
 def test_below_min_without_room_says_why() -> None:
     s = Sim(ScalePolicy(min_replicas=2))
-    d = s.decide(serving=1, room=lambda: "worker w/1 (cpu) lacks 10.0 MB")
-    assert (d.action, d.reason, d.detail) == (HOLD, "no_memory",
-                                             "worker w/1 (cpu) lacks 10.0 MB")
+    d = s.decide(serving=1, room=lambda: ("no_worker", "no other worker may hold it"))
+    assert (d.action, d.reason, d.detail) == (HOLD, "no_worker",
+                                             "no other worker may hold it")
 
 
 def test_above_max_scales_down() -> None:
@@ -116,7 +116,7 @@ def test_queue_without_busy_replicas_is_not_a_capacity_problem() -> None:
 def test_no_memory_holds_with_the_placement_message() -> None:
     s = Sim()
     s.run(2.5, hot(1))
-    d = s.decide(serving=1, room=lambda: "cuda:0 lacks 512.0 MB")
+    d = s.decide(serving=1, room=lambda: ("no_memory", "cuda:0 lacks 512.0 MB"))
     assert (d.action, d.reason, d.detail) == (HOLD, "no_memory", "cuda:0 lacks 512.0 MB")
 
 

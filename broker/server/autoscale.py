@@ -11,36 +11,49 @@ the simulation drive it with a clock of their own. The signals, over sliding win
   ``window_s`` (for scaling up) and ``down_window_s`` (for scaling down);
 - arrival rate over ``window_s``, and its trend (the later half against the earlier).
 
+With the broker's latency model for the model (``latency(b) = a + c*b``), a replica's
+capacity at full batches is ``max_batch / latency(max_batch)``; the demand is the
+arrival rate plus the backlog drained over a window, and the replicas it needs
+``ceil(demand / (capacity * high_utilization))``. That sets how many replicas one step
+adds (at least one) and which removals would overload the rest; without a latency
+model yet, one at a time and the measured utilization stand in.
+
 The decision tree, first match wins::
 
     1  serving + loading < min                      up    below_min  (5d's holds
                                                           when no worker can take it)
     2  serving > max                                down  above_max
     3  a replica is loading                         hold  loading
-    4  less than window_s observed since a change   hold  warming_up
+    4  less than window_s observed yet              hold  warming_up
     5  queue time > SLO (or depth per replica over its threshold, when set):
        5a serving >= max                            hold  at_max
        5b utilization < low_utilization             hold  queue_not_busy  (the wait is
           not for capacity: max_queue_delay, a version held by few; more replicas idle)
        5c within up_cooldown_s of the last up       hold  cooldown
-       5d no worker may take one more               hold  no_memory | no_worker
-       5e                                           up    queue_time | queue_depth
-    6  serving > min, down_window_s observed, utilization < low_utilization and queue
-       time < SLO / 2:
-       6a utilization * n / (n - 1) >= high_util.  hold  would_overload
+       5d enough replicas by the latency model, and   hold  draining
+          the backlog smaller than a window ago
+       5e no worker may take one more               hold  no_memory | no_worker
+       5f                                           up    queue_time | queue_depth
+                                                          (by the replicas needed)
+    6  serving > min, down_window_s since the last change, queue time < SLO / 2, and the replicas
+       are underused: utilization < low_utilization, or the needed replicas (with a
+       latency model) fewer than serving:
+       6a the rest would pass the thresholds' midpoint  hold  would_overload
        6b arrivals rising (later half > 1.5x)       hold  arrivals_rising
        6c within down_cooldown_s of any change      hold  cooldown
-       6d                                           down  low_utilization
+       6d                                           down  low_utilization (half the
+                                                          excess, at least one)
     7                                               hold  steady
 
-Hysteresis: up above the SLO, down only below half of it, and only if the replicas
-left stay under ``high_utilization``; every change restarts the windows, so the next
-decision sees only what happened with the new replica count. Cool-downs bound how
-often each direction may act.
+Hysteresis: up above the SLO, down only below half of it, and only while the replicas
+left stay under the midpoint of the utilization thresholds (an up sizes for the high
+one); a down needs a full ``down_window_s`` with the current replica count. Cool-downs
+bound how often each direction may act.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -96,6 +109,7 @@ class Sample:
     depth: int       # requests queued
     busy: int        # serving replicas with a batch of this model in flight
     replicas: int    # serving replicas
+    capacity_rps: float = 0.0   # one replica's requests/s at full batches; 0: unknown
 
 
 @dataclass(frozen=True)
@@ -106,7 +120,23 @@ class Signals:
     utilization_down: float = 0.0   # over down_window_s
     arrival_rps: float = 0.0
     arrival_trend: float = 1.0      # later half of the window over the earlier half
-    observed_s: float = 0.0         # since the last change (or the start)
+    observed_s: float = 0.0         # since the policy was set
+    since_change_s: float = 0.0     # since the last change (or the start)
+    capacity_rps: float = 0.0       # per replica, the latest sample's
+    depth: int = 0                  # queued now
+    depth_before: int = 0           # queued a window ago
+    recent_rps: float = 0.0         # arrivals over the later half of the window
+
+    def needed(self, pol: "ScalePolicy", utilization: float) -> int | None:
+        """Replicas that would carry the demand (arrivals, and the backlog drained over
+        a window) each at ``utilization`` of its capacity, or None without a latency
+        model."""
+        if self.capacity_rps <= 0:
+            return None
+        # a rising rate counts at its recent level: the window's mean lags a burst
+        rate = max(self.arrival_rps, self.recent_rps)
+        demand = rate + self.depth / max(pol.window_s, 1e-9)
+        return max(1, math.ceil(demand / (self.capacity_rps * utilization)))
 
     def brief(self) -> str:
         return (f"queue {self.queue_s * 1000:.0f} ms, depth/replica "
@@ -121,12 +151,14 @@ class Decision:
     replicas: int         # serving when decided
     signals: Signals
     detail: str = ""      # e.g. which device lacked how much (no_memory)
+    count: int = 1        # replicas to add or remove
 
 
 @dataclass
 class _Model:
     policy: ScalePolicy
-    since_s: float                       # window restart: the last change, or the start
+    started_s: float                     # when the policy was set
+    since_s: float                       # the last change, or the start
     samples: deque[tuple[float, Sample]] = field(default_factory=deque)
     arrivals: deque[tuple[float, int]] = field(default_factory=deque)
     pending_arrivals: int = 0
@@ -164,7 +196,7 @@ class Controller:
     def set_policy(self, model: str, policy: ScalePolicy, now: float) -> None:
         m = self._models.get(model)
         if m is None:
-            self._models[model] = _Model(policy, now)
+            self._models[model] = _Model(policy, now, now)
         elif m.policy != policy:
             m.policy = policy
 
@@ -194,14 +226,17 @@ class Controller:
     def signals(self, model: str, now: float) -> Signals:
         m = self._models[model]
         pol = m.policy
-        start = max(now - pol.window_s, m.since_s)
-        down_start = max(now - pol.down_window_s, m.since_s)
         first = m.samples[0][0] if m.samples else now
-        observed = now - max(m.since_s, first)
+        start = max(now - pol.window_s, m.started_s)
+        # utilization for scaling down counts only since the last change: it must be
+        # seen low with the replicas there are now
+        down_start = max(now - pol.down_window_s, m.since_s)
+        before = next((s for t, s in reversed(m.samples) if t <= start), None)
 
         def util(s: Sample) -> float:
             return s.busy / s.replicas if s.replicas else 0.0
 
+        last = m.samples[-1][1] if m.samples else None
         span = max(now - start, 1e-9)
         mid = start + span / 2
         early = sum(n for t, n in m.arrivals if start < t <= mid)
@@ -214,7 +249,12 @@ class Controller:
             utilization_down=_mean(m.samples, down_start, now, util),
             arrival_rps=(early + late) / span,
             arrival_trend=late / early if early else (2.0 if late else 1.0),
-            observed_s=max(observed, 0.0))
+            observed_s=max(now - max(m.started_s, first), 0.0),
+            since_change_s=max(now - max(m.since_s, first), 0.0),
+            capacity_rps=last.capacity_rps if last is not None else 0.0,
+            depth=last.depth if last is not None else 0,
+            depth_before=before.depth if before is not None else 0,
+            recent_rps=late / max(now - mid, 1e-9))
 
     # -- deciding -----------------------------------------------------------
     def decide(self, model: str, now: float, serving: int, loading: int,
@@ -226,14 +266,14 @@ class Controller:
         pol = m.policy
         sig = self.signals(model, now)
 
-        def out(action: str, reason: str, detail: str = "") -> Decision:
-            return Decision(action, reason, serving, sig, detail)
+        def out(action: str, reason: str, detail: str = "", count: int = 1) -> Decision:
+            return Decision(action, reason, serving, sig, detail, count)
 
         if serving + loading < pol.min_replicas:
             why = room()
             return out(UP, "below_min") if why is None else out(HOLD, *why)
         if pol.max_replicas and serving > pol.max_replicas:
-            return out(DOWN, "above_max")
+            return out(DOWN, "above_max", count=serving - pol.max_replicas)
         if loading:
             return out(HOLD, "loading")
         if sig.observed_s < pol.window_s:
@@ -243,17 +283,36 @@ class Controller:
             return self._pressure(m, now, serving, sig, room, out,
                                   "queue_time" if sig.queue_s > pol.queue_slo_s
                                   else "queue_depth")
-        if serving > pol.min_replicas and sig.observed_s >= pol.down_window_s \
-                and sig.utilization_down < pol.low_utilization \
+        if serving > pol.min_replicas and sig.since_change_s >= pol.down_window_s \
                 and sig.queue_s < pol.queue_slo_s / 2:
-            if sig.utilization_down * serving / (serving - 1) >= pol.high_utilization:
-                return out(HOLD, "would_overload")
-            if sig.arrival_trend > 1.5 and sig.arrival_rps > 0:
-                return out(HOLD, "arrivals_rising")
-            if now < m.last_change_s + pol.down_cooldown_s:
-                return out(HOLD, "cooldown")
-            return out(DOWN, "low_utilization")
+            down = self._slack(m, now, serving, sig, out)
+            if down is not None:
+                return down
         return out(HOLD, "steady")
+
+    @staticmethod
+    def _slack(m: _Model, now: float, serving: int, sig: Signals,
+               out: Callable[..., Decision]) -> Decision | None:
+        pol = m.policy
+        # the replicas left run at most midway between the thresholds (hysteresis: an
+        # up sizes for high_utilization, so a down never undoes it at once)
+        needed = sig.needed(pol, (pol.low_utilization + pol.high_utilization) / 2)
+        if sig.utilization_down >= pol.low_utilization and (needed is None
+                                                            or needed >= serving):
+            return None
+        if needed is not None:
+            target = max(needed, pol.min_replicas, serving - max(1, (serving - needed) // 2))
+            if target >= serving:
+                return out(HOLD, "would_overload")
+        elif sig.utilization_down * serving / (serving - 1) >= pol.high_utilization:
+            return out(HOLD, "would_overload")
+        else:
+            target = serving - 1
+        if sig.arrival_trend > 1.5 and sig.arrival_rps > 0:
+            return out(HOLD, "arrivals_rising")
+        if now < m.last_change_s + pol.down_cooldown_s:
+            return out(HOLD, "cooldown")
+        return out(DOWN, "low_utilization", count=serving - target)
 
     @staticmethod
     def _pressure(m: _Model, now: float, serving: int, sig: Signals,
@@ -266,8 +325,16 @@ class Controller:
             return out(HOLD, "queue_not_busy")
         if now < m.last_up_s + pol.up_cooldown_s:
             return out(HOLD, "cooldown")
+        needed = sig.needed(pol, pol.high_utilization)
+        if needed is not None and needed <= serving and sig.depth < sig.depth_before:
+            return out(HOLD, "draining")   # enough replicas: the backlog shrinks
         why = room()
-        return out(UP, reason) if why is None else out(HOLD, *why)
+        if why is not None:
+            return out(HOLD, *why)
+        count = max(1, needed - serving) if needed is not None else 1
+        if pol.max_replicas:
+            count = min(count, pol.max_replicas - serving)
+        return out(UP, reason, count=count)
 
     def applied(self, model: str, now: float, action: str) -> None:
         """A change was made: the cool-downs start and the windows restart from now."""

@@ -113,7 +113,17 @@ class Replicas:
         serving = self.serving(name)
         busy = sum(1 for w in serving if name in self.pool.busy_models(w))
         return Sample(now - oldest if oldest is not None else 0.0,
-                      self.lc.scheduler.depth(name), busy, len(serving))
+                      self.lc.scheduler.depth(name), busy, len(serving), self._capacity(name))
+
+    def _capacity(self, name: str) -> float:
+        """One replica's requests/s at full batches, by the broker's latency model (0
+        until it has one). Requests, not samples: the arrival rate counts requests."""
+        model = self.lc.catalog.models.get(name)
+        if model is None:
+            return 0.0
+        cap = max(model.config.max_batch_size, 1)
+        run_s = self.lc.requests.latency.predictor(name)(cap)
+        return cap / run_s if run_s > 0 else 0.0
 
     # -- policies ---------------------------------------------------------------
     def _sync_policies(self, now: float) -> None:
@@ -169,7 +179,7 @@ class Replicas:
                 self.refused[(identity, name)] = now + REFUSED_RETRY_S
                 self._record(name, now, Decision(HOLD, "load_failed", len(self.serving(name)),
                                                  self.controller.signals(name, now),
-                                                 f"{w.worker_id}: {errors[0]}"), w)
+                                                 f"{w.worker_id}: {errors[0]}"), [w])
             elif not w.draining:
                 self.lc.sync_worker(w)   # assigned but neither holding nor loading it
 
@@ -182,14 +192,12 @@ class Replicas:
             dec = self.controller.decide(name, now, len(self.serving(name)),
                                          len(self.loading(name)),
                                          lambda: self._room(name, now)[1])
-            worker = None
-            if dec.action == UP:
-                worker = self._scale_up(name, now)
-            elif dec.action == DOWN:
-                worker = self._scale_down(name)
-            self.controller.applied(name, now, dec.action)
-            self._record(name, now, dec, worker)
-            if dec.reason != "below_min" or worker is None:
+            changed = [w for w in (self._scale_up(name, now) if dec.action == UP
+                                   else self._scale_down(name) if dec.action == DOWN
+                                   else None for _ in range(dec.count)) if w is not None]
+            self.controller.applied(name, now, dec.action if changed else HOLD)
+            self._record(name, now, dec, changed)
+            if dec.reason != "below_min" or not changed:
                 break
         self.metrics.replicas.labels(name).set(len(self.serving(name)))
         sig = self.last[name].signals
@@ -245,21 +253,22 @@ class Replicas:
 
     # -- telling ----------------------------------------------------------------
     def _record(self, name: str, now: float, dec: Decision,
-                worker: WorkerState | None) -> None:
+                workers: list[WorkerState]) -> None:
         prev = self.last.get(name)
         self.last[name] = dec
         if dec.action == HOLD and prev is not None and prev.action == HOLD \
                 and prev.reason == dec.reason:
             return  # the same hold again: decided once, logged and counted once
         self.metrics.autoscale_decision(name, dec.action, dec.reason)
-        where = worker.worker_id if worker is not None else ""
+        where = ", ".join(w.worker_id for w in workers)
         self.history.setdefault(name, deque(maxlen=HISTORY)).append(
             {"time": time.time(), "action": dec.action, "reason": dec.reason,
-             "replicas": dec.replicas, "worker": where, "detail": dec.detail,
+             "replicas": dec.replicas, "changed": len(workers), "worker": where, "detail": dec.detail,
              "signals": dec.signals.brief()})
         if dec.action != HOLD:
             logger.info("model %s: scale %s to %d replica(s) (%s) %s %s: %s", name,
-                        dec.action, dec.replicas + (1 if dec.action == UP else -1),
+                        dec.action, dec.replicas + len(workers) * (1 if dec.action == UP
+                                                                   else -1),
                         dec.reason, "on" if dec.action == UP else "off", where or "-",
                         dec.signals.brief())
         elif dec.reason not in _QUIET:

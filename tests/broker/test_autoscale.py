@@ -128,16 +128,52 @@ def test_room_is_asked_only_when_a_replica_would_be_added() -> None:
     assert asked == []
 
 
-def test_up_cooldown_and_window_restart_after_a_change() -> None:
+def test_up_cooldown_after_an_up() -> None:
     s = Sim()
     s.run(2.5, hot(1))
     assert s.apply(s.decide(serving=1)).action == UP
     s.run(1.0, hot(2))
-    assert s.decide(serving=2).reason == "warming_up"   # the window restarted at the change
-    s.run(1.5, hot(2))                                  # window full, cool-down (3 s) not over
-    assert s.decide(serving=2).reason == "cooldown"
-    s.run(0.6, hot(2))
+    assert s.decide(serving=2).reason == "cooldown"     # 3 s after the last up
+    s.run(2.1, hot(2))
     assert s.decide(serving=2).action == UP
+
+
+def capacity(sample: Sample, rps: float) -> Sample:
+    return Sample(sample.queue_s, sample.depth, sample.busy, sample.replicas, rps)
+
+
+def test_up_adds_the_replicas_the_latency_model_says_are_needed() -> None:
+    # 500 req/s offered and a 40-deep backlog (drained over the 2 s window: 20 req/s);
+    # one replica does 100 req/s at full batches: at 0.7 that is ceil(520 / 70) = 8
+    s = Sim(ScalePolicy(max_replicas=16, window_s=2.0))
+    s.run(2.5, capacity(hot(1), 100.0), rate_rps=500)
+    d = s.decide(serving=1)
+    assert (d.action, d.reason, d.count) == (UP, "queue_time", 7)
+    capped = Sim(ScalePolicy(max_replicas=4, window_s=2.0))
+    capped.run(2.5, capacity(hot(1), 100.0), rate_rps=500)
+    assert capped.decide(serving=1).count == 3            # never above max
+
+
+def test_enough_replicas_and_a_shrinking_backlog_hold() -> None:
+    s = Sim()
+    s.run(1.5, capacity(Sample(0.3, 80, 2, 2), 400.0), rate_rps=100)
+    s.run(1.0, capacity(Sample(0.3, 20, 2, 2), 400.0), rate_rps=100)
+    assert s.decide(serving=2).reason == "draining"
+    growing = Sim()
+    growing.run(1.5, capacity(Sample(0.3, 20, 2, 2), 400.0), rate_rps=100)
+    growing.run(1.0, capacity(Sample(0.3, 80, 2, 2), 400.0), rate_rps=100)
+    assert growing.decide(serving=2).action == UP          # the model is too optimistic
+
+
+def test_down_by_half_the_excess_the_latency_model_sees() -> None:
+    # 8 replicas, busy 40 % of the time on small batches, but 80 req/s needs only
+    # ceil(80 / (100 * 0.5)) = 2 of them: half the excess (3) goes in one step
+    s = Sim(ScalePolicy(max_replicas=16, window_s=2, down_window_s=4, down_cooldown_s=0))
+    busy = [capacity(Sample(0.0, 0, b, 8), 100.0) for b in (3, 4, 3, 3)]
+    for i in range(90):
+        s.run(0.05, busy[i % 4], rate_rps=80)
+    d = s.decide(serving=8)
+    assert (d.action, d.reason, d.count) == (DOWN, "low_utilization", 3)
 
 
 def test_low_utilization_scales_down_after_the_down_window() -> None:

@@ -64,7 +64,9 @@ class Replicas:
 
     def adopt(self, worker: WorkerState) -> None:
         """A worker (re)joins holding autoscaled models (it outlived a broker restart):
-        it keeps them as replicas while the model's max allows, instead of unloading."""
+        it keeps them as replicas while the model's max allows, instead of unloading.
+        Any joiner brings the next step forward: a model under its min gets it now."""
+        self._next_sample = self._next_step = 0.0
         for name in sorted({m for m, _ in worker.loaded}):
             model = self.lc.catalog.get(name)
             pol = policy_of(model.config) if model is not None else None

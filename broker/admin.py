@@ -179,6 +179,24 @@ def run_control(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _autoscaling_lines(models: dict[str, Any]) -> list[str]:
+    """Per autoscaled model: its replicas against its bounds, the last decision and why."""
+    lines = []
+    for name, a in models.items():
+        bound = f"{a['min']}..{a['max'] or 'all'}"
+        loading = f", loading on {', '.join(a['loading'])}" if a["loading"] else ""
+        last = a.get("last") or {}
+        lines.append(f"autoscale {name}: {len(a['replicas'])} replica(s) [{bound}] "
+                     f"{', '.join(a['replicas']) or '-'}{loading}; last {last.get('action', '-')}"
+                     f" {last.get('reason', '')}{' ' + last['detail'] if last.get('detail') else ''}"
+                     f" ({last.get('signals', '')})")
+        for d in a.get("decisions", [])[-3:]:
+            when = time.strftime("%H:%M:%S", time.localtime(d["time"]))
+            lines.append(f"  {when} {d['action']} {d['reason']} at {d['replicas']}"
+                         f"{' ' + d['worker'] if d['worker'] else ''}")
+    return lines
+
+
 def human(verb: str, result: Any) -> str:
     if verb == "status":
         lines = [f"{'WORKER':<24} {'STATE':<9} {'INFLIGHT':>8} {'RSS MB':>8}  MODELS"]
@@ -188,6 +206,7 @@ def human(verb: str, result: Any) -> str:
                          f"{rss:>8.0f}  {', '.join(w['models'])}")
         lines.append("queues: " + (", ".join(f"{m}={d}" for m, d in result["queues"].items())
                                    or "none"))
+        lines.extend(_autoscaling_lines(result.get("autoscaling") or {}))
         for name, t in result.get("tenants", {}).items():
             rejected = sum(t["rejected"].values())
             lines.append(f"tenant {name}: {t['rate']:.2f} req/s, {t['inflight']} in flight, "

@@ -26,6 +26,7 @@ from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.replicas import Replicas
 from zeroserve.broker.server.repoctl import RepositoryControl
 from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
@@ -61,6 +62,7 @@ class Broker:
         self.requests.clock = clock
         self.lifecycle = Lifecycle(self.catalog, self.scheduler, self.pool, self.requests,
                                    self.metrics, clock, ctx or zmq.Context.instance(), lifecycle)
+        self.replicas = Replicas(self.lifecycle, self.metrics)   # autoscaled models
         self.control = ControlTable(admin_token)
         self._add_verbs()
         self.repository = RepositoryControl(self.lifecycle, self.requests.stats)
@@ -154,6 +156,7 @@ class Broker:
                 self.requests.refuse(client, rid, p.ErrorCode.BAD_INPUT, str(exc), model="")
             raise
         if kind is p.Kind.REQUEST:
+            self.replicas.arrived(header.get("model"))   # offered load, refused or not
             if self.stopping:  # only a draining gateway's requests are still taken
                 self.requests.admitting = client in self._drain_clients and self._exiting
             self.requests.on_request(client, header, bufs, self.clock())
@@ -222,6 +225,7 @@ class Broker:
         if old is not None:
             self._lose(old, Loss.REREGISTERED)
         worker = self.pool.register(identity, ready, now)
+        self.replicas.adopt(worker)
         self.lifecycle.sync_worker(worker)
         self.metrics.workers_alive(len(self.pool.workers))
 
@@ -270,6 +274,7 @@ class Broker:
                 self._lose(worker, Loss.HUNG)
         self.notifier.watchdog(now)
         self.lifecycle.tick(now)
+        self.replicas.tick(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.pool.heartbeat_s
             self._trim_when_idle()
@@ -306,7 +311,8 @@ class Broker:
 
     def next_due(self, now: float) -> float:
         due = [self._next_heartbeat]
-        for d in (self.requests.next_due(now), self.lifecycle.next_due()):
+        for d in (self.requests.next_due(now), self.lifecycle.next_due(),
+                  self.replicas.next_due()):
             if d is not None:
                 due.append(d)
         if self._exiting:
@@ -396,7 +402,8 @@ class Broker:
         return {"workers": [w.describe(now) for w in self.pool.workers.values()],
                 "queues": {m: self.scheduler.depth(m) for m in self.catalog.models},
                 "inflight_batches": len(self.pool.inflight), "stopping": self.stopping,
-                "pid": os.getpid(), "tenants": self.tenancy.summary()}
+                "pid": os.getpid(), "tenants": self.tenancy.summary(),
+                "autoscaling": self.replicas.describe()}
 
     def _models(self, _: dict[str, Any]) -> dict[str, Any]:
         out = {}

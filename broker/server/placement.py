@@ -92,3 +92,22 @@ class Placement:
                 self.lc.evict(worker, model, version)
             logger.warning("evicted %s from worker %s (least recently used idle model) to "
                            "make room for %s", model, worker.worker_id, keep)
+
+    # minimal version for the autoscaler; memplan's branch replaces it with the
+    # predicted footprint and per-device headroom (keep this signature)
+    def refusal(self, worker: WorkerState, name: str, version: int) -> str | None:
+        """Whether ``name/version`` would fit on ``worker`` now: None if it fits, else a
+        message naming the device and how much it lacks. The need is the footprint last
+        measured on any worker (0 before the first load: it is let through)."""
+        budget = self.budget(worker)
+        if not budget or worker.holds(name, version):
+            return None
+        need = max((n for (_, m, v), n in self.footprints.items()
+                    if m == name and v == version), default=0)
+        free = budget - self.used(worker)
+        if need <= free:
+            return None
+        device = worker.info.get("device") or "cpu"
+        return (f"{name}/{version} needs {_mb(need)} but worker {worker.worker_id} "
+                f"({device}) has {_mb(max(free, 0))} of its {_mb(budget)} budget free: "
+                f"{_mb(need - max(free, 0))} short")

@@ -100,6 +100,9 @@ class Lifecycle:
         self.forced: dict[str, set[int]] = {}   # operator reloads waiting for their hashes
         self.retiring: list[tuple[bytes, str, int]] = []
         self.placement = Placement(self)
+        # which workers hold a model: pins (placed_on), and for autoscaled models the
+        # replicas chosen (replicas.py sets this)
+        self.placed: Callable[[ModelConfig, WorkerState], bool] = placed_on
         self.registrar = Registrar(self)
         # what a rescan sees of the repository: explicit model control filters it to the
         # models asked for and substitutes load overrides (see repoctl.py)
@@ -227,7 +230,7 @@ class Lifecycle:
         self.failed = {f for f in self.failed if f[0] != name}
         self.forced.setdefault(name, set()).update(versions)
         placed = [w for w in self.pool.workers.values()
-                  if not w.draining and placed_on(rm.config, w)]
+                  if not w.draining and self.placed(rm.config, w)]
         for w in placed:
             for v in versions:
                 # seen as loading from now on, so a waiting operator sees the outcome
@@ -294,7 +297,7 @@ class Lifecycle:
     def _start_swap(self, swap: Swap) -> None:
         cfg = swap.repo.config
         workers = [w for w in self.pool.workers.values()
-                   if not w.draining and placed_on(cfg, w)]
+                   if not w.draining and self.placed(cfg, w)]
         if not swap.changed or not workers:
             self._commit(swap)
             return
@@ -359,7 +362,7 @@ class Lifecycle:
     def sync_worker(self, worker: WorkerState) -> None:
         """Tell a worker to load what it should serve and unload what it should not."""
         wanted = {(name, v) for name, m in self.catalog.models.items()
-                  if placed_on(m.config, worker) for v in m.versions}
+                  if self.placed(m.config, worker) for v in m.versions}
         for name, version in sorted(wanted - worker.loaded - worker.loading):
             model = self.catalog.models[name]
             self.pool.load(worker, p.LoadModel(name, version, str(model.path / str(version)),

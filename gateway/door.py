@@ -5,11 +5,14 @@ own waiting line is its event loop: a request accepted by uvicorn waits there fo
 CPU, in arrival order, blind to priority and deadline. So the gateway keeps that line
 short and says no at the door when it grows:
 
-- **Loop lag.** A tick every ``TICK_S`` measures how late the loop runs it; a
-  request arriving while the last tick was later than ``shed_lag_ms``, or while the
-  next one is already overdue by that much, is answered 503 before its body is
-  read or decoded (the cheapest answer there is). Each tick's lateness is how long
-  any callback ready then waited: the queueing delay inside the gateway.
+- **Loop lag.** A tick every ``TICK_S`` measures how late the loop runs it (the
+  lateness of the last tick, or of the next one when it is overdue already): how
+  long any callback ready then waits, the queueing delay inside the gateway. While
+  it exceeds ``shed_lag_ms``, only the highest priority (``parameters.priority`` 1)
+  gets through: the others are answered 503 once their JSON header is parsed,
+  before their tensors are decoded, as the broker sheds the lowest priority first.
+  Past twice ``shed_lag_ms`` every request is answered 503 before its body is read
+  (the cheapest answer there is).
 - **In flight.** At most ``max_in_flight`` inference requests between the door and
   their answer. The broker bounds what it queues (each model's ``max_queue_size``,
   1,024 by default, shedding the lowest priority first) and the gateway's DEALER
@@ -32,6 +35,7 @@ from prometheus_client import Counter, Gauge
 from zeroserve.gateway.metrics import REGISTRY
 
 TICK_S = 0.005
+HIGHEST = 1         # parameters.priority of the highest priority (0: the model's default)
 RETRY_AFTER_S = 1   # HTTP says whole seconds; the loop catches up well within one
 
 SHED = Counter("gateway_shed", "Inference requests the gateway answered itself with 503 "
@@ -42,7 +46,7 @@ LAG = Gauge("gateway_loop_lag_seconds", "How late the gateway's event loop ran i
             registry=REGISTRY, multiprocess_mode="max")
 IN_FLIGHT = Gauge("gateway_in_flight", "Inference requests between the gateway's door "
                   "and their answer (sampled with the lag)", namespace="zeroserve", registry=REGISTRY,
-                  multiprocess_mode="livesum")
+                  multiprocess_mode="sum")
 SHED_LAG = SHED.labels("loop_lag")
 SHED_IN_FLIGHT = SHED.labels("in_flight")
 SHED_DEADLINE = SHED.labels("deadline")
@@ -62,8 +66,14 @@ class Door:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._due = time.monotonic() + TICK_S
-        self._handle = self._loop.call_later(TICK_S, self._tick)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        # due in the loop's own clock (uvloop's is the same monotonic clock, cached
+        # per iteration in whole ms), so a timer can never look early
+        assert self._loop is not None
+        self._due = self._loop.time() + TICK_S
+        self._handle = self._loop.call_at(self._due, self._tick)
 
     def stop(self) -> None:
         if self._handle is not None:
@@ -75,9 +85,7 @@ class Door:
         self.lag_s = max(0.0, now - self._due)
         LAG.set(self.lag_s)
         IN_FLIGHT.set(self.in_flight)
-        self._due = now + TICK_S
-        assert self._loop is not None
-        self._handle = self._loop.call_later(TICK_S, self._tick)
+        self._schedule()
 
     def current_lag_s(self) -> float:
         """The last tick's lateness, or the next tick's, when it is overdue already."""
@@ -90,13 +98,16 @@ class Door:
         if self.max_in_flight and self.in_flight >= self.max_in_flight:
             SHED_IN_FLIGHT.inc()
             return f"the gateway has {self.in_flight} requests in flight (its bound); retry"
-        return self.refuse_late()
+        return self._lagging(2 * self.shed_lag_s)
 
-    def refuse_late(self) -> str | None:
-        """The lag rule alone: asked again once a body is read, before it is decoded."""
+    def refuse_priority(self, priority: int) -> str | None:
+        """Asked once the header is parsed: below the highest priority, the lag bound."""
+        return None if priority == HIGHEST else self._lagging(self.shed_lag_s)
+
+    def _lagging(self, bound_s: float) -> str | None:
         lag = self.current_lag_s() if self.shed_lag_s else 0.0
-        if lag > self.shed_lag_s:
+        if lag > bound_s:
             SHED_LAG.inc()
             return (f"the gateway is {lag * 1000:.0f} ms behind (more than "
-                    f"{self.shed_lag_s * 1000:g} ms); retry")
+                    f"{bound_s * 1000:g} ms); retry")
         return None

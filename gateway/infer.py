@@ -129,22 +129,23 @@ class InferEndpoint:
                      accepted: float) -> int:
         gw, limit = self.gw, self.gw.settings.max_body_bytes
         headers = wanted_headers(scope["headers"])
-        params = scope["path_params"]
+        path = scope["path_params"]
         try:
-            version = parse_version(params.get("version"))
+            version = parse_version(path.get("version"))
             body = await read_all(receive, headers.get("content-length"), limit)
-            why = gw.door.refuse_late()   # the body took long: still worth decoding?
-            if why is not None:
-                return await send_error(send, 503, why, {"Retry-After": str(RETRY_AFTER_S)})
             encoding = headers.get("content-encoding", "identity").strip().lower()
             if encoding not in ("", "identity"):
                 body = decompress(body, encoding, limit)
             hlen = headers.get(v2.HEADER_LENGTH)
-            req = v2.decode_request(body, int(hlen) if hlen is not None and hlen.isdigit()
-                                    else None if hlen is None else -1,
-                                    gw.shm.read if gw.shm.enabled else None)
-            priority = bounded_int(req.parameters.get("priority", 0), "priority")
-            timeout_us = bounded_int(req.parameters.get("timeout", 0), "timeout")
+            doc, binary = v2.parse_document(body, int(hlen) if hlen is not None and
+                                            hlen.isdigit() else None if hlen is None else -1)
+            params = v2.parameters_of(doc)
+            priority = bounded_int(params.get("priority", 0), "priority")
+            timeout_us = bounded_int(params.get("timeout", 0), "timeout")
+            why = gw.door.refuse_priority(priority)   # before the costly part: the tensors
+            if why is not None:
+                return await send_error(send, 503, why, {"Retry-After": str(RETRY_AFTER_S)})
+            req = v2.decode_document(doc, binary, gw.shm.read if gw.shm.enabled else None)
             if req.parameters.get("sequence_id"):
                 raise BadRequest("sequence batching is not supported")
         except BodyTooLarge:
@@ -158,7 +159,7 @@ class InferEndpoint:
                 SHED_DEADLINE.inc()
                 return await send_error(send, STATUS[ErrorCode.DEADLINE], "deadline exceeded "
                                         "in the gateway, before the request reached the broker")
-        got = await self._forward(receive, params["name"], req, version, priority,
+        got = await self._forward(receive, path["name"], req, version, priority,
                                   timeout_ms, api_key_of(headers))
         if isinstance(got, InferError):
             status, extra = infer_error_parts(got)

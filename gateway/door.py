@@ -7,12 +7,15 @@ short and says no at the door when it grows:
 
 - **Loop lag.** A tick every ``TICK_S`` measures how late the loop runs it (the
   lateness of the last tick, or of the next one when it is overdue already): how
-  long any callback ready then waits, the queueing delay inside the gateway. While
-  it exceeds ``shed_lag_ms``, only the highest priority (``parameters.priority`` 1)
-  gets through: the others are answered 503 once their JSON header is parsed,
-  before their tensors are decoded, as the broker sheds the lowest priority first.
-  Past twice ``shed_lag_ms`` every request is answered 503 before its body is read
-  (the cheapest answer there is).
+  long any callback ready then waits, the queueing delay inside the gateway. A
+  request's deadline counts from its arrival estimated that way (its start in the
+  gateway less the current lag), so the wait in the gateway's line is spent from its
+  budget, as it is. While the lag exceeds ``shed_lag_ms``, a request with a deadline
+  below the highest priority (``parameters.priority`` 1) is answered 503 once its
+  JSON header is parsed, before its tensors are decoded, as the broker sheds the
+  lowest priority first; requests without a deadline and the highest priority go
+  on. Past ``FAR`` times ``shed_lag_ms`` every request is answered 503 before its
+  body is read (the cheapest answer there is).
 - **In flight.** At most ``max_in_flight`` inference requests between the door and
   their answer. The broker bounds what it queues (each model's ``max_queue_size``,
   1,024 by default, shedding the lowest priority first) and the gateway's DEALER
@@ -36,6 +39,7 @@ from zeroserve.gateway.metrics import REGISTRY
 
 TICK_S = 0.005
 HIGHEST = 1         # parameters.priority of the highest priority (0: the model's default)
+FAR = 4             # this many times shed_lag_ms behind: every request is shed
 RETRY_AFTER_S = 1   # HTTP says whole seconds; the loop catches up well within one
 
 SHED = Counter("gateway_shed", "Inference requests the gateway answered itself with 503 "
@@ -98,11 +102,14 @@ class Door:
         if self.max_in_flight and self.in_flight >= self.max_in_flight:
             SHED_IN_FLIGHT.inc()
             return f"the gateway has {self.in_flight} requests in flight (its bound); retry"
-        return self._lagging(2 * self.shed_lag_s)
+        return self._lagging(FAR * self.shed_lag_s)
 
-    def refuse_priority(self, priority: int) -> str | None:
-        """Asked once the header is parsed: below the highest priority, the lag bound."""
-        return None if priority == HIGHEST else self._lagging(self.shed_lag_s)
+    def refuse_priority(self, priority: int, deadline: bool) -> str | None:
+        """Asked once the header is parsed: a request with a deadline, below the
+        highest priority, meets the lag bound itself."""
+        if priority == HIGHEST or not deadline:
+            return None
+        return self._lagging(self.shed_lag_s)
 
     def _lagging(self, bound_s: float) -> str | None:
         lag = self.current_lag_s() if self.shed_lag_s else 0.0

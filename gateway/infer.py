@@ -10,8 +10,9 @@ written with two ``send`` calls and no Response object.
 
 The deadline counts from the door: ``parameters.timeout`` is turned into what is
 left of it when the request is handed to the broker (the wire carries a remaining
-budget), and a request whose budget ran out inside the gateway is answered 504 here
-without reaching the broker. A request that arrives while the gateway is behind is
+budget), counted from the request's arrival (its start here less the event loop's
+current lag, the wait in the gateway's line), and a request whose budget ran out
+inside the gateway is answered 504 here without reaching the broker. A request that arrives while the gateway is behind is
 shed with 503 before its body is decoded (see :mod:`zeroserve.gateway.door`).
 
 A request whose HTTP client went away is withdrawn: once the body is read, a task
@@ -105,9 +106,10 @@ class InferEndpoint:
         self.gw = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        accepted = time.monotonic()
-        status = 500
         door = self.gw.door
+        # the request arrived about one loop lag ago: its deadline counts from then
+        accepted = time.monotonic() - door.current_lag_s()
+        status = 500
         why = door.refuse()
         if why is not None:
             scope[STATUS_KEY] = await send_error(send, 503, why,
@@ -142,7 +144,7 @@ class InferEndpoint:
             params = v2.parameters_of(doc)
             priority = bounded_int(params.get("priority", 0), "priority")
             timeout_us = bounded_int(params.get("timeout", 0), "timeout")
-            why = gw.door.refuse_priority(priority)   # before the costly part: the tensors
+            why = gw.door.refuse_priority(priority, timeout_us > 0)   # before the costly part: the tensors
             if why is not None:
                 return await send_error(send, 503, why, {"Retry-After": str(RETRY_AFTER_S)})
             req = v2.decode_document(doc, binary, gw.shm.read if gw.shm.enabled else None)

@@ -38,9 +38,9 @@ def test_a_stalled_loop_closes_the_door_until_it_catches_up() -> None:
         door.start()
         try:
             before = door.refuse()
-            # the condition under test: a callback that holds the loop for 80 ms
-            time.sleep(0.08)  # noqa: sleep-ok (stalls the event loop on purpose)
-            during = door.refuse()   # the tick is overdue by far more than 20 ms
+            # the condition under test: a callback that holds the loop for 150 ms
+            time.sleep(0.15)  # noqa: sleep-ok (stalls the event loop on purpose)
+            during = door.refuse()   # the tick is overdue by far more than 4 x 20 ms
             for _ in range(20):      # on time again after a few ticks
                 await asyncio.sleep(0.01)
                 if door.refuse() is None:
@@ -102,16 +102,17 @@ def test_a_budget_spent_in_the_gateway_is_a_504_there(api_server) -> None:
     assert status == 200, got
 
 
-def test_behind_only_the_highest_priority_passes_and_far_behind_none() -> None:
+def test_behind_lower_priorities_with_deadlines_are_shed_and_far_behind_all() -> None:
     async def scenario() -> list[tuple[str | None, ...]]:
         door = Door(shed_lag_ms=50.0, max_in_flight=0)
         door.start()
         try:
             seen = []
-            for lag_s in (0.075, 0.150):   # as if the last tick had been this late
+            for lag_s in (0.075, 0.250):   # as if the last tick had been this late
                 door.lag_s = lag_s
-                seen.append((door.refuse(), door.refuse_priority(1),
-                             door.refuse_priority(2), door.refuse_priority(0)))
+                seen.append((door.refuse(), door.refuse_priority(1, True),
+                             door.refuse_priority(2, True), door.refuse_priority(0, True),
+                             door.refuse_priority(2, False)))
             return seen
         finally:
             door.stop()
@@ -119,4 +120,5 @@ def test_behind_only_the_highest_priority_passes_and_far_behind_none() -> None:
     behind, far = asyncio.run(scenario())
     assert behind[0] is None and behind[1] is None
     assert behind[2] is not None and behind[3] is not None   # 0: the model's default
+    assert behind[4] is None                                 # no deadline: it goes on
     assert far[0] is not None and "behind" in far[0]

@@ -100,6 +100,12 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-version", default="", help="version in GET /v2 (default: ours)")
     p.add_argument("--allow-shared-memory", action="store_true",
                    help="let clients on this host pass tensors in system shared memory")
+    p.add_argument("--shed-lag-ms", type=float, default=50.0,
+                   help="answer inference 503 at the door while the gateway's event loop "
+                        "is this far behind (0: never)")
+    p.add_argument("--max-in-flight", type=int, default=2048,
+                   help="inference requests one gateway process holds at most; past it, "
+                        "503 at the door (0: no bound)")
 
 
 def parser() -> argparse.ArgumentParser:

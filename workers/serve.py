@@ -65,6 +65,7 @@ def gateways(args: Any) -> list[Child]:
         "--max-body-bytes", str(args.max_body_bytes),
         "--shutdown-timeout-s", str(args.shutdown_timeout_s),
         "--readiness", args.readiness, "--server-name", args.server_name,
+        "--shed-lag-ms", str(args.shed_lag_ms), "--max-in-flight", str(args.max_in_flight),
         *(["--server-version", args.server_version] if args.server_version else []),
         *(["--allow-shared-memory"] if args.allow_shared_memory else [])]
     n = http_processes(args.http_workers, usable_cores(), args.allow_shared_memory)

@@ -396,7 +396,8 @@ class Broker:
         return {"workers": [w.describe(now) for w in self.pool.workers.values()],
                 "queues": {m: self.scheduler.depth(m) for m in self.catalog.models},
                 "inflight_batches": len(self.pool.inflight), "stopping": self.stopping,
-                "pid": os.getpid(), "tenants": self.tenancy.summary()}
+                "pid": os.getpid(), "tenants": self.tenancy.summary(),
+                "memory_plan": self.lifecycle.placement.describe()}
 
     def _models(self, _: dict[str, Any]) -> dict[str, Any]:
         out = {}

@@ -7,17 +7,23 @@ process's resident memory, with the kernel's high-water mark (``VmHWM``, reset b
 writing 5 to ``/proc/self/clear_refs``) catching a batch's peak even when its buffers
 are returned to the system before the batch ends. Both are process-wide: a batch of
 another model running at the same time on the compute thread counts too, so a
-warm-up during heavy traffic can overstate the activation term (never understate it).
+warm-up during heavy traffic can overstate the activation term. On a CPU a batch can
+also reuse free pages the process holds already, which no high-water mark sees: freed
+heap memory is given back (``malloc_trim``) before each measured batch, and what glibc
+keeps even so makes a CPU peak read up to ~15 % low (tests/workers/test_memplan.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import io
 import logging
 import resource
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from zeroserve.broker.process import trim_memory
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +76,9 @@ class PeakProbe:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = int(torch.cuda.memory_allocated(self.device))
             return
+        # freed heap memory back to the system first, or the batch would reuse pages the
+        # process holds already and its peak would not show in the high-water mark
+        trim_memory()
         self._hwm = _reset_hwm()
         self._base = rss_bytes()
 
@@ -79,6 +88,18 @@ class PeakProbe:
             return max(0, int(torch.cuda.max_memory_allocated(self.device)) - self._base)
         peak = _hwm_bytes() if self._hwm else None
         return max(0, (peak if peak is not None else rss_bytes()) - self._base)
+
+
+def settled(probe: Callable[[], int], device: str) -> Callable[[], int]:
+    """``probe`` after giving freed heap memory back (CPU): a version loaded where an
+    unloaded one was would otherwise reuse its pages and seem to cost nothing."""
+    if device.startswith("cuda"):
+        return probe
+
+    def measure() -> int:
+        trim_memory()
+        return probe()
+    return measure
 
 
 def _nvml_used(index: int) -> int | None:
@@ -105,7 +126,14 @@ def _nvml_used(index: int) -> int | None:
 
 
 def _first_ops(device: str) -> None:
+    """A first TorchScript load and a first linear and convolution: the runtime's one-time
+    allocations (interpreter, thread pools, kernel caches), which no model should carry."""
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), buf)
+    buf.seek(0)
+    module = torch.jit.load(buf, map_location=device)
     with torch.inference_mode():
+        module(torch.ones(1, 2, device=device))
         x = torch.ones(4, 8, device=device)
         torch.nn.functional.linear(x, torch.ones(4, 8, device=device))
         torch.nn.functional.conv2d(torch.ones(1, 3, 8, 8, device=device),
@@ -118,8 +146,10 @@ def context_cost(device: str) -> dict[str, Any]:
     and what other processes held before, per NVML; without NVML the process is taken
     to be alone on the device); on a CPU the resident memory the first operations add."""
     if not device.startswith("cuda"):
+        trim_memory()
         before = rss_bytes()
         _first_ops(device)
+        trim_memory()
         return {"context_bytes": max(0, rss_bytes() - before), "context_method": "rss"}
     index = torch.device(device).index or 0
     others = _nvml_used(index)

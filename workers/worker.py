@@ -322,7 +322,8 @@ class Worker:
         name, version = msg.model, msg.version
         try:
             cfg = parse_config(msg.config, f"config of {name}")
-            loaded = load(cfg, version, Path(msg.path), self.device, self._memory_probe,
+            loaded = load(cfg, version, Path(msg.path), self.device,
+                          memory.settled(self._memory_probe, self.device),
                           memory.PeakProbe(self.device))
         except (LoadError, ValueError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)

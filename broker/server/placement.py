@@ -155,8 +155,8 @@ class Placement:
         budget = self.budget(worker)
         room = budget - self.headroom(worker) - self.context(worker)
         if _kind(worker) == "cpu" and budget and need > room:
-            why += (f"; that is more than worker {worker.worker_id}'s whole memory budget "
-                    f"of {size_text(budget)}")
+            why += (f"; more than worker {worker.worker_id}'s memory budget of "
+                    f"{size_text(budget)} leaves after its context and headroom")
         elif busy:
             why += f"; {size_text(busy)} of it is held by models that are busy"
         return why
@@ -195,7 +195,6 @@ class Placement:
                                        "time": time.time()}
         label = (msg.model, str(worker.info.get("device") or "cpu"))
         self.refusals[label] = self.refusals.get(label, 0) + 1
-        worker.loading.add((msg.model, msg.version))
         self.refused.append((worker, msg))
 
     def take_refused(self) -> list[tuple[WorkerState, p.ModelLoaded]]:

@@ -132,10 +132,11 @@ def warm_up(loaded: LoadedModel, probe: Probe | None = None) -> dict[int, int]:
     with torch.inference_mode():
         for b in sizes:
             _run(loaded, b)
-        for b in sorted({min(sizes), max(sizes)}) if probe is not None and sizes else ():
-            probe.start()
-            _run(loaded, b)
-            peaks[b] = probe.stop()
+        if probe is not None and sizes:
+            for b in sorted({min(sizes), max(sizes)}):
+                probe.start()
+                _run(loaded, b)
+                peaks[b] = probe.stop()
     return peaks
 
 

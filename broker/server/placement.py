@@ -65,7 +65,7 @@ class Placement:
         self.refused: list[tuple[WorkerState, p.ModelLoaded]] = []  # delivered by the tick
         self.refusals: dict[tuple[str, str], int] = {}
         self._weights: WeightsCache = {}
-        lifecycle.metrics.registry.register(self)  # type: ignore[arg-type]  # see collect
+        lifecycle.metrics.registry.register(self)  # a collector: see collect()
 
     # -- what a device has -------------------------------------------------------
     @staticmethod
@@ -176,7 +176,7 @@ class Placement:
             self.lc.pool.load(worker, msg)   # the worker says what is wrong with it
             return
         need, how = self.need(worker, name, version, cfg, Path(msg.path), msg.sha256)
-        free = self.available(worker, (name, version))
+        free = self.available(worker)   # a version reloaded in place is held twice a while
         if free is not None and need > free:
             idle = self._idle(worker, name)
             freed = sum(self._cost(worker, m) for m in idle)
@@ -186,6 +186,7 @@ class Placement:
                 return
             self._evict(worker, name, idle, need - free)
         self.footprints[key] = need
+        self.measured.pop(key, None)   # this load's warm-up measures it afresh
         self.lc.pool.load(worker, msg)
 
     def _refuse(self, worker: WorkerState, msg: p.ModelLoaded) -> None:

@@ -49,7 +49,7 @@ def test_a_load_past_the_headroom_is_refused_before_loading_and_named(
     assert 0 < context < BUDGET - BIG_WEIGHTS - 1_000_000, "it would fit without the headroom"
     assert why.startswith(f"cpu on worker {wid} (memory budget 60.0 MB, "
                           f"{context / 1e6:.1f} MB context) has "), why
-    assert (f"free after 30.0 MB headroom; big/1 needs 33.6 MB (predicted: 33.6 MB weights; "
+    assert ("free after 30.0 MB headroom; big/1 needs 33.6 MB (predicted: 33.6 MB weights; "
             "overhead and activations not learned yet)") in why, why
     assert "loaded big/1" not in srv.log(), "a refused version is never sent to the worker"
     wait_for(lambda: control(srv, "models")["models"]["small"]["ready"] == [1], 30, "small")

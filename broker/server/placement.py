@@ -81,13 +81,25 @@ class Placement:
     def context(worker: WorkerState) -> int:
         return _int(worker.memory, "context_bytes")
 
-    def _held(self, worker: WorkerState, skip: tuple[str, int] | None = None) -> set[tuple[str, int]]:
+    def _held(self, worker: WorkerState,
+              skip: tuple[str, int] | None = None) -> set[tuple[str, int]]:
         return {k for k in worker.loaded | worker.loading
                 if k != skip and not k[0].startswith(TRIAL)}
 
+    def footprint(self, worker: WorkerState, name: str, version: int) -> int:
+        """What planning counts for a held version: measured, else predicted; for one a
+        worker held before this broker knew it (a restart), what its report says."""
+        key = (worker.identity, name, version)
+        if key in self.footprints:
+            return self.footprints[key]
+        plan = (worker.memory.get("plans") or {}).get(f"{name}/{version}")
+        if isinstance(plan, dict):
+            return _int(plan, "footprint_bytes")
+        return _int(worker.memory.get("models") or {}, f"{name}/{version}")
+
     def used(self, worker: WorkerState, skip: tuple[str, int] | None = None) -> int:
         """The context plus the footprints of what is loaded or loading (but ``skip``)."""
-        return self.context(worker) + sum(self.footprints.get((worker.identity, m, v), 0)
+        return self.context(worker) + sum(self.footprint(worker, m, v)
                                           for m, v in self._held(worker, skip))
 
     def available(self, worker: WorkerState,
@@ -97,8 +109,8 @@ class Placement:
         report = worker.memory
         if _kind(worker) == "cuda" and isinstance(report.get("gpu_free_bytes"), int):
             seen = report.get("models") or {}
-            unseen = sum(self.footprints.get((worker.identity, m, v), 0)
-                         for m, v in self._held(worker, skip) if f"{m}/{v}" not in seen)
+            unseen = sum(self.footprint(worker, m, v) for m, v in self._held(worker, skip)
+                         if f"{m}/{v}" not in seen)
             return int(report["gpu_free_bytes"]) - unseen - self.headroom(worker)
         budget = self.budget(worker)
         if not budget:
@@ -257,8 +269,7 @@ class Placement:
 
     # -- eviction ----------------------------------------------------------------------
     def _cost(self, worker: WorkerState, model: str) -> int:
-        return sum(self.footprints.get((worker.identity, model, v), 0)
-                   for v in worker.versions_of(model))
+        return sum(self.footprint(worker, model, v) for v in worker.versions_of(model))
 
     def _idle(self, worker: WorkerState, keep: str) -> list[str]:
         """Models on the worker with nothing queued or running, least recently used first."""

@@ -150,3 +150,19 @@ def test_an_idle_model_is_evicted_before_the_load_when_that_makes_room(tmp_path:
     # 1 MB context + 4 + 4 of 10 MB: the least recently used idle model makes room
     assert rig.loads("a/0")[-1] == "third/1"
     assert ("old", 1) not in w.loaded and ("third", 1) in w.loading
+
+
+def test_a_worker_that_held_versions_before_the_broker_knew_it_is_planned_from_its_report(
+        tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.model("m")
+    rig.model("n")
+    # a broker restart: the worker registers with m/1 loaded and its plan in the report
+    ready = p.WorkerReady("a/0", 1, device="cpu", models=[["m", 1]], memory_budget_bytes=12 * MB,
+                          memory={"device": "cpu", "context_bytes": 1 * MB,
+                                  "models": {"m/1": WEIGHTS},
+                                  "plans": {"m/1": {"footprint_bytes": 5 * MB}}})
+    rig.b.worker_ready(b"a/0", ready, rig.now)
+    w = rig.b.pool.get(b"a/0")
+    assert rig.placement.used(w) == 6 * MB + WEIGHTS   # context, m/1 as reported, n/1 loading
+    assert rig.loads("a/0") == ["n/1"]

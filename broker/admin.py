@@ -197,6 +197,30 @@ def _autoscaling_lines(models: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _mb(n: Any) -> str:
+    return f"{n / 1e6:.1f}" if isinstance(n, (int, float)) else "-"
+
+
+def memory_plan_lines(plan: dict[str, Any]) -> list[str]:
+    """The placement's view: each device's free memory after headroom, and each version's
+    predicted footprint against what its warm-up measured."""
+    if not plan:
+        return []
+    lines = [f"{'MEMORY (MB)':<24} {'DEVICE':<8} {'FREE':>9} {'HEADROOM':>9} "
+             f"{'CONTEXT':>8}  MODEL PREDICTED/MEASURED (ERROR)"]
+    for wid, w in sorted(plan.items()):
+        free = "no limit" if w.get("available_bytes") is None else _mb(w["available_bytes"])
+        models = []
+        for key, m in w.get("models", {}).items():
+            err = f" ({m['error_pct']:+.0f}%)" if "error_pct" in m else ""
+            models.append(f"{key} {_mb(m.get('predicted_bytes'))}/"
+                          f"{_mb(m.get('measured_bytes'))}{err}")
+        lines.append(f"{wid:<24} {w.get('device', '?'):<8} {free:>9} "
+                     f"{_mb(w.get('headroom_bytes')):>9} {_mb(w.get('context_bytes')):>8}  "
+                     + (", ".join(models) or "-"))
+    return lines
+
+
 def human(verb: str, result: Any) -> str:
     if verb == "status":
         lines = [f"{'WORKER':<24} {'STATE':<9} {'INFLIGHT':>8} {'RSS MB':>8}  MODELS"]
@@ -207,6 +231,7 @@ def human(verb: str, result: Any) -> str:
         lines.append("queues: " + (", ".join(f"{m}={d}" for m, d in result["queues"].items())
                                    or "none"))
         lines.extend(_autoscaling_lines(result.get("autoscaling") or {}))
+        lines += memory_plan_lines(result.get("memory_plan") or {})
         for name, t in result.get("tenants", {}).items():
             rejected = sum(t["rejected"].values())
             lines.append(f"tenant {name}: {t['rate']:.2f} req/s, {t['inflight']} in flight, "

@@ -117,6 +117,8 @@ def run(args: Any) -> int:
                                         "--memory-budget", str(args.memory_budget),
                                         "--memory-tolerance-bytes",
                                         str(args.memory_tolerance_bytes)]
+        if args.memory_headroom is not None:
+            argv += ["--memory-headroom", str(args.memory_headroom)]
         if args.device:
             argv += ["--device", args.device]
         children.append(Child(f"worker {hostname()}/{i}", argv, env))

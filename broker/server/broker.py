@@ -403,7 +403,8 @@ class Broker:
                 "queues": {m: self.scheduler.depth(m) for m in self.catalog.models},
                 "inflight_batches": len(self.pool.inflight), "stopping": self.stopping,
                 "pid": os.getpid(), "tenants": self.tenancy.summary(),
-                "autoscaling": self.replicas.describe()}
+                "autoscaling": self.replicas.describe(),
+                "memory_plan": self.lifecycle.placement.describe()}
 
     def _models(self, _: dict[str, Any]) -> dict[str, Any]:
         out = {}

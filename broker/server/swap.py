@@ -157,9 +157,13 @@ class Lifecycle:
             due = first if due is None else min(due, first)
         if (copy := self.registrar.next_due(self.clock())) is not None:
             due = copy if due is None else min(due, copy)
+        if self.placement.refused:  # loads refused for memory: answered on the next tick
+            due = self.clock()
         return due
 
     def tick(self, now: float) -> None:
+        for worker, refused in self.placement.take_refused():
+            self.on_loaded(worker, refused)
         if self.watcher is not None:
             dirty = self.watcher.take_due()
             if dirty:
@@ -306,8 +310,8 @@ class Lifecycle:
             for v in sorted(swap.changed):
                 self._flush_retiring(w, cfg.name, v)
                 swap.waiting.add((w.identity, v))
-                self.pool.load(w, p.LoadModel(cfg.name, v, str(swap.repo.path / str(v)),
-                                              cfg.to_json(), swap.shas[v]))
+                self.placement.load(w, p.LoadModel(cfg.name, v, str(swap.repo.path / str(v)),
+                                                   cfg.to_json(), swap.shas[v]))
         self.swaps[cfg.name] = swap
         logger.info("model %s: preparing version(s) %s on %d worker(s)", cfg.name,
                     sorted(swap.changed), len(workers))
@@ -365,9 +369,9 @@ class Lifecycle:
                   if self.placed(m.config, worker) for v in m.versions}
         for name, version in sorted(wanted - worker.loaded - worker.loading):
             model = self.catalog.models[name]
-            self.pool.load(worker, p.LoadModel(name, version, str(model.path / str(version)),
-                                               model.config.to_json(),
-                                               self.shas.get(name, {}).get(version, "")))
+            self.placement.load(worker, p.LoadModel(
+                name, version, str(model.path / str(version)), model.config.to_json(),
+                self.shas.get(name, {}).get(version, "")))
         for name, version in sorted(worker.loaded - wanted):
             self.pool.unload(worker, name, version)
         for key in worker.loaded & wanted:
@@ -491,7 +495,7 @@ class Lifecycle:
             if key in busy:
                 keep.append(key)
             elif worker is not None:
-                self.placement.footprints.pop(key, None)
+                self.placement.forget(key)
                 self.pool.unload(worker, name, version)
         self.retiring = keep
 
@@ -531,4 +535,7 @@ class Lifecycle:
             out["swap"] = {"versions": sorted(swap.changed), "waiting": len(swap.waiting)}
         if name in self.failures:
             out["last_failure"] = self.failures[name]
+        memory = self.placement.describe_model(name)
+        if memory:
+            out["memory"] = memory
         return out

@@ -65,7 +65,9 @@ def test_no_worker_with_memory_holds_and_says_which_lacks_how_much() -> None:
         holds = [d for d in sim.broker.replicas.history["m"] if d["reason"] == "no_memory"]
         assert holds, list(sim.broker.replicas.history["m"])
         detail = holds[0]["detail"]
-        assert "m/1 needs 1073.7 MB but worker sim/" in detail and "MB short" in detail
+        # the device, what it has free after headroom, and what the version needs
+        assert "on worker sim/" in detail and "MB free after" in detail, detail
+        assert "m/1 needs 1.1 GB (measured on worker sim/0)" in detail, detail
         st = sim.broker.replicas.describe()["m"]
         assert st["replicas"] == ["sim/0"] and st["last"]["reason"] == "no_memory"
     finally:

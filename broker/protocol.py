@@ -256,6 +256,9 @@ class WorkerReady:
     device: str = ""
     models: list[list[Any]] = field(default_factory=list)   # [[model, version], ...]
     memory_budget_bytes: int = 0
+    # the memory planner's inputs, as in heartbeats: device, headroom_bytes, context_bytes,
+    # gpu_free_bytes, models/plans of what is loaded (see models/footprint.py)
+    memory: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -298,6 +301,8 @@ class ModelLoaded:
     sha256: str = ""
     memory_bytes: int = 0
     load_s: float = 0.0
+    # what warm-up measured: resident_bytes, the activation term, footprint_bytes
+    memory: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,14 @@ from zeroserve.broker import __version__
 from zeroserve.broker.client import AsyncClient, InferError
 from zeroserve.broker import protocol as p
 from zeroserve.broker.protocol import ErrorCode
-from zeroserve.gateway import metrics, openapi, readiness, routes_simple, v2
+from zeroserve.gateway import metrics, openapi, readiness, routes_simple
 from zeroserve.gateway.classification import classify
+from zeroserve.gateway.door import Door
+from zeroserve.gateway.infer import InferEndpoint
 from zeroserve.broker.logsettings import LogSettings
 from zeroserve.gateway.shm import SharedMemory
-from zeroserve.gateway.apikey import api_key_of
-from zeroserve.gateway.http import STATUS, BadRequest, BodyTooLarge, bounded_int, \
-    compressed, error_response, infer_error_response, json_response, path_version, \
-    read_body, too_large_response
+from zeroserve.gateway.http import STATUS, BadRequest, BodyTooLarge, error_response, \
+    infer_error_response, json_response, path_version, read_body
 
 __all__ = ["STATUS", "Settings", "create_app", "error_response", "json_response",
            "infer_error_response", "read_body", "BodyTooLarge"]
@@ -51,6 +51,8 @@ class Settings:
     server_name: str = "zeroserve"
     server_version: str = __version__
     allow_shared_memory: bool = False
+    shed_lag_ms: float = 50.0  # shed at the door while the event loop is this far behind
+    max_in_flight: int = 2048  # inference requests in the gateway at most (0: no bound)
 
     @property
     def control_endpoint(self) -> str:
@@ -73,6 +75,7 @@ class Gateway:
                                  broker_timeout_s=settings.broker_timeout_s,
                                  admin_token=settings.admin_token)
         self.draining = False
+        self.door = Door(settings.shed_lag_ms, settings.max_in_flight)
         self.shm = SharedMemory(settings.allow_shared_memory)
         self.logs = LogSettings()
 
@@ -81,9 +84,11 @@ class Gateway:
         await self.client.start()
         await self.admin.start()
         await self.client.wait_connected(1.0)
+        self.door.start()
         try:
             yield
         finally:
+            self.door.stop()
             await self.admin.close()
             self.shm.close()
             await self.client.close()
@@ -160,48 +165,7 @@ class Gateway:
         return await self.control(  # type: ignore[no-any-return]
             verb, model=request.path_params["name"], version=version)
 
-    async def infer(self, request: Request) -> Response:
-        name = request.path_params["name"]
-        try:
-            version = path_version(request)
-            body = await read_body(request, self.settings.max_body_bytes)
-            hlen = request.headers.get(v2.HEADER_LENGTH)
-            req = v2.decode_request(body, int(hlen) if hlen is not None and hlen.isdigit()
-                                    else None if hlen is None else -1,
-                                    self.shm.read if self.shm.enabled else None)
-            priority = bounded_int(req.parameters.get("priority", 0), "priority")
-            timeout_us = bounded_int(req.parameters.get("timeout", 0), "timeout")
-            if req.parameters.get("sequence_id"):
-                raise BadRequest("sequence batching is not supported")
-        except BodyTooLarge:
-            return too_large_response(self.settings.max_body_bytes)
-        except ValueError as exc:  # DecodeError, BadRequest
-            return error_response(400, str(exc))
-        try:
-            reply = await self.client.infer_tensors(
-                name, req.tensors, version=version, priority=priority,
-                timeout_ms=timeout_us / 1000.0, outputs=req.output_names,
-                api_key=api_key_of(request.headers))
-        except InferError as exc:
-            return infer_error_response(exc)
-        try:
-            tensors = reply.tensors
-            if req.classified:
-                tensors = await self._classify(reply.model, reply.version, tensors,
-                                               req.classified)
-            body, json_len = v2.encode_response(reply.model, reply.version, req.id,
-                                                tensors, req, self.shm.write,
-                                                clamped(reply.stats))
-        except InferError as exc:
-            return infer_error_response(exc)
-        except v2.DecodeError as exc:
-            return error_response(400, str(exc))
-        if json_len is None:
-            return compressed(request, body)
-        return compressed(request, body, 200, {"Inference-Header-Content-Length": str(json_len)},
-                          media_type="application/octet-stream")
-
-    async def _classify(self, model: str, version: int, tensors: list[p.Tensor],
+    async def classify(self, model: str, version: int, tensors: list[p.Tensor],
                         counts: dict[str, int]) -> list[p.Tensor]:
         """The top N of each output that asks for it. The model's metadata says
         whether dimension 0 is the batch, and (once the broker sends them) its labels."""
@@ -212,19 +176,9 @@ class Gateway:
                 if t.meta.name in counts else t for t in tensors]
 
 
-def clamped(stats: dict[str, float]) -> dict[str, Any] | None:
-    """What the broker changed of the request (a tenant's class caps its priority and
-    timeout), said in the response's parameters as the effective values."""
-    out: dict[str, Any] = {}
-    if stats.get("priority_clamped"):
-        out.update(priority_clamped=True, priority=int(stats.get("priority", 0)))
-    if stats.get("timeout_clamped"):
-        out.update(timeout_clamped=True, timeout=int(stats.get("timeout_ms", 0) * 1000))
-    return out or None
-
-
 def create_app(settings: Settings) -> Starlette:
     gw = Gateway(settings)
+    infer = InferEndpoint(gw)   # the fast path (fastpath.py) calls the same object
     m = "/v2/models/{name}"
     mv = "/v2/models/{name}/versions/{version}"
     from zeroserve.gateway.routes_repo import RepositoryRoutes
@@ -242,8 +196,8 @@ def create_app(settings: Settings) -> Starlette:
         Route(mv + "/ready", gw.model_ready, methods=["GET"]),
         Route(m + "/config", gw.model_config, methods=["GET"]),
         Route(mv + "/config", gw.model_config, methods=["GET"]),
-        Route(m + "/infer", gw.infer, methods=["POST"]),
-        Route(mv + "/infer", gw.infer, methods=["POST"]),
+        Route(m + "/infer", infer, methods=["POST"]),
+        Route(mv + "/infer", infer, methods=["POST"]),
         *routes_simple.routes(gw),
         Route("/metrics", metrics.Scrape(gw.control).endpoint, methods=["GET"]),
     ]
@@ -269,4 +223,5 @@ def create_app(settings: Settings) -> Starlette:
                     exception_handlers={404: http_error, 405: http_error,
                                         Exception: unexpected})
     app.state.gateway = gw
+    app.state.infer = infer
     return app

@@ -1,45 +1,36 @@
-"""The inference fast path: ``POST /v2/models/{m}[/versions/{v}]/infer`` straight to
-the handler, around Starlette's middleware stack and router.
+"""The inference fast path: ``POST /v2/models/{m}[/versions/{v}]/infer`` from uvicorn
+straight to :class:`~zeroserve.gateway.infer.InferEndpoint`, around Starlette's
+middleware stack and router; everything else goes through the Starlette app.
 
-Measured with py-spy under wrk at C=64 on ``mlp``: the middleware layers, routing
-and exception wrappers took about 40% of the gateway's CPU per inference, the
-handler itself the rest. Everything else still goes through the Starlette app.
-
-It also withdraws a request whose HTTP client went away: once the body is read,
-the handler runs beside a wait for ``http.disconnect``; a disconnect cancels the
-handler, and cancelling the client call sends the broker a CANCEL, so the queued
-request leaves the queue instead of running for nobody.
+Measured with py-spy under load at C=64 on ``mlp``: the middleware layers, routing
+and exception wrappers took about 40% of the gateway's CPU per inference. The
+endpoint is the same object the app's route calls, so there is one implementation
+of infer; this module only routes and records the HTTP metrics (the middleware
+records them on the other way in, never both).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import re
 import time
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from zeroserve.gateway.http import error_response, too_large_response
+from zeroserve.gateway.infer import STATUS_KEY, InferEndpoint
 from zeroserve.gateway.metrics import HTTP_REQUESTS, HTTP_SECONDS
-
-logger = logging.getLogger(__name__)
 
 INFER = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer$")
 ROUTE = {False: "/v2/models/{name}/infer", True: "/v2/models/{name}/versions/{version}/infer"}
 
 
-class Disconnected(Exception):
-    pass
-
-
 class InferFastPath:
     def __init__(self, app: Starlette) -> None:
         self.app = app
-        self.gateway = app.state.gateway
+        self.endpoint: InferEndpoint = app.state.infer
+        self._counters: dict[tuple[bool, int], Any] = {}   # labels() costs a lock a call
+        self._timers = {v: HTTP_SECONDS.labels(r, "POST") for v, r in ROUTE.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = INFER.match(scope["path"]) if scope["type"] == "http" and \
@@ -48,66 +39,18 @@ class InferFastPath:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = 500
-        params = {k: v for k, v in match.groupdict().items() if v is not None}
-        scope["path_params"] = params
+        name, version = match.group("name", "version")
+        scope["path_params"] = {"name": name} if version is None else \
+            {"name": name, "version": version}
         scope["app"] = self.app
         try:
-            status = await self._infer(scope, receive, send)
-        except Disconnected:
-            status = 499
-        except Exception:  # a bug: answer JSON, log the traceback, keep serving
-            logger.exception("unexpected error on POST %s", scope["path"])
-            await error_response(500, "internal error")(scope, receive, send)
+            await self.endpoint(scope, receive, send)
         finally:
-            route = ROUTE["version" in params]
-            HTTP_REQUESTS.labels(route, "POST", str(status)).inc()
-            HTTP_SECONDS.labels(route, "POST").observe(time.perf_counter() - start)
-
-    async def _infer(self, scope: Scope, receive: Receive, send: Send) -> int:
-        limit = self.gateway.settings.max_body_bytes
-        body = await _read_all(scope, receive, limit)
-        if body is None:
-            response = too_large_response(limit)
-            await response(scope, receive, send)
-            return response.status_code
-        replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive_body() -> Message:
-            return replay.pop() if replay else await receive()
-
-        handler = asyncio.ensure_future(self.gateway.infer(Request(scope, receive_body)))
-        watcher = asyncio.ensure_future(receive())
-        try:
-            done, _ = await asyncio.wait({handler, watcher},
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if handler not in done:  # the client went away: withdraw the request
-                handler.cancel()
-                await asyncio.gather(handler, return_exceptions=True)
-                raise Disconnected()
-        finally:
-            watcher.cancel()
-        response = handler.result()
-        await response(scope, receive, send)
-        return int(response.status_code)
-
-
-async def _read_all(scope: Scope, receive: Receive, limit: int) -> bytes | None:
-    """The raw body, or None when it is larger than ``limit`` (decompression and its
-    bound are the handler's)."""
-    for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            return None
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message: Any = await receive()
-        if message["type"] == "http.disconnect":
-            raise Disconnected()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+            pinned = version is not None
+            status = scope.get(STATUS_KEY, 500)
+            counter = self._counters.get((pinned, status))
+            if counter is None:
+                counter = self._counters[pinned, status] = HTTP_REQUESTS.labels(
+                    ROUTE[pinned], "POST", str(status))
+            counter.inc()
+            self._timers[pinned].observe(time.perf_counter() - start)

@@ -44,7 +44,8 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     return json_response({"error": message}, status, headers)
 
 
-def infer_error_response(err: InferError) -> Response:
+def infer_error_parts(err: InferError) -> tuple[int, dict[str, str] | None]:
+    """The status and extra headers of a typed error (its message is the body's)."""
     headers = None
     if err.retry_after_s is not None:  # rounded up: retrying earlier is refused again
         headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))}
@@ -52,7 +53,12 @@ def infer_error_response(err: InferError) -> Response:
         headers = {"WWW-Authenticate": "Bearer"}
     elif err.code in (ErrorCode.OVERLOADED, ErrorCode.NO_WORKER, ErrorCode.UNAVAILABLE):
         headers = {"Retry-After": "1"}
-    return error_response(STATUS.get(err.code, 500), err.message, headers)
+    return STATUS.get(err.code, 500), headers
+
+
+def infer_error_response(err: InferError) -> Response:
+    status, headers = infer_error_parts(err)
+    return error_response(status, err.message, headers)
 
 
 def too_large_response(limit: int) -> Response:
@@ -104,7 +110,11 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
 
 def accepted_encoding(request: Request) -> str | None:
     """gzip or deflate when the client accepts one (first listed wins), else None."""
-    raw = request.headers.get("accept-encoding")
+    return encoding_of(request.headers.get("accept-encoding"))
+
+
+def encoding_of(raw: str | None) -> str | None:
+    """The response encoding an Accept-Encoding value asks for (gzip, deflate, None)."""
     if not raw:
         return None
     for part in raw.split(","):
@@ -123,16 +133,24 @@ def compressed(request: Request, body: bytes, status: int = 200,
     encoding = accepted_encoding(request)
     if encoding is None:
         return Response(body, status, headers, media_type=media_type)
+    return Response(compress(body, encoding), status,
+                    {**(headers or {}), "Content-Encoding": encoding, "Vary": "Accept-Encoding"},
+                    media_type=media_type)
+
+
+def compress(body: bytes, encoding: str) -> bytes:
+    """Level 1 gzip or deflate (zlib-wrapped, as HTTP means it)."""
     if encoding == "gzip":
-        body = gzip.compress(body, compresslevel=1, mtime=0)
-    else:
-        body = zlib.compress(body, 1)
-    return Response(body, status, {**(headers or {}), "Content-Encoding": encoding,
-                                   "Vary": "Accept-Encoding"}, media_type=media_type)
+        return gzip.compress(body, compresslevel=1, mtime=0)
+    return zlib.compress(body, 1)
 
 
 def path_version(request: Request) -> int | None:
-    raw = request.path_params.get("version")
+    return parse_version(request.path_params.get("version"))
+
+
+def parse_version(raw: str | None) -> int | None:
+    """A version path segment: None when absent, else a positive integer (BadRequest)."""
     if raw is None:
         return None
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_INT:

@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
                               admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", ""),
                               readiness=args.readiness, server_name=args.server_name,
                               server_version=args.server_version or __version__,
-                              allow_shared_memory=args.allow_shared_memory))
+                              allow_shared_memory=args.allow_shared_memory,
+                              shed_lag_ms=args.shed_lag_ms, max_in_flight=args.max_in_flight))
     config = uvicorn.Config(InferFastPath(app), host=args.http_host, port=args.http_port,
                             loop="uvloop", http="httptools", access_log=False,
                             log_level=args.log_level, log_config=None,

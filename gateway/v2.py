@@ -144,6 +144,12 @@ def decode_request(body: bytes, header_length: int | None,
                    shm: ShmReader | None = None) -> V2Request:
     """Parse an infer body. ``header_length`` is Inference-Header-Content-Length;
     ``shm`` reads inputs that name a shared-memory region (None: the extension is off)."""
+    return decode_document(*parse_document(body, header_length), shm)
+
+
+def parse_document(body: bytes, header_length: int | None) -> tuple[dict[str, Any], memoryview]:
+    """The JSON document of an infer body and the binary part after it (a view into
+    the body, no copy); the tensors are not decoded yet (see decode_document)."""
     if header_length is not None:
         if header_length < 0 or header_length > len(body):
             raise DecodeError(f"Inference-Header-Content-Length {header_length} exceeds the "
@@ -157,12 +163,24 @@ def decode_request(body: bytes, header_length: int | None,
         raise DecodeError(f"malformed JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise DecodeError("the request must be a JSON object")
-    inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise DecodeError("'inputs' must be a non-empty list")
+    return doc, binary
+
+
+def parameters_of(doc: dict[str, Any]) -> dict[str, Any]:
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise DecodeError("'parameters' must be an object")
+    return params
+
+
+def decode_document(doc: dict[str, Any], binary: memoryview,
+                    shm: ShmReader | None = None) -> V2Request:
+    """The request of a parsed document: JSON data straight into numpy (one
+    ``np.asarray`` per tensor), binary data as views into the body."""
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise DecodeError("'inputs' must be a non-empty list")
+    params = parameters_of(doc)
     tensors, pos = [], 0
     for i, inp in enumerate(inputs):
         where = f"inputs[{i}]"

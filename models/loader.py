@@ -8,11 +8,12 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from zeroserve.models import handlers
+from zeroserve.models.footprint import fit_activation, weights_bytes
 from zeroserve.models.repository import ModelConfig, version_sha256
 
 __all__ = ["LoadError", "LoadedModel", "load", "version_sha256", "warm_up"]
@@ -48,6 +49,9 @@ class LoadedModel:
     package: str = ""
     version_dir: Path | None = None
     probe_before: int = 0   # the memory probe just before the load (to check it comes back)
+    # what the memory planner learns (models/footprint.py): resident bytes, the activation
+    # term fitted to the warm-up batches' peaks, the footprint at the largest batch
+    plan: dict[str, Any] = field(default_factory=dict)
 
     def ref(self) -> "weakref.ref[Any]":
         return weakref.ref(self.handler if self.handler is not None else self.fn)
@@ -93,24 +97,68 @@ def sample_inputs(cfg: ModelConfig, batch: int, device: str) -> list[torch.Tenso
     return out
 
 
-def warm_up(loaded: LoadedModel) -> None:
+class Probe(Protocol):
+    """Peak memory of one batch (workers/memory.py): ``start()`` then ``stop() -> bytes``."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> int: ...
+
+
+def _warm_sizes(cfg: ModelConfig) -> list[int]:
+    if cfg.max_batch_size <= 0:
+        return [1]
+    return [min(b, cfg.max_batch_size) for b in cfg.warmup.get("batch_sizes", [])]
+
+
+def _run(loaded: LoadedModel, batch: int) -> None:
+    args = sample_inputs(loaded.config, batch, loaded.device)
+    if loaded.handler is not None:
+        loaded.fn({s.name: t for s, t in zip(loaded.config.inputs, args)})
+    else:
+        loaded.fn(*args)
+    del args
+
+
+def warm_up(loaded: LoadedModel, probe: Probe | None = None) -> dict[int, int]:
+    """Run the warm-up batches; with a ``probe``, run the smallest and largest once more,
+    measured (the first runs also compile and specialize, which would blur the peak):
+    returns the peak bytes per batch size."""
     cfg = loaded.config
     if any(s.datatype == "BYTES" for s in cfg.inputs):
-        return
-    sizes = cfg.warmup.get("batch_sizes", []) if cfg.max_batch_size > 0 else [1]
+        return {}
+    sizes = _warm_sizes(cfg)
+    peaks: dict[int, int] = {}
     with torch.inference_mode():
         for b in sizes:
-            b = min(b, cfg.max_batch_size) if cfg.max_batch_size > 0 else 1
-            args = sample_inputs(cfg, b, loaded.device)
-            if loaded.handler is not None:
-                loaded.fn({s.name: t for s, t in zip(cfg.inputs, args)})
-            else:
-                loaded.fn(*args)
+            _run(loaded, b)
+        if probe is not None and sizes:
+            for b in sorted({min(sizes), max(sizes)}):
+                probe.start()
+                _run(loaded, b)
+                peaks[b] = probe.stop()
+    return peaks
+
+
+def _plan(cfg: ModelConfig, version_dir: Path, resident: int,
+          peaks: dict[int, int]) -> dict[str, Any]:
+    batch = max(1, cfg.max_batch_size)
+    term = fit_activation(peaks)
+    weights = weights_bytes(cfg, version_dir)
+    plan: dict[str, Any] = {"resident_bytes": resident, "batch": batch,
+                            "weights_bytes": weights,
+                            "overhead_bytes": resident - (weights or 0),
+                            "warmup_peaks": {str(b): n for b, n in sorted(peaks.items())}}
+    if term is not None:
+        plan.update(term.to_json())
+    plan["footprint_bytes"] = resident + (term.at(batch) if term is not None else 0)
+    return plan
 
 
 def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
-         memory_probe: Callable[[], int]) -> LoadedModel:
-    """Load, warm up and measure one version. Raises LoadError with the reason."""
+         memory_probe: Callable[[], int], peak_probe: Probe | None = None) -> LoadedModel:
+    """Load, warm up and measure one version (with ``peak_probe``, the warm-up batches'
+    peaks too, into ``plan``). Raises LoadError with the reason."""
     loader = LOADERS.get(cfg.platform)
     if loader is None and cfg.platform != "python":
         raise LoadError(f"platform {cfg.platform!r} is not supported by this worker")
@@ -131,7 +179,7 @@ def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
         else:
             assert loader is not None
             loaded = LoadedModel(cfg.name, version, cfg, sha, loader(model_file, device), device)
-        warm_up(loaded)
+        peaks = warm_up(loaded, peak_probe)
     except Exception as exc:  # a broken file or model raises anything
         if loaded is not None:
             loaded.release()
@@ -140,5 +188,7 @@ def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
         raise LoadError(f"{cfg.name}/{version}: {type(exc).__name__}: {exc}") from None
     loaded.probe_before = before
     loaded.memory_bytes = max(0, memory_probe() - before)
+    if peak_probe is not None:
+        loaded.plan = _plan(cfg, version_dir, loaded.memory_bytes, peaks)
     loaded.load_s = time.monotonic() - start
     return loaded

@@ -31,6 +31,14 @@ MODEL_FILES = {"pytorch_torchscript": "model.pt", "pytorch_export": "model.pt2",
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
 
+DEFAULT_INSTANCES: dict[str, Any] = {"count": 0, "workers": [], "min": 0, "max": 0}
+# the replica controller's tuning (broker/server/autoscale.py says what each one does)
+DEFAULT_AUTOSCALING: dict[str, float] = {
+    "queue_slo_ms": 100.0, "window_s": 5.0, "down_window_s": 15.0, "up_cooldown_s": 5.0,
+    "down_cooldown_s": 30.0, "low_utilization": 0.3, "high_utilization": 0.7,
+    "depth_per_replica": 0.0}
+
+
 class ConfigError(ValueError):
     """A config that does not validate; the message names the file and the field."""
 
@@ -67,7 +75,10 @@ class ModelConfig:
     dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)
     version_policy: dict[str, Any] = field(default_factory=lambda: {"latest": 1})
     traffic: dict[str, int] = field(default_factory=dict)
-    instances: dict[str, Any] = field(default_factory=lambda: {"count": 0, "workers": []})
+    # replicas: "count" N fixes N; "min"/"max" bound the autoscaler; all 0: every worker
+    instances: dict[str, Any] = field(default_factory=lambda: {**DEFAULT_INSTANCES,
+                                                                       "workers": []})
+    autoscaling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_AUTOSCALING))
     warmup: dict[str, Any] = field(default_factory=lambda: {"batch_sizes": [1, 8]})
     # exempt from strict server readiness: a failure to load it is reported, not fatal
     optional: bool = False
@@ -136,7 +147,7 @@ def _tensors(where: str, fld: str, raw: Any) -> tuple[TensorSpec, ...]:
 _DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
 _TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
                "version_policy", "traffic", "instances", "warmup", "input_shape", "backend",
-               "optional"}
+               "optional", "autoscaling"}
 
 
 def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
@@ -197,6 +208,42 @@ def _input_shape(where: str, raw: Any, max_batch_size: int) -> list[dict[str, An
     return inputs
 
 
+def _instances(where: str, raw: Any) -> dict[str, Any]:
+    """``{"count", "workers", "min", "max"}``: ``count`` N > 0 means exactly N replicas
+    (min = max = N); ``min``/``max`` let the autoscaler choose between them (``max`` 0:
+    up to every eligible worker; ``min`` 0 with a ``max``: 1). All 0, the default: every
+    eligible worker holds the model, as before replicas were counted."""
+    raw = raw or {}
+    if not isinstance(raw, dict) or set(raw) - set(DEFAULT_INSTANCES):
+        raise _fail(where, "instances",
+                    'must be {"count": N, "workers": [ids], "min": N, "max": N}')
+    out: dict[str, Any] = {k: _int(where, f"instances.{k}", raw.get(k, 0))
+                           for k in ("count", "min", "max")}
+    workers = raw.get("workers", [])
+    if not isinstance(workers, list) or not all(isinstance(w, str) for w in workers):
+        raise _fail(where, "instances.workers", "must be a list of worker ids")
+    out["workers"] = list(workers)
+    if out["count"] and (out["min"] or out["max"]):
+        raise _fail(where, "instances.count", "give either count or min/max, not both")
+    if out["max"] and out["min"] > out["max"]:
+        raise _fail(where, "instances.min", f"{out['min']} is above max {out['max']}")
+    return out
+
+
+def _autoscaling(where: str, raw: Any) -> dict[str, float]:
+    raw = raw or {}
+    if not isinstance(raw, dict) or set(raw) - set(DEFAULT_AUTOSCALING):
+        raise _fail(where, "autoscaling", f"keys must be among {sorted(DEFAULT_AUTOSCALING)}")
+    out = {k: _num(where, f"autoscaling.{k}", raw.get(k, d))
+           for k, d in DEFAULT_AUTOSCALING.items()}
+    for k in ("low_utilization", "high_utilization"):
+        if out[k] > 1:
+            raise _fail(where, f"autoscaling.{k}", f"must be a fraction 0..1, got {out[k]}")
+    if out["low_utilization"] >= out["high_utilization"]:
+        raise _fail(where, "autoscaling.low_utilization", "must be below high_utilization")
+    return out
+
+
 def parse_config(raw: Any, where: str, expected_name: str | None = None) -> ModelConfig:
     """Validate a decoded config.json (or registration body) into a ModelConfig."""
     if not isinstance(raw, dict):
@@ -229,11 +276,8 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
             isinstance(k, str) and k.isdigit() and isinstance(v, int) and v >= 0
             for k, v in traffic.items()):
         raise _fail(where, "traffic", 'must map version strings to weights, e.g. {"3": 90}')
-    instances = raw.get("instances") or {"count": 0, "workers": []}
-    if not isinstance(instances, dict) or set(instances) - {"count", "workers"}:
-        raise _fail(where, "instances", 'must be {"count": N, "workers": [ids]}')
-    instances = {"count": _int(where, "instances.count", instances.get("count", 0)),
-                 "workers": list(instances.get("workers", []))}
+    instances = _instances(where, raw.get("instances"))
+    autoscaling = _autoscaling(where, raw.get("autoscaling"))
     warmup = raw.get("warmup") or {"batch_sizes": [1, 8]}
     if not isinstance(warmup, dict) or not isinstance(warmup.get("batch_sizes", []), list):
         raise _fail(where, "warmup", 'must be {"batch_sizes": [sizes]}')
@@ -245,6 +289,7 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
         max_batch_size=mbs, dynamic_batching=_dynamic_batching(where, raw.get("dynamic_batching")),
         version_policy=_version_policy(where, raw.get("version_policy")),
         traffic={k: int(v) for k, v in traffic.items()}, instances=instances,
+        autoscaling=autoscaling,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
         optional=optional)

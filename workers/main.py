@@ -23,7 +23,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     worker = Worker(endpoint, worker_id, credits=args.credits, device=args.device,
                     memory_tolerance_bytes=getattr(args, "memory_tolerance_bytes", 64 << 20),
-                    memory_budget_bytes=getattr(args, "memory_budget", 0))
+                    memory_budget_bytes=getattr(args, "memory_budget", 0),
+                    memory_headroom_bytes=getattr(args, "memory_headroom", None))
     worker.install_signal_handlers()
     logger.info("worker %s on %s, %d torch threads, broker %s (pid %d)", worker_id,
                 worker.device, torch.get_num_threads(), endpoint, os.getpid())

@@ -34,6 +34,29 @@ def _base(args: Any, command: str) -> list[str]:
     return argv
 
 
+CORES_PER_GATEWAY = 4
+MAX_GATEWAYS = 8
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's cpuset, taskset), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def http_processes(requested: int, cores: int, shared_memory: bool) -> int:
+    """--http-workers, or by default one gateway per four cores, at most eight. A gateway
+    process tops out at one core, and HTTP parsing was about half of the CPU a request
+    costs outside the model (measured on mlp), so a quarter of the cores keeps HTTP off
+    the critical path and leaves the rest to the broker and the workers. Shared-memory
+    registrations live in the gateway that took them, so allowing them keeps one."""
+    if requested > 0:
+        return requested
+    return 1 if shared_memory else max(1, min(MAX_GATEWAYS, cores // CORES_PER_GATEWAY))
+
+
 def gateways(args: Any) -> list[Child]:
     """One gateway process, or several sharing the port (SO_REUSEPORT) and one
     prometheus multiprocess folder, so /metrics on any of them counts them all."""
@@ -42,9 +65,10 @@ def gateways(args: Any) -> list[Child]:
         "--max-body-bytes", str(args.max_body_bytes),
         "--shutdown-timeout-s", str(args.shutdown_timeout_s),
         "--readiness", args.readiness, "--server-name", args.server_name,
+        "--shed-lag-ms", str(args.shed_lag_ms), "--max-in-flight", str(args.max_in_flight),
         *(["--server-version", args.server_version] if args.server_version else []),
         *(["--allow-shared-memory"] if args.allow_shared_memory else [])]
-    n = max(1, args.http_workers)
+    n = http_processes(args.http_workers, usable_cores(), args.allow_shared_memory)
     if n == 1:
         return [Child("gateway", argv)]
     prom = (Path(args.runtime_dir) if args.runtime_dir else runtime_dir()) / "prometheus"
@@ -71,7 +95,7 @@ def run(args: Any) -> int:
     n = args.workers or max(gpus, 1)
     # one core stays with the gateway and the broker: torch's spinning threads on every
     # core cut mlp's HTTP throughput by a third on a 2-core host (measured)
-    threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // n)
+    threads = args.threads or max(1, (usable_cores() - 1) // n)
     # prometheus_client picks multiprocess mode when it is imported: only gateways use it
     own_registry: dict[str, str | None] = {"PROMETHEUS_MULTIPROC_DIR": None}
     children = [Child("broker", _base(args, "broker") + [
@@ -93,6 +117,8 @@ def run(args: Any) -> int:
                                         "--memory-budget", str(args.memory_budget),
                                         "--memory-tolerance-bytes",
                                         str(args.memory_tolerance_bytes)]
+        if args.memory_headroom is not None:
+            argv += ["--memory-headroom", str(args.memory_headroom)]
         if args.device:
             argv += ["--device", args.device]
         children.append(Child(f"worker {hostname()}/{i}", argv, env))

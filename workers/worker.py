@@ -39,7 +39,7 @@ from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
-from zeroserve.workers import batching
+from zeroserve.workers import batching, memory
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class Worker:
                  heartbeat_s: float = 0.5, broker_expiry_s: float = 3.0,
                  drain_timeout_s: float = 30.0, device: str | None = None,
                  memory_tolerance_bytes: int = DEFAULT_MEMORY_TOLERANCE_BYTES,
-                 memory_budget_bytes: int = 0,
+                 memory_budget_bytes: int = 0, memory_headroom_bytes: int | None = None,
                  ctx: zmq.Context[Any] | None = None) -> None:
         self.endpoint = endpoint
         self.worker_id = worker_id
@@ -89,6 +89,8 @@ class Worker:
         self._broker_stopped = False  # it said BROKER_STOPPING and no broker spoke since
         self.memory_tolerance_bytes = memory_tolerance_bytes
         self.memory_budget_bytes = memory_budget_bytes
+        self.memory_headroom_bytes = memory_headroom_bytes
+        self.context = memory.context_cost(self.device)  # once, before any model
         self.recycle_reason = ""
         self._load_seq = 0
         self._bad_log = RateLimitedLog(logger)
@@ -169,7 +171,17 @@ class Worker:
         self._last_heard = time.monotonic()
         self._send(p.encode(p.WorkerReady(
             self.worker_id, self.credits, os.getpid(), socket.gethostname(), self.device,
-            [[m, v] for (m, v), _ in self._loaded()], self.memory_budget_bytes)))
+            [[m, v] for (m, v), _ in self._loaded()], self.memory_budget_bytes,
+            self._plan_report())))
+
+    def _plan_report(self) -> dict[str, Any]:
+        """The memory planner's inputs (READY and heartbeats): device, headroom, context,
+        and what each loaded version measured."""
+        report = memory.device_report(self.device, self.memory_budget_bytes,
+                                      self.memory_headroom_bytes, self.context)
+        report["models"] = {f"{m}/{v}": lm.memory_bytes for (m, v), lm in self._loaded()}
+        report["plans"] = {f"{m}/{v}": lm.plan for (m, v), lm in self._loaded() if lm.plan}
+        return report
 
     # -- main loop ----------------------------------------------------------
     def run(self) -> int:
@@ -314,15 +326,11 @@ class Worker:
     def _heartbeat(self) -> None:
         rss = rss_bytes()
         self.m_memory.set(rss)
-        footprints = {f"{m}/{v}": lm.memory_bytes for (m, v), lm in self._loaded()}
-        memory = {"rss_bytes": rss, "budget_bytes": self.memory_budget_bytes,
-                  "models": footprints, "free_bytes": self._free_bytes(footprints)}
+        report = self._plan_report()
+        report.update(rss_bytes=rss, free_bytes=self._free_bytes(report["models"]))
         if self.m_gpu is not None:
-            used = torch.cuda.memory_allocated()
-            self.m_gpu.set(used)
-            free, total = torch.cuda.mem_get_info()
-            memory.update(gpu_used_bytes=used, gpu_free_bytes=free, gpu_total_bytes=total)
-        self._send(p.encode(p.WorkerHeartbeat(memory, generate_latest(self.registry).decode())))
+            self.m_gpu.set(report["gpu_used_bytes"])
+        self._send(p.encode(p.WorkerHeartbeat(report, generate_latest(self.registry).decode())))
 
     # -- threads ------------------------------------------------------------
     def _compute_loop(self) -> None:
@@ -360,7 +368,9 @@ class Worker:
         name, version = msg.model, msg.version
         try:
             cfg = parse_config(msg.config, f"config of {name}")
-            loaded = load(cfg, version, Path(msg.path), self.device, self._memory_probe)
+            loaded = load(cfg, version, Path(msg.path), self.device,
+                          memory.settled(self._memory_probe, self.device),
+                          memory.PeakProbe(self.device))
         except (LoadError, ValueError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)
             return p.ModelLoaded(name, version, False, error=str(exc))
@@ -376,7 +386,8 @@ class Worker:
         logger.info("loaded %s/%d (sha256 %s, %.1f MB, %.2fs)", name, version,
                     loaded.sha256[:12], loaded.memory_bytes / 1e6, loaded.load_s)
         return p.ModelLoaded(name, version, True, sha256=loaded.sha256,
-                             memory_bytes=loaded.memory_bytes, load_s=loaded.load_s)
+                             memory_bytes=loaded.memory_bytes, load_s=loaded.load_s,
+                             memory=loaded.plan)
 
     def unload_version(self, name: str, version: int) -> None:
         with self._models_lock:
@@ -394,6 +405,8 @@ class Worker:
         loaded.release()
         del loaded
         gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # back to the device, where the broker's plan sees it
         excess = self._memory_probe() - expected
         logger.info("unloaded %s/%d (memory %+.1f MB against before its load)", name, version,
                     excess / 1e6)

@@ -16,7 +16,11 @@ from zeroserve.broker.bench import inputs as bi
 from zeroserve.broker.bench.http import HttpConnection, HttpError, Url, request_bytes
 from zeroserve.broker.client import AsyncClient, InferError
 
-TRANSPORTS = ("http-json", "http-binary", "direct")
+# http-raw POSTs a body file as is: for measuring a peer server (TorchServe's
+# /predictions/NAME) with the same generator, in the same run
+# ping: the broker's ping verb over the direct client, answered by the broker alone: the
+# messaging floor beside which the direct client's figures are read
+TRANSPORTS = ("http-json", "http-binary", "direct", "http-raw", "ping")
 
 
 @dataclass
@@ -31,6 +35,14 @@ class Plan:
     slo_ms: float = 0.0            # goodput counts answers within this (0: every answer)
     client_timeout_s: float = 30.0
     max_inflight: int = 1024       # open loop: requests in flight per process at most
+    raw: "RawRequest | None" = None  # http-raw: what to send instead of a v2 body
+
+
+@dataclass(frozen=True)
+class RawRequest:
+    path: str
+    body: bytes
+    content_type: str
 
 
 @dataclass
@@ -90,13 +102,17 @@ class HttpSender:
         self.url = Url.parse(plan.url)
         self.timeout_s = plan.client_timeout_s
         headers = {"Content-Type": "application/json"}
-        if plan.transport == "http-binary":
+        path = bi.infer_path(plan.options)
+        if plan.raw is not None:
+            body, path = plan.raw.body, plan.raw.path
+            headers = {"Content-Type": plan.raw.content_type}
+        elif plan.transport == "http-binary":
             body, hlen = bi.binary_body(plan.inputs, plan.options)
             headers = {"Content-Type": "application/octet-stream",
                        "Inference-Header-Content-Length": str(hlen)}
         else:
             body = bi.json_body(plan.inputs, plan.options)
-        self.raw = request_bytes(self.url, "POST", bi.infer_path(plan.options), body, headers)
+        self.raw = request_bytes(self.url, "POST", path, body, headers)
         self._idle: list[HttpConnection] = []
 
     async def start(self) -> None:
@@ -137,6 +153,7 @@ class DirectSender:
         self.endpoint = plan.endpoint
         self.opts = plan.options
         self.tensors = bi.tensors(plan.inputs)
+        self.ping = plan.transport == "ping"
         self.client: AsyncClient | None = None
 
     async def start(self) -> None:
@@ -152,6 +169,9 @@ class DirectSender:
         assert self.client is not None
         o = self.opts
         try:
+            if self.ping:
+                await self.client.control("ping")
+                return None, None
             reply = await self.client.infer_tensors(o.model, self.tensors, version=o.version,
                                                     priority=o.priority, timeout_ms=o.timeout_ms)
         except InferError as exc:
@@ -167,7 +187,7 @@ Sender = HttpSender | DirectSender
 
 
 def make_sender(plan: Plan) -> Sender:
-    return DirectSender(plan) if plan.transport == "direct" else HttpSender(plan)
+    return DirectSender(plan) if plan.transport in ("direct", "ping") else HttpSender(plan)
 
 
 class Recorder:

@@ -64,6 +64,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--endpoint", default=None,
                     help="the broker's frontend for direct (default: in --runtime-dir)")
     ap.add_argument("--runtime-dir", default=None, help="the server's runtime folder")
+    raw = ap.add_argument_group("http-raw: another server, e.g. TorchServe, in the same run")
+    raw.add_argument("--raw-path", default=None, help="URL path to POST to, e.g. "
+                     "/predictions/mlp")
+    raw.add_argument("--body-file", default=None, help="the request body, sent as is")
+    raw.add_argument("--content-type", default="application/json")
     load = ap.add_mutually_exclusive_group()
     load.add_argument("--concurrency", default=None,
                       help="closed loop: requests in flight per level, e.g. 1,16,64 (default 1)")
@@ -143,7 +148,7 @@ def _read_trace(path: Path) -> list[float]:
 def fetch_metadata(transport: str, args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     """The model's metadata over the transport's own path (so it also checks the server
     is there): GET /v2/models/{m} or the broker's ``metadata`` control verb."""
-    if transport == "direct":
+    if transport in ("direct", "ping"):
         return asyncio.run(_direct_metadata(endpoint, args.model, args.model_version))
     version = f"/versions/{args.model_version}" if args.model_version is not None else ""
     url = f"{args.url.rstrip('/')}/v2/models/{args.model}{version}"
@@ -212,12 +217,27 @@ def scrape(url: str, model: str) -> dict[str, float] | None:
         return None
 
 
+def raw_request(args: argparse.Namespace) -> bl.RawRequest:
+    if not args.raw_path or not args.body_file:
+        raise Usage("--transport http-raw needs --raw-path and --body-file")
+    try:
+        body = Path(args.body_file).read_bytes()
+    except OSError as exc:
+        raise Usage(f"--body-file {args.body_file}: {exc.strerror}") from None
+    path = args.raw_path if args.raw_path.startswith("/") else "/" + args.raw_path
+    return bl.RawRequest(path, body, args.content_type)
+
+
 def run_transport(transport: str, args: argparse.Namespace, endpoint: str,
                   levels: list[tuple[str, float, bl.LevelPlan]], progress: Progress
                   ) -> list[dict[str, Any]]:
-    meta = fetch_metadata(transport, args, endpoint)
+    raw = raw_request(args) if transport == "http-raw" else None
+    # a raw body is not zeroserve's: no metadata to read, and one request is --batch-size rows
+    meta = {"inputs": []} if raw else fetch_metadata(transport, args, endpoint)
     try:
-        if args.input_data:
+        if raw:
+            inputs = {}
+        elif args.input_data:
             inputs = bi.load_files(args.input_data, meta)
         else:
             inputs = bi.random_inputs(meta, args.batch_size, bi.parse_shapes(args.shape),
@@ -225,11 +245,12 @@ def run_transport(transport: str, args: argparse.Namespace, endpoint: str,
         opts = bi.RequestOptions(args.model, args.model_version, args.priority,
                                  args.timeout_ms)
         plan = bl.Plan(transport, args.url, endpoint, opts, inputs,
-                       args.slo_ms or args.timeout_ms, args.client_timeout_s, args.max_inflight)
+                       args.slo_ms or args.timeout_ms, args.client_timeout_s, args.max_inflight,
+                       raw)
         bl.make_sender(plan)  # builds the bodies: a JSON body of BF16 fails here
     except bi.InputError as exc:
         raise Usage(str(exc)) from None
-    rows_per_request = bi.samples_per_request(inputs, meta)
+    rows_per_request = args.batch_size if raw else bi.samples_per_request(inputs, meta)
     runner = make_runner(plan, args.processes)
     rows = []
     try:
@@ -257,7 +278,7 @@ class _ScrapeAround:
         self.before: dict[str, float] | None = None
         self.url, self.model = args.url, args.model
         self.timer = None
-        if transport != "direct":
+        if transport in ("http-json", "http-binary"):
             self.timer = threading.Timer(delay_s, self._first)
             self.timer.daemon = True
             self.timer.start()

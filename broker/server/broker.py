@@ -26,6 +26,7 @@ from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.replicas import Replicas
 from zeroserve.broker.server.repoctl import RepositoryControl
 from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
@@ -61,6 +62,7 @@ class Broker:
         self.requests.clock = clock
         self.lifecycle = Lifecycle(self.catalog, self.scheduler, self.pool, self.requests,
                                    self.metrics, clock, ctx or zmq.Context.instance(), lifecycle)
+        self.replicas = Replicas(self.lifecycle, self.metrics)   # autoscaled models
         self.control = ControlTable(admin_token)
         self._add_verbs()
         self.repository = RepositoryControl(self.lifecycle, self.requests.stats)
@@ -157,8 +159,12 @@ class Broker:
             if self.stopping:  # only a draining gateway's requests are still taken
                 self.requests.admitting = client in self._drain_clients and self._exiting
             if kind is p.Kind.REQUEST:
+                self.replicas.arrived(header.get("model"))   # offered load, refused or not
                 self.requests.on_request(client, header, bufs, self.clock())
             else:
+                parts = header.get("requests")
+                for part in parts if isinstance(parts, list) else ():
+                    self.replicas.arrived(part.get("model") if isinstance(part, dict) else None)
                 self.requests.on_requests(client, header, bufs, self.clock())
         elif kind is p.Kind.CANCEL:
             self.requests.on_cancel(client, p.decode(p.Cancel, header).request_id)
@@ -225,6 +231,7 @@ class Broker:
         if old is not None:
             self._lose(old, Loss.REREGISTERED)
         worker = self.pool.register(identity, ready, now)
+        self.replicas.adopt(worker)
         self.lifecycle.sync_worker(worker)
         self.metrics.workers_alive(len(self.pool.workers))
 
@@ -273,6 +280,7 @@ class Broker:
                 self._lose(worker, Loss.HUNG)
         self.notifier.watchdog(now)
         self.lifecycle.tick(now)
+        self.replicas.tick(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.pool.heartbeat_s
             self._trim_when_idle()
@@ -309,7 +317,8 @@ class Broker:
 
     def next_due(self, now: float) -> float:
         due = [self._next_heartbeat]
-        for d in (self.requests.next_due(now), self.lifecycle.next_due()):
+        for d in (self.requests.next_due(now), self.lifecycle.next_due(),
+                  self.replicas.next_due()):
             if d is not None:
                 due.append(d)
         if self._exiting:
@@ -399,7 +408,9 @@ class Broker:
         return {"workers": [w.describe(now) for w in self.pool.workers.values()],
                 "queues": {m: self.scheduler.depth(m) for m in self.catalog.models},
                 "inflight_batches": len(self.pool.inflight), "stopping": self.stopping,
-                "pid": os.getpid(), "tenants": self.tenancy.summary()}
+                "pid": os.getpid(), "tenants": self.tenancy.summary(),
+                "autoscaling": self.replicas.describe(),
+                "memory_plan": self.lifecycle.placement.describe()}
 
     def _models(self, _: dict[str, Any]) -> dict[str, Any]:
         out = {}

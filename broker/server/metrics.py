@@ -53,6 +53,17 @@ class BrokerMetrics:
         self.shutdown_cut = Counter("shutdown_unfinished", "Accepted requests answered 503 "
                                     "because the drain bound passed while stopping",
                                     namespace=ns, registry=r)
+        self.scale = Counter("autoscale_decisions", "Replica controller decisions (each "
+                             "change, and each hold when it starts), by action and reason",
+                             ["model", "action", "reason"], namespace=ns, registry=r)
+        self.replicas = Gauge("model_replicas", "Workers serving an autoscaled model",
+                              ["model"], namespace=ns, registry=r)
+        self.scale_queue = Gauge("autoscale_queue_seconds", "Queue time the replica "
+                                 "controller sees (oldest queued request, window mean)",
+                                 ["model"], namespace=ns, registry=r)
+        self.scale_utilization = Gauge("autoscale_utilization", "Fraction of an autoscaled "
+                                       "model's replicas busy (window mean)", ["model"],
+                                       namespace=ns, registry=r)
         self.bad = Counter("bad_messages", "Malformed messages counted and dropped",
                            ["socket", "reason"], namespace=ns, registry=r)
 
@@ -92,6 +103,9 @@ class BrokerMetrics:
 
     def shutdown_failed(self, n: int) -> None:
         self.shutdown_cut.inc(n)
+
+    def autoscale_decision(self, model: str, action: str, reason: str) -> None:
+        self.scale.labels(model, action, reason).inc()
 
     def bad_message(self, where: str, reason: str) -> None:
         self.bad.labels(where, reason).inc()

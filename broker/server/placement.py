@@ -1,78 +1,275 @@
-"""Memory placement: each worker may have a budget (``--memory-budget``). Workers
-report what each loaded version cost, measured after load; when a new version would
-take a worker past its budget, the least recently used idle models on it are
-evicted first, and a version that cannot fit even so is refused with a message that
-says so (its load counts as failed: in a swap, the old version keeps serving)."""
+"""Memory placement: whether a model version fits on a worker's device, decided before
+the worker is asked to load it, and checked again with what it measured.
+
+Before a LOAD the broker predicts the version's footprint (models/footprint.py): the
+parameter and buffer bytes its archive holds, plus the activation term a warm-up of the
+same model taught (per sample, at the model's largest batch). A version measured
+already (on any worker of the same device kind, same sha256) is planned with what was
+measured. Each device keeps a headroom (``--memory-headroom``, reported by its worker):
+
+* GPU: the worker's last report of ``torch.cuda.mem_get_info`` free memory, less what
+  was loaded or is loading since that report, less the headroom;
+* CPU with ``--memory-budget``: the budget less the headroom, the device's context cost
+  (measured by the worker at start) and every loaded or loading version's footprint;
+* CPU without a budget: no limit.
+
+A version that does not fit evicts the least recently used idle models on the worker
+(nothing queued or running) when that makes room, else it is refused without loading:
+the refusal reaches the swap as a failed LOADED (the old version keeps serving) and
+names the device and the bytes. After warm-up the worker's measurement replaces the
+prediction; on a budget, a measured footprint that does not fit is evicted for or
+refused as before.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.pool import WorkerState
+from zeroserve.models.footprint import Learned, Prediction, WeightsCache, predict, size_text
+from zeroserve.models.repository import ConfigError, ModelConfig, parse_config
 
 if TYPE_CHECKING:
     from zeroserve.broker.server.swap import Lifecycle
 
 logger = logging.getLogger(__name__)
 
+Key = tuple[bytes, str, int]
+TRIAL = ".trial-"
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f} MB"
+
+def _kind(worker: WorkerState) -> str:
+    return "cuda" if str(worker.info.get("device", "")).startswith("cuda") else "cpu"
+
+
+def _int(doc: dict[str, Any], key: str) -> int:
+    value = doc.get(key, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 class Placement:
     def __init__(self, lifecycle: "Lifecycle") -> None:
         self.lc = lifecycle
-        self.footprints: dict[tuple[bytes, str, int], int] = {}
+        self.footprints: dict[Key, int] = {}        # what planning counts: measured, else predicted
+        self.predicted: dict[Key, Prediction] = {}
+        self.measured: dict[Key, dict[str, Any]] = {}    # the worker's plan after warm-up
+        self.learned: dict[tuple[str, str], Learned] = {}   # by (model, device kind)
+        self.by_content: dict[tuple[str, str, str], tuple[int, str]] = {}  # -> bytes, worker
+        self.refused: list[tuple[WorkerState, p.ModelLoaded]] = []  # delivered by the tick
+        self.refusals: dict[tuple[str, str], int] = {}
+        self._weights: WeightsCache = {}
+        lifecycle.metrics.registry.register(self)  # a collector: see collect()
 
+    # -- what a device has -------------------------------------------------------
     @staticmethod
     def budget(worker: WorkerState) -> int:
         value = worker.info.get("memory_budget_bytes", 0)
         return value if isinstance(value, int) and value > 0 else 0
 
-    def used(self, worker: WorkerState) -> int:
-        return sum(self.footprints.get((worker.identity, m, v), 0) for m, v in worker.loaded)
+    @staticmethod
+    def headroom(worker: WorkerState) -> int:
+        return _int(worker.memory, "headroom_bytes")
 
-    def check(self, worker: WorkerState, msg: p.ModelLoaded) -> p.ModelLoaded:
-        """Record a footprint; refuse (turn into a failed load) what cannot fit."""
-        if not msg.ok:
-            return msg
-        name, version = msg.model, msg.version
-        if name.startswith(".trial-"):
-            return msg  # a registration's trial: unloaded at once
-        need = msg.memory_bytes
-        self.footprints[(worker.identity, name, version)] = need
+    @staticmethod
+    def context(worker: WorkerState) -> int:
+        return _int(worker.memory, "context_bytes")
+
+    def _held(self, worker: WorkerState,
+              skip: tuple[str, int] | None = None) -> set[tuple[str, int]]:
+        return {k for k in worker.loaded | worker.loading
+                if k != skip and not k[0].startswith(TRIAL)}
+
+    def footprint(self, worker: WorkerState, name: str, version: int) -> int:
+        """What planning counts for a held version: measured, else predicted; for one a
+        worker held before this broker knew it (a restart), what its report says."""
+        key = (worker.identity, name, version)
+        if key in self.footprints:
+            return self.footprints[key]
+        plan = (worker.memory.get("plans") or {}).get(f"{name}/{version}")
+        if isinstance(plan, dict):
+            return _int(plan, "footprint_bytes")
+        return _int(worker.memory.get("models") or {}, f"{name}/{version}")
+
+    def used(self, worker: WorkerState, skip: tuple[str, int] | None = None) -> int:
+        """The context plus the footprints of what is loaded or loading (but ``skip``)."""
+        return self.context(worker) + sum(self.footprint(worker, m, v)
+                                          for m, v in self._held(worker, skip))
+
+    def available(self, worker: WorkerState,
+                  skip: tuple[str, int] | None = None) -> int | None:
+        """Bytes a new version may take on the worker's device now, after the headroom
+        (negative: over already); None: no limit (a CPU without a budget)."""
+        report = worker.memory
+        if _kind(worker) == "cuda" and isinstance(report.get("gpu_free_bytes"), int):
+            seen = report.get("models") or {}
+            unseen = sum(self.footprint(worker, m, v) for m, v in self._held(worker, skip)
+                         if f"{m}/{v}" not in seen)
+            return int(report["gpu_free_bytes"]) - unseen - self.headroom(worker)
         budget = self.budget(worker)
         if not budget:
+            return None
+        return budget - self.headroom(worker) - self.used(worker, skip)
+
+    def _where(self, worker: WorkerState) -> str:
+        device = str(worker.info.get("device") or "cpu")
+        budget = self.budget(worker)
+        if _kind(worker) == "cpu" and budget:
+            return (f"{device} on worker {worker.worker_id} (memory budget "
+                    f"{size_text(budget)}, {size_text(self.context(worker))} context)")
+        return f"{device} on worker {worker.worker_id}"
+
+    # -- what a version needs ----------------------------------------------------
+    def _model(self, name: str) -> tuple[ModelConfig, Path] | None:
+        model = self.lc.catalog.get(name)
+        return (model.config, model.path) if model is not None else None
+
+    def need(self, worker: WorkerState, name: str, version: int, cfg: ModelConfig,
+             version_dir: Path, sha: str = "") -> tuple[int, str]:
+        """(bytes, how they were known): measured here, measured on another worker of the
+        same device kind for the same content, or predicted from the files."""
+        mine = self.measured.get((worker.identity, name, version))
+        if mine is not None:
+            return _int(mine, "footprint_bytes"), "measured on this worker"
+        sha = sha or self.lc.shas.get(name, {}).get(version, "")
+        seen = self.by_content.get((name, sha, _kind(worker))) if sha else None
+        if seen is not None:
+            return seen[0], f"measured on worker {seen[1]}"
+        pred = predict(cfg, version_dir, self.learned.get((name, _kind(worker))), self._weights)
+        self.predicted[(worker.identity, name, version)] = pred
+        return pred.total_bytes, pred.describe()
+
+    def refusal(self, worker: WorkerState, name: str, version: int) -> str | None:
+        """Why ``name/version`` does not fit on ``worker`` now (None: it fits, or is
+        there already), from its measured footprint or else the prediction, against the
+        device's free memory less its headroom. Evicts nothing."""
+        if (name, version) in worker.loaded | worker.loading:
+            return None
+        model = self._model(name)
+        if model is None:
+            return f"unknown model {name!r}"
+        need, how = self.need(worker, name, version, model[0], model[1] / str(version))
+        return self._verdict(worker, name, version, need, how, self.available(worker))
+
+    def _verdict(self, worker: WorkerState, name: str, version: int, need: int, how: str,
+                 free: int | None, busy: int = 0) -> str | None:
+        if free is None or need <= free:
+            return None
+        why = (f"{self._where(worker)} has {size_text(max(0, free))} free after "
+               f"{size_text(self.headroom(worker))} headroom; {name}/{version} needs "
+               f"{size_text(need)} ({how})")
+        budget = self.budget(worker)
+        room = budget - self.headroom(worker) - self.context(worker)
+        if _kind(worker) == "cpu" and budget and need > room:
+            why += (f"; more than worker {worker.worker_id}'s memory budget of "
+                    f"{size_text(budget)} leaves after its context and headroom")
+        elif busy:
+            why += f"; {size_text(busy)} of it is held by models that are busy"
+        return why
+
+    # -- before a load -------------------------------------------------------------
+    def load(self, worker: WorkerState, msg: p.LoadModel) -> None:
+        """Send a LOAD if the version fits (evicting idle models when that makes room);
+        else refuse it: a failed LOADED, delivered by the next tick."""
+        name, version = msg.model, msg.version
+        if name.startswith(TRIAL):
+            self.lc.pool.load(worker, msg)
+            return
+        key = (worker.identity, name, version)
+        try:
+            cfg = parse_config(msg.config, f"config of {name}")
+        except (ConfigError, ValueError):
+            self.lc.pool.load(worker, msg)   # the worker says what is wrong with it
+            return
+        need, how = self.need(worker, name, version, cfg, Path(msg.path), msg.sha256)
+        free = self.available(worker)   # a version reloaded in place is held twice a while
+        if free is not None and need > free:
+            idle = self._idle(worker, name)
+            freed = sum(self._cost(worker, m) for m in idle)
+            why = self._verdict(worker, name, version, need, how, free + freed)
+            if why is not None:
+                self._refuse(worker, p.ModelLoaded(name, version, False, error=why))
+                return
+            self._evict(worker, name, idle, need - free)
+        self.footprints[key] = need
+        self.measured.pop(key, None)   # this load's warm-up measures it afresh
+        self.lc.pool.load(worker, msg)
+
+    def _refuse(self, worker: WorkerState, msg: p.ModelLoaded) -> None:
+        logger.error("refusing %s/%d on %s: %s", msg.model, msg.version, worker.worker_id,
+                     msg.error)
+        self.lc.failures[msg.model] = {"error": msg.error, "versions": [msg.version],
+                                       "time": time.time()}
+        label = (msg.model, str(worker.info.get("device") or "cpu"))
+        self.refusals[label] = self.refusals.get(label, 0) + 1
+        self.refused.append((worker, msg))
+
+    def take_refused(self) -> list[tuple[WorkerState, p.ModelLoaded]]:
+        out, self.refused = self.refused, []
+        return [(w, m) for w, m in out if self.lc.pool.get(w.identity) is w]
+
+    # -- after a load ----------------------------------------------------------------
+    def check(self, worker: WorkerState, msg: p.ModelLoaded) -> p.ModelLoaded:
+        """Replace the prediction with what the worker measured; on a budget, refuse
+        (turn into a failed load) what does not fit even so."""
+        key = (worker.identity, msg.model, msg.version)
+        if not msg.ok or msg.model.startswith(TRIAL):
+            if not msg.ok:
+                self.footprints.pop(key, None)
             return msg
-        used = self.used(worker) - self.footprints.get((worker.identity, name, version), 0) \
-            * ((name, version) in worker.loaded)
-        if used + need <= budget:
+        need = self._learn(worker, msg)
+        budget = self.budget(worker)
+        if not budget or _kind(worker) == "cuda":
             return msg
-        idle = self._idle(worker, name)
-        evictable = sum(self._cost(worker, m) for m in idle)
-        if need <= budget and used - evictable + need <= budget:
-            self._evict(worker, name, idle, used + need - budget)
+        free = budget - self.headroom(worker) - self.used(worker, (msg.model, msg.version))
+        if need <= free:
             return msg
-        why = (f"{name}/{version} needs {_mb(need)} but worker {worker.worker_id} has a "
-               f"memory budget of {_mb(budget)} with {_mb(used - evictable)} in use by models "
-               "that are busy; it does not fit")
-        if need > budget:
-            why = (f"{name}/{version} needs {_mb(need)}, more than worker "
-                   f"{worker.worker_id}'s whole memory budget of {_mb(budget)}")
-        logger.error("refusing %s/%d on %s: %s", name, version, worker.worker_id, why)
-        self.lc.failures[name] = {"error": why, "versions": [version], "time": time.time()}
-        self.footprints.pop((worker.identity, name, version), None)
-        self.lc.unload_now(worker, name, version)
+        idle = self._idle(worker, msg.model)
+        freed = sum(self._cost(worker, m) for m in idle)
+        why = self._verdict(worker, msg.model, msg.version, need, "measured", free + freed,
+                            busy=max(0, budget - free - freed))
+        if why is None:
+            self._evict(worker, msg.model, idle, need - free)
+            return msg
+        logger.error("refusing %s/%d on %s: %s", msg.model, msg.version, worker.worker_id, why)
+        self.lc.failures[msg.model] = {"error": why, "versions": [msg.version],
+                                       "time": time.time()}
+        self.forget(key)
+        self.lc.unload_now(worker, msg.model, msg.version)
         return dataclasses.replace(msg, ok=False, error=why)
 
+    def _learn(self, worker: WorkerState, msg: p.ModelLoaded) -> int:
+        key = (worker.identity, msg.model, msg.version)
+        plan = dict(msg.memory) if msg.memory else {"footprint_bytes": msg.memory_bytes,
+                                                    "resident_bytes": msg.memory_bytes}
+        need = _int(plan, "footprint_bytes") or msg.memory_bytes
+        self.measured[key] = plan
+        self.footprints[key] = need
+        if msg.memory:
+            self.learned[(msg.model, _kind(worker))] = Learned.from_plan(plan)
+        if msg.sha256:
+            self.by_content[(msg.model, msg.sha256, _kind(worker))] = (need, worker.worker_id)
+        pred = self.predicted.get(key)
+        if pred is not None:
+            logger.info("memory of %s/%d on %s: %s predicted, %s measured", msg.model,
+                        msg.version, worker.worker_id, size_text(pred.total_bytes),
+                        size_text(need))
+        return need
+
+    def forget(self, key: Key) -> None:
+        self.footprints.pop(key, None)
+        self.measured.pop(key, None)
+        self.predicted.pop(key, None)
+
+    # -- eviction ----------------------------------------------------------------------
     def _cost(self, worker: WorkerState, model: str) -> int:
-        return sum(self.footprints.get((worker.identity, model, v), 0)
-                   for v in worker.versions_of(model))
+        return sum(self.footprint(worker, model, v) for v in worker.versions_of(model))
 
     def _idle(self, worker: WorkerState, keep: str) -> list[str]:
         """Models on the worker with nothing queued or running, least recently used first."""
@@ -88,7 +285,68 @@ class Placement:
                 break
             freed += self._cost(worker, model)
             for version in sorted(worker.versions_of(model)):
-                self.footprints.pop((worker.identity, model, version), None)
+                self.forget((worker.identity, model, version))
                 self.lc.evict(worker, model, version)
             logger.warning("evicted %s from worker %s (least recently used idle model) to "
                            "make room for %s", model, worker.worker_id, keep)
+
+    # -- status and metrics ------------------------------------------------------------
+    def _entry(self, worker: WorkerState, name: str, version: int) -> dict[str, Any]:
+        key = (worker.identity, name, version)
+        pred, meas = self.predicted.get(key), self.measured.get(key)
+        out: dict[str, Any] = {"state": "loaded" if (name, version) in worker.loaded
+                               else "loading"}
+        if pred is not None:
+            out.update(predicted_bytes=pred.total_bytes, weights_bytes=pred.weights_bytes,
+                       predicted=pred.describe())
+        if meas is not None:
+            out["measured_bytes"] = _int(meas, "footprint_bytes")
+            out.update({k: v for k, v in meas.items() if k != "footprint_bytes"})
+        if pred is not None and meas is not None and out["measured_bytes"]:
+            out["error_pct"] = round(100.0 * (pred.total_bytes - out["measured_bytes"])
+                                     / out["measured_bytes"], 1)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """Per worker: the device's numbers and each version's predicted and measured bytes
+        (``zeroserve status``)."""
+        out = {}
+        for w in self.lc.pool.workers.values():
+            free = self.available(w)
+            out[w.worker_id] = {
+                "device": str(w.info.get("device") or "cpu"), "budget_bytes": self.budget(w),
+                "headroom_bytes": self.headroom(w), "context_bytes": self.context(w),
+                "available_bytes": free, "planned_bytes": self.used(w),
+                "models": {f"{m}/{v}": self._entry(w, m, v)
+                           for m, v in sorted(self._held(w))}}
+        return out
+
+    def describe_model(self, name: str) -> dict[str, Any]:
+        """Per worker holding it: predicted and measured bytes (``zeroserve models``)."""
+        return {w.worker_id: {str(v): self._entry(w, m, v)
+                              for m, v in sorted(self._held(w)) if m == name}
+                for w in self.lc.pool.workers.values()
+                if any(m == name for m, _ in self._held(w))}
+
+    def collect(self) -> Iterator[Metric]:
+        """prometheus_client's collector protocol: the plan as it stands at each scrape."""
+        labels = ["model", "version", "worker"]
+        pred = GaugeMetricFamily("zeroserve_model_memory_predicted_bytes",
+                                 "A version's footprint predicted before it loaded", labels=labels)
+        meas = GaugeMetricFamily("zeroserve_model_memory_measured_bytes",
+                                 "A version's footprint measured after warm-up "
+                                 "(resident + activations at its largest batch)", labels=labels)
+        for w in self.lc.pool.workers.values():
+            for m, v in sorted(self._held(w)):
+                key = (w.identity, m, v)
+                if key in self.predicted:
+                    pred.add_metric([m, str(v), w.worker_id], self.predicted[key].total_bytes)
+                if key in self.measured:
+                    meas.add_metric([m, str(v), w.worker_id],
+                                    _int(self.measured[key], "footprint_bytes"))
+        refused = CounterMetricFamily("zeroserve_memory_refusals",
+                                      "Loads refused for memory before loading",
+                                      labels=["model", "device"])
+        for (model, device), n in sorted(self.refusals.items()):
+            refused.add_metric([model, device], n)
+        yield from (pred, meas, refused)

@@ -111,6 +111,7 @@ class WorkerPool:
                              info={"pid": ready.pid, "host": ready.host, "device": ready.device,
                                    "memory_budget_bytes": ready.memory_budget_bytes})
         worker.loaded = {(str(m), int(v)) for m, v in ready.models}
+        worker.memory = dict(ready.memory)   # the memory planner's inputs until a heartbeat
         self.workers[identity] = worker
         if self.log_settings:  # a worker that joins later logs as the others do
             self._send(identity, p.encode(p.LogSettings(dict(self.log_settings))))

@@ -260,6 +260,12 @@ class Scheduler:
         q = self._queues.get(model)
         return [e for e in q.fifo if e.state == QUEUED] if q else []
 
+    def oldest_arrival(self, model: str) -> float | None:
+        """When the longest-queued live entry arrived (the autoscaler's queue time)."""
+        q = self._queues.get(model)
+        e = q.oldest() if q and q.count else None
+        return e.arrival_s if e is not None else None
+
     def models_waiting(self) -> list[str]:
         return [m for m, q in self._queues.items() if q.count]
 

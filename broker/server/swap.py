@@ -100,6 +100,9 @@ class Lifecycle:
         self.forced: dict[str, set[int]] = {}   # operator reloads waiting for their hashes
         self.retiring: list[tuple[bytes, str, int]] = []
         self.placement = Placement(self)
+        # which workers hold a model: pins (placed_on), and for autoscaled models the
+        # replicas chosen (replicas.py sets this)
+        self.placed: Callable[[ModelConfig, WorkerState], bool] = placed_on
         self.registrar = Registrar(self)
         # what a rescan sees of the repository: explicit model control filters it to the
         # models asked for and substitutes load overrides (see repoctl.py)
@@ -154,9 +157,13 @@ class Lifecycle:
             due = first if due is None else min(due, first)
         if (copy := self.registrar.next_due(self.clock())) is not None:
             due = copy if due is None else min(due, copy)
+        if self.placement.refused:  # loads refused for memory: answered on the next tick
+            due = self.clock()
         return due
 
     def tick(self, now: float) -> None:
+        for worker, refused in self.placement.take_refused():
+            self.on_loaded(worker, refused)
         if self.watcher is not None:
             dirty = self.watcher.take_due()
             if dirty:
@@ -227,7 +234,7 @@ class Lifecycle:
         self.failed = {f for f in self.failed if f[0] != name}
         self.forced.setdefault(name, set()).update(versions)
         placed = [w for w in self.pool.workers.values()
-                  if not w.draining and placed_on(rm.config, w)]
+                  if not w.draining and self.placed(rm.config, w)]
         for w in placed:
             for v in versions:
                 # seen as loading from now on, so a waiting operator sees the outcome
@@ -294,7 +301,7 @@ class Lifecycle:
     def _start_swap(self, swap: Swap) -> None:
         cfg = swap.repo.config
         workers = [w for w in self.pool.workers.values()
-                   if not w.draining and placed_on(cfg, w)]
+                   if not w.draining and self.placed(cfg, w)]
         if not swap.changed or not workers:
             self._commit(swap)
             return
@@ -303,8 +310,8 @@ class Lifecycle:
             for v in sorted(swap.changed):
                 self._flush_retiring(w, cfg.name, v)
                 swap.waiting.add((w.identity, v))
-                self.pool.load(w, p.LoadModel(cfg.name, v, str(swap.repo.path / str(v)),
-                                              cfg.to_json(), swap.shas[v]))
+                self.placement.load(w, p.LoadModel(cfg.name, v, str(swap.repo.path / str(v)),
+                                                   cfg.to_json(), swap.shas[v]))
         self.swaps[cfg.name] = swap
         logger.info("model %s: preparing version(s) %s on %d worker(s)", cfg.name,
                     sorted(swap.changed), len(workers))
@@ -359,12 +366,12 @@ class Lifecycle:
     def sync_worker(self, worker: WorkerState) -> None:
         """Tell a worker to load what it should serve and unload what it should not."""
         wanted = {(name, v) for name, m in self.catalog.models.items()
-                  if placed_on(m.config, worker) for v in m.versions}
+                  if self.placed(m.config, worker) for v in m.versions}
         for name, version in sorted(wanted - worker.loaded - worker.loading):
             model = self.catalog.models[name]
-            self.pool.load(worker, p.LoadModel(name, version, str(model.path / str(version)),
-                                               model.config.to_json(),
-                                               self.shas.get(name, {}).get(version, "")))
+            self.placement.load(worker, p.LoadModel(
+                name, version, str(model.path / str(version)), model.config.to_json(),
+                self.shas.get(name, {}).get(version, "")))
         for name, version in sorted(worker.loaded - wanted):
             self.pool.unload(worker, name, version)
         for key in worker.loaded & wanted:
@@ -488,7 +495,7 @@ class Lifecycle:
             if key in busy:
                 keep.append(key)
             elif worker is not None:
-                self.placement.footprints.pop(key, None)
+                self.placement.forget(key)
                 self.pool.unload(worker, name, version)
         self.retiring = keep
 
@@ -528,4 +535,7 @@ class Lifecycle:
             out["swap"] = {"versions": sorted(swap.changed), "waiting": len(swap.waiting)}
         if name in self.failures:
             out["last_failure"] = self.failures[name]
+        memory = self.placement.describe_model(name)
+        if memory:
+            out["memory"] = memory
         return out

@@ -152,6 +152,78 @@ def test_unreachable_server_exits_3_and_usage_errors_exit_2(tmp_path: Path) -> N
     gone.rmdir()
 
 
+def test_ping_is_answered_by_the_broker_alone(server: Server, tmp_path: Path) -> None:
+    out = bench(*targets(server), *SHORT, "--transport", "ping", "--concurrency", "4",
+                "--json", str(tmp_path / "p.json"))
+    assert out.returncode == 0, out.stderr
+    row = levels(tmp_path / "p.json")[0]
+    check_counts(row)
+    assert row["errors"] == {} and row["server_source"] == "unavailable"
+    gone = bench("-m", "linear", "--transport", "ping", "--runtime-dir",
+                 str(tmp_path / "none"), *SHORT)
+    assert gone.returncode == 3 and "unreachable" in gone.stderr
+
+
+class _PeerServer:
+    """A real HTTP server on loopback that stands for a peer (TorchServe): it records
+    each POST's path and body and answers 200 to /predictions/ok, 503 otherwise."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                seen.append((self.path, self.headers["Content-Type"], body))
+                status = 200 if self.path == "/predictions/ok" else 503
+                self.send_response(status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def test_http_raw_posts_the_body_file_as_is_to_a_peer(tmp_path: Path) -> None:
+    peer = _PeerServer()
+    try:
+        body = tmp_path / "body.json"
+        body.write_bytes(b'{"data": [1, 2, 3]}')
+        argv = ["-m", "peer", "--url", peer.url, "--transport", "http-raw", "--body-file",
+                str(body), "--concurrency", "2", *SHORT]
+        ok = bench(*argv, "--raw-path", "/predictions/ok", "--json", str(tmp_path / "o.json"))
+        bad = bench(*argv, "--raw-path", "predictions/down", "--json", str(tmp_path / "d.json"))
+        missing = bench(*argv)
+    finally:
+        peer.close()
+    assert ok.returncode == 0, ok.stderr
+    row = levels(tmp_path / "o.json")[0]
+    check_counts(row)
+    assert row["errors"] == {} and row["server_source"] == "unavailable"
+    assert bad.returncode == 0, bad.stderr
+    down = levels(tmp_path / "d.json")[0]
+    assert down["ok"] == 0 and set(down["errors"]) == {"503"}
+    assert {(path, ctype, b) for path, ctype, b in peer.seen} == {
+        ("/predictions/ok", "application/json", body.read_bytes()),
+        ("/predictions/down", "application/json", body.read_bytes())}
+    assert missing.returncode == 2 and "--raw-path" in missing.stderr
+
+
 def test_split_deals_every_arrival_and_merge_keeps_every_sample() -> None:
     level = bl.LevelPlan(7, None, 0.0, 1.0)
     assert sorted(p.concurrency for p in bl.split(level, 3)) == [2, 2, 3]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -28,3 +29,12 @@ def test_two_gateway_processes_share_the_port_and_the_metrics(serve):
         r'zeroserve_http_requests_total\{[^}]*route="/v2/models/\{name\}/infer"[^}]*\} '
         r'([0-9.e+]+)', text.decode()))
     assert served >= 40  # both processes' counts, whichever answered the scrape
+
+
+def test_gateway_processes_by_default_follow_the_usable_cores() -> None:
+    from zeroserve.workers.serve import http_processes, usable_cores
+    assert [http_processes(0, c, False) for c in (1, 2, 4, 7, 8, 16, 32, 64)] == [
+        1, 1, 1, 1, 2, 4, 8, 8]
+    assert http_processes(0, 32, True) == 1   # shared-memory regions live in one gateway
+    assert http_processes(3, 2, True) == 3    # what the operator asked for, as is
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)

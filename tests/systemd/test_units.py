@@ -68,6 +68,22 @@ def test_units_are_notify_hardened_and_stop_slower_than_they_drain() -> None:
     assert "CUDA_VISIBLE_DEVICES=%i" in unit("zeroserve-worker@.service")["Environment"]
 
 
+def test_the_runtime_folder_systemd_makes_passes_the_brokers_own_check(tmp_path: Path
+                                                                     ) -> None:
+    """Every unit may create /run/zeroserve first; the broker refuses a folder others can
+    write to, so each unit's mode must pass ensure_runtime_dir (0770 did not)."""
+    from zeroserve.broker.runtime import ensure_runtime_dir
+    for name in NAMES[1:]:
+        (mode,) = unit(name)["RuntimeDirectoryMode"]
+        folder = tmp_path / name
+        folder.mkdir()
+        folder.chmod(int(mode, 8))
+        ensure_runtime_dir(folder)
+        assert int(mode, 8) & 0o050 == 0o050, name  # the group may reach the sockets
+    # sockets bound under UMask 0007 are group-connectable: members run the CLI
+    assert unit("zeroserve-broker.service")["UMask"] == ["0007"]
+
+
 def test_stopping_the_target_signals_every_component_at_once() -> None:
     """The stop order lives in the components (gateway drains, broker keeps the workers
     until its work is answered): systemd must not hold one back, as After=/Before=

@@ -1,0 +1,235 @@
+"""``POST /v2/models/{m}[/versions/{v}]/infer``: the one implementation of inference
+over HTTP, a plain ASGI endpoint.
+
+It is reached two ways with the same code: :class:`~zeroserve.gateway.fastpath.
+InferFastPath` calls it straight from uvicorn (around Starlette's middleware and
+router, which cost about 40% of the gateway's CPU per inference when measured with
+py-spy), and the Starlette route calls it for an app used without the fast path
+(tests, embedding). The body is read once, with one size check; the answer is
+written with two ``send`` calls and no Response object.
+
+The deadline counts from the door: ``parameters.timeout`` is turned into what is
+left of it when the request is handed to the broker (the wire carries a remaining
+budget), counted from the request's arrival (its start here less the event loop's
+current lag, the wait in the gateway's line), and a request whose budget ran out
+inside the gateway is answered 504 here without reaching the broker. A request that arrives while the gateway is behind is
+shed with 503 before its body is decoded (see :mod:`zeroserve.gateway.door`).
+
+A request whose HTTP client went away is withdrawn: once the body is read, a task
+waits for ``http.disconnect`` and cancels the handler, and cancelling the client
+call sends the broker a CANCEL, so the queued request leaves the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from zeroserve.broker import protocol as p
+from zeroserve.broker.client import ErrorCode, InferError
+from zeroserve.gateway import v2
+from zeroserve.gateway.apikey import api_key_of
+from zeroserve.gateway.door import RETRY_AFTER_S, SHED_DEADLINE
+from zeroserve.gateway.http import STATUS, BadRequest, BodyTooLarge, bounded_int, compress, \
+    decompress, encoding_of, infer_error_parts, parse_version
+
+if TYPE_CHECKING:
+    from zeroserve.gateway.app import Gateway
+
+logger = logging.getLogger(__name__)
+
+# the request headers this route reads; everything else is never decoded
+WANTED = frozenset({b"content-length", b"content-encoding", b"accept-encoding",
+                    b"authorization", b"x-api-key", v2.HEADER_LENGTH.encode()})
+JSON = b"application/json"
+OCTETS = b"application/octet-stream"
+STATUS_KEY = "zeroserve.status"   # where the endpoint leaves its status for the metrics
+
+
+class Disconnected(Exception):
+    """The HTTP client went away before its answer (499 in the metrics)."""
+
+
+def wanted_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The few headers this route reads, first occurrence of each, names lowercase
+    (ASGI servers lowercase them already)."""
+    out: dict[str, str] = {}
+    for name, value in raw:
+        if name in WANTED and name not in out:
+            out[name.decode()] = value.decode("latin-1")
+    return out
+
+
+async def send_answer(send: Send, status: int, body: bytes, content_type: bytes = JSON,
+                      headers: dict[str, str] | None = None) -> None:
+    head = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
+    if headers:
+        head += [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, status: int, message: str,
+                     headers: dict[str, str] | None = None) -> int:
+    await send_answer(send, status, orjson.dumps({"error": message}), JSON, headers)
+    return status
+
+
+async def read_all(receive: Receive, declared: str | None, limit: int) -> bytes:
+    """The raw body; BodyTooLarge past ``limit``, Disconnected if the client left."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge()
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message: Any = await receive()
+        if message["type"] == "http.disconnect":
+            raise Disconnected()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class InferEndpoint:
+    """The ASGI endpoint; ``scope["path_params"]`` names the model (and version)."""
+
+    def __init__(self, gateway: "Gateway") -> None:
+        self.gw = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        door = self.gw.door
+        # the request arrived about one loop lag ago: its deadline counts from then
+        accepted = time.monotonic() - door.current_lag_s()
+        status = 500
+        why = door.refuse()
+        if why is not None:
+            scope[STATUS_KEY] = await send_error(send, 503, why,
+                                                 {"Retry-After": str(RETRY_AFTER_S)})
+            return
+        door.in_flight += 1
+        try:
+            status = await self._infer(scope, receive, send, accepted)
+        except Disconnected:
+            status = 499
+        except Exception:  # a bug: answer JSON, log the traceback, keep serving
+            logger.exception("unexpected error on POST %s", scope.get("path"))
+            status = await send_error(send, 500, "internal error")
+        finally:
+            door.in_flight -= 1
+            scope[STATUS_KEY] = status
+
+    async def _infer(self, scope: Scope, receive: Receive, send: Send,
+                     accepted: float) -> int:
+        gw, limit = self.gw, self.gw.settings.max_body_bytes
+        headers = wanted_headers(scope["headers"])
+        path = scope["path_params"]
+        try:
+            version = parse_version(path.get("version"))
+            body = await read_all(receive, headers.get("content-length"), limit)
+            encoding = headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                body = decompress(body, encoding, limit)
+            hlen = headers.get(v2.HEADER_LENGTH)
+            doc, binary = v2.parse_document(body, int(hlen) if hlen is not None and
+                                            hlen.isdigit() else None if hlen is None else -1)
+            params = v2.parameters_of(doc)
+            priority = bounded_int(params.get("priority", 0), "priority")
+            timeout_us = bounded_int(params.get("timeout", 0), "timeout")
+            why = gw.door.refuse_priority(priority, timeout_us > 0)   # before the costly part: the tensors
+            if why is not None:
+                return await send_error(send, 503, why, {"Retry-After": str(RETRY_AFTER_S)})
+            req = v2.decode_document(doc, binary, gw.shm.read if gw.shm.enabled else None)
+            if req.parameters.get("sequence_id"):
+                raise BadRequest("sequence batching is not supported")
+        except BodyTooLarge:
+            return await send_error(send, 413, f"request body exceeds {limit} bytes")
+        except ValueError as exc:  # DecodeError, BadRequest
+            return await send_error(send, 400, str(exc))
+        timeout_ms = 0.0
+        if timeout_us:   # what is left of the budget: the wire carries a remaining time
+            timeout_ms = timeout_us / 1000.0 - (time.monotonic() - accepted) * 1000.0
+            if timeout_ms <= 0:
+                SHED_DEADLINE.inc()
+                return await send_error(send, STATUS[ErrorCode.DEADLINE], "deadline exceeded "
+                                        "in the gateway, before the request reached the broker")
+        got = await self._forward(receive, path["name"], req, version, priority,
+                                  timeout_ms, api_key_of(headers))
+        if isinstance(got, InferError):
+            status, extra = infer_error_parts(got)
+            return await send_error(send, status, got.message, extra)
+        return await self._answer(send, req, *got, headers.get("accept-encoding"))
+
+    async def _forward(self, receive: Receive, name: str, req: v2.V2Request,
+                       version: int | None, priority: int, timeout_ms: float, api_key: str
+                       ) -> tuple[p.InferReply, list[p.Tensor]] | InferError:
+        """The broker's reply (and its tensors, classified where asked), or its error;
+        Disconnected when the client leaves meanwhile (the request is withdrawn)."""
+        task = asyncio.current_task()
+        gone = False
+
+        def on_message(watched: "asyncio.Future[Any]") -> None:
+            nonlocal gone
+            if watched.cancelled() or watched.exception() is not None or task is None:
+                return
+            if watched.result().get("type") == "http.disconnect":
+                gone = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(receive())
+        watcher.add_done_callback(on_message)
+        try:
+            reply = await self.gw.client.infer_tensors(
+                name, req.tensors, version=version, priority=priority, timeout_ms=timeout_ms,
+                outputs=req.output_names, api_key=api_key)
+            tensors = reply.tensors
+            if req.classified:
+                tensors = await self.gw.classify(reply.model, reply.version, tensors,
+                                                 req.classified)
+            return reply, tensors
+        except InferError as exc:
+            return exc
+        except asyncio.CancelledError:
+            if gone and task is not None:
+                task.uncancel()
+                raise Disconnected() from None
+            raise
+        finally:
+            watcher.remove_done_callback(on_message)
+            watcher.cancel()
+
+    async def _answer(self, send: Send, req: v2.V2Request, reply: p.InferReply,
+                      tensors: list[p.Tensor], accept: str | None) -> int:
+        try:
+            body, json_len = v2.encode_response(reply.model, reply.version, req.id, tensors,
+                                                req, self.gw.shm.write, clamped(reply.stats))
+        except v2.DecodeError as exc:
+            return await send_error(send, 400, str(exc))
+        ctype, extra = JSON, None
+        if json_len is not None:
+            ctype, extra = OCTETS, {"Inference-Header-Content-Length": str(json_len)}
+        encoding = encoding_of(accept)
+        if encoding is not None:
+            body = compress(body, encoding)
+            extra = {**(extra or {}), "Content-Encoding": encoding, "Vary": "Accept-Encoding"}
+        await send_answer(send, 200, body, ctype, extra)
+        return 200
+
+
+def clamped(stats: dict[str, float]) -> dict[str, Any] | None:
+    """What the broker changed of the request (a tenant's class caps its priority and
+    timeout), said in the response's parameters as the effective values."""
+    out: dict[str, Any] = {}
+    if stats.get("priority_clamped"):
+        out.update(priority_clamped=True, priority=int(stats.get("priority", 0)))
+    if stats.get("timeout_clamped"):
+        out.update(timeout_clamped=True, timeout=int(stats.get("timeout_ms", 0) * 1000))
+    return out or None

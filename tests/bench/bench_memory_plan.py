@@ -1,0 +1,124 @@
+"""Memory prediction against the measured footprint for the bundled models (mlp, cnn).
+
+Two fresh worker processes load both models one after the other, as a worker serving
+them would. From the first, the broker's planner learns each model's overhead and
+activation term; it then predicts the second worker's footprints (cold: the archive's
+weights alone, as for a model never loaded; learned: weights + overhead + activations
+at the largest batch), which the second worker measures. The activation term, fitted
+to warm-up batches of 1 and 8, is also checked against a real batch at the model's
+largest size. Prints one table; errors are (predicted - measured) / measured.
+
+    .venv/bin/python tests/bench/bench_memory_plan.py [--device cpu|cuda:0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from zeroserve.models.footprint import Learned, archive_tensor_bytes, predict
+from zeroserve.models.repository import load_config
+
+WORKER = r'''
+import json, sys
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+from zeroserve.broker import protocol as p
+from zeroserve.models.loader import sample_inputs
+from zeroserve.models.repository import load_config
+from zeroserve.workers import memory
+from zeroserve.workers.worker import Worker
+
+repo, device = Path(sys.argv[1]), sys.argv[2]
+probe = memory.settled(lambda: memory.rss_bytes(), device) if device == "cpu" else \
+    (lambda: int(torch.cuda.memory_allocated(device)) + int(torch.cuda.memory_reserved(device)))
+start = probe() if device == "cpu" else 0
+w = Worker("ipc:///nonexistent", "bench/0", device=device)
+out = {"context": w.context, "models": {}}
+for name in ("mlp", "cnn"):
+    cfg = load_config(repo / name)
+    reply = w.load_version(p.LoadModel(name, 1, str(repo / name / "1"), cfg.to_json()))
+    assert reply.ok, reply.error
+    lm = w.models[(name, 1)]
+    params = sum(t.numel() * t.element_size() for t in [*lm.fn.parameters(), *lm.fn.buffers()])
+    peak = memory.PeakProbe(device)
+    with torch.inference_mode():
+        args = sample_inputs(cfg, cfg.max_batch_size, device)
+        for _ in range(2):   # the first run at a new size specializes; measure the second
+            peak.start()
+            lm.fn(*args)
+            real = peak.stop()
+    out["models"][name] = {"plan": reply.memory, "params_bytes": params,
+                           "real_activation_at_max_batch": real}
+out["worker_growth"] = probe() - start if device == "cpu" else None
+print(json.dumps(out))
+'''
+
+
+def run_worker(repo: Path, device: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", WORKER, str(repo), device],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise SystemExit(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def pct(pred: float, meas: float) -> str:
+    return f"{100.0 * (pred - meas) / meas:+.1f}%" if meas else "-"
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.2f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="zsmem") as tmp:
+        repo = Path(tmp) / "models"
+        subprocess.run([sys.executable, "-m", "zeroserve.models.examples", str(repo)],
+                       check=True, capture_output=True, timeout=120)
+        first, second = run_worker(repo, args.device), run_worker(repo, args.device)
+        rows = []
+        for name in ("mlp", "cnn"):
+            cfg = load_config(repo / name)
+            vdir = repo / name / "1"
+            a, b = first["models"][name], second["models"][name]
+            files = archive_tensor_bytes(vdir / cfg.model_file) or 0
+            cold = predict(cfg, vdir).total_bytes
+            learned = predict(cfg, vdir, Learned.from_plan(a["plan"]))
+            meas = b["plan"]["footprint_bytes"]
+            act_pred = learned.activation_bytes
+            act_real = b["real_activation_at_max_batch"]
+            rows.append((name, cfg.max_batch_size, files, b["params_bytes"], cold,
+                         learned.total_bytes, meas, act_pred, act_real))
+    print(f"device {args.device}; context cost {mb(first['context']['context_bytes'])} / "
+          f"{mb(second['context']['context_bytes'])} MB (first / second worker, "
+          f"{first['context']['context_method']}); sizes in MB")
+    print("| model | max batch | archive tensors | params+buffers | cold prediction | "
+          "learned prediction | measured footprint | cold error | learned error | "
+          "activations predicted at max batch | measured at max batch | activation error |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, mbs, files, params, cold, learned_b, meas, act_pred, act_real in rows:
+        print(f"| {name} | {mbs} | {mb(files)} | {mb(params)} | {mb(cold)} | {mb(learned_b)} | "
+              f"{mb(meas)} | {pct(cold, meas)} | {pct(learned_b, meas)} | {mb(act_pred)} | "
+              f"{mb(act_real)} | {pct(act_pred, act_real)} |")
+    if second.get("worker_growth") is not None:
+        # between batches a worker holds its context and each version's resident part
+        planned = first["context"]["context_bytes"] + sum(r[5] - r[7] for r in rows)
+        print(f"worker at rest: first worker's context + learned resident predictions "
+              f"{mb(planned)} MB; the second worker's resident growth from its start to "
+              f"both loaded {mb(second['worker_growth'])} MB "
+              f"({pct(planned, second['worker_growth'])})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""zeroserve beside TorchServe and the bare HTTP ceiling, one run, the same generator.
+
+    python -m tests.bench.bench_peers --torchserve-venv /opt/ts-venv --models mlp,cnn
+
+Per model and concurrency: requests/s, p50 and p99 of
+  * zeroserve, ``zeroserve serve --workers 1``, v2 JSON (and --zeroserve-arg extras);
+  * TorchServe 0.12 in its own venv (Java 17), batch 32, 5 ms delay, 2 workers, its own
+    JSON body, through tests/bench/torchserve_handler.py;
+  * the ceiling (mlp only): tests/bench/ceiling_app.py, a Starlette endpoint that only
+    parses the body;
+all loaded by ``zeroserve bench`` (http-json, http-raw for TorchServe) from this host,
+plus CPU milliseconds per request of each server process over the counted window.
+TorchServe's venv: python3 -m venv V && V/bin/pip install -c constraints.txt torch
+torchserve==0.12.0 torch-model-archiver==0.12.0 pyyaml (and apt-get install openjdk-17-jre).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+from tests.bench.harness import example_repo, sample, start
+from tests.conftest import free_port, wait_for
+from zeroserve.broker.runtime import cache_dir
+from zeroserve.workers.supervisor import ensure_examples
+
+HERE = Path(__file__).resolve().parent
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / TICKS
+        except (OSError, IndexError):
+            pass
+    return total
+
+
+def pgrep(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def bench_level(argv: list[str], concurrency: int, warmup_s: float, duration_s: float,
+                roles: dict[str, Callable[[], list[int]]]) -> dict[str, Any]:
+    """One level of ``zeroserve bench``; each role's CPU seconds sampled inside its
+    counted window (from 1 s after the warm-up to 0.5 s before the end)."""
+    out = Path(tempfile.mkstemp(suffix=".json")[1])
+    cmd = [sys.executable, "-m", "zeroserve.broker.bench", *argv, "--concurrency",
+           str(concurrency), "--warmup-s", str(warmup_s), "--duration-s", str(duration_s),
+           "--json", str(out), "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    marks: list[tuple[float, dict[str, float]]] = []
+    for at in (1.0 + warmup_s, warmup_s + duration_s - 0.5):
+        time.sleep(max(0.0, t0 + at - time.monotonic()))  # noqa: sleep-ok - sampling times
+        marks.append((time.monotonic(), {r: cpu_s(f()) for r, f in roles.items()}))
+    _, err = proc.communicate(timeout=warmup_s + duration_s + 120)
+    if proc.returncode != 0:
+        raise SystemExit(f"zeroserve bench failed: {err}")
+    row: dict[str, Any] = json.loads(out.read_text())["levels"][0]
+    out.unlink()
+    (t1, c1), (t2, c2) = marks
+    served = row["throughput_rps"] * (t2 - t1)
+    row["cpu_ms_per_request"] = {r: 1000 * (c2[r] - c1[r]) / served if served else None
+                                 for r in roles}
+    return row
+
+
+class TorchServe:
+    """TorchServe 0.12 from its own venv: archives the model, starts in the foreground
+    in its own session, registers the model with batching, always stopped."""
+
+    def __init__(self, venv: Path, model: str, workers: int, batch: int, delay_ms: int) -> None:
+        self.work = Path(tempfile.mkdtemp(prefix="zs-ts-"))
+        store = self.work / "store"
+        store.mkdir()
+        src = ensure_examples(cache_dir()) / model
+        env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
+        subprocess.run([str(venv / "bin" / "torch-model-archiver"), "--model-name", model,
+                        "--version", "1.0", "--serialized-file", str(src / "1" / "model.pt"),
+                        "--handler", str(HERE / "torchserve_handler.py"), "--extra-files",
+                        str(src / "config.json"), "--export-path", str(store)],
+                       check=True, env=env)
+        self.port, mgmt, metrics = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        (self.work / "config.properties").write_text(
+            f"inference_address=http://127.0.0.1:{self.port}\n"
+            f"management_address=http://127.0.0.1:{mgmt}\n"
+            f"metrics_address=http://127.0.0.1:{metrics}\n"
+            f"model_store={store}\ndisable_token_authorization=true\n"
+            "enable_model_api=true\n")
+        self.proc = subprocess.Popen(
+            [str(venv / "bin" / "torchserve"), "--start", "--foreground", "--ncs",
+             "--disable-token-auth", "--ts-config", str(self.work / "config.properties"),
+             "--model-store", str(store)], cwd=self.work, env=env, start_new_session=True,
+            stdout=open(self.work / "ts.log", "wb"), stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: self._get(f"http://127.0.0.1:{self.port}/ping"), 90,
+                     "TorchServe to answer /ping")
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{mgmt}/models?url={model}.mar&batch_size={batch}"
+                f"&max_batch_delay={delay_ms}&initial_workers={workers}&synchronous=true",
+                method="POST")
+            urllib.request.urlopen(req, timeout=180).read()
+        except BaseException:
+            self.stop()
+            raise
+
+    @staticmethod
+    def _get(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True,
+                             text=True)
+        return [int(x) for x in out.stdout.split()]
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+class Ceiling:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "tests.bench.ceiling_app:app", "--port",
+             str(self.port), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
+             "--log-level", "warning"], start_new_session=True)
+        wait_for(lambda: TorchServe._get(f"{self.url}/v2/models/mlp"), 30,
+                 "the ceiling app to answer")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def ts_body(model: str) -> Path:
+    path = Path(tempfile.mkstemp(prefix=f"ts-{model}-", suffix=".json")[1])
+    path.write_text(json.dumps({"data": sample(model).reshape(-1).tolist()}))
+    return path
+
+
+def run_model(model: str, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    w, d = args.warmup_s, args.duration_s
+    results: dict[str, list[dict[str, Any]]] = {}
+    server = start(example_repo({model: {}}), workers=1, extra=args.zeroserve_arg)
+    try:
+        roles = {r: (lambda r=r: server.pids(r)) for r in ("gateway", "broker", "worker")}
+        results["zeroserve"] = [bench_level(["-m", model, "--url", server.url], c, w, d, roles)
+                                for c in levels]
+    finally:
+        server.stop()
+    if args.torchserve_venv:
+        ts = TorchServe(Path(args.torchserve_venv), model, 2, 32, 5)
+        try:
+            raw = ["-m", model, "--url", ts.url, "--transport", "http-raw", "--raw-path",
+                   f"/predictions/{model}", "--body-file", str(ts_body(model))]
+            results["TorchServe"] = [bench_level(raw, c, w, d, {"all": ts.pids})
+                                     for c in levels]
+        finally:
+            ts.stop()
+    if model == "mlp" and not args.no_ceiling:
+        ceiling = Ceiling()
+        try:
+            results["ceiling"] = [bench_level(["-m", model, "--url", ceiling.url], c, w, d,
+                                              {"all": lambda: [ceiling.proc.pid]})
+                                  for c in levels]
+        finally:
+            ceiling.stop()
+    return results
+
+
+def cell(row: dict[str, Any]) -> str:
+    return f"{row['throughput_rps']:,.0f} req/s, p50 {row['p50_ms']:.1f}, p99 {row['p99_ms']:.1f}"
+
+
+def cpu_cell(row: dict[str, Any]) -> str:
+    return ", ".join(f"{r} {v:.2f}" for r, v in row["cpu_ms_per_request"].items()
+                     if v is not None)
+
+
+def table(model: str, results: dict[str, list[dict[str, Any]]]) -> str:
+    names = list(results)
+    lines = [f"\n{model}: " + " | ".join(names),
+             "| C | " + " | ".join(names) + " | zeroserve / TorchServe |",
+             "|---" * (len(names) + 2) + "|"]
+    for i, row in enumerate(results["zeroserve"]):
+        ratio = ""
+        if "TorchServe" in results:
+            ratio = f"{row['throughput_rps'] / results['TorchServe'][i]['throughput_rps']:.2f}x"
+        lines.append(f"| {int(row['load'])} | " + " | ".join(cell(results[n][i]) for n in names)
+                     + f" | {ratio} |")
+    lines.append("CPU ms per request over the counted window:")
+    for n in names:
+        lines.append(f"  {n}: " + "; ".join(f"C={int(r['load'])}: {cpu_cell(r)}"
+                                            for r in results[n]))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="mlp,cnn")
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--warmup-s", type=float, default=3.0)
+    ap.add_argument("--duration-s", type=float, default=20.0)
+    ap.add_argument("--torchserve-venv", default=None, help="skip TorchServe when not given")
+    ap.add_argument("--no-ceiling", action="store_true")
+    ap.add_argument("--zeroserve-arg", action="append", default=[],
+                    help="extra `zeroserve serve` argument (repeat), e.g. --http-workers=2")
+    ap.add_argument("--json", default=None, help="write every level's row")
+    args = ap.parse_args()
+    if args.duration_s < 3:
+        raise SystemExit("--duration-s must be at least 3 (CPU is sampled inside the window)")
+    every: dict[str, Any] = {}
+    for model in args.models.split(","):
+        every[model] = run_model(model, args)
+        print(table(model, every[model]), flush=True)
+    print(f"\nload generator and servers share this host's {os.cpu_count()} cores; "
+          "one server runs at a time")
+    if args.json:
+        Path(args.json).write_text(json.dumps(every, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Placement without sockets (outboxes are lists, the clock a number), on real model
+files: a version is predicted from its archive before any LOAD is sent, refused with
+the device and the bytes when it does not fit after the headroom, evicts idle models
+when that makes room, and is planned with what was measured once a worker warmed it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import linear_config, write_model
+from zeroserve.broker import protocol as p
+from zeroserve.broker.server.broker import Broker
+from zeroserve.broker.server.catalog import CatalogModel
+from zeroserve.models.repository import parse_config, version_sha256
+
+MB = 1_000_000
+WEIGHTS = (1000 * 1000 + 1000) * 4      # nn.Linear(1000, 1000): 4.0 MB
+
+
+class Rig:
+    def __init__(self, tmp_path: Path) -> None:
+        self.now = 0.0
+        self.to_workers: list[tuple[bytes, list[Any]]] = []
+        self.b = Broker(tmp_path, to_client=lambda *_: True, to_worker=self._send,
+                        to_controller=lambda *_: True, clock=lambda: self.now,
+                        latency_model=False)
+        self.repo = tmp_path
+        self.placement = self.b.lifecycle.placement
+
+    def _send(self, identity: bytes, frames: list[Any]) -> bool:
+        self.to_workers.append((identity, [bytes(f) for f in frames]))
+        return True
+
+    def model(self, name: str, versions: tuple[int, ...] = (1,), mbs: int = 8) -> None:
+        cfg = parse_config(linear_config(name, 1000, 1000, mbs=mbs), "test")
+        for v in versions:
+            write_model(self.repo, name, v, "nn.Linear(1000, 1000)")
+        self.b.catalog.models[name] = CatalogModel(cfg, self.repo / name, versions, set())
+        self.b.scheduler.set_policy(name, self.b.catalog.models[name].policy())
+        self.b.lifecycle.shas[name] = {v: version_sha256(self.repo / name / str(v))
+                                       for v in versions}
+
+    def worker(self, wid: str, device: str = "cpu", budget: int = 0,
+               **memory: Any) -> Any:
+        ready = p.WorkerReady(wid, 1, device=device, memory_budget_bytes=budget,
+                              memory={"device": device, **memory})
+        self.b.worker_ready(wid.encode(), ready, self.now)
+        return self.b.pool.get(wid.encode())
+
+    def loads(self, wid: str) -> list[str]:
+        out = []
+        for identity, frames in self.to_workers:
+            kind, header, _ = p.unpack(frames)
+            if identity == wid.encode() and kind is p.Kind.LOAD:
+                out.append(f"{header['model']}/{header['version']}")
+        return out
+
+    def loaded(self, wid: str, name: str, version: int, **plan: Any) -> None:
+        sha = self.b.lifecycle.shas[name][version]
+        msg = p.ModelLoaded(name, version, True, sha256=sha,
+                            memory_bytes=plan.get("resident_bytes", 0), memory=plan)
+        self.b.on_backend(wid.encode(), [bytes(f) for f in p.encode(msg)])
+
+
+def test_a_version_that_does_not_fit_on_a_gpu_is_refused_before_it_loads(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.model("m")
+    w = rig.worker("host/1", "cuda:0", gpu_free_bytes=4 * MB, headroom_bytes=1 * MB,
+                   models={})
+    assert rig.loads("host/1") == [], "nothing is sent to load what does not fit"
+    why = rig.placement.refusal(w, "m", 1)
+    assert why == ("cuda:0 on worker host/1 has 3.0 MB free after 1.0 MB headroom; m/1 "
+                   "needs 4.0 MB (predicted: 4.0 MB weights; overhead and activations not "
+                   "learned yet)")
+    rig.now += 0.01
+    assert rig.b.lifecycle.next_due() == rig.now   # the refusal is answered on the next tick
+    rig.b.tick(rig.now)
+    assert w.load_errors == {"m/1": why} and not w.loading and not w.loaded
+    assert rig.b.lifecycle.failures["m"]["error"] == why
+    assert 'zeroserve_memory_refusals_total{device="cuda:0",model="m"} 1.0' \
+        in rig.b.metrics.render()
+    plan = rig.placement.describe()["host/1"]
+    assert plan["available_bytes"] == 3 * MB and plan["headroom_bytes"] == 1 * MB
+
+
+def test_what_fits_loads_and_its_measurement_replaces_the_prediction(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.model("m")
+    a = rig.worker("a/0", "cuda:0", gpu_free_bytes=100 * MB, headroom_bytes=1 * MB,
+                   models={})
+    assert rig.loads("a/0") == ["m/1"]
+    entry = rig.placement.describe()["a/0"]["models"]["m/1"]
+    assert entry["predicted_bytes"] == WEIGHTS and entry["state"] == "loading"
+    # loading, not yet in a heartbeat: what it is predicted to take is not free any more
+    assert rig.placement.available(a) == 100 * MB - WEIGHTS - 1 * MB
+    rig.loaded("a/0", "m", 1, resident_bytes=WEIGHTS + 100_000, batch=8,
+               activation_bytes_per_sample=4000, activation_fixed_bytes=1000,
+               overhead_bytes=100_000, footprint_bytes=WEIGHTS + 100_000 + 33_000)
+    entry = rig.placement.describe()["a/0"]["models"]["m/1"]
+    assert entry["measured_bytes"] == WEIGHTS + 133_000
+    assert entry["error_pct"] == round(100 * -133_000 / (WEIGHTS + 133_000), 1)
+    text = rig.b.metrics.render()
+    assert 'zeroserve_model_memory_measured_bytes{model="m",version="1",worker="a/0"}' in text
+    # a replica on another worker is planned with what a/0 measured for the same files
+    b = rig.worker("b/0", "cuda:0", gpu_free_bytes=4_100_000, headroom_bytes=0, models={})
+    assert rig.loads("b/0") == []
+    assert "needs 4.1 MB (measured on worker a/0)" in (rig.placement.refusal(b, "m", 1) or "")
+
+
+def test_the_learned_terms_predict_the_next_version(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.model("m", versions=(1,), mbs=8)
+    rig.worker("a/0", "cpu", budget=100 * MB, context_bytes=5 * MB)
+    rig.loaded("a/0", "m", 1, resident_bytes=WEIGHTS + 200_000, batch=8,
+               activation_bytes_per_sample=10_000, activation_fixed_bytes=0,
+               overhead_bytes=200_000, footprint_bytes=WEIGHTS + 280_000)
+    rig.model("m", versions=(1, 2), mbs=8)
+    b = rig.worker("b/0", "cpu", budget=9 * MB, context_bytes=5 * MB)
+    why = rig.placement.refusal(b, "m", 2) or ""
+    assert why.startswith("cpu on worker b/0 (memory budget 9.0 MB, 5.0 MB context) has ")
+    assert ("m/2 needs 4.3 MB (predicted: 4.0 MB weights + 0.2 MB overhead + 0.1 MB "
+            "activations at batch 8)") in why
+
+
+def test_the_headroom_is_kept_on_a_budget(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.model("m")
+    roomy = rig.worker("roomy/0", "cpu", budget=10 * MB, context_bytes=1 * MB,
+                       headroom_bytes=0)
+    tight = rig.worker("tight/0", "cpu", budget=10 * MB, context_bytes=1 * MB,
+                       headroom_bytes=6 * MB)
+    assert rig.loads("roomy/0") == ["m/1"] and rig.loads("tight/0") == []
+    assert rig.placement.refusal(roomy, "m", 1) is None   # there already
+    why = rig.placement.refusal(tight, "m", 1) or ""
+    assert "has 3.0 MB free after 6.0 MB headroom; m/1 needs 4.0 MB" in why
+    assert "more than worker tight/0's memory budget of 10.0 MB leaves after" in why
+
+
+def test_an_idle_model_is_evicted_before_the_load_when_that_makes_room(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.model("old")
+    w = rig.worker("a/0", "cpu", budget=10 * MB, context_bytes=1 * MB)
+    rig.loaded("a/0", "old", 1, resident_bytes=WEIGHTS, footprint_bytes=WEIGHTS)
+    rig.model("new")
+    rig.b.lifecycle.sync_worker(w)
+    assert rig.loads("a/0") == ["old/1", "new/1"]   # room for both: nothing evicted
+    rig.model("third")
+    rig.b.lifecycle.sync_worker(w)
+    # 1 MB context + 4 + 4 of 10 MB: the least recently used idle model makes room
+    assert rig.loads("a/0")[-1] == "third/1"
+    assert ("old", 1) not in w.loaded and ("third", 1) in w.loading
+
+
+def test_a_worker_that_held_versions_before_the_broker_knew_it_is_planned_from_its_report(
+        tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.model("m")
+    rig.model("n")
+    # a broker restart: the worker registers with m/1 loaded and its plan in the report
+    ready = p.WorkerReady("a/0", 1, device="cpu", models=[["m", 1]], memory_budget_bytes=12 * MB,
+                          memory={"device": "cpu", "context_bytes": 1 * MB,
+                                  "models": {"m/1": WEIGHTS},
+                                  "plans": {"m/1": {"footprint_bytes": 5 * MB}}})
+    rig.b.worker_ready(b"a/0", ready, rig.now)
+    w = rig.b.pool.get(b"a/0")
+    assert rig.placement.used(w) == 6 * MB + WEIGHTS   # context, m/1 as reported, n/1 loading
+    assert rig.loads("a/0") == ["n/1"]

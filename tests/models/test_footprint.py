@@ -1,0 +1,103 @@
+"""The footprint predicted from a version's files: the tensor storages a TorchScript or
+torch.export archive holds, summed from the zip's directory without torch, equal the
+loaded module's parameter and buffer bytes; the activation line fitted to warm-up peaks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import linear_config, write_model
+from zeroserve.models.footprint import ActivationTerm, Learned, archive_tensor_bytes, \
+    fit_activation, predict, size_text
+from zeroserve.models.repository import parse_config
+
+FACTORIES = {
+    "linear": "nn.Linear(4, 3)",
+    "mlp": "nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))",
+    "bn": "nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())",  # buffers too
+    "half": "nn.Linear(32, 16).half()",
+    "nobias": "nn.Sequential(nn.Linear(16, 16, bias=False), nn.Embedding(100, 16))",
+}
+
+
+def module_bytes(path: Path) -> int:
+    import torch
+
+    m = torch.jit.load(str(path))
+    return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_archive_tensor_bytes_are_the_loaded_parameters_and_buffers(tmp_path: Path,
+                                                                    name: str) -> None:
+    vdir = write_model(tmp_path, name, 1, FACTORIES[name])
+    assert archive_tensor_bytes(vdir / "model.pt") == module_bytes(vdir / "model.pt") > 0
+
+
+def test_a_torch_export_archive_is_read_too(tmp_path: Path) -> None:
+    import torch
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16)).eval()
+    torch.export.save(torch.export.export(m, (torch.zeros(2, 8),)), str(tmp_path / "m.pt2"))
+    expect = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+    assert archive_tensor_bytes(tmp_path / "m.pt2") == expect
+
+
+def test_what_is_not_an_archive_is_not_predicted(tmp_path: Path) -> None:
+    (tmp_path / "model.py").write_text("class Model: pass\n")
+    assert archive_tensor_bytes(tmp_path / "model.py") is None
+    assert archive_tensor_bytes(tmp_path / "missing.pt") is None
+    cfg = parse_config({**linear_config("h"), "platform": "python"}, "test")
+    pred = predict(cfg, tmp_path)
+    assert pred.weights_bytes is None and pred.total_bytes == 0
+    assert "unknown weights" in pred.describe()
+
+
+def test_the_broker_predicts_without_importing_torch(tmp_path: Path) -> None:
+    vdir = write_model(tmp_path, "m", 1, FACTORIES["mlp"], linear_config("m", 64, 10))
+    code = ("import json, sys; from pathlib import Path\n"
+            "from zeroserve.models.footprint import predict\n"
+            "from zeroserve.models.repository import load_config\n"
+            "cfg = load_config(Path(sys.argv[1]) / 'm')\n"
+            "pred = predict(cfg, Path(sys.argv[1]) / 'm' / '1')\n"
+            "print(json.dumps([pred.weights_bytes, 'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    weights, torch_loaded = json.loads(out.stdout)
+    assert weights == module_bytes(vdir / "model.pt") and not torch_loaded
+
+
+def test_prediction_adds_the_learned_terms_at_the_largest_batch(tmp_path: Path) -> None:
+    write_model(tmp_path, "m", 1, FACTORIES["mlp"], linear_config("m", 64, 10, mbs=32))
+    cfg = parse_config(linear_config("m", 64, 10, mbs=32), "test")
+    weights = module_bytes(tmp_path / "m" / "1" / "model.pt")
+    cold = predict(cfg, tmp_path / "m" / "1")
+    assert cold.total_bytes == weights and "not learned yet" in cold.describe()
+    learned = Learned(ActivationTerm(1000, 500), overhead_bytes=20_000)
+    warm = predict(cfg, tmp_path / "m" / "1", learned)
+    assert warm.total_bytes == weights + 20_000 + 500 + 1000 * 32
+    assert "activations at batch 32" in warm.describe()
+
+
+def test_the_activation_line_through_the_warm_up_peaks() -> None:
+    assert fit_activation({}) is None
+    assert fit_activation({1: 1500, 8: 8500}) == ActivationTerm(1000, 500)
+    assert fit_activation({1: 1500, 4: 9999, 8: 8500}) == ActivationTerm(1000, 500)
+    assert fit_activation({8: 8001}) == ActivationTerm(1001, 0)   # rounds up
+    # the small batch's peak inflated by something else: the large batch alone counts
+    assert fit_activation({1: 9000, 8: 8000}) == ActivationTerm(1000, 0)
+    assert ActivationTerm(1000, 500).at(0) == 1500
+    doc = ActivationTerm(7, 3).to_json()
+    assert ActivationTerm.from_json(doc) == ActivationTerm(7, 3)
+    assert ActivationTerm.from_json({}) is None
+    assert Learned.from_plan({**doc, "overhead_bytes": -5}) == Learned(ActivationTerm(7, 3), 0)
+
+
+def test_sizes_for_people() -> None:
+    assert size_text(1_234_567) == "1.2 MB" and size_text(2_000_000_000) == "2.0 GB"

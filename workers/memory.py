@@ -1,0 +1,178 @@
+"""What a worker measures for the broker's memory planning (see models/footprint.py):
+the fixed cost of its device, measured once at start, and the peak memory of each
+warm-up batch, from which the per-sample activation term is learned.
+
+On a GPU both come from torch's CUDA allocator and ``mem_get_info``; on a CPU from the
+process's resident memory, with the kernel's high-water mark (``VmHWM``, reset by
+writing 5 to ``/proc/self/clear_refs``) catching a batch's peak even when its buffers
+are returned to the system before the batch ends. Both are process-wide: a batch of
+another model running at the same time on the compute thread counts too, so a
+warm-up during heavy traffic can overstate the activation term. On a CPU a batch can
+also reuse free pages the process holds already, which no high-water mark sees: freed
+heap memory is given back (``malloc_trim``) before each measured batch, and what glibc
+keeps even so makes a CPU peak read up to ~15 % low (tests/workers/test_memplan.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import logging
+import resource
+from typing import Any, Callable
+
+import torch
+
+from zeroserve.broker.process import trim_memory
+
+logger = logging.getLogger(__name__)
+
+# kept free on a GPU when the worker is not told otherwise: cuBLAS/cuDNN workspaces and
+# kernels loaded lazily by later models come out of memory no model accounts for
+DEFAULT_GPU_HEADROOM_BYTES = 512 << 20
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
+
+
+def _hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakProbe:
+    """``start()`` before a batch, ``stop()`` after it: the peak bytes above the level
+    at ``start``."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.cuda = device.startswith("cuda")
+        self._base = 0
+        self._hwm = False
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = int(torch.cuda.memory_allocated(self.device))
+            return
+        # freed heap memory back to the system first, or the batch would reuse pages the
+        # process holds already and its peak would not show in the high-water mark
+        trim_memory()
+        self._hwm = _reset_hwm()
+        self._base = rss_bytes()
+
+    def stop(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return max(0, int(torch.cuda.max_memory_allocated(self.device)) - self._base)
+        peak = _hwm_bytes() if self._hwm else None
+        return max(0, (peak if peak is not None else rss_bytes()) - self._base)
+
+
+def settled(probe: Callable[[], int], device: str) -> Callable[[], int]:
+    """``probe`` after giving freed heap memory back (CPU): a version loaded where an
+    unloaded one was would otherwise reuse its pages and seem to cost nothing."""
+    if device.startswith("cuda"):
+        return probe
+
+    def measure() -> int:
+        trim_memory()
+        return probe()
+    return measure
+
+
+def _nvml_used(index: int) -> int | None:
+    """Device memory in use (all processes) from the driver's NVML, before this process
+    makes a CUDA context; None without NVML."""
+    class MemInfo(ctypes.Structure):
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong),
+                    ("used", ctypes.c_ulonglong)]
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle = ctypes.c_void_p()
+        info = MemInfo()
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        try:
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0 \
+                    or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(info)) != 0:
+                return None
+            return int(info.used)
+        finally:
+            nvml.nvmlShutdown()
+    except (OSError, AttributeError):
+        return None
+
+
+def _first_ops(device: str) -> None:
+    """A first TorchScript load and a first linear and convolution: the runtime's one-time
+    allocations (interpreter, thread pools, kernel caches), which no model should carry."""
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), buf)
+    buf.seek(0)
+    module = torch.jit.load(buf, map_location=device)
+    with torch.inference_mode():
+        module(torch.ones(1, 2, device=device))
+        x = torch.ones(4, 8, device=device)
+        torch.nn.functional.linear(x, torch.ones(4, 8, device=device))
+        torch.nn.functional.conv2d(torch.ones(1, 3, 8, 8, device=device),
+                                   torch.ones(4, 3, 3, 3, device=device))
+
+
+def context_cost(device: str) -> dict[str, Any]:
+    """The device's fixed cost to this process, once, before any model: on a GPU the
+    CUDA context (device memory in use after a first kernel, less the allocator's pool
+    and what other processes held before, per NVML; without NVML the process is taken
+    to be alone on the device); on a CPU the resident memory the first operations add."""
+    if not device.startswith("cuda"):
+        trim_memory()
+        before = rss_bytes()
+        _first_ops(device)
+        trim_memory()
+        return {"context_bytes": max(0, rss_bytes() - before), "context_method": "rss"}
+    index = torch.device(device).index or 0
+    others = _nvml_used(index)
+    _first_ops(device)
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    used = int(total - free) - int(torch.cuda.memory_reserved(device)) - (others or 0)
+    return {"context_bytes": max(0, used),
+            "context_method": "nvml" if others is not None else "alone on the device"}
+
+
+def device_report(device: str, budget_bytes: int, headroom_bytes: int | None,
+                  context: dict[str, Any]) -> dict[str, Any]:
+    """What the broker plans with, in READY and every heartbeat: the device, its free
+    memory now (GPU), the headroom to keep, the context cost."""
+    cuda = device.startswith("cuda")
+    headroom = headroom_bytes if headroom_bytes is not None and headroom_bytes >= 0 \
+        else (DEFAULT_GPU_HEADROOM_BYTES if cuda else 0)
+    out: dict[str, Any] = {"device": device, "budget_bytes": budget_bytes,
+                           "headroom_bytes": headroom, **context}
+    if cuda:
+        free, total = torch.cuda.mem_get_info(device)
+        out.update(gpu_free_bytes=int(free), gpu_total_bytes=int(total),
+                   gpu_used_bytes=int(torch.cuda.memory_allocated(device)),
+                   gpu_reserved_bytes=int(torch.cuda.memory_reserved(device)))
+    return out

@@ -37,8 +37,14 @@ __all__ = ["DTYPES", "ITEM_BYTES", "Buffer", "ProtocolError", "Tensor", "TensorM
            "datatype_of", "from_numpy", "pack_bytes_elements", "to_numpy",
            "unpack_bytes_elements"]
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
+# Versions: each message is stamped with the version its kind first appeared in, so a
+# peer that speaks only version 1 still reads every kind it knows; a receiver accepts
+# every version it speaks and raises VersionMismatch for any other. Version 2 adds
+# REQUESTS and REPLIES (several inference messages in one), sent only to a peer known
+# to speak it: the broker's PONG lists ``versions``; a client that sent REQUESTS gets
+# its replies as REPLIES.
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 
 
 class VersionMismatch(ProtocolError):
@@ -58,6 +64,8 @@ class Kind(bytes, enum.Enum):
     CANCEL = b"\x04"
     PING = b"\x05"
     PONG = b"\x06"
+    REQUESTS = b"\x07"    # version 2: several requests in one message
+    REPLIES = b"\x08"     # version 2: several replies in one message
     # worker <-> broker (backend socket)
     READY = b"\x10"
     HEARTBEAT = b"\x11"
@@ -75,6 +83,8 @@ class Kind(bytes, enum.Enum):
 
 
 _KINDS = {k.value: k for k in Kind}
+_SINCE = {Kind.REQUESTS: 2, Kind.REPLIES: 2}   # the version a kind first appeared in
+MAX_BUNDLE = 256    # inference messages in one REQUESTS or REPLIES at most
 
 
 class ErrorCode(str, enum.Enum):
@@ -211,6 +221,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bool": (lambda v: isinstance(v, bool), "a boolean"),
     "map": (lambda v: isinstance(v, dict), "a map"),
     "pairs": (_is_pairs, "a list of [name, version] pairs"),
+    "ints": (lambda v: isinstance(v, list) and all(_is_int(x) for x in v), "a list of integers"),
     "any": (lambda v: True, "anything"),
 }
 
@@ -229,7 +240,9 @@ class Ping:
 
 @dataclass(frozen=True)
 class Pong:
+    """``versions``: those the sender speaks (absent from a version-1 peer's)."""
     KIND = Kind.PONG
+    versions: list[int] = field(default_factory=lambda: list(SUPPORTED_VERSIONS))
 
 
 @dataclass(frozen=True)
@@ -348,7 +361,8 @@ class ControlReply:
 # the wire names of fields whose Python name differs (kept short and stable on the wire)
 _WIRE = {"request_id": "id", "call_id": "id"}
 _TYPES = {"str": "str", "int": "int", "float": "float", "bool": "bool",
-          "dict[str, Any]": "map", "list[list[Any]]": "pairs", "Any": "any"}
+          "dict[str, Any]": "map", "list[list[Any]]": "pairs", "list[int]": "ints",
+          "Any": "any"}
 _ENUMS: dict[str, type[enum.Enum]] = {"DisconnectReason": DisconnectReason,
                                       "LeaveReason": LeaveReason}
 
@@ -414,7 +428,7 @@ def decode(cls: type, header: dict[str, Any]) -> Any:
 # framing helpers
 
 def _pack(kind: Kind, header: dict[str, Any]) -> list[Buffer]:
-    header["v"] = PROTOCOL_VERSION
+    header["v"] = _SINCE.get(kind, 1)
     return [kind.value, msgpack.packb(header, use_bin_type=True)]
 
 
@@ -438,9 +452,12 @@ def unpack(frames: Sequence[Buffer]) -> tuple[Kind, dict[str, Any], Sequence[Buf
     if not isinstance(header, dict):
         raise ProtocolError("header is not a map")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
         raise VersionMismatch(header, f"protocol version {version!r} is not supported (this "
                                       f"peer speaks {', '.join(map(str, SUPPORTED_VERSIONS))})")
+    if version < _SINCE.get(kind, 1):
+        raise ProtocolError(f"{kind.name} needs protocol version {_SINCE[kind]}, "
+                            f"the message says {version}")
     return kind, header, frames[2:]
 
 
@@ -502,13 +519,7 @@ def _decode_tensors(raw: Any, frames: Sequence[Buffer]) -> list[Tensor]:
 # client <-> broker
 
 def encode_request(req: InferRequest) -> list[Buffer]:
-    metas, bufs = _encode_tensors(req.tensors)
-    header = {"id": req.request_id, "model": req.model, "version": req.version,
-              "priority": req.priority, "timeout_ms": float(req.timeout_ms),
-              "tenant": req.tenant, "tensors": metas,
-              "outputs": list(req.outputs) if req.outputs is not None else None}
-    if req.api_key:
-        header["api_key"] = req.api_key
+    header, bufs = request_header(req)
     return _pack(Kind.REQUEST, header) + bufs
 
 
@@ -536,17 +547,77 @@ def decode_request(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReq
     )
 
 
+def encode_requests(reqs: Sequence[InferRequest]) -> list[Buffer]:
+    """Several requests in one message (version 2): each one's header as REQUEST has it,
+    then every tensor frame in order. Only to a broker whose PONG listed version 2."""
+    return bundle(Kind.REQUESTS, "requests", [request_header(r) for r in reqs])
+
+
+def request_header(req: InferRequest) -> tuple[dict[str, Any], list[Buffer]]:
+    """A request's header (without ``v``) and its tensor frames, to bundle."""
+    metas, bufs = _encode_tensors(req.tensors)
+    header = {"id": req.request_id, "model": req.model, "version": req.version,
+              "priority": req.priority, "timeout_ms": float(req.timeout_ms),
+              "tenant": req.tenant, "tensors": metas,
+              "outputs": list(req.outputs) if req.outputs is not None else None}
+    if req.api_key:
+        header["api_key"] = req.api_key
+    return header, bufs
+
+
+def bundle(kind: Kind, key: str, parts: Sequence[tuple[dict[str, Any], list[Buffer]]]
+           ) -> list[Buffer]:
+    """One REQUESTS or REPLIES message of (header, frames) parts."""
+    bufs: list[Buffer] = []
+    for _, frames in parts:
+        bufs.extend(frames)
+    return _pack(kind, {key: [h for h, _ in parts]}) + bufs
+
+
+def unbundle(header: dict[str, Any], frames: Sequence[Buffer], key: str
+             ) -> list[tuple[dict[str, Any], Sequence[Buffer]]]:
+    """The (header, tensor frames) of each message in a REQUESTS or REPLIES. A part whose
+    ``tensors`` is not a list owns no frame (decoding it names the error)."""
+    parts = _field(header, key, list)
+    if len(parts) > MAX_BUNDLE:
+        raise ProtocolError(f"{len(parts)} messages in one, more than {MAX_BUNDLE}")
+    out, pos = [], 0
+    for part in parts:
+        if not isinstance(part, dict):
+            raise ProtocolError(f"each of {key!r} must be a map")
+        tensors = part.get("tensors")
+        n = len(tensors) if isinstance(tensors, list) else 0
+        out.append((part, frames[pos:pos + n]))
+        pos += n
+    if pos != len(frames):
+        raise ProtocolError(f"{key} declare {pos} tensors but carry {len(frames)} frames")
+    return out
+
+
 def request_id_of(header: dict[str, Any]) -> str | None:
     """Best effort: the id of a request whose body failed to decode, to answer it."""
     rid = header.get("id")
     return rid if isinstance(rid, str) and len(rid) <= 256 else None
 
 
-def encode_reply(rep: InferReply) -> list[Buffer]:
+def reply_header(rep: InferReply) -> tuple[dict[str, Any], list[Buffer]]:
     metas, bufs = _encode_tensors(rep.tensors)
-    header = {"id": rep.request_id, "model": rep.model, "version": rep.version,
-              "tensors": metas, "stats": rep.stats}
+    return {"id": rep.request_id, "model": rep.model, "version": rep.version,
+            "tensors": metas, "stats": rep.stats}, bufs
+
+
+def encode_reply(rep: InferReply) -> list[Buffer]:
+    header, bufs = reply_header(rep)
     return _pack(Kind.REPLY, header) + bufs
+
+
+def encode_replies(reps: Sequence[InferReply]) -> list[Buffer]:
+    """Several replies to one client in one message (version 2)."""
+    return bundle(Kind.REPLIES, "replies", [reply_header(r) for r in reps])
+
+
+def decode_replies(header: dict[str, Any], frames: Sequence[Buffer]) -> list[InferReply]:
+    return [decode_reply(h, bufs) for h, bufs in unbundle(header, frames, "replies")]
 
 
 def decode_reply(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReply:

@@ -25,10 +25,57 @@ def _fill(dst: torch.Tensor, buf: Any, shape: Sequence[int]) -> None:
     view[...] = np.frombuffer(buf, dtype=view.dtype).reshape(shape)
 
 
+def _fill_rows(dst: torch.Tensor, parts: Sequence[p.Tensor]) -> None:
+    """Each request's bytes copied after the previous one's: the frames' sizes were
+    checked against their shapes on receipt, and the shapes against each other."""
+    flat = dst.view(_RAW_VIEW.get(dst.dtype, dst.dtype)).numpy().reshape(-1).view(np.uint8)
+    pos = 0
+    for t in parts:
+        src = np.frombuffer(t.data, dtype=np.uint8)
+        flat[pos:pos + src.size] = src
+        pos += src.size
+
+
+def _view(t: p.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The request's own bytes as a tensor, without a copy (a batch of one on the CPU),
+    or None when they are not aligned to their element size (then they are copied).
+    The frame is writable and this process's alone, so a model that writes into its
+    input changes nothing anyone else reads."""
+    buf = t.data if isinstance(t.data, memoryview) else memoryview(t.data)
+    if buf.readonly or not buf.nbytes or not buf.c_contiguous:
+        return None
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    if raw.data_ptr() % dtype.itemsize:
+        return None
+    return raw.view(dtype).view(t.meta.shape)
+
+
+def _single(loaded: LoadedModel, item: p.BatchItem) -> tuple[list[Any], list[int]] | None:
+    """A batch of one on the CPU: the inputs are views of the request's frames."""
+    cfg = loaded.config
+    inputs: list[Any] = []
+    by_name = {t.meta.name: t for t in item.tensors}
+    for spec in cfg.inputs:
+        t = by_name.get(spec.name)
+        if t is None or spec.datatype == "BYTES":
+            return None   # the general path says what is wrong, or packs BYTES
+        view = _view(t, TORCH_DTYPES[spec.datatype])
+        if view is None:
+            return None
+        inputs.append(view)
+    rows = item.tensors[0].meta.shape[0] if cfg.max_batch_size > 0 else 1
+    return inputs, [rows]
+
+
 def assemble(loaded: LoadedModel, items: Sequence[p.BatchItem],
              pin: bool = False) -> tuple[list[Any], list[int]]:
-    """One tensor per declared input, the items concatenated along dim 0 in one copy."""
+    """One tensor per declared input, the items concatenated along dim 0 in one copy
+    (none for a batch of one on the CPU)."""
     cfg = loaded.config
+    if len(items) == 1 and loaded.device == "cpu":
+        single = _single(loaded, items[0])
+        if single is not None:
+            return single
     sizes = []
     for item in items:
         sizes.append(item.tensors[0].meta.shape[0] if cfg.max_batch_size > 0 else 1)
@@ -53,13 +100,10 @@ def assemble(loaded: LoadedModel, items: Sequence[p.BatchItem],
             raise BatchError(f"input {spec.name!r}: requests in one batch differ in shape")
         shape = (total, *tail) if cfg.max_batch_size > 0 else tail
         dst = torch.empty(shape, dtype=TORCH_DTYPES[spec.datatype], pin_memory=pin)
-        pos = 0
-        for t, n in zip(parts, sizes):
-            if cfg.max_batch_size > 0:
-                _fill(dst[pos:pos + n], t.data, t.meta.shape)
-                pos += n
-            else:
-                _fill(dst, t.data, t.meta.shape)
+        if cfg.max_batch_size > 0:
+            _fill_rows(dst, parts)
+        else:
+            _fill(dst, parts[0].data, parts[0].meta.shape)
         inputs.append(dst.to(loaded.device, non_blocking=True) if loaded.device != "cpu" else dst)
     return inputs, sizes
 
@@ -132,7 +176,48 @@ def _raw(t: torch.Tensor) -> tuple[str, memoryview]:
     if datatype is None:
         raise BatchError(f"output dtype {t.dtype} has no KServe datatype")
     arr = t.view(_RAW_VIEW.get(t.dtype, t.dtype)).numpy()
-    return datatype, memoryview(arr).cast("B")
+    # a flat byte view: memoryview.cast refuses shapes with a zero in them
+    return datatype, memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def _rows(spec_name: str, t: torch.Tensor, sizes: Sequence[int]) -> list[p.Tensor]:
+    """Each request's rows of an output: byte slices of one buffer, no per-row tensors."""
+    datatype, raw = _raw(t)
+    tail = tuple(t.shape[1:])
+    row = raw.nbytes // t.shape[0] if t.shape[0] else 0
+    out, pos = [], 0
+    for n in sizes:
+        out.append(p.Tensor(p.TensorMeta(spec_name, datatype, (n, *tail)),
+                            raw[pos * row:(pos + n) * row]))
+        pos += n
+    return out
+
+
+def _replies(loaded: LoadedModel, batch: p.Batch, outputs: list[Any],
+             sizes: Sequence[int]) -> list[p.InferReply]:
+    total = sum(sizes)
+    cfg = loaded.config
+    per_output: list[list[p.Tensor]] = []
+    for spec, t in zip(cfg.outputs, outputs):
+        if cfg.max_batch_size > 0:
+            if t.shape[0] != total:
+                raise BatchError(f"output {spec.name!r} has {t.shape[0]} rows for a batch "
+                                 f"of {total}")
+            if isinstance(t, torch.Tensor):
+                per_output.append(_rows(spec.name, t, sizes))
+            else:
+                per_output.append([_encode(spec.name, part)
+                                   for part in np.split(t, np.cumsum(sizes)[:-1])])
+        else:
+            per_output.append([_encode(spec.name, t)])
+    names = [spec.name for spec in cfg.outputs]
+    replies = []
+    for i, item in enumerate(batch.items):
+        wanted = item.outputs
+        tensors = [encoded[i] for name, encoded in zip(names, per_output)
+                   if wanted is None or name in wanted]
+        replies.append(p.InferReply(item.request_id, batch.model, batch.version, tensors))
+    return replies
 
 
 def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
@@ -145,26 +230,7 @@ def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
         with torch.inference_mode():
             outputs = _call(loaded, inputs)
         marks.append(time.perf_counter())
-        total = sum(sizes)
-        cfg = loaded.config
-        replies = []
-        splits = []
-        for spec, t in zip(cfg.outputs, outputs):
-            if cfg.max_batch_size > 0:
-                if t.shape[0] != total:
-                    raise BatchError(f"output {spec.name!r} has {t.shape[0]} rows for a batch "
-                                     f"of {total}")
-                splits.append(t.split(sizes) if isinstance(t, torch.Tensor)
-                              else np.split(t, np.cumsum(sizes)[:-1]))
-            else:
-                splits.append([t])
-        for i, item in enumerate(batch.items):
-            tensors = []
-            for spec, parts in zip(cfg.outputs, splits):
-                if item.outputs is not None and spec.name not in item.outputs:
-                    continue
-                tensors.append(_encode(spec.name, parts[i]))
-            replies.append(p.InferReply(item.request_id, batch.model, batch.version, tensors))
+        replies = _replies(loaded, batch, outputs, sizes)
     except Exception as exc:  # the model's code can raise anything
         return p.BatchResult(batch.batch_id, [], (time.perf_counter() - start) * 1000.0,
                              error=f"{type(exc).__name__}: {exc}")

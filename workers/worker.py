@@ -1,12 +1,18 @@
 """The worker process: one per GPU (or N on a CPU host).
 
 Threads, so heartbeats flow while a batch runs:
-  * the main thread owns the DEALER to the broker and a zmq.Poller; it decodes
-    batches and hands them to the compute thread;
-  * the compute thread runs batches in order and sends results back through an
-    inproc PUSH socket, which the main thread forwards;
+  * the main thread reads the DEALER to the broker (a zmq.Poller on its descriptor),
+    heartbeats, decodes batches and hands them to the compute thread;
+  * the compute thread runs batches in order and sends each result on the same
+    DEALER itself: a hop back through the main thread cost a thread wake-up and two
+    inproc messages per batch. The socket is shared under a lock (a full memory
+    barrier, which is what ZeroMQ asks of a socket used by more than one thread); the
+    main thread polls its descriptor, never the socket, so it holds the lock only
+    while it receives or sends;
   * the loader thread loads and warms up versions, so the old version keeps
-    serving while a new one loads.
+    serving while a new one loads; its answers go through an inproc PUSH socket
+    that the main thread forwards (loads are rare; their ordering before READY=1
+    stays the main thread's).
 torch releases the GIL inside its kernels, so the threads overlap.
 """
 
@@ -69,7 +75,8 @@ class Worker:
         # written by the loader thread, read by the others: iterate only under the lock
         self.models: dict[tuple[str, int], LoadedModel] = {}
         self._models_lock = threading.Lock()
-        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._sock_lock = threading.RLock()   # every call on self.sock holds it
         self._loads: queue.Queue[Any] = queue.Queue()
         self.drain_timeout_s = drain_timeout_s
         self.stopping = False
@@ -115,16 +122,46 @@ class Worker:
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self.sock.connect(self.endpoint)
-        self.poller.register(self.sock, zmq.POLLIN)
+        # its descriptor, not the socket: polling a socket is a call on it, and the
+        # compute thread may be sending on it meanwhile (edge-triggered: see _readable)
+        self._sock_fd = self.sock.getsockopt(zmq.FD)
+        self.poller.register(self._sock_fd, zmq.POLLIN)
         self._send_ready()
 
     def _reconnect(self) -> None:
-        self.poller.unregister(self.sock)
-        self.sock.close(linger=0)
-        self._connect()
+        with self._sock_lock:
+            self.poller.unregister(self._sock_fd)
+            self.sock.close(linger=0)
+            self._connect()
 
     def _send(self, frames: list[Any]) -> None:
-        self.sock.send_multipart(frames, copy=False)
+        with self._sock_lock:
+            self.sock.send_multipart(frames, copy=False)
+
+    def _send_result(self, frames: list[Any]) -> None:
+        """From the compute thread. A send processes the socket's pending commands and
+        may consume the edge of its descriptor that the main thread waits on: if a
+        message is waiting, wake the main thread so that it is not left unread."""
+        try:
+            with self._sock_lock:
+                self.sock.send_multipart(frames, copy=False)
+                waiting = self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            if waiting:
+                self._wake_w.send(b"\0")
+        except BlockingIOError:
+            pass  # a wake-up is pending already
+        except (zmq.ZMQError, OSError) as exc:  # the main thread closed it: we are exiting
+            logger.debug("result not sent: %s", exc)
+
+    def _readable(self) -> bool:
+        with self._sock_lock:
+            return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def _recv(self) -> list[Any] | None:
+        with self._sock_lock:
+            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return None
+            return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
 
     def _loaded(self) -> list[tuple[tuple[str, int], LoadedModel]]:
         with self._models_lock:
@@ -150,8 +187,13 @@ class Worker:
     def run(self) -> int:
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(f"inproc://results-{id(self)}")
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self.poller = zmq.Poller()
         self.poller.register(self.results, zmq.POLLIN)
+        # by descriptor: zmq.Poller answers a plain socket's events under its fileno
+        self.poller.register(self._wake_r.fileno(), zmq.POLLIN)
         threads = [threading.Thread(target=self._compute_loop, name="compute", daemon=True),
                    threading.Thread(target=self._loader_loop, name="loader", daemon=True)]
         for t in threads:
@@ -185,17 +227,26 @@ class Worker:
             if now >= self._stop_deadline:
                 logger.warning("drain did not finish within %.0fs; exiting", self.drain_timeout_s)
                 break
-            events = dict(self.poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
+            wait_ms = 0 if self._readable() else max(
+                1, int((next_beat - time.monotonic()) * 1000))
+            events = dict(self.poller.poll(wait_ms))
+            if self._wake_r.fileno() in events:
+                try:
+                    self._wake_r.recv(512)
+                except BlockingIOError:
+                    pass
             if self.results in events:
                 while self.results.poll(0):
                     self._send(self.results.recv_multipart(copy=False))
-            if self.sock in events:
-                while self._exit is None and self.sock.poll(0):
-                    self.on_message(self.sock.recv_multipart(copy=False))
+            while self._exit is None and (frames := self._recv()) is not None:
+                self.on_message(frames)
         self._jobs.put(_STOP)
         self._loads.put(_STOP)
-        self.sock.close(linger=0)
+        with self._sock_lock:
+            self.sock.close(linger=0)
         self.results.close(linger=0)
+        self._wake_r.close()
+        self._wake_w.close()
         return self._exit or 0
 
     def on_message(self, frames: list[Any]) -> None:
@@ -283,27 +334,22 @@ class Worker:
 
     # -- threads ------------------------------------------------------------
     def _compute_loop(self) -> None:
-        out = self.ctx.socket(zmq.PUSH)
-        out.connect(f"inproc://results-{id(self)}")
-        try:
-            while (job := self._jobs.get()) is not _STOP:
-                batch, start_by = job
-                loaded = self.models.get((batch.model, batch.version))
-                if time.monotonic() >= start_by:
-                    self.m_expired.inc(len(batch.items))
-                    result = p.BatchResult(batch.batch_id, [], 0.0, expired=True,
-                                           error="deadline exceeded before the batch could start")
-                elif loaded is None:
-                    result = p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=(
-                        f"model {batch.model}/{batch.version} is not loaded on "
-                        f"worker {self.worker_id}"))
-                else:
-                    result = batching.run(loaded, batch)
-                    self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
-                out.send_multipart(p.encode_result(result), copy=False)
-                del loaded, result  # hold no version between batches: unloads free it
-        finally:
-            out.close(linger=0)
+        while (job := self._jobs.get()) is not _STOP:
+            batch, start_by = job
+            loaded = self.models.get((batch.model, batch.version))
+            if time.monotonic() >= start_by:
+                self.m_expired.inc(len(batch.items))
+                result = p.BatchResult(batch.batch_id, [], 0.0, expired=True,
+                                       error="deadline exceeded before the batch could start")
+            elif loaded is None:
+                result = p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=(
+                    f"model {batch.model}/{batch.version} is not loaded on "
+                    f"worker {self.worker_id}"))
+            else:
+                result = batching.run(loaded, batch)
+                self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
+            self._send_result(p.encode_result(result))
+            del loaded, result  # hold no version between batches: unloads free it
 
     def _loader_loop(self) -> None:
         out = self.ctx.socket(zmq.PUSH)

@@ -155,11 +155,17 @@ class Broker:
             if rid is not None:  # the request names itself: tell it which versions we speak
                 self.requests.refuse(client, rid, p.ErrorCode.BAD_INPUT, str(exc), model="")
             raise
-        if kind is p.Kind.REQUEST:
-            self.replicas.arrived(header.get("model"))   # offered load, refused or not
+        if kind is p.Kind.REQUEST or kind is p.Kind.REQUESTS:
             if self.stopping:  # only a draining gateway's requests are still taken
                 self.requests.admitting = client in self._drain_clients and self._exiting
-            self.requests.on_request(client, header, bufs, self.clock())
+            if kind is p.Kind.REQUEST:
+                self.replicas.arrived(header.get("model"))   # offered load, refused or not
+                self.requests.on_request(client, header, bufs, self.clock())
+            else:
+                parts = header.get("requests")
+                for part in parts if isinstance(parts, list) else ():
+                    self.replicas.arrived(part.get("model") if isinstance(part, dict) else None)
+                self.requests.on_requests(client, header, bufs, self.clock())
         elif kind is p.Kind.CANCEL:
             self.requests.on_cancel(client, p.decode(p.Cancel, header).request_id)
         elif kind is p.Kind.PING:

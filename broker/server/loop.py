@@ -124,7 +124,9 @@ class BrokerLoop:
         self.poller.register(self.frontend, zmq.POLLIN)
         self.poller.register(self.clients.monitor, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
-        self.poller.register(self._wake_r, zmq.POLLIN)
+        # by descriptor: zmq.Poller answers a plain socket's events under its fileno, so
+        # `self._wake_r in events` never held and an unread signal byte spun the loop
+        self.poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self._bad_log = RateLimitedLog(logger, per_s=1.0)
 
     @property
@@ -145,7 +147,7 @@ class BrokerLoop:
             now = clock()
             timeout_s = broker.next_due(now) - now
             events = dict(self.poller.poll(max(0, math.ceil(timeout_s * 1000))))
-            if self._wake_r in events:
+            if self._wake_r.fileno() in events:
                 try:
                     self._wake_r.recv(512)
                 except BlockingIOError:

@@ -34,7 +34,7 @@ Key = tuple[bytes, str]
 
 
 class Payload:
-    __slots__ = ("client", "request_id", "request", "pinned", "attempts", "notes")
+    __slots__ = ("client", "request_id", "request", "pinned", "attempts", "notes", "bundled")
 
     def __init__(self, client: bytes, request: p.InferRequest, pinned: bool) -> None:
         self.client = client
@@ -43,6 +43,7 @@ class Payload:
         self.pinned = pinned
         self.attempts = 0
         self.notes: dict[str, float] = {}   # the tenant's clamps, for the reply's stats
+        self.bundled = False   # came in a REQUESTS: the client takes its reply in REPLIES
 
     def release(self) -> None:
         """Answered: let go of the tensor frames. The entry itself may linger in the
@@ -80,8 +81,22 @@ class RequestPath:
         return self._last_used.get(model, 0.0)
 
     # -- intake -------------------------------------------------------------
+    def on_requests(self, client: bytes, header: dict[str, Any], bufs: Sequence[Any],
+                    now: float) -> None:
+        """A REQUESTS message: each request admitted as if it came alone. One without an
+        id to answer does not stop the others; the first such is raised afterwards (the
+        loop counts it as malformed)."""
+        first: p.ProtocolError | None = None
+        for sub, sub_bufs in p.unbundle(header, bufs, "requests"):
+            try:
+                self.on_request(client, sub, sub_bufs, now, bundled=True)
+            except p.ProtocolError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
     def on_request(self, client: bytes, header: dict[str, Any], bufs: Sequence[Any],
-                   now: float) -> None:
+                   now: float, bundled: bool = False) -> None:
         try:
             req = p.decode_request(header, bufs)
         except p.ProtocolError as exc:
@@ -123,6 +138,7 @@ class RequestPath:
             return
         entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
         entry.payload.notes = grant.notes
+        entry.payload.bundled = bundled
         self._open[key] = req.model
         self._by_client.setdefault(client, set()).add(req.request_id)
         self._queue(entry)
@@ -199,6 +215,7 @@ class RequestPath:
         self.metrics.batch_done(rec.model, rec.samples, compute_s, result.phases_ms)
         self.stats.batch_done(rec.model, rec.version, rec.samples, result.phases_ms,
                               result.compute_ms)
+        bundles: dict[bytes, list[p.InferReply]] = {}
         for rep in result.replies:
             entry = rec.entries.pop(rep.request_id, None)
             if entry is None or not self._close(entry.key):
@@ -210,10 +227,23 @@ class RequestPath:
                                     result.phases_ms, result.compute_ms)
             stats = {"queue_ms": queue_s * 1000.0, "compute_ms": result.compute_ms,
                      "batch_size": rec.samples, **pl.notes}
-            self._reply(pl.client, p.encode_reply(
-                p.InferReply(pl.request_id, rec.model, rec.version, rep.tensors, stats)))
+            reply = p.InferReply(pl.request_id, rec.model, rec.version, rep.tensors, stats)
+            if pl.bundled:
+                bundles.setdefault(pl.client, []).append(reply)
+            else:
+                self._reply(pl.client, p.encode_reply(reply))
             pl.release()
+        for client, replies in bundles.items():
+            self._send_replies(client, replies)
         self._fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
+
+    def _send_replies(self, client: bytes, replies: list[p.InferReply]) -> None:
+        """A batch's replies to one client in as few messages as the protocol allows: a
+        message sent costs the broker more than the bytes in it."""
+        for i in range(0, len(replies), p.MAX_BUNDLE):
+            chunk = replies[i:i + p.MAX_BUNDLE]
+            self._reply(client, p.encode_reply(chunk[0]) if len(chunk) == 1
+                        else p.encode_replies(chunk))
 
     # -- workers lost ---------------------------------------------------------
     def worker_lost(self, lost: list[Inflight], loss: Loss, worker_id: str, now: float) -> None:

@@ -93,6 +93,10 @@ def corpus() -> list[list[bytes]]:
     for kind in p.Kind:
         out.append([kind.value, msgpack.packb({"v": 1})])
         out.append([kind.value, msgpack.packb({"v": 1, "id": 7, "verb": [], "reason": {}})])
+    bundle = p.Kind.REQUESTS.value
+    for parts in ([1], [[]], [{"tensors": 3}], [{"tensors": [1]}], "x", [{}] * 300):
+        out.append([bundle, msgpack.packb({"v": 2, "requests": parts})])
+    out.append([bundle, msgpack.packb({"v": 2, "requests": [msgpack.unpackb(good[1])]})])
     for name in ("model", "version", "priority", "timeout_ms", "tenant", "tensors",
                  "outputs"):
         for bad in ([1, 2], {"k": "v"}, "str", 1.5, True, None, -1):
@@ -117,7 +121,8 @@ def test_a_corpus_of_malformed_frames_ends_nothing(server: Server, socket_name: 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(header=st.dictionaries(
     st.sampled_from(["v", "id", "model", "version", "priority", "timeout_ms", "tensors",
-                     "outputs", "verb", "args", "reason", "worker_id", "credits", "models"]),
+                     "outputs", "verb", "args", "reason", "worker_id", "credits", "models",
+                     "requests", "replies"]),
     st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
               st.text(max_size=8), st.binary(max_size=8),
               st.lists(st.one_of(st.integers(-2**63, 2**63), st.text(max_size=3)),
@@ -143,7 +148,7 @@ def test_after_the_fuzz_the_same_broker_still_answers(server: Server) -> None:
     ({"timeout_ms": -5.0}, "finite number"),
     ({"tensors": [["input", ["FP32"], [1, 4]]]}, "datatype"),
     ({"tensors": [["input", {"a": 1}, [1, 4]]]}, "datatype"),
-    ({"v": 2}, "version 2 is not supported"),
+    ({"v": 3}, "version 3 is not supported"),
 ])
 def test_a_request_that_names_itself_gets_a_typed_error(server: Server, fields: dict[str, Any],
                                                        needle: str) -> None:
@@ -153,6 +158,100 @@ def test_a_request_that_names_itself_gets_a_typed_error(server: Server, fields: 
     raw.close()
     assert kind is p.Kind.ERROR and header["code"] == "bad_input"
     assert needle in header["message"]
+
+
+def _answers(raw: Raw, ids: set[str], timeout_s: float = 10.0) -> dict[str, list[p.Kind]]:
+    """Every answer to ``ids`` (REPLY, ERROR, or inside REPLIES) until each has one, then
+    half a second more: a second answer to any of them would show."""
+    got: dict[str, list[p.Kind]] = {}
+    deadline = time.monotonic() + timeout_s
+    quiet_until = None
+    while quiet_until is None or time.monotonic() < quiet_until:
+        left = min(deadline, quiet_until or deadline) - time.monotonic()
+        if left <= 0 or not raw.sock.poll(int(left * 1000) + 1):
+            if quiet_until is None:
+                raise AssertionError(f"unanswered: {sorted(ids - set(got))}")
+            continue
+        kind, header, bufs = p.unpack(raw.sock.recv_multipart())
+        if kind is p.Kind.REPLIES:
+            for rep in p.decode_replies(header, bufs):
+                got.setdefault(rep.request_id, []).append(kind)
+        elif header.get("id") in ids:
+            got.setdefault(header["id"], []).append(kind)
+        if quiet_until is None and set(got) >= ids:
+            quiet_until = time.monotonic() + 0.5
+    return got
+
+
+def test_a_bundle_of_requests_gets_one_answer_each(server: Server) -> None:
+    """REQUESTS (protocol version 2): good requests are answered, a bad one gets its own
+    typed error, one without an id is dropped alone; never two answers to one request."""
+    def req(rid: str, rows: int = 1) -> p.InferRequest:
+        return p.InferRequest(rid, "linear", [p.from_numpy("input", np.ones((rows, 4),
+                                                                           np.float32))])
+    frames = p.encode_requests([req("a"), req("b", 3), req("c")])
+    header = msgpack.unpackb(frames[1])
+    header["requests"][1]["tensors"][0][1] = "INT8"       # b: a wrong datatype
+    header["requests"].append({"model": "linear", "tensors": []})   # no id: nothing to answer
+    raw = Raw(server.frontend)
+    raw.send([frames[0], msgpack.packb(header), *[bytes(f) for f in frames[2:]]])
+    got = _answers(raw, {"a", "b", "c"})
+    raw.close()
+    assert set(got) == {"a", "b", "c"} and all(len(v) == 1 for v in got.values()), got
+    assert got["b"] == [p.Kind.ERROR]
+    assert {got["a"][0], got["c"][0]} <= {p.Kind.REPLY, p.Kind.REPLIES}
+    still_serves(server)
+
+
+def test_a_bundle_stamped_version_1_is_dropped_and_counted(server: Server) -> None:
+    frames = p.encode_requests([p.InferRequest("old", "linear", [
+        p.from_numpy("input", np.ones((1, 4), np.float32))])] * 2)
+    header = msgpack.unpackb(frames[1])
+    header["v"] = 1
+    raw = Raw(server.frontend)
+    raw.send([frames[0], msgpack.packb(header), *[bytes(f) for f in frames[2:]]])
+    assert not raw.sock.poll(500), "a version-1 REQUESTS was answered"
+    raw.close()
+    still_serves(server)
+
+
+def test_the_async_client_bundles_and_each_caller_gets_its_own_answer(server: Server) -> None:
+    import asyncio
+
+    from zeroserve.broker.client import AsyncClient
+
+    async def go() -> None:
+        async with AsyncClient(server.frontend) as c:
+            assert await c.wait_connected(10)
+            xs = [np.full((1, 4), i, np.float32) for i in range(40)]
+            outs = await asyncio.gather(*[c.infer("linear", {"input": x}) for x in xs])
+            assert c._bundles  # the broker's PONG said version 2
+            firsts = [float(o.outputs["output"][0, 0]) for o in outs]
+            assert len(set(firsts)) == len(xs)  # each its own answer, none swapped:
+            ones = await c.infer("linear", {"input": np.ones((1, 4), np.float32)})
+            slope = float(ones.outputs["output"][0, 0]) - firsts[0]
+            for i, first in enumerate(firsts):  # a linear model's output is linear in x
+                assert abs(first - (firsts[0] + slope * i)) < 1e-3 * (1 + abs(slope) * i)
+    asyncio.run(go())
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_broker_stays_idle_after_a_signal(server: Server) -> None:
+    """A signal's wake-up byte is read: zmq.Poller reports a plain socket by descriptor,
+    and a loop that looked for the socket object left the byte there and spun."""
+    import signal
+    pid = broker_pid(server)
+    os.kill(pid, signal.SIGHUP)   # reload: the broker goes on serving
+    still_serves(server)
+    before, start = _cpu_s(pid), time.monotonic()
+    time.sleep(1.0)  # noqa: sleep-ok (the measurement: CPU used over a second of idling)
+    used = (_cpu_s(pid) - before) / (time.monotonic() - start)
+    assert used < 0.5, f"an idle broker used {used:.0%} of a core after SIGHUP"
 
 
 def test_a_zero_size_batch_is_a_clear_bad_input(server: Server) -> None:

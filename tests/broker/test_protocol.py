@@ -126,8 +126,9 @@ def test_a_datatype_of_the_wrong_type_is_a_protocol_error(datatype):
 def test_another_protocol_version_names_the_versions_spoken():
     frames = p.encode_request(p.InferRequest("r1", "m", []))
     header = msgpack.unpackb(frames[1])
-    header["v"] = 2
-    with pytest.raises(p.VersionMismatch, match=r"version 2 is not supported .*speaks 1") as err:
+    header["v"] = 3
+    with pytest.raises(p.VersionMismatch, match=r"version 3 is not supported .*speaks 1, 2") \
+            as err:
         p.unpack([frames[0], msgpack.packb(header)])
     assert p.request_id_of(err.value.header) == "r1"
 
@@ -169,3 +170,31 @@ def test_any_tensor_list_decodes_or_is_a_protocol_error(raw):
         p.decode_request(header, [b""])
     except p.ProtocolError:
         pass
+
+
+def test_bundles_round_trip_and_need_version_2():
+    reqs = [p.InferRequest(str(i), "m", [p.from_numpy("x", np.full((1, 2), i, np.float32))],
+                           priority=i) for i in range(3)]
+    kind, header, bufs = p.unpack(p.encode_requests(reqs))
+    assert kind is p.Kind.REQUESTS and header["v"] == 2
+    back = [p.decode_request(h, b) for h, b in p.unbundle(header, bufs, "requests")]
+    assert [(r.request_id, r.priority, bytes(r.tensors[0].data)) for r in back] == \
+        [(r.request_id, r.priority, bytes(r.tensors[0].data)) for r in reqs]
+    reps = [p.InferReply(r.request_id, "m", 1, r.tensors, {"queue_ms": 1.0}) for r in reqs]
+    kind, header, bufs = p.unpack(p.encode_replies(reps))
+    assert kind is p.Kind.REPLIES
+    assert [(r.request_id, bytes(r.tensors[0].data)) for r in p.decode_replies(header, bufs)] \
+        == [(r.request_id, bytes(r.tensors[0].data)) for r in reps]
+    frames = p.encode_replies(reps)
+    old = msgpack.unpackb(frames[1])
+    old["v"] = 1
+    with pytest.raises(p.ProtocolError, match="needs protocol version 2"):
+        p.unpack([frames[0], msgpack.packb(old), *frames[2:]])
+    with pytest.raises(p.ProtocolError, match="declare 3 tensors but carry 2"):
+        p.unbundle(header, bufs[:2], "replies")
+
+
+def test_version_1_kinds_stay_stamped_1_and_pong_lists_the_versions():
+    assert msgpack.unpackb(p.encode_request(p.InferRequest("r", "m", []))[1])["v"] == 1
+    kind, header, _ = p.unpack(p.encode(p.Pong()))
+    assert header["v"] == 1 and p.decode(p.Pong, header).versions == [1, 2]

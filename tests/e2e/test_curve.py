@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import zmq
 
-from tests.conftest import free_port, linear_config, short_tmpdir, wait_for
+from tests.conftest import free_port, http, linear_config, short_tmpdir, wait_for
 from zeroserve.broker import curve, protocol as p
 from zeroserve.broker.client import Client, InferError
 from zeroserve.broker.protocol import ErrorCode
@@ -377,3 +377,22 @@ def test_a_stopped_worker_loses_nothing_its_work_moves(cluster: Cluster) -> None
     finally:
         stopped.signal(signal.SIGCONT)
         client.close()
+
+
+def test_serve_with_a_curve_backend_gives_its_own_workers_the_broker_pair(
+        serve: Any, tiny_repo: Path) -> None:
+    """`zeroserve serve` with a tcp:// backend beyond loopback: its local worker connects
+    with the broker's own key pair, so remote workers could join the same backend."""
+    keys = short_tmpdir("zskeys")
+    try:
+        _, secret = curve.generate(keys, "broker")
+        port = free_port()
+        server = serve(tiny_repo, extra=["--backend", f"tcp://0.0.0.0:{port}",
+                                         "--curve-secret-key", str(secret)])
+        status, _, body = http("POST", f"{server.url}/v2/models/linear/infer", json.dumps(
+            {"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                         "data": [1, 2, 3, 4]}]}).encode())
+        assert status == 200, body
+        assert "(CurveZMQ on tcp://)" in server.log()
+    finally:
+        shutil.rmtree(keys, ignore_errors=True)

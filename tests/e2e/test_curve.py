@@ -194,7 +194,7 @@ def cluster() -> Iterator[Cluster]:
     folder = short_tmpdir("zscurve")
     keys, auth, repo = folder / "keys", folder / "auth", folder / "repo"
     auth.mkdir()
-    for name in ("broker", "w0", "w1", "client", "intruder"):
+    for name in ("broker", "w0", "w1", "client", "gateway", "intruder"):
         public, _ = curve.generate(keys, name)
         if name not in ("broker", "intruder"):
             shutil.copy(public, auth)
@@ -270,6 +270,34 @@ def test_the_namespaced_worker_talks_over_the_veth(cluster: Cluster) -> None:
     peers = established_peers(cluster.backend_port)
     assert cluster.netns.ns_ip in peers, peers   # the worker in the namespace
     assert cluster.netns.host_ip in peers, peers  # the one here, through the veth's address
+
+
+def test_a_gateway_on_another_host_serves_over_curve(cluster: Cluster) -> None:
+    """A gateway (in the namespace, when there is one) whose frontend is the broker's
+    tcp:// one: HTTP in over the veth, Curve to the broker."""
+    host = cluster.netns.ns_ip if cluster.netns else "127.0.0.1"
+    port = free_port()
+    gateway = cluster.start("gateway", [
+        "-m", "zeroserve.gateway.serve", "--http-host", host, "--http-port", str(port),
+        "--runtime-dir", str(cluster.folder / "gw-rt"), "--frontend", cluster.frontend(),
+        "--curve-server-key", str(cluster.keys / "broker.key"),
+        "--curve-secret-key", str(cluster.keys / "gateway.key_secret")],
+        cluster.netns.prefix() if cluster.netns else None)
+    try:
+        def ready() -> bool:
+            assert gateway.proc.poll() is None, gateway.log()
+            try:
+                return http("GET", f"http://{host}:{port}/v2/health/ready", timeout=2)[0] == 200
+            except OSError:
+                return False
+        wait_for(ready, 30, "the gateway to be ready")
+        status, _, body = http("POST", f"http://{host}:{port}/v2/models/slow/infer", json.dumps(
+            {"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                         "data": [1, 2, 3, 4]}]}).encode())
+        assert status == 200, body
+        assert json.loads(body)["outputs"][0]["data"] == [2, 4, 6, 8]
+    finally:
+        gateway.stop()
 
 
 def test_a_client_without_an_authorized_key_gets_nothing_through(cluster: Cluster) -> None:

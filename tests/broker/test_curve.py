@@ -21,7 +21,7 @@ import zmq
 from prometheus_client import Counter
 
 from tests.conftest import ZEROSERVE, free_port, short_tmpdir, wait_for
-from zeroserve.broker import curve
+from zeroserve.broker import curve, options
 from zeroserve.broker.client import AsyncClient, Client, InferError
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.broker.runtime import Endpoints
@@ -109,6 +109,25 @@ def test_tcp_beyond_loopback_needs_curve_and_control_never_goes_there(tmp_path: 
     assert out.returncode == 2 and "the control socket" in out.stderr
     out = run_broker(tmp_path, "--curve-authorized-keys", str(tmp_path))
     assert out.returncode == 2 and "needs --curve-secret-key" in out.stderr
+
+
+def test_the_keys_come_from_the_config_file_like_every_option(tmp_path: Path) -> None:
+    _, broker_secret = curve.generate(tmp_path / "keys", "broker")
+    _, worker_secret = curve.generate(tmp_path / "keys", "w")
+    path = tmp_path / "zeroserve.toml"
+    path.write_text(f'''[broker]
+backend = "tcp://0.0.0.0:5555"
+curve_secret_key = "{broker_secret}"
+curve_authorized_keys = "{tmp_path}"
+[worker]
+backend = "tcp://broker-host:5555"
+curve_server_key = "{tmp_path / 'keys' / 'broker.key'}"
+curve_secret_key = "{worker_secret}"
+''')
+    security = curve.server_security(options.parse(["broker", "--config", str(path)]))
+    assert security is not None and security.keys.folder == tmp_path
+    keys = curve.client_keys(options.parse(["worker", "--config", str(path)]))
+    assert keys == curve.ClientKeys(security.pair.public, curve.load_pair(worker_secret))
 
 
 def test_a_client_beyond_loopback_without_keys_is_told_at_once() -> None:

@@ -297,6 +297,8 @@ def test_a_gateway_on_another_host_serves_over_curve(cluster: Cluster) -> None:
                          "data": [1, 2, 3, 4]}]}).encode())
         assert status == 200, body
         assert json.loads(body)["outputs"][0]["data"] == [2, 4, 6, 8]
+        status, _, body = http("GET", f"http://{host}:{port}/v2/models/slow")  # read-only
+        assert status == 200 and json.loads(body)["name"] == "slow", body
     finally:
         gateway.stop()
 

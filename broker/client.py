@@ -32,7 +32,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from zeroserve.broker import protocol as p
+from zeroserve.broker import curve, protocol as p
 from zeroserve.broker.runtime import Endpoints
 
 ErrorCode = p.ErrorCode
@@ -72,7 +72,8 @@ def to_result(reply: p.InferReply) -> InferResult:
                        {t.meta.name: p.to_numpy(t) for t in reply.tensors}, dict(reply.stats))
 
 
-def _new_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
+def _new_socket(ctx: zmq.Context[Any], endpoint: str,
+                keys: curve.ClientKeys | None = None) -> zmq.Socket[Any]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)   # queue nothing for a broker that is not there
@@ -82,14 +83,16 @@ def _new_socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.setsockopt(zmq.RCVHWM, 1000)
     sock.setsockopt(zmq.IDENTITY, f"c-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode())
+    curve.secure_client(sock, keys, endpoint)  # Curve on tcp:// (CurveError: exposed, no keys)
     sock.connect(endpoint)
     return sock
 
 
 def _watch(sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
     """A monitor that reports when the connection to the broker drops: the broker's
-    ROUTER forgets us then, so every request waiting on it will never be answered."""
-    return sock.get_monitor_socket(zmq.EVENT_DISCONNECTED,
+    ROUTER forgets us then, so every request waiting on it will never be answered; and
+    when a Curve handshake is refused, so the caller hears why instead of a timeout."""
+    return sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | curve.REFUSAL_EVENTS,
                                    addr=f"inproc://zeroserve-monitor-{uuid.uuid4().hex}")
 
 
@@ -105,6 +108,15 @@ LOST = "lost the connection to the broker (it may have restarted); retry"
 # connected, yet the socket would block: the broker is not keeping up
 _FULL = (p.ErrorCode.OVERLOADED, "the broker is not keeping up with requests (its queue "
          "to this client is full)", 1.0)
+
+
+def _unreachable(endpoint: str, refused: int) -> InferError:
+    """Why no connection came up: a refused Curve key is not worth retrying."""
+    if refused == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return InferError(p.ErrorCode.UNAUTHORIZED, f"broker at {endpoint}: "
+                          f"{curve.REFUSALS[refused]}")
+    why = f": {curve.REFUSALS[refused]}" if refused else ""
+    return InferError(p.ErrorCode.UNAVAILABLE, f"broker at {endpoint} is not reachable{why}")
 
 
 def _decode_answers(frames: list[Any]) -> list[tuple[p.Kind, str, Any]]:
@@ -143,8 +155,11 @@ class Client:
 
     def __init__(self, endpoint: str | None = None, *, timeout_s: float = 30.0,
                  connect_timeout_s: float = 5.0, ctx: zmq.Context[Any] | None = None,
-                 admin_token: str = "", api_key: str = "") -> None:
+                 admin_token: str = "", api_key: str = "",
+                 curve_keys: curve.ClientKeys | None = None) -> None:
         self.endpoint = endpoint or Endpoints.in_dir().frontend
+        self.curve_keys = curve_keys  # the broker's public key and ours, for tcp:// with Curve
+        self._refused = 0  # the monitor event of a refused handshake, if one came
         self.timeout_s = timeout_s
         self.admin_token = admin_token
         self.api_key = api_key  # sent with every request (a tenant's key); infer(api_key=) wins
@@ -154,7 +169,7 @@ class Client:
         self._open()
 
     def _open(self) -> None:
-        self._sock = _new_socket(self._ctx, self.endpoint)
+        self._sock = _new_socket(self._ctx, self.endpoint, self.curve_keys)
         self._monitor = _watch(self._sock)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -166,7 +181,22 @@ class Client:
         while self._monitor.poll(0):
             event = parse_monitor_message(self._monitor.recv_multipart())
             lost = lost or event["event"] == zmq.EVENT_DISCONNECTED
+            self._refused = event["event"] if curve.refusal(event) else self._refused
         return lost
+
+    def _await_connection(self, wait_s: float) -> bool:
+        """Wait until the socket can send (connected, handshake done), or a refusal."""
+        deadline = time.monotonic() + wait_s
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLOUT)
+        poller.register(self._monitor, zmq.POLLIN)
+        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            if self._sock in dict(poller.poll(left_ms)):
+                return True
+            self._disconnected()
+            if self._refused == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return False  # ZeroMQ does not retry a refused key: waiting is pointless
+        return False
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
               version: int | None = None, priority: int = 0, timeout_ms: float = 0.0,
@@ -189,9 +219,9 @@ class Client:
     def _roundtrip(self, frames: list[Any], rid: str, wait_s: float) -> Any:
         deadline = time.monotonic() + wait_s
         # IMMEDIATE: writable only once connected, so a missing broker times out here
-        if not self._sock.poll(int(min(wait_s, self.connect_timeout_s) * 1000), zmq.POLLOUT):
-            raise InferError(p.ErrorCode.UNAVAILABLE,
-                             f"broker at {self.endpoint} is not reachable")
+        if not self._sock.poll(0, zmq.POLLOUT) and \
+                not self._await_connection(min(wait_s, self.connect_timeout_s)):
+            raise _unreachable(self.endpoint, self._refused)
         self._disconnected()  # a drop before this request says nothing about it
         self._sock.send_multipart(frames, copy=False)
         while True:
@@ -244,8 +274,11 @@ class AsyncClient:
 
     def __init__(self, endpoint: str | None = None, *, ping_s: float = 0.5,
                  broker_timeout_s: float = 3.0, ctx: zmq.Context[Any] | None = None,
-                 admin_token: str = "", api_key: str = "") -> None:
+                 admin_token: str = "", api_key: str = "",
+                 curve_keys: curve.ClientKeys | None = None) -> None:
         self.endpoint = endpoint or Endpoints.in_dir().frontend
+        self.curve_keys = curve_keys
+        self._refused = 0
         self.admin_token = admin_token
         self.api_key = api_key  # the default key; the gateway passes each caller's instead
         self.ping_s = ping_s
@@ -264,7 +297,7 @@ class AsyncClient:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._sock = _new_socket(self._ctx, self.endpoint)
+        self._sock = _new_socket(self._ctx, self.endpoint, self.curve_keys)
         self._monitor = _watch(self._sock)
         self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
         self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._drain_monitor)
@@ -311,7 +344,7 @@ class AsyncClient:
     async def _call(self, msg: list[Any] | p.InferRequest, rid: str, cancel: bool) -> Any:
         assert self._sock is not None and self._loop is not None, "call start() first"
         if not self.connected:
-            raise InferError(p.ErrorCode.UNAVAILABLE, "broker is not reachable")
+            raise _unreachable(self.endpoint, self._refused)
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._pending[rid] = fut
         try:
@@ -383,6 +416,7 @@ class AsyncClient:
         monitor = self._monitor
         while monitor is not None and monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            self._refused = event["event"] if curve.refusal(event) else self._refused
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._last_heard = -float("inf")  # not connected until it answers again
                 self._bundles = False             # the next broker says what it speaks

@@ -45,6 +45,24 @@ def _config_opt(p: argparse.ArgumentParser) -> None:
                         f"{config.ETC_PATH} if it exists)")
 
 
+def _curve_opts(p: argparse.ArgumentParser, role: str) -> None:
+    """CurveZMQ for tcp:// endpoints (see broker/curve.py). ``role``: "server" (the
+    broker, and serve, whose local workers and gateways use the broker's pair),
+    "client" (workers, gateways)."""
+    p.add_argument("--curve-secret-key", default=None, metavar="FILE",
+                   help="this process's CurveZMQ key pair, a .key_secret file from "
+                        "`zeroserve keys generate` (the broker's: every tcp:// frontend "
+                        "and backend then speaks Curve)")
+    if role == "server":
+        p.add_argument("--curve-authorized-keys", default=None, metavar="DIR",
+                       help="folder of the public keys (*.key) of the workers, gateways "
+                            "and clients let in; read again when it changes")
+    else:
+        p.add_argument("--curve-server-key", default=None, metavar="FILE",
+                       help="the broker's public key (its .key file), to reach it over "
+                            "tcp:// with CurveZMQ")
+
+
 def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None, help="model repository folder")
     p.add_argument("--heartbeat-s", type=float, default=0.5)
@@ -121,6 +139,7 @@ def parser() -> argparse.ArgumentParser:
     _broker_opts(p)
     _worker_opts(p)
     _gateway_opts(p)
+    _curve_opts(p, "server")
     p.add_argument("--workers", type=int, default=0,
                    help="worker processes (default: one per GPU, else 1)")
     p.add_argument("--http-workers", type=int, default=0,
@@ -131,16 +150,19 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("broker", help="run the broker")
     _common(p)
     _broker_opts(p)
+    _curve_opts(p, "server")
 
     p = sub.add_parser("worker", help="run one worker")
     _common(p)
     _worker_opts(p)
+    _curve_opts(p, "client")
     p.add_argument("--index", type=int, default=0, help="GPU index or CPU worker number")
     p.add_argument("--worker-id", default=None, help="default: <host>/<index>")
 
     p = sub.add_parser("gateway", help="run the HTTP gateway")
     _common(p)
     _gateway_opts(p)
+    _curve_opts(p, "client")
 
     for verb, text in (("status", "workers, their models and queues"),
                        ("models", "models and their versions")):
@@ -161,6 +183,11 @@ def parser() -> argparse.ArgumentParser:
     from zeroserve.broker.bench import main as bench  # torch-free; only its options here
     p = sub.add_parser("bench", help=bench.HELP, description=bench.HELP)
     bench.add_arguments(p)
+    p = sub.add_parser("keys", help="generate a CurveZMQ key pair (workers on other hosts)")
+    p.add_argument("action", choices=["generate"])
+    p.add_argument("name", help="file name: NAME.key (public) and NAME.key_secret (0600)")
+    p.add_argument("--dir", default=".", help="folder to write them into (default: here)")
+    p.add_argument("--force", action="store_true", help="replace existing files")
     p = sub.add_parser("config", help="show the effective configuration")
     p.add_argument("action", choices=["show"])
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -231,7 +258,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     default); raises config.ConfigError."""
     ap = parser()
     args = ap.parse_args(argv)
-    return args if args.command == "config" else _apply_config(ap, args, argv)
+    return args if args.command in ("config", "keys") else _apply_config(ap, args, argv)
 
 
 def show_config(args: argparse.Namespace) -> int:

@@ -99,14 +99,17 @@ def hostname() -> str:
     return socket.gethostname().split(".")[0]
 
 
+def is_exposed(endpoint: str) -> bool:
+    """Whether a tcp:// endpoint reaches beyond loopback (ipc:// and the rest never do)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127.")
+
+
 def exposed_endpoints(endpoints: Endpoints) -> list[str]:
     """tcp:// endpoints bound beyond loopback. Anything that reaches them can run
-    models, so the broker refuses them until CurveZMQ keys are supported."""
-    exposed = []
-    for ep in (endpoints.frontend, endpoints.backend, endpoints.control):
-        if not ep.startswith("tcp://"):
-            continue
-        host = ep[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-        if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):
-            exposed.append(ep)
-    return exposed
+    models, so the broker binds them only with CurveZMQ keys (the frontend and the
+    backend; the control socket never)."""
+    return [ep for ep in (endpoints.frontend, endpoints.backend, endpoints.control)
+            if is_exposed(ep)]

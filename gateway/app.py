@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from zeroserve.broker import __version__
 from zeroserve.broker.client import AsyncClient, InferError
+from zeroserve.broker.curve import ClientKeys
 from zeroserve.broker import protocol as p
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway import metrics, openapi, readiness, routes_simple
@@ -53,6 +54,7 @@ class Settings:
     allow_shared_memory: bool = False
     shed_lag_ms: float = 50.0  # shed at the door while the event loop is this far behind
     max_in_flight: int = 2048  # inference requests in the gateway at most (0: no bound)
+    curve_keys: ClientKeys | None = None  # a broker on tcp:// with CurveZMQ (broker/curve.py)
 
     @property
     def control_endpoint(self) -> str:
@@ -68,7 +70,8 @@ class Settings:
 class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.client = AsyncClient(settings.frontend, broker_timeout_s=settings.broker_timeout_s)
+        self.client = AsyncClient(settings.frontend, broker_timeout_s=settings.broker_timeout_s,
+                                  curve_keys=settings.curve_keys)
         # verbs that change state go to the control socket, with the admin token: the
         # broker answers only read-only verbs on the frontend
         self.admin = AsyncClient(settings.control_endpoint,

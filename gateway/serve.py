@@ -22,7 +22,7 @@ from types import FrameType
 
 import uvicorn
 
-from zeroserve.broker import __version__, options
+from zeroserve.broker import __version__, curve, options
 from zeroserve.broker.process import Notifier, notify
 from zeroserve.gateway.app import Gateway, Settings, create_app
 from zeroserve.gateway.fastpath import InferFastPath
@@ -118,13 +118,20 @@ class GatewayServer(uvicorn.Server):
 
 def run(args: argparse.Namespace) -> int:
     frontend = options.endpoints(args).frontend
+    try:
+        keys = curve.client_keys(args)
+        curve.check_client(keys, frontend)
+    except curve.CurveError as exc:
+        logger.error("%s", exc)
+        return 2
     app = create_app(Settings(frontend=frontend, control=options.endpoints(args).control,
                               max_body_bytes=args.max_body_bytes,
                               admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", ""),
                               readiness=args.readiness, server_name=args.server_name,
                               server_version=args.server_version or __version__,
                               allow_shared_memory=args.allow_shared_memory,
-                              shed_lag_ms=args.shed_lag_ms, max_in_flight=args.max_in_flight))
+                              shed_lag_ms=args.shed_lag_ms, max_in_flight=args.max_in_flight,
+                              curve_keys=keys))
     config = uvicorn.Config(InferFastPath(app), host=args.http_host, port=args.http_port,
                             loop="uvloop", http="httptools", access_log=False,
                             log_level=args.log_level, log_config=None,

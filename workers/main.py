@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from zeroserve.broker import options
+from zeroserve.broker import curve, options
 from zeroserve.broker.runtime import hostname
 from zeroserve.workers.worker import Worker
 
@@ -19,12 +19,19 @@ logger = logging.getLogger(__name__)
 def run(args: argparse.Namespace) -> int:
     endpoint = options.endpoints(args).backend
     worker_id = args.worker_id or f"{hostname()}/{args.index}"
+    try:
+        keys = curve.client_keys(args)
+        curve.check_client(keys, endpoint)
+    except curve.CurveError as exc:  # said now, not from the socket thread later
+        logger.error("%s", exc)
+        return 2
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     worker = Worker(endpoint, worker_id, credits=args.credits, device=args.device,
                     memory_tolerance_bytes=getattr(args, "memory_tolerance_bytes", 64 << 20),
                     memory_budget_bytes=getattr(args, "memory_budget", 0),
-                    memory_headroom_bytes=getattr(args, "memory_headroom", None))
+                    memory_headroom_bytes=getattr(args, "memory_headroom", None),
+                    curve_keys=keys)
     worker.install_signal_handlers()
     logger.info("worker %s on %s, %d torch threads, broker %s (pid %d)", worker_id,
                 worker.device, torch.get_num_threads(), endpoint, os.getpid())

@@ -57,6 +57,19 @@ def http_processes(requested: int, cores: int, shared_memory: bool) -> int:
     return 1 if shared_memory else max(1, min(MAX_GATEWAYS, cores // CORES_PER_GATEWAY))
 
 
+def curve_args(args: Any, role: str) -> list[str]:
+    """The broker's key pair for it, and for the local workers and gateways as theirs
+    (the broker lets its own key in), so a tcp:// backend serves remote workers too."""
+    if not args.curve_secret_key:
+        return []
+    argv = ["--curve-secret-key", args.curve_secret_key]
+    if role != "broker":
+        return argv + ["--curve-server-key", args.curve_secret_key]
+    if args.curve_authorized_keys:
+        argv += ["--curve-authorized-keys", args.curve_authorized_keys]
+    return argv
+
+
 def gateways(args: Any) -> list[Child]:
     """One gateway process, or several sharing the port (SO_REUSEPORT) and one
     prometheus multiprocess folder, so /metrics on any of them counts them all."""
@@ -67,7 +80,8 @@ def gateways(args: Any) -> list[Child]:
         "--readiness", args.readiness, "--server-name", args.server_name,
         "--shed-lag-ms", str(args.shed_lag_ms), "--max-in-flight", str(args.max_in_flight),
         *(["--server-version", args.server_version] if args.server_version else []),
-        *(["--allow-shared-memory"] if args.allow_shared_memory else [])]
+        *(["--allow-shared-memory"] if args.allow_shared_memory else []),
+        *curve_args(args, "gateway")]
     n = http_processes(args.http_workers, usable_cores(), args.allow_shared_memory)
     if n == 1:
         return [Child("gateway", argv)]
@@ -109,14 +123,16 @@ def run(args: Any) -> int:
         *[a for r in args.import_root or () for a in ("--import-root", r)],
         *(["--tenants", args.tenants] if args.tenants else []),
         "--model-control-mode", args.model_control_mode,
-        *[a for m in args.load_model or () for a in ("--load-model", m)]], own_registry)]
+        *[a for m in args.load_model or () for a in ("--load-model", m)],
+        *curve_args(args, "broker")], own_registry)]
     for i in range(n):
         env = {**own_registry, **({"CUDA_VISIBLE_DEVICES": str(i)} if i < gpus else {})}
         argv = _base(args, "worker") + ["--index", str(i), "--credits", str(args.credits),
                                         "--threads", str(threads),
                                         "--memory-budget", str(args.memory_budget),
                                         "--memory-tolerance-bytes",
-                                        str(args.memory_tolerance_bytes)]
+                                        str(args.memory_tolerance_bytes),
+                                        *curve_args(args, "worker")]
         if args.memory_headroom is not None:
             argv += ["--memory-headroom", str(args.memory_headroom)]
         if args.device:

@@ -34,7 +34,7 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from zeroserve.broker import protocol as p
+from zeroserve.broker import curve, protocol as p
 from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
@@ -64,8 +64,10 @@ class Worker:
                  drain_timeout_s: float = 30.0, device: str | None = None,
                  memory_tolerance_bytes: int = DEFAULT_MEMORY_TOLERANCE_BYTES,
                  memory_budget_bytes: int = 0, memory_headroom_bytes: int | None = None,
-                 ctx: zmq.Context[Any] | None = None) -> None:
+                 ctx: zmq.Context[Any] | None = None,
+                 curve_keys: curve.ClientKeys | None = None) -> None:
         self.endpoint = endpoint
+        self.curve_keys = curve_keys  # for a broker on tcp:// with CurveZMQ
         self.worker_id = worker_id
         self.credits = credits
         self.heartbeat_s = heartbeat_s
@@ -121,6 +123,7 @@ class Worker:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        curve.secure_client(self.sock, self.curve_keys, self.endpoint)
         self.sock.connect(self.endpoint)
         # its descriptor, not the socket: polling a socket is a call on it, and the
         # compute thread may be sending on it meanwhile (edge-triggered: see _readable)
@@ -136,7 +139,12 @@ class Worker:
 
     def _send(self, frames: list[Any]) -> None:
         with self._sock_lock:
-            self.sock.send_multipart(frames, copy=False)
+            try:  # unbounded queue: only a socket with no connection at all would block
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # a refused Curve key: ZeroMQ drops the pipe and stops retrying
+                self._bad_log.log(logging.WARNING, "no connection to the broker at %s (with "
+                                  "CurveZMQ: was our key refused? see the broker's log); "
+                                  "retrying", self.endpoint)
 
     def _send_result(self, frames: list[Any]) -> None:
         """From the compute thread. A send processes the socket's pending commands and

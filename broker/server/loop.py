@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from zeroserve.broker import protocol as p
+from zeroserve.broker import curve, protocol as p
 from zeroserve.broker.process import RateLimitedLog
 from zeroserve.broker.runtime import Endpoints
 
@@ -86,13 +86,15 @@ class Connections:
         self.monitor.close(linger=0)
 
 
-def _router(ctx: zmq.Context[Any], endpoint: str, hwm: int) -> zmq.Socket[Any]:
+def _router(ctx: zmq.Context[Any], endpoint: str, hwm: int,
+            security: curve.ServerSecurity | None = None, domain: str = "") -> zmq.Socket[Any]:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
+    curve.secure_server(sock, security, endpoint, domain)  # tcp:// with keys: Curve
     sock.bind(endpoint)
     return sock
 
@@ -107,11 +109,12 @@ def _send(sock: zmq.Socket[Any], identity: bytes, frames: list[Any]) -> bool:
 
 
 class BrokerLoop:
-    def __init__(self, endpoints: Endpoints, ctx: zmq.Context[Any]) -> None:
+    def __init__(self, endpoints: Endpoints, ctx: zmq.Context[Any],
+                 security: curve.ServerSecurity | None = None) -> None:
         self.endpoints = endpoints
         self.ctx = ctx
-        self.frontend = _router(ctx, endpoints.frontend, FRONTEND_HWM)
-        self.backend = _router(ctx, endpoints.backend, BACKEND_HWM)
+        self.frontend = _router(ctx, endpoints.frontend, FRONTEND_HWM, security, "frontend")
+        self.backend = _router(ctx, endpoints.backend, BACKEND_HWM, security, "backend")
         self.control = _router(ctx, endpoints.control, FRONTEND_HWM)
         self.clients = Connections(self.frontend)
         self.workers = Connections(self.backend)

@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from zeroserve.broker import options
+from zeroserve.broker import curve, options
 from zeroserve.broker.runtime import BrokerLock, Endpoints, RuntimeDirError, \
     ensure_runtime_dir, exposed_endpoints
 from zeroserve.broker.server.broker import Broker
@@ -33,9 +33,25 @@ def check_timing(heartbeat_s: float, worker_expiry_s: float) -> str | None:
     return None
 
 
-def build(endpoints: Endpoints, model_dir: Path, args: Any,
-          ctx: zmq.Context[Any]) -> tuple[BrokerLoop, Broker]:
-    loop = BrokerLoop(endpoints, ctx)
+def check_exposure(endpoints: Endpoints, security: curve.ServerSecurity | None) -> str | None:
+    """tcp:// beyond loopback only with Curve, and never for the control socket (its
+    verbs are guarded by the admin token and the host, not by keys)."""
+    exposed = exposed_endpoints(endpoints)
+    if endpoints.control in exposed:
+        return (f"refusing to bind the control socket on {endpoints.control}: it stays on "
+                "ipc:// or a loopback address (run zeroserve status and the like on the "
+                "broker's host)")
+    if exposed and security is None:
+        return (f"refusing to bind {', '.join(exposed)}: tcp:// beyond loopback needs "
+                "CurveZMQ keys (--curve-secret-key, the broker's key pair, and "
+                "--curve-authorized-keys, the folder of the keys let in; see `zeroserve "
+                "keys generate`); or use ipc:// or a loopback address")
+    return None
+
+
+def build(endpoints: Endpoints, model_dir: Path, args: Any, ctx: zmq.Context[Any],
+          security: curve.ServerSecurity | None = None) -> tuple[BrokerLoop, Broker]:
+    loop = BrokerLoop(endpoints, ctx, security)
     broker = Broker(model_dir, to_client=loop.to_client, to_worker=loop.to_worker,
                     to_controller=loop.to_controller, heartbeat_s=args.heartbeat_s,
                     worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s,
@@ -48,16 +64,20 @@ def build(endpoints: Endpoints, model_dir: Path, args: Any,
                         import_roots=tuple(Path(r) for r in args.import_root or ()),
                         control_mode=args.model_control_mode,
                         load_models=tuple(args.load_model or ())))
+    if security is not None:
+        security.register(broker.metrics.registry)
     return loop, broker
 
 
 def run(args: argparse.Namespace) -> int:
     endpoints = options.endpoints(args)
-    exposed = exposed_endpoints(endpoints)
-    if exposed:
-        logger.error("refusing to bind %s: tcp:// beyond loopback needs CurveZMQ keys, which "
-                     "this version does not support yet; use ipc:// or a loopback address "
-                     "(and an SSH or WireGuard tunnel between hosts)", ", ".join(exposed))
+    try:
+        security = curve.server_security(args)
+    except curve.CurveError as exc:
+        logger.error("%s", exc)
+        return 2
+    if (why := check_exposure(endpoints, security)) is not None:
+        logger.error("%s", why)
         return 2
     if args.load_model and args.model_control_mode != "explicit":
         logger.error("--load-model needs --model-control-mode explicit (the other modes "
@@ -81,19 +101,22 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     try:
-        return _serve(endpoints, Path(args.model_dir), args)
+        return _serve(endpoints, Path(args.model_dir), args, security)
     finally:
         lock.release()
 
 
-def _serve(endpoints: Endpoints, model_dir: Path, args: Any) -> int:
+def _serve(endpoints: Endpoints, model_dir: Path, args: Any,
+           security: curve.ServerSecurity | None = None) -> int:
     ctx: zmq.Context[Any] = zmq.Context()
-    loop, broker = build(endpoints, model_dir, args, ctx)
+    loop, broker = build(endpoints, model_dir, args, ctx, security)
     try:
         broker.load_catalog()
     except ValueError as exc:  # ConfigError: the repository folder is missing
         logger.error("%s", exc)
         loop.close(0)
+        if security is not None:
+            security.close()
         ctx.term()
         return 2
     # handlers only set a flag; the wakeup fd makes the poller return at once
@@ -102,14 +125,17 @@ def _serve(endpoints: Endpoints, model_dir: Path, args: Any) -> int:
     signal.signal(signal.SIGINT, lambda *_: broker.request_stop())
     signal.signal(signal.SIGHUP, lambda *_: broker.request_reload())
     broker.start(loop.poller)
-    logger.info("broker listening: frontend %s, backend %s, control %s",
-                endpoints.frontend, endpoints.backend, endpoints.control)
+    logger.info("broker listening: frontend %s, backend %s, control %s%s",
+                endpoints.frontend, endpoints.backend, endpoints.control,
+                " (CurveZMQ on tcp://)" if security is not None else "")
     try:
         loop.run(broker, broker.clock)
     finally:
         signal.set_wakeup_fd(-1)
         broker.close()
         loop.close()
+        if security is not None:
+            security.close()  # the authenticator's sockets, before the context ends
         ctx.term()  # blocks until the last answers have left (bounded by linger)
     logger.info("broker stopped")
     return 0

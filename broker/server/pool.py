@@ -220,6 +220,11 @@ class WorkerPool:
             cursor = max(cursor, rec.sent_s + run_s) if i == 0 else cursor + run_s
         return cursor
 
+    def work_s(self, worker: WorkerState, predict: Callable[[str, int], float]) -> float:
+        """The predicted run time of every batch the worker holds, elapsed or not."""
+        return sum(predict(self.inflight[b].model, self.inflight[b].samples)
+                   for b in worker.inflight)
+
     # -- messages to workers ----------------------------------------------------
     def load(self, worker: WorkerState, msg: p.LoadModel) -> None:
         worker.loading.add((msg.model, msg.version))

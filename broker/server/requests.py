@@ -27,6 +27,14 @@ from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
 
+# A batch sent to a busy worker waits there, in a FIFO that neither priority nor deadline
+# reorders: under overload of cnn with two priorities, a second credit made high-priority
+# requests wait a whole low-priority batch (about 20 ms) and cut their goodput at 50 ms
+# from 99% to 70% (measured). So a busy worker gets a batch to queue only while what it
+# holds is predicted to run this long at most: short batches (mlp: 2-3 ms) keep the
+# pipelining that hides the hop to the worker, long ones wait in the broker's queue.
+PREFETCH_S = 0.005
+
 logger = logging.getLogger(__name__)
 
 Send = Callable[[bytes, list[Any]], bool]
@@ -310,8 +318,10 @@ class RequestPath:
                 return v if v in held else None
 
             predict = self.latency.predictor(name, worker.worker_id)
-            decision = self.scheduler.take(name, now, predict, resolve,
-                                           start_s=self._busy_until(worker, now))
+            if worker.inflight and self._work_s(worker) > PREFETCH_S:
+                return  # its result frees it
+            start_s = self._busy_until(worker, now)
+            decision = self.scheduler.take(name, now, predict, resolve, start_s=start_s)
             if decision is None:
                 return
             for entry in decision.doomed:
@@ -348,6 +358,11 @@ class RequestPath:
         def predict(model: str, samples: int) -> float:
             return self.latency.predictor(model, worker.worker_id)(samples)
         return self.pool.busy_until(worker, now, predict)
+
+    def _work_s(self, worker: WorkerState) -> float:
+        def predict(model: str, samples: int) -> float:
+            return self.latency.predictor(model, worker.worker_id)(samples)
+        return self.pool.work_s(worker, predict)
 
     def next_due(self, now: float) -> float | None:
         due = [d for d in (self.scheduler.next_deadline(), self.pool.next_exec_deadline())

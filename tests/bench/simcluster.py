@@ -52,6 +52,7 @@ class SimWorker:
     busy_until: float = 0.0
     batches: int = 0
     busy_s: float = 0.0
+    waits: list[tuple[float, float]] = field(default_factory=list)  # (sent, held there)
 
 
 @dataclass
@@ -122,6 +123,7 @@ class SimCluster:
         items = header["items"]
         run_s = w.a_s + w.c_s * len(items)
         start = max(self.t, w.busy_until)
+        w.waits.append((self.t, start - self.t))
         w.busy_until = start + run_s
         w.batches += 1
         w.busy_s += run_s

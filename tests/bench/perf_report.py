@@ -79,9 +79,9 @@ def request_path(server: Server, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def overload(server: Server, args: argparse.Namespace) -> str:
-    cap_rows, _ = bench(server, "-m", "cnn", "--concurrency", "16", "--warmup-s", "3",
-                        "--duration-s", str(min(args.duration_s, 10)))
+def overload(server: Server, args: argparse.Namespace, transport: str) -> str:
+    cap_rows, _ = bench(server, "-m", "cnn", "--transport", transport, "--concurrency", "16",
+                        "--warmup-s", "3", "--duration-s", str(min(args.duration_s, 10)))
     capacity = cap_rows[0]["throughput_rps"]
     offered = 2 * capacity
     expired_before = metric(server, "zeroserve_worker_expired_requests_total")
@@ -89,14 +89,14 @@ def overload(server: Server, args: argparse.Namespace) -> str:
     for share, priority, seed in ((0.3, 1, 1), (0.7, 2, 2)):
         out = Path(tempfile.mkstemp(suffix=".json")[1])
         cmd = [sys.executable, "-m", "zeroserve.broker.bench", "--url", server.url, "-m", "cnn",
-               "--rate", f"{offered * share:.1f}", "--priority", str(priority),
+               "--runtime-dir", str(server.runtime), "--transport", transport, "--rate", f"{offered * share:.1f}", "--priority", str(priority),
                "--timeout-ms", "50", "--warmup-s", "3", "--duration-s", str(args.duration_s),
                "--seed", str(seed), "--quiet", "--json", str(out)]
         procs.append((priority, out, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
                                                       stdout=subprocess.DEVNULL)))
-    lines = [f"`cnn` capacity, closed loop C=16 over HTTP: {capacity:,.0f} req/s; offered "
-             f"{offered:,.0f} req/s (open loop, Poisson, HTTP v2 JSON), every request with "
-             "`parameters.timeout` 50,000 µs, each priority from its own process.\n",
+    lines = [f"**{TRANSPORT_NAMES[transport]}**: `cnn` capacity, closed loop C=16: "
+             f"{capacity:,.0f} req/s; offered {offered:,.0f} req/s (open loop, Poisson), every "
+             "request with a 50 ms deadline, each priority from its own process.\n",
              "| priority | share | sent | answered in 50 ms | goodput | errors | p50 of 200s |",
              "|---|---|---|---|---|---|---|"]
     for priority, out, proc in procs:
@@ -129,6 +129,8 @@ def main() -> int:
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--duration-s", type=float, default=20.0)
     ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--overload-transports", default="direct,http-binary")
+    ap.add_argument("--skip-request-path", action="store_true")
     args = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     server = start(example_repo())
@@ -138,8 +140,10 @@ def main() -> int:
             f"shared by the load generator and the server, `zeroserve serve --workers 1`, "
             f"{args.warmup_s:g} s warm-up then {args.duration_s:g} s counted per level, one "
             "sample per request.",
+            "" if args.skip_request_path else
             "**The request path, `mlp`**\n\n" + request_path(server, args),
-            "**Deadlines under overload, `cnn`**\n\n" + overload(server, args)])
+            "**Deadlines under overload, `cnn`**\n\n" + "\n\n".join(
+                overload(server, args, t) for t in args.overload_transports.split(","))])
     finally:
         server.stop()
     (RESULTS / "performance.md").write_text(text + "\n")

@@ -11,6 +11,7 @@ anywhere.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -31,16 +32,27 @@ def setup_logging(role: str, level: str = "info") -> None:
     root.setLevel(level.upper())
 
 
-def trim_memory() -> bool:
-    """Give freed heap memory back to the system (glibc ``malloc_trim``). Message buffers
-    of tens of KB come from the heap once glibc's mmap threshold has grown, and a burst
-    of them leaves the heap large long after they are freed. False where unavailable."""
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    """glibc, opened once: ctypes.util.find_library runs ``ldconfig -p`` in a child
+    process, which the broker did at each trim (twice a second under light load)."""
     import ctypes
     import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0))
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        name = ctypes.util.find_library("c")
+        return ctypes.CDLL(name) if name else None
+
+
+def trim_memory() -> bool:
+    """Give freed heap memory back to the system (glibc ``malloc_trim``). Message buffers
+    of tens of KB come from the heap once glibc's mmap threshold has grown, and a burst
+    of them leaves the heap large long after they are freed. False where unavailable."""
+    try:
+        libc = _libc()
+        return bool(libc is not None and libc.malloc_trim(0))
     except (OSError, AttributeError):
         return False
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,16 @@ def test_without_systemd_everything_is_a_no_op(monkeypatch: pytest.MonkeyPatch,
     assert sdnotify.Notifier().interval_s is None
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone"))
     assert sdnotify.notify("READY=1") is False  # never fatal
+
+
+def test_trimming_memory_starts_no_process() -> None:
+    # ctypes.util.find_library runs `ldconfig -p` in a child: the broker did so at every
+    # trim, twice a second under light load
+    code = ("import sys; seen = []\n"
+            "sys.addaudithook(lambda e, a: seen.append(e) if e == 'subprocess.Popen' else None)\n"
+            "from zeroserve.broker.process import trim_memory\n"
+            "done = [trim_memory() for _ in range(3)]\n"
+            "print(len(seen))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "0", out.stderr

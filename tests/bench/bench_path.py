@@ -66,17 +66,20 @@ def pids(srv: Running) -> dict[str, int]:
         pid, _, cmd = line.strip().partition(" ")
         for name, pattern in (("broker", "broker.server.main"), ("broker", "cli broker"),
                               ("broker", " broker "), ("worker", " worker "),
-                              ("worker", "workers.main")):
+                              ("worker", "workers.main"), ("gateway", "gateway.serve"),
+                              ("gateway", " gateway ")):
             if pattern in f" {cmd} " and name not in found:
                 found[name] = int(pid)
     return found
 
 
 def direct(srv: Running, conc: int, warmup_s: float, duration_s: float,
-           procs: dict[str, int], in_process: bool = False) -> dict[str, Any]:
+           procs: dict[str, int], in_process: bool = False, transport: str = "direct"
+           ) -> dict[str, Any]:
     out = Path(srv.runtime) / "bench.json"
     cmd = [sys.executable, str(ROOT / "bin" / "zeroserve"), "bench", "-m", "mlp",
-           "--transport", "direct", "--runtime-dir", str(srv.runtime),
+           "--transport", transport, "--runtime-dir", str(srv.runtime),
+           "--url", f"http://127.0.0.1:{srv.port}",
            "--concurrency", str(conc), "--warmup-s", str(warmup_s),
            "--duration-s", str(duration_s), "--json", str(out), "--quiet"]
     if in_process:
@@ -97,6 +100,7 @@ def one_round(srv: Running, procs: dict[str, int]) -> dict[str, Any]:
                            "ping64_rps": ping_floor(endpoint, 64, 2.0)}
     res["c1"] = direct(srv, 1, 0.5, 3.0, procs, in_process=True)
     res["c64"] = direct(srv, 64, 1.0, 4.0, procs, in_process=True)
+    res["http64"] = direct(srv, 64, 1.0, 4.0, procs, transport="http-json")
     return res
 
 
@@ -132,6 +136,10 @@ def summary(rev: str, rounds: list[dict[str, Any]]) -> list[str]:
                  f"{ping64:.0f}/s, in-process {statistics.median(ips) if ips else 0:.0f}"
                  f" samples/s | cpu/req µs {json.dumps(cpu)}, generator "
                  f"{med(lambda r: r['c64']['generator_cpu_pct'] or 0):.0f}% |")
+    lines.append(f"| {rev} | HTTP JSON C=64 | {med(lambda r: r['http64']['throughput_rps']):.0f}"
+                 f" req/s (all: {_all(rounds, 'http64', 'throughput_rps', '.0f')}), p99 "
+                 f"{med(lambda r: r['http64']['p99_ms']):.2f} ms | | cpu/req µs "
+                 f"{json.dumps(_cpu(rounds, 'http64'))} |")
     return lines
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from tests.conftest import Server, short_tmpdir
 from zeroserve.broker.client import AsyncClient, InferError
 from zeroserve.broker.runtime import cache_dir
+from zeroserve.workers.serve import usable_cores
 from zeroserve.workers.supervisor import ensure_examples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +50,8 @@ def example_repo(models: dict[str, dict[str, Any]] | None = None) -> Path:
 
 def start(repo: Path, workers: int = 1, threads: int = 0, extra: list[str] | None = None
           ) -> Server:
-    args = ["--threads", str(threads or max(1, (os.cpu_count() or 1) // workers))]
+    # by default the torch threads `zeroserve serve` itself picks: the figures are its own
+    args = ["--threads", str(threads or max(1, (usable_cores() - 1) // workers))]
     return Server(repo, workers=workers, extra=args + (extra or [])).wait_ready(120)
 
 

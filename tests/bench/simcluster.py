@@ -91,6 +91,7 @@ class SimCluster:
         self._out = [from_numpy("output", np.zeros((1, 1), np.float32))]
         self._x = [from_numpy("input", np.zeros((1, 4), np.float32))]
         self._ids = itertools.count(1)
+        self.priority: Callable[[int], int] = lambda n: 0   # of the n-th request
         self.workers: dict[bytes, SimWorker] = {}
         budgets = budget_bytes if isinstance(budget_bytes, list) else [budget_bytes] * workers
         for i in range(workers):
@@ -145,10 +146,12 @@ class SimCluster:
 
     # -- clients ------------------------------------------------------------------
     def request(self, model: str, timeout_ms: float = 0.0) -> None:
-        rid = str(next(self._ids))
+        n = next(self._ids)
+        rid = str(n)
         self.outcomes[rid] = Outcome(self.t)
         self.broker.on_frontend(b"client", p.encode_request(
-            p.InferRequest(rid, model, self._x, timeout_ms=timeout_ms)))
+            p.InferRequest(rid, model, self._x, timeout_ms=timeout_ms,
+                           priority=self.priority(n))))
 
     # -- time -----------------------------------------------------------------------
     def at(self, t: float, run: Callable[[], None] | None) -> None:

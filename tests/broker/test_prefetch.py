@@ -1,6 +1,7 @@
-"""A batch sent to a busy worker waits there in a FIFO no priority reorders, so the
-broker sends one only while what the worker holds is predicted short (requests.py,
-PREFETCH_S). The real broker objects on a simulated clock (tests/bench/simcluster.py)."""
+"""A batch sent to a busy worker waits there in a FIFO no priority reorders, so while a
+model's requests mix priorities the broker sends one only while what the worker holds is
+predicted short (requests.py, PREFETCH_S); with one priority it pipelines freely. The
+real broker objects on a simulated clock (tests/bench/simcluster.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from tests.bench.simcluster import SimCluster, write_repo
 from zeroserve.broker.server.requests import PREFETCH_S
 
 
-def held_at_worker(a_s: float, rate: float) -> list[float]:
+def held_at_worker(a_s: float, rate: float, mixed: bool = True) -> list[float]:
     """How long each batch, sent once the latency model has learned, waited at the one
     worker (2 credits) before it started."""
     repo = write_repo({"m": {"max_batch_size": 8}})
     sim = SimCluster(repo, 1, a_s=a_s, c_s=0.0002, credits=2, load_s=0.01)
+    if mixed:
+        sim.priority = lambda n: 1 + n % 2
     try:
         rng = np.random.default_rng(3)
         sim.run(4.0, np.sort(rng.uniform(0.2, 4.0, int(rate * 3.8))), "m", 0.0)
@@ -28,6 +31,11 @@ def held_at_worker(a_s: float, rate: float) -> list[float]:
 def test_long_batches_wait_in_the_broker_not_at_the_worker() -> None:
     held = held_at_worker(a_s=0.020, rate=300)      # 21.6 ms a batch of 8: near capacity
     assert len(held) > 50 and max(held) == 0.0
+
+
+def test_with_one_priority_long_batches_are_pipelined_too() -> None:
+    held = held_at_worker(a_s=0.020, rate=300, mixed=False)
+    assert sum(h > 0 for h in held) > len(held) / 4
 
 
 def test_short_batches_are_pipelined_to_hide_the_hop() -> None:

@@ -40,15 +40,20 @@ def rss_bytes() -> int:
         return 0
 
 
-def _hwm_bytes() -> int | None:
+def proc_bytes(path: str, key: str) -> int | None:
+    """A ``key: N kB`` line of a /proc file, in bytes; None where there is none."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def _hwm_bytes() -> int | None:
+    return proc_bytes("/proc/self/status", "VmHWM")
 
 
 def _reset_hwm() -> bool:

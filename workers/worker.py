@@ -431,14 +431,7 @@ class Worker:
             return max(0, self.memory_budget_bytes - sum(footprints.values()))
         if self.device.startswith("cuda"):
             return int(torch.cuda.mem_get_info()[0])
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
+        return memory.proc_bytes("/proc/meminfo", "MemAvailable") or 0
 
     def _memory_probe(self) -> int:
         if self.device.startswith("cuda"):

@@ -52,6 +52,9 @@ class LoadedModel:
     # what the memory planner learns (models/footprint.py): resident bytes, the activation
     # term fitted to the warm-up batches' peaks, the footprint at the largest batch
     plan: dict[str, Any] = field(default_factory=dict)
+    # seconds of the measured warm-up runs by batch size: the broker's latency model
+    # starts from two sizes instead of guessing the slope from one
+    warmup_seconds: dict[int, float] = field(default_factory=dict)
 
     def ref(self) -> "weakref.ref[Any]":
         return weakref.ref(self.handler if self.handler is not None else self.fn)
@@ -135,7 +138,9 @@ def warm_up(loaded: LoadedModel, probe: Probe | None = None) -> dict[int, int]:
         if probe is not None and sizes:
             for b in sorted({min(sizes), max(sizes)}):
                 probe.start()
+                t = time.perf_counter()
                 _run(loaded, b)
+                loaded.warmup_seconds[b] = time.perf_counter() - t
                 peaks[b] = probe.stop()
     return peaks
 
@@ -190,5 +195,7 @@ def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
     loaded.memory_bytes = max(0, memory_probe() - before)
     if peak_probe is not None:
         loaded.plan = _plan(cfg, version_dir, loaded.memory_bytes, peaks)
+        loaded.plan["warmup_seconds"] = {str(b): t for b, t in
+                                         sorted(loaded.warmup_seconds.items())}
     loaded.load_s = time.monotonic() - start
     return loaded

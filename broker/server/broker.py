@@ -220,7 +220,9 @@ class Broker:
             beat = p.decode(p.WorkerHeartbeat, header)
             worker.metrics_text, worker.memory = beat.metrics, beat.memory
         elif kind is p.Kind.LOADED:
-            self.lifecycle.on_loaded(worker, p.decode(p.ModelLoaded, header))
+            loaded = p.decode(p.ModelLoaded, header)
+            self.lifecycle.on_loaded(worker, loaded)
+            self.requests.warmed_up(worker, loaded)
         elif kind is p.Kind.LEAVE:
             self._on_leave(worker, p.decode(p.Leave, header))
         else:

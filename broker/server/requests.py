@@ -38,6 +38,13 @@ from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
 # stages overlapping.
 PREFETCH_S = 0.005
 MIXED_PRIORITIES_S = 10.0   # how long a model counts as seeing more than one priority
+# Requests that arrive together (a client sends what one loop turn made as one message)
+# would form one batch, and a closed loop then falls into step with it: the worker idles
+# while the replies travel. An idle worker with two credits gets the queue in two halves
+# instead, when two half batches are predicted to cost at most this much more than one
+# whole (so where batching gains little, like cnn on a CPU, and never on a GPU model
+# whose batch costs about the same at any size).
+SPLIT_COST = 1.15
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +187,33 @@ class RequestPath:
         return Entry(key=(client, req.request_id), model=req.model, priority=priority,
                      arrival_s=now, deadline_s=deadline, samples=samples, version=version,
                      payload=Payload(client, req, req.version is not None))
+
+    def _split(self, worker: WorkerState, model: str, predict: Callable[[int], float],
+               now: float) -> int | None:
+        """Half the queue, for an idle worker that can take two batches, when batching
+        gains little and a queued batch reorders nothing; else None (the model's cap)."""
+        if worker.inflight or worker.free < 2 or self._mixed(model, now):
+            return None
+        queued = self.scheduler.queued_samples(model)
+        half = (queued + 1) // 2
+        whole = predict(queued)
+        if queued < 2 or whole <= PREFETCH_S or 2 * predict(half) > SPLIT_COST * whole:
+            return None
+        return half
+
+    def warmed_up(self, worker: WorkerState, msg: p.ModelLoaded) -> None:
+        """A load's measured warm-up runs seed the latency model with two batch sizes:
+        from one size alone it can only guess how the time grows."""
+        timings = msg.memory.get("warmup_seconds") if msg.ok else None
+        if not isinstance(timings, dict):
+            return
+        for size, seconds in timings.items():
+            try:
+                b, t = int(size), float(seconds)
+            except (TypeError, ValueError):
+                continue
+            if b > 0 and 0.0 < t < 60.0:
+                self.latency.observe(msg.model, worker.worker_id, b, t)
 
     def _note_priority(self, model: str, priority: int, now: float) -> None:
         last, mixed_until = self._priorities.get(model, (priority, -math.inf))
@@ -337,7 +371,8 @@ class RequestPath:
                     self._work_s(worker) > PREFETCH_S:
                 return  # its result frees it
             start_s = self._busy_until(worker, now)
-            decision = self.scheduler.take(name, now, predict, resolve, start_s=start_s)
+            decision = self.scheduler.take(name, now, predict, resolve, start_s=start_s,
+                                           max_samples=self._split(worker, name, predict, now))
             if decision is None:
                 return
             for entry in decision.doomed:

@@ -293,7 +293,8 @@ class Scheduler:
     # -- batch formation ----------------------------------------------------
     def take(self, model: str, now: float, predict: Predict = _no_latency,
              resolve: Callable[[Entry], int | None] = lambda e: e.version or 0,
-             start_s: float | None = None) -> Decision | None:
+             start_s: float | None = None, max_samples: int | None = None
+             ) -> Decision | None:
         """Form a batch for a worker with a free credit, or None if it should wait.
 
         The batch is the longest prefix of the dispatch order that fits the
@@ -301,7 +302,8 @@ class Scheduler:
         in it. ``resolve`` gives the version an entry would run as on this worker,
         or None if it cannot run there; entries of another version than the first
         are skipped. ``start_s`` is when the worker is predicted to start the batch
-        (after what it already has in flight). An entry that could not finish by its
+        (after what it already has in flight); ``max_samples`` caps the batch below the
+        model's own cap. An entry that could not finish by its
         deadline even alone is taken out as ``doomed``, to be refused at once rather
         than run late or left to expire (deadline-aware shedding).
         ``next_due`` says when to ask again after a None.
@@ -310,7 +312,7 @@ class Scheduler:
         if q is None or not q.count:
             return None
         pol = q.policy
-        cap = pol.cap
+        cap = pol.cap if max_samples is None else max(1, min(pol.cap, max_samples))
         reason = self._wait_reason(q, now, predict)
         if reason is None:
             return None

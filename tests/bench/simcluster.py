@@ -53,6 +53,7 @@ class SimWorker:
     batches: int = 0
     busy_s: float = 0.0
     waits: list[tuple[float, float]] = field(default_factory=list)  # (sent, held there)
+    sizes: list[int] = field(default_factory=list)                  # of each batch
 
 
 @dataclass
@@ -110,10 +111,12 @@ class SimCluster:
             self._run_batch(w, header)
         elif kind is p.Kind.LOAD:
             msg = p.decode(p.LoadModel, header)
+            # a real worker times its warm-up batches (1 and 8 by default) and says so
+            warm = {str(b): w.a_s + w.c_s * b for b in (1, 8)}
             done = p.ModelLoaded(msg.model, msg.version, True, sha256=msg.sha256,
                                  memory_bytes=self.footprints.get(msg.model,
                                                                   w.footprint_bytes),
-                                 load_s=self.load_s)
+                                 load_s=self.load_s, memory={"warmup_seconds": warm})
             self.at(self.t + self.load_s,
                     lambda: self.broker.on_backend(identity, p.encode(done)))
         elif kind is p.Kind.UNLOAD:
@@ -125,6 +128,7 @@ class SimCluster:
         run_s = w.a_s + w.c_s * len(items)
         start = max(self.t, w.busy_until)
         w.waits.append((self.t, start - self.t))
+        w.sizes.append(len(items))
         w.busy_until = start + run_s
         w.batches += 1
         w.busy_s += run_s
@@ -183,8 +187,11 @@ class SimCluster:
                 next_probe += every_s
                 continue
             if ta <= th:
-                i += 1
-                self.request(model, timeout_ms)
+                # arrivals at the same instant come as one message (a client's bundle):
+                # the broker ticks once after all of them, as the real loop does
+                while i < n and arrivals[i] == ta:
+                    i += 1
+                    self.request(model, timeout_ms)
             else:
                 ev = heapq.heappop(self._heap)
                 if ev.run is None:

@@ -42,3 +42,24 @@ def test_short_batches_are_pipelined_to_hide_the_hop() -> None:
     held = held_at_worker(a_s=0.001, rate=2500)     # 2.6 ms a batch of 8
     assert 0.001 < PREFETCH_S
     assert sum(h > 0 for h in held) > len(held) / 4 and max(held) <= PREFETCH_S + 0.003
+
+
+def batch_sizes_of_bundles(a_s: float, c_s: float) -> list[int]:
+    """Bundles of 8 requests arriving at once (what a client's loop turn sends as one
+    message), one every 100 ms, to one idle worker with 2 credits."""
+    repo = write_repo({"m": {"max_batch_size": 8}})
+    sim = SimCluster(repo, 1, a_s=a_s, c_s=c_s, credits=2, load_s=0.01)
+    try:
+        sim.run(2.0, np.repeat(np.arange(0.1, 2.0, 0.1), 8), "m", 0.0)
+        assert all(o.code == "" for o in sim.outcomes.values())
+        (worker,) = sim.workers.values()
+        return worker.sizes
+    finally:
+        sim.close(repo)
+
+
+def test_a_bundle_is_split_over_two_credits_where_batching_gains_little() -> None:
+    # 1 ms + 2 ms a sample: two batches of 4 cost 18 ms, one of 8 17 ms
+    assert set(batch_sizes_of_bundles(0.001, 0.002)) == {4}
+    # 20 ms + 0.2 ms a sample: two batches of 4 would cost 43 ms against 22 ms
+    assert set(batch_sizes_of_bundles(0.020, 0.0002)) == {8}

@@ -88,3 +88,12 @@ def api_server() -> Iterator[Server]:
     finally:
         srv.stop()
         shutil.rmtree(repo, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client(srv: Server) -> Iterator[Any]:
+    """tritonclient.http against the module's own ``srv`` (a module may define its own)."""
+    import tritonclient.http as triton
+    c = triton.InferenceServerClient(srv.url.removeprefix("http://"))
+    yield c
+    c.close()

@@ -40,13 +40,6 @@ def srv() -> Iterator[Server]:
         shutil.rmtree(repo, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def client(srv: Server) -> Iterator[triton.InferenceServerClient]:
-    c = triton.InferenceServerClient(srv.url.removeprefix("http://"))
-    yield c
-    c.close()
-
-
 def expected(srv: Server) -> np.ndarray:
     module = torch.jit.load(str(srv.model_dir / "linear" / "1" / "model.pt"))
     with torch.inference_mode():

@@ -38,13 +38,6 @@ def srv() -> Iterator[Server]:
         shutil.rmtree(repo, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def client(srv: Server) -> Iterator[triton.InferenceServerClient]:
-    c = triton.InferenceServerClient(srv.url.removeprefix("http://"))
-    yield c
-    c.close()
-
-
 def infer(client: triton.InferenceServerClient, model: str) -> np.ndarray:
     inp = triton.InferInput("input", [3, 4], "FP32").set_data_from_numpy(X)
     return client.infer(model, [inp]).as_numpy("output")

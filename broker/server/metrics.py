@@ -3,7 +3,10 @@ them over the control socket and merges them into its one scrape."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from zeroserve.broker.protocol import ErrorCode
 
@@ -12,6 +15,22 @@ _REJECT_REASONS = {ErrorCode.DEADLINE: "deadline", ErrorCode.OVERLOADED: "shed",
                    ErrorCode.BAD_INPUT: "bad_input", ErrorCode.NO_WORKER: "no_worker"}
 LATENCY_BUCKETS = (.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Children:
+    """Labelled series looked up once each: ``labels()`` takes a lock and builds a key on
+    every call, several times a request. Only for series that are never removed and whose
+    label values are bounded (catalog models, statuses, versions, priorities, tenants)."""
+
+    def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def __call__(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
 
 class BrokerMetrics:
@@ -66,30 +85,31 @@ class BrokerMetrics:
                                        namespace=ns, registry=r)
         self.bad = Counter("bad_messages", "Malformed messages counted and dropped",
                            ["socket", "reason"], namespace=ns, registry=r)
+        self._child = Children()
 
     def request_done(self, model: str, version: int, queue_s: float, total_s: float) -> None:
-        self.requests.labels(model, "ok").inc()
-        self.latency.labels(model, str(version), "ok").observe(total_s)
+        self._child(self.requests, model, "ok").inc()
+        self._child(self.latency, model, str(version), "ok").observe(total_s)
 
     def error(self, model: str, code: ErrorCode) -> None:
         """Every error answer; those that drop or refuse a request count by reason."""
-        self.requests.labels(model, code.value).inc()
+        self._child(self.requests, model, code.value).inc()
         reason = _REJECT_REASONS.get(code)
         if reason is not None:
-            self.rejected_total.labels(model, reason).inc()
+            self._child(self.rejected_total, model, reason).inc()
         if code is ErrorCode.DEADLINE:
-            self.deadline.labels(model).inc()
+            self._child(self.deadline, model).inc()
 
     def queued(self, model: str, priority: int, queue_s: float) -> None:
-        self.queue.labels(model, str(priority)).observe(queue_s)
+        self._child(self.queue, model, str(priority)).observe(queue_s)
 
     def batch_sent(self, model: str, reason: str, samples: int) -> None:
-        self.batches.labels(model, reason).inc()
-        self.batch_size.labels(model).observe(samples)
+        self._child(self.batches, model, reason).inc()
+        self._child(self.batch_size, model).observe(samples)
 
     def batch_done(self, model: str, samples: int, compute_s: float,
                    phases_ms: dict[str, float] | None = None) -> None:
-        self.compute.labels(model).observe(compute_s)
+        self._child(self.compute, model).observe(compute_s)
 
     def model_loaded(self, model: str, ok: bool, seconds: float) -> None:
         if ok:

@@ -12,7 +12,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import AbstractSet, Any, Callable, Iterable
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.scheduler import Entry
@@ -55,7 +55,6 @@ class WorkerState:
     credits: int
     last_seen_s: float
     info: dict[str, Any] = field(default_factory=dict)
-    loaded: set[tuple[str, int]] = field(default_factory=set)
     loading: set[tuple[str, int]] = field(default_factory=set)
     load_errors: dict[str, str] = field(default_factory=dict)
     inflight: list[int] = field(default_factory=list)   # batch ids, in the order sent
@@ -64,18 +63,39 @@ class WorkerState:
     recycle: bool = False
     metrics_text: str = ""
     memory: dict[str, Any] = field(default_factory=dict)
+    # what it holds, changed only by add_loaded and discard_loaded: ``holds`` is asked
+    # for every worker several times a request, so the versions are kept by model too
+    _loaded: set[tuple[str, int]] = field(default_factory=set, repr=False)
+    _versions: dict[str, set[int]] = field(default_factory=dict, repr=False)
+
+    @property
+    def loaded(self) -> AbstractSet[tuple[str, int]]:
+        return self._loaded
+
+    def add_loaded(self, model: str, version: int) -> None:
+        self._loaded.add((model, version))
+        self._versions.setdefault(model, set()).add(version)
+
+    def discard_loaded(self, model: str, version: int) -> None:
+        self._loaded.discard((model, version))
+        versions = self._versions.get(model)
+        if versions is not None:
+            versions.discard(version)
+            if not versions:
+                del self._versions[model]
 
     @property
     def free(self) -> int:
         return 0 if self.draining else self.credits - len(self.inflight)
 
     def holds(self, model: str, version: int | None = None) -> bool:
-        if version is None:
-            return any(m == model for m, _ in self.loaded)
-        return (model, version) in self.loaded
+        versions = self._versions.get(model)
+        if versions is None:
+            return False
+        return version is None or version in versions
 
     def versions_of(self, model: str) -> set[int]:
-        return {v for m, v in self.loaded if m == model}
+        return set(self._versions.get(model, ()))
 
     def describe(self, now: float) -> dict[str, Any]:
         return {
@@ -110,7 +130,8 @@ class WorkerPool:
                              max(1, min(ready.credits, 64)), now,
                              info={"pid": ready.pid, "host": ready.host, "device": ready.device,
                                    "memory_budget_bytes": ready.memory_budget_bytes})
-        worker.loaded = {(str(m), int(v)) for m, v in ready.models}
+        for m, v in ready.models:
+            worker.add_loaded(str(m), int(v))
         worker.memory = dict(ready.memory)   # the memory planner's inputs until a heartbeat
         self.workers[identity] = worker
         if self.log_settings:  # a worker that joins later logs as the others do
@@ -231,7 +252,7 @@ class WorkerPool:
         self._send(worker.identity, p.encode(msg))
 
     def unload(self, worker: WorkerState, model: str, version: int) -> None:
-        worker.loaded.discard((model, version))
+        worker.discard_loaded(model, version)
         self._send(worker.identity, p.encode(p.UnloadModel(model, version)))
 
     def set_log_settings(self, update: dict[str, Any]) -> None:

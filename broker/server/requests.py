@@ -169,17 +169,18 @@ class RequestPath:
         cfg = model.config
         priority = normalize_priority(req.priority, cfg)
         timeout_ms, deadline = deadline_of(req, cfg, now)
-        predict = self.latency.predictor(req.model)
-        holders = self.pool.holders(req.model)
-        wait_s = self.scheduler.estimate_wait(
-            req.model, priority, predict, len(holders), *(
-                (grant.tenant, grant.weight, samples) if grant is not None else ()))
-        wait_s += min((self._busy_until(w, now) for w in holders), default=now) - now
-        if now + wait_s + predict(samples) > deadline:
-            self.refuse(client, req.request_id, p.ErrorCode.DEADLINE,
-                        f"deadline of {timeout_ms:g} ms cannot be met: the queue ahead needs "
-                        f"about {wait_s * 1000:.1f} ms", model=req.model)
-            return None
+        if deadline < math.inf:   # without a deadline there is nothing to refuse it for
+            predict = self.latency.predictor(req.model)
+            holders = self.pool.holders(req.model)
+            wait_s = self.scheduler.estimate_wait(
+                req.model, priority, predict, len(holders), *(
+                    (grant.tenant, grant.weight, samples) if grant is not None else ()))
+            wait_s += self._soonest_free(holders, now) - now
+            if now + wait_s + predict(samples) > deadline:
+                self.refuse(client, req.request_id, p.ErrorCode.DEADLINE,
+                            f"deadline of {timeout_ms:g} ms cannot be met: the queue ahead "
+                            f"needs about {wait_s * 1000:.1f} ms", model=req.model)
+                return None
         self._note_priority(req.model, priority, now)
         version = req.version
         if version is None and cfg.traffic:
@@ -405,6 +406,15 @@ class RequestPath:
             self.metrics.queued(model.config.name, entry.priority, now - entry.arrival_s)
             self.tenancy.queued(entry.tenant, now - entry.arrival_s)
 
+    def _soonest_free(self, workers: list[WorkerState], now: float) -> float:
+        """When the first of ``workers`` is predicted to be done with what it has."""
+        soonest = math.inf
+        for w in workers:
+            if not w.inflight:
+                return now   # idle: none can be sooner
+            soonest = min(soonest, self._busy_until(w, now))
+        return soonest if workers else now
+
     def _busy_until(self, worker: WorkerState, now: float) -> float:
         def predict(model: str, samples: int) -> float:
             return self.latency.predictor(model, worker.worker_id)(samples)
@@ -450,8 +460,10 @@ class RequestPath:
 
     def refuse(self, client: bytes, request_id: str, code: p.ErrorCode, message: str,
                model: str, retry_after_s: float | None = None) -> None:
-        """An error answer to a request that holds no place (refused at the door)."""
-        self.metrics.error(model, code)
+        """An error answer to a request that holds no place (refused at the door). A
+        model the catalog does not know counts under model "": a client naming models
+        at random would otherwise grow a series (and the broker's memory) per name."""
+        self.metrics.error(model if self.catalog.get(model) is not None else "", code)
         self._reply(client, p.encode_error(p.ErrorReply(request_id, code, message,
                                                         retry_after_s)))
 

@@ -339,7 +339,7 @@ class Lifecycle:
         if msg.sha256 != swap.shas[version]:
             self._exclude(swap, worker, version, msg.sha256)
         else:
-            worker.loaded.add((name, version))
+            worker.add_loaded(name, version)
             swap.loaded.add((worker.identity, version))
         self._maybe_finish(swap)
 
@@ -348,7 +348,7 @@ class Lifecycle:
         worker.loading.discard(key)
         model = self.catalog.get(msg.model)
         if msg.ok:
-            worker.loaded.add(key)
+            worker.add_loaded(*key)
             worker.load_errors.pop(f"{msg.model}/{msg.version}", None)
             self.metrics.model_loaded(msg.model, True, msg.load_s)
             if model is not None and msg.version in model.versions:
@@ -477,7 +477,7 @@ class Lifecycle:
     # -- retiring -----------------------------------------------------------
     def _retire(self, worker: WorkerState, name: str, version: int) -> None:
         """No new batches from now; unloaded once its in-flight batches are done."""
-        worker.loaded.discard((name, version))
+        worker.discard_loaded(name, version)
         self.retiring.append((worker.identity, name, version))
 
     def _flush_retiring(self, worker: WorkerState, name: str, version: int) -> None:

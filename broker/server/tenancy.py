@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.control import ControlError
+from zeroserve.broker.server.metrics import Children
 from zeroserve.broker.server.tenants import ANONYMOUS, DEFAULT_QOS, UNKNOWN, Tenant, \
     TenantsError, TenantSet, TokenBucket, load
 
@@ -96,6 +97,7 @@ class Tenancy:
         self.m_queue = Histogram("tenant_queue_seconds", "Time queued before dispatch, by "
                                  "tenant", ["tenant"], namespace=ns, registry=registry,
                                  buckets=_BUCKETS)
+        self._child = Children()
         if path is not None:
             self._install(load(path))   # a bad file at startup: TenantsError to the caller
 
@@ -185,7 +187,7 @@ class Tenancy:
         st.inflight += 1
         st.count(now)
         self._open[key] = t.name
-        self.m_requests.labels(t.name).inc()
+        self._child(self.m_requests, t.name).inc()
         return Grant(dataclasses.replace(req, priority=priority, timeout_ms=timeout_ms),
                      t.name, t.weight, t.qos.rank, notes)
 
@@ -206,13 +208,13 @@ class Tenancy:
 
     def rejected(self, tenant: str, code: p.ErrorCode) -> None:
         tenant = self._label(tenant)
-        self.m_rejected.labels(tenant, code.value).inc()
+        self._child(self.m_rejected, tenant, code.value).inc()
         st = self._state.get(tenant)
         if st is not None:
             st.rejected[code.value] = st.rejected.get(code.value, 0) + 1
 
     def queued(self, tenant: str, queue_s: float) -> None:
-        self.m_queue.labels(self._label(tenant)).observe(queue_s)
+        self._child(self.m_queue, self._label(tenant)).observe(queue_s)
 
     def _label(self, tenant: str) -> str:
         if not self.enabled:

@@ -231,3 +231,34 @@ class RequestsAndWorkers(RuleBasedStateMachine):
 TestRequestsAndWorkers = RequestsAndWorkers.TestCase
 TestRequestsAndWorkers.settings = settings(max_examples=400, stateful_step_count=50,
                                            deadline=None)
+
+
+def test_requests_for_unknown_models_count_under_one_series() -> None:
+    """Refusals were counted under the name the client sent: naming models at random grew
+    a metric series, and the broker's memory, per name."""
+    h = Harness()
+    h.worker("w0")
+    for i in range(50):
+        req = p.InferRequest(f"r{i}", f"nosuch-{i}",
+                             [p.from_numpy("input", np.ones((1, 4), np.float32))])
+        _, header, bufs = p.unpack([bytes(f) for f in p.encode_request(req)])
+        h.path.on_request(b"client", header, bufs, h.now)
+    assert set(h.codes().values()) == {"not_found"}
+    text = h.path.metrics.render()
+    assert "nosuch" not in text
+    assert 'zeroserve_inference_requests_total{model="",status="not_found"} 50.0' in text
+
+
+def test_holds_follows_what_a_worker_loads_and_unloads() -> None:
+    h = Harness()
+    h.worker("w0")
+    w = h.pool.get(b"w0")
+    assert w is not None and w.holds("m") and w.holds("m", 1) and not w.holds("m", 2)
+    w.add_loaded("m", 2)
+    assert w.versions_of("m") == {1, 2} and ("m", 2) in w.loaded
+    h.pool.unload(w, "m", 1)
+    assert w.versions_of("m") == {2} and w.holds("m") and not w.holds("m", 1)
+    w.discard_loaded("m", 2)
+    assert not w.holds("m") and not w.loaded and h.pool.holders("m") == []
+    h.request("a")
+    assert h.codes() == {"a": "no_worker"}

@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 
 from zeroserve.broker import protocol as p
+from zeroserve.gateway import v2json
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -82,11 +83,13 @@ def _json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) ->
                 raise DecodeError(f"input {name!r}: BYTES data must be strings")
             items.append(x.encode())
         return p.Tensor(p.TensorMeta(name, "BYTES", shape), p.pack_bytes_elements(items))
-    dtype = p.DTYPES[datatype]
-    try:
-        arr = np.asarray(data, dtype=dtype)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise DecodeError(f"input {name!r}: data is not {datatype}: {exc}") from None
+    if isinstance(data, np.ndarray):   # numeric data v2json read straight into numpy
+        arr = data
+    else:
+        try:
+            arr = np.asarray(data, dtype=p.DTYPES[datatype])
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise DecodeError(f"input {name!r}: data is not {datatype}: {exc}") from None
     if arr.size != count:
         raise DecodeError(f"input {name!r}: {arr.size} elements for shape {list(shape)}")
     return p.from_numpy(name, arr.reshape(shape), datatype)
@@ -148,17 +151,18 @@ def decode_request(body: bytes, header_length: int | None,
 
 
 def parse_document(body: bytes, header_length: int | None) -> tuple[dict[str, Any], memoryview]:
-    """The JSON document of an infer body and the binary part after it (a view into
-    the body, no copy); the tensors are not decoded yet (see decode_document)."""
+    """The JSON document of an infer body (plain Python; numeric tensor data already
+    numpy, see v2json) and the binary part after it (a view into the body, no copy);
+    the tensors are not built nor checked yet (see decode_document)."""
     if header_length is not None:
         if header_length < 0 or header_length > len(body):
             raise DecodeError(f"Inference-Header-Content-Length {header_length} exceeds the "
                               f"body of {len(body)} bytes")
-        json_part, binary = memoryview(body)[:header_length], memoryview(body)[header_length:]
+        json_part, binary = bytes(body[:header_length]), memoryview(body)[header_length:]
     else:
-        json_part, binary = memoryview(body), memoryview(b"")
+        json_part, binary = bytes(body), memoryview(b"")
     try:
-        doc = orjson.loads(json_part)
+        doc = v2json.loads(json_part)
     except orjson.JSONDecodeError as exc:
         raise DecodeError(f"malformed JSON: {exc}") from None
     if not isinstance(doc, dict):
@@ -175,8 +179,8 @@ def parameters_of(doc: dict[str, Any]) -> dict[str, Any]:
 
 def decode_document(doc: dict[str, Any], binary: memoryview,
                     shm: ShmReader | None = None) -> V2Request:
-    """The request of a parsed document: JSON data straight into numpy (one
-    ``np.asarray`` per tensor), binary data as views into the body."""
+    """The request of a parsed document: numeric JSON data as v2json read it into
+    numpy (else one ``np.asarray`` per tensor), binary data as views into the body."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise DecodeError("'inputs' must be a non-empty list")

@@ -321,7 +321,8 @@ def post(server: Any, model: str, text: bytes, headers: dict[str, str] | None = 
     return status, json.loads(got)
 
 
-def test_json_tensors_through_the_server_match_binary_ones(api_server):
+@pytest.mark.parametrize("pad", [0, v2.SIMDJSON_FROM_BYTES])   # orjson's way, simdjson's
+def test_json_tensors_through_the_server_match_binary_ones(api_server, pad):
     x = np.random.default_rng(3).standard_normal((2, 4)).astype(np.float32)
     x[0, 0] = -0.0
     head = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 4],
@@ -330,8 +331,11 @@ def test_json_tensors_through_the_server_match_binary_ones(api_server):
                        {"Inference-Header-Content-Length": str(len(head))})
     assert status == 200, got
     for data in (x.reshape(-1).tolist(), x.tolist()):
-        status, out = post(api_server, "linear", doc_of("FP32", [2, 4], data, "input"))
+        # a long id takes the document past the size simdjson reads from
+        text = doc_of("FP32", [2, 4], data, "input", **({"id": "p" * pad} if pad else {}))
+        status, out = post(api_server, "linear", text)
         assert status == 200 and out["outputs"] == got["outputs"], out
+        assert out.get("id", "") == "p" * pad
 
 
 def test_fp16_json_through_the_server(api_server):
@@ -352,3 +356,15 @@ def test_fp16_json_through_the_server(api_server):
 def test_bad_json_tensors_are_400s_through_the_server(api_server, text, needle):
     status, got = post(api_server, "linear", text)
     assert status == 400 and needle in got["error"], got
+
+
+def test_small_documents_go_through_orjson_and_large_ones_through_simdjson():
+    """Below SIMDJSON_FROM_BYTES a list is cheaper than simdjson's fixed cost."""
+    small = doc_of("FP32", [1, 4], [1.0, 2.0, 3.0, 4.0], "input")
+    doc, _ = v2.parse_document(small, None)
+    assert isinstance(doc["inputs"][0]["data"], list)
+    n = v2.SIMDJSON_FROM_BYTES // 4
+    large = doc_of("FP32", [1, n], [0.5] * n, "input")
+    doc, _ = v2.parse_document(large, None)
+    data = doc["inputs"][0]["data"]
+    assert isinstance(data, np.ndarray) and data.dtype == np.float32 and data.shape == (n,)

@@ -105,6 +105,11 @@ def _unwatch(sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
 
 
 LOST = "lost the connection to the broker (it may have restarted); retry"
+# Requests a loop turn sends at once rather than at its end: a gateway turn that parsed
+# 64 bodies before sending any left the broker and the worker idle meanwhile, then gave
+# them one big batch while it idled in turn (mlp at C=64, same run: HTTP JSON 5,240 ->
+# 5,860 req/s, direct 8,750 -> 9,440 req/s and p99 28 -> 18 ms; 4 and 8 gained less).
+FLUSH_AT = 16
 # connected, yet the socket would block: the broker is not keeping up
 _FULL = (p.ErrorCode.OVERLOADED, "the broker is not keeping up with requests (its queue "
          "to this client is full)", 1.0)
@@ -266,7 +271,9 @@ class AsyncClient:
     Requests made in the same turn of the event loop leave in one REQUESTS message
     once the broker's PONG says it speaks protocol version 2 (and their replies come
     back bundled the same way): each message costs both ends a system call and its
-    Python handling, whatever it holds.
+    Python handling, whatever it holds. A turn that makes more than FLUSH_AT sends
+    each FLUSH_AT at once, so the broker and the worker start on them while this
+    process goes on with the rest.
 
     ``broker_timeout_s`` bounds how long the broker may stay silent (it answers a
     ping every ``ping_s``) before pending requests fail as ``unavailable``.
@@ -350,7 +357,9 @@ class AsyncClient:
         try:
             if isinstance(msg, p.InferRequest) and self._bundles:
                 self._outbox[rid] = msg
-                if not self._flush_due:
+                if len(self._outbox) >= FLUSH_AT:
+                    self._flush()
+                elif not self._flush_due:
                     self._flush_due = True
                     self._loop.call_soon(self._flush)
             elif not self._send(p.encode_request(msg) if isinstance(msg, p.InferRequest)

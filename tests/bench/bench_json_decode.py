@@ -7,6 +7,8 @@ np.asarray of the data list, kept here as the baseline) against gateway/v2json.l
 Bodies as tests/bench/harness.py sends them (json.dumps of the flat float32 list), for
 mlp (FP32 [1,256]) and cnn (FP32 [1,3,64,64]), and cnn with nested data. "whole" is
 v2.decode_request (document, checks, tensor) on the new path. A few seconds in all.
+The gateway reads a body under v2.SIMDJSON_FROM_BYTES the old way: "whole" shows what it
+does at each size.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=400)
     args = ap.parse_args()
-    cases = [("mlp FP32 [1,256]", (1, 256), False), ("cnn FP32 [1,3,64,64]", (1, 3, 64, 64), False),
+    cases = [("FP32 [1,64]", (1, 64), False), ("mlp FP32 [1,256]", (1, 256), False),
+             ("FP32 [1,1024]", (1, 1024), False),
+             ("cnn FP32 [1,3,64,64]", (1, 3, 64, 64), False),
              ("cnn nested data", (1, 3, 64, 64), True)]
     print(f"{'body':<22} {'bytes':>8} {'old µs':>8} {'new µs':>8} {'old/new':>8} {'whole µs':>9}")
     for label, shape, nested in cases:

@@ -77,3 +77,55 @@ def test_a_request_held_by_a_broker_that_restarts_at_once_fails_retryably():
         asyncio.run(go())
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_loop_turn_sends_its_requests_every_flush_at_as_it_makes_them():
+    """70 requests made in one turn leave as 32, 32 and 6: the first 64 while the turn
+    goes on, the rest at its end (a turn that held everything back left the broker idle
+    meanwhile)."""
+    from zeroserve.broker.client import FLUSH_AT
+
+    folder = short_tmpdir("zscl")
+    endpoint = f"ipc://{folder}/frontend"
+    n = 2 * FLUSH_AT + 6
+
+    async def go():
+        ctx = zmq.asyncio.Context()
+        sock = await _router(ctx, endpoint)
+        client = AsyncClient(endpoint, broker_timeout_s=30.0)
+        await client.start()
+        sizes: list[int] = []
+        reader = asyncio.ensure_future(_pongs_then_bundles(sock, sizes, n))
+        try:
+            assert await client.wait_connected(5)
+            x = {"x": np.zeros(2, np.float32)}
+            calls = [asyncio.ensure_future(client.infer("m", x)) for _ in range(n)]
+            await asyncio.wait_for(reader, 10)
+            assert sizes == [FLUSH_AT, FLUSH_AT, 6], sizes
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            await _stop(reader)
+            await client.close()
+            sock.close(linger=0)
+            ctx.term()
+
+    try:
+        asyncio.run(go())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _pongs_then_bundles(sock, sizes, n):
+    """Answer pings (as a version-2 broker); record how many requests each message
+    holds until ``n`` have come."""
+    while sum(sizes) < n:
+        frames = await sock.recv_multipart()
+        kind, header, _ = p.unpack(frames[1:])
+        if kind is p.Kind.PING:
+            await sock.send_multipart([frames[0], *p.encode(p.Pong())])
+        elif kind is p.Kind.REQUESTS:
+            sizes.append(len(header["requests"]))
+        elif kind is p.Kind.REQUEST:
+            sizes.append(1)

@@ -40,11 +40,17 @@ async def _stop(task):
     await asyncio.gather(task, return_exceptions=True)
 
 
-def test_a_request_held_by_a_broker_that_restarts_at_once_fails_retryably():
+def _run(go):
+    """Run ``go(endpoint)`` with an ipc endpoint in a folder of its own, then remove it."""
     folder = short_tmpdir("zscl")
-    endpoint = f"ipc://{folder}/frontend"
+    try:
+        asyncio.run(go(f"ipc://{folder}/frontend"))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
-    async def go():
+
+def test_a_request_held_by_a_broker_that_restarts_at_once_fails_retryably():
+    async def go(endpoint):
         ctx = zmq.asyncio.Context()
         old = await _router(ctx, endpoint)
         client = AsyncClient(endpoint, broker_timeout_s=30.0)
@@ -73,10 +79,7 @@ def test_a_request_held_by_a_broker_that_restarts_at_once_fails_retryably():
                     sock.close(linger=0)
             ctx.term()
 
-    try:
-        asyncio.run(go())
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    _run(go)
 
 
 def test_a_loop_turn_sends_its_requests_every_flush_at_as_it_makes_them():
@@ -85,11 +88,9 @@ def test_a_loop_turn_sends_its_requests_every_flush_at_as_it_makes_them():
     meanwhile)."""
     from zeroserve.broker.client import FLUSH_AT
 
-    folder = short_tmpdir("zscl")
-    endpoint = f"ipc://{folder}/frontend"
     n = 2 * FLUSH_AT + 6
 
-    async def go():
+    async def go(endpoint):
         ctx = zmq.asyncio.Context()
         sock = await _router(ctx, endpoint)
         client = AsyncClient(endpoint, broker_timeout_s=30.0)
@@ -111,10 +112,7 @@ def test_a_loop_turn_sends_its_requests_every_flush_at_as_it_makes_them():
             sock.close(linger=0)
             ctx.term()
 
-    try:
-        asyncio.run(go())
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    _run(go)
 
 
 async def _pongs_then_bundles(sock, sizes, n):

@@ -77,9 +77,7 @@ def test_trimming_memory_starts_no_process() -> None:
             "from zeroserve.broker.process import trim_memory\n"
             "done = [trim_memory() for _ in range(3)]\n"
             "print(len(seen))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.strip() == "0", out.stderr
+    assert _python(code) == "0"
 
 
 def test_every_component_starts_with_the_collector_tuned() -> None:
@@ -91,8 +89,14 @@ def test_every_component_starts_with_the_collector_tuned() -> None:
             "    print(gc.get_threshold()[0], gc.get_freeze_count())\n"
             "    return 0\n"
             "options.run_component('gateway', run, [])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    threshold, frozen = map(int, out.stdout.split())
+    threshold, frozen = map(int, _python(code).split())
     assert threshold == sdnotify.GC_YOUNG_THRESHOLD
     assert frozen > 10_000, "the imported modules' objects are frozen"
+
+
+def _python(code: str) -> str:
+    """What ``code`` prints, run in a fresh interpreter (its collector and audit hooks
+    are its own)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()

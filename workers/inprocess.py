@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,11 +18,7 @@ import torch
 
 from zeroserve.models import loader
 from zeroserve.models.repository import ConfigError, list_versions, load_config
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from zeroserve.workers.memory import rss_bytes
 
 
 def _inputs(model: loader.LoadedModel, batch: int) -> list[torch.Tensor]:
@@ -94,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         version = args.version if args.version is not None else max(versions, default=0)
         if version not in versions:
             raise ConfigError(f"{folder}: no version {version} (found {versions})")
-        model = loader.load(cfg, version, folder / str(version), args.device, _rss)
+        model = loader.load(cfg, version, folder / str(version), args.device, rss_bytes)
     except (ConfigError, loader.LoadError, OSError) as exc:
         print(f"inprocess: {exc}", file=sys.stderr)
         return 1

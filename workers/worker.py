@@ -22,7 +22,6 @@ import gc
 import logging
 import os
 import queue
-import resource
 import signal
 import socket
 import threading
@@ -40,6 +39,7 @@ from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
 from zeroserve.workers import batching, memory
+from zeroserve.workers.memory import rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +48,6 @@ _STOP = object()
 # recycled; tests/workers/test_memory.py measures the real drift of mlp cycles (a few MB).
 DEFAULT_MEMORY_TOLERANCE_BYTES = 64 << 20
 RECYCLE_EXIT_CODE = 75
-
-
-def rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return 0
 
 
 class Worker:

@@ -18,7 +18,7 @@ from zeroserve.models import handlers
 from zeroserve.models.loader import LoadError, load
 from zeroserve.models.repository import parse_config
 from zeroserve.workers import batching
-from zeroserve.workers.worker import rss_bytes
+from zeroserve.workers.memory import rss_bytes
 
 HANDLER = '''
 import torch

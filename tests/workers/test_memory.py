@@ -24,7 +24,8 @@ SCRIPT = textwrap.dedent('''
     import torch
     torch.set_num_threads(1)
     from zeroserve.models.examples import CONFIGS, make_mlp
-    from zeroserve.workers.worker import Worker, rss_bytes
+    from zeroserve.workers.memory import rss_bytes
+    from zeroserve.workers.worker import Worker
     from zeroserve.broker import protocol as p
 
     repo = Path(sys.argv[1])

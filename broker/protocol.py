@@ -476,20 +476,28 @@ def _field(header: dict[str, Any], name: str, typ: type | tuple[type, ...],
     return value
 
 
+_MAX_DIM = 2**40
+
+
 def _metas(raw: Any) -> list[TensorMeta]:
-    if not isinstance(raw, list):
+    """Checked with ``type(..) is``: a header comes from msgpack, which makes exactly
+    these types (bool is the one int it can make that is not an int here). This runs
+    for every tensor a broker sees, twice a request; the generic checks cost twice as
+    much."""
+    if type(raw) is not list:
         raise ProtocolError("'tensors' must be a list")
     metas = []
     for entry in raw:
-        if not (isinstance(entry, list) and len(entry) == 3):
+        if type(entry) is not list or len(entry) != 3:
             raise ProtocolError("each tensor must be [name, datatype, shape]")
         name, datatype, shape = entry
-        if not isinstance(name, str) or not isinstance(datatype, str) \
-                or datatype not in DTYPES:
+        if type(name) is not str or type(datatype) is not str or datatype not in DTYPES:
             raise ProtocolError(f"bad tensor name or datatype: {name!r} {datatype!r}"[:200])
-        if not (isinstance(shape, list) and all(
-                _is_int(d) and 0 <= d < 2**40 for d in shape)):
+        if type(shape) is not list:
             raise ProtocolError(f"tensor {name!r}: shape must be a list of ints >= 0")
+        for d in shape:
+            if type(d) is not int or not 0 <= d < _MAX_DIM:
+                raise ProtocolError(f"tensor {name!r}: shape must be a list of ints >= 0")
         metas.append(TensorMeta(name, datatype, tuple(shape)))
     return metas
 

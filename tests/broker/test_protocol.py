@@ -79,6 +79,12 @@ def test_malformed_envelopes_raise_protocol_error(frames, match):
     ({"id": "r", "model": "m", "tensors": [["x", "FP32", [2]]]}, [b"abc"], "expected 8"),
     ({"id": "r", "model": "m", "tensors": [["x", "NOPE", [2]]]}, [b""], "datatype"),
     ({"id": "r", "model": "m", "tensors": [["x", "FP32", [-1]]]}, [b""], "shape"),
+    ({"id": "r", "model": "m", "tensors": [["x", "FP32", [True]]]}, [b""], "shape"),
+    ({"id": "r", "model": "m", "tensors": [["x", "FP32", [1.0]]]}, [b""], "shape"),
+    ({"id": "r", "model": "m", "tensors": [["x", "FP32", [2**40]]]}, [b""], "shape"),
+    ({"id": "r", "model": "m", "tensors": [["x", "FP32", 4]]}, [b""], "shape"),
+    ({"id": "r", "model": "m", "tensors": [["x", "FP32"]]}, [b""], "each tensor"),
+    ({"id": "r", "model": "m", "tensors": [[7, "FP32", [1]]]}, [b""], "name or datatype"),
     ({"id": 5, "model": "m", "tensors": []}, [], "'id' has type int"),
     ({"id": "r", "model": "m", "tensors": [], "priority": True}, [], "priority"),
 ])

@@ -3,7 +3,8 @@
     python -m tests.bench.bench_peers --torchserve-venv /opt/ts-venv --models mlp,cnn
 
 Per model and concurrency: requests/s, p50 and p99 of
-  * zeroserve, ``zeroserve serve --workers 1``, v2 JSON (and --zeroserve-arg extras);
+  * zeroserve, ``zeroserve serve --workers N`` for each N of --zeroserve-workers (1 by
+    default; TorchServe runs 2 workers), v2 JSON (and --zeroserve-arg extras);
   * TorchServe 0.12 in its own venv (Java 17), batch 32, 5 ms delay, 2 workers, its own
     JSON body, through tests/bench/torchserve_handler.py;
   * the ceiling (mlp only): tests/bench/ceiling_app.py, a Starlette endpoint that only
@@ -167,13 +168,14 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, list[dict[str, 
     levels = [int(c) for c in args.concurrency.split(",")]
     w, d = args.warmup_s, args.duration_s
     results: dict[str, list[dict[str, Any]]] = {}
-    server = start(example_repo({model: {}}), workers=1, extra=args.zeroserve_arg)
-    try:
-        roles = {r: (lambda r=r: server.pids(r)) for r in ("gateway", "broker", "worker")}
-        results["zeroserve"] = [bench_level(["-m", model, "--url", server.url], c, w, d, roles)
-                                for c in levels]
-    finally:
-        server.stop()
+    for n in [int(x) for x in args.zeroserve_workers.split(",")]:
+        server = start(example_repo({model: {}}), workers=n, extra=args.zeroserve_arg)
+        try:
+            roles = {r: (lambda r=r: server.pids(r)) for r in ("gateway", "broker", "worker")}
+            results[zeroserve_name(n)] = [
+                bench_level(["-m", model, "--url", server.url], c, w, d, roles) for c in levels]
+        finally:
+            server.stop()
     if args.torchserve_venv:
         ts = TorchServe(Path(args.torchserve_venv), model, 2, 32, 5)
         try:
@@ -194,6 +196,10 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, list[dict[str, 
     return results
 
 
+def zeroserve_name(workers: int) -> str:
+    return "zeroserve" if workers == 1 else f"zeroserve --workers {workers}"
+
+
 def cell(row: dict[str, Any]) -> str:
     return f"{row['throughput_rps']:,.0f} req/s, p50 {row['p50_ms']:.1f}, p99 {row['p99_ms']:.1f}"
 
@@ -205,15 +211,18 @@ def cpu_cell(row: dict[str, Any]) -> str:
 
 def table(model: str, results: dict[str, list[dict[str, Any]]]) -> str:
     names = list(results)
+    ours = [n for n in names if n.startswith("zeroserve")]
+    peer = "TorchServe" in results
     lines = [f"\n{model}: " + " | ".join(names),
-             "| C | " + " | ".join(names) + " | zeroserve / TorchServe |",
-             "|---" * (len(names) + 2) + "|"]
-    for i, row in enumerate(results["zeroserve"]):
-        ratio = ""
-        if "TorchServe" in results:
-            ratio = f"{row['throughput_rps'] / results['TorchServe'][i]['throughput_rps']:.2f}x"
+             "| C | " + " | ".join(names) + "".join(f" | {n} / TorchServe" for n in ours
+                                                    if peer) + " |",
+             "|---" * (len(names) + 1 + len(ours) * peer) + "|"]
+    for i, row in enumerate(results[ours[0]]):
+        ratios = "".join(
+            f" | {results[n][i]['throughput_rps'] / results['TorchServe'][i]['throughput_rps']:.2f}x"
+            for n in ours) if peer else ""
         lines.append(f"| {int(row['load'])} | " + " | ".join(cell(results[n][i]) for n in names)
-                     + f" | {ratio} |")
+                     + ratios + " |")
     lines.append("CPU ms per request over the counted window:")
     for n in names:
         lines.append(f"  {n}: " + "; ".join(f"C={int(r['load'])}: {cpu_cell(r)}"
@@ -231,6 +240,9 @@ def main() -> int:
     ap.add_argument("--no-ceiling", action="store_true")
     ap.add_argument("--zeroserve-arg", action="append", default=[],
                     help="extra `zeroserve serve` argument (repeat), e.g. --http-workers=2")
+    ap.add_argument("--zeroserve-workers", default="1",
+                    help="worker counts to run zeroserve with, each a column (e.g. 1,2: "
+                         "TorchServe runs 2)")
     ap.add_argument("--json", default=None, help="write every level's row")
     args = ap.parse_args()
     if args.duration_s < 3:

@@ -88,6 +88,11 @@ class WorkerState:
     def free(self) -> int:
         return 0 if self.draining else self.credits - len(self.inflight)
 
+    @property
+    def on_cpu(self) -> bool:
+        """Its models run on host cores (device ``cpu``), not on an accelerator."""
+        return str(self.info.get("device", "")).startswith("cpu")
+
     def holds(self, model: str, version: int | None = None) -> bool:
         versions = self._versions.get(model)
         if versions is None:

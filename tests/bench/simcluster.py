@@ -74,7 +74,7 @@ class SimCluster:
     def __init__(self, repo: Path, workers: int, *, a_s: float = 0.008, c_s: float = 0.0005,
                  load_s: float = 2.0, footprint_bytes: int = 1 << 30,
                  budget_bytes: int | list[int] = 0, credits: int = 2,
-                 footprints: dict[str, int] | None = None) -> None:
+                 footprints: dict[str, int] | None = None, device: str = "sim") -> None:
         self.t = 0.0
         self.load_s = load_s
         self.footprints = footprints or {}
@@ -99,7 +99,7 @@ class SimCluster:
             w = SimWorker(f"w{i}".encode(), f"sim/{i}", a_s, c_s, footprint_bytes)
             self.workers[w.identity] = w
             self.broker.on_backend(w.identity, p.encode(p.WorkerReady(
-                w.worker_id, credits=credits, host="sim", device="sim",
+                w.worker_id, credits=credits, host="sim", device=device,
                 memory_budget_bytes=budgets[i])))
         self._after(0.0)
 

@@ -142,6 +142,9 @@ def parser() -> argparse.ArgumentParser:
     _curve_opts(p, "server")
     p.add_argument("--workers", type=int, default=0,
                    help="worker processes (default: one per GPU, else 1)")
+    p.add_argument("--pin-workers", action="store_true",
+                   help="pin each CPU worker to its own --threads cores, from the last "
+                        "usable core down (the gateway and broker stay unpinned)")
     p.add_argument("--http-workers", type=int, default=0,
                    help="gateway processes sharing the HTTP port (one core each at most; "
                         "default: one per 4 cores, at most 8, and 1 with "
@@ -158,6 +161,8 @@ def parser() -> argparse.ArgumentParser:
     _curve_opts(p, "client")
     p.add_argument("--index", type=int, default=0, help="GPU index or CPU worker number")
     p.add_argument("--worker-id", default=None, help="default: <host>/<index>")
+    p.add_argument("--cpus", default=None, metavar="LIST",
+                   help="pin the worker's threads to these cores, e.g. 2-3 (default: none)")
 
     p = sub.add_parser("gateway", help="run the HTTP gateway")
     _common(p)

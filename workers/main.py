@@ -11,6 +11,7 @@ import torch
 
 from zeroserve.broker import curve, options
 from zeroserve.broker.runtime import hostname
+from zeroserve.workers import affinity
 from zeroserve.workers.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,12 @@ def run(args: argparse.Namespace) -> int:
     except curve.CurveError as exc:  # said now, not from the socket thread later
         logger.error("%s", exc)
         return 2
+    if args.cpus:
+        try:   # before any thread starts: they inherit it
+            affinity.pin(affinity.parse_cpus(args.cpus))
+        except (ValueError, OSError) as exc:
+            logger.error("--cpus %s: %s", args.cpus, exc)
+            return 2
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     worker = Worker(endpoint, worker_id, credits=args.credits, device=args.device,
@@ -33,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
                     memory_headroom_bytes=getattr(args, "memory_headroom", None),
                     curve_keys=keys)
     worker.install_signal_handlers()
-    logger.info("worker %s on %s, %d torch threads, broker %s (pid %d)", worker_id,
-                worker.device, torch.get_num_threads(), endpoint, os.getpid())
+    logger.info("worker %s on %s, %d torch threads, cores %s, broker %s (pid %d)", worker_id,
+                worker.device, torch.get_num_threads(),
+                affinity.format_cpus(list(os.sched_getaffinity(0))), endpoint, os.getpid())
     return worker.run()
 
 

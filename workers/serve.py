@@ -13,6 +13,7 @@ from typing import Any
 from zeroserve.broker import options
 from zeroserve.broker.runtime import BrokerLock, RuntimeDirError, cache_dir, ensure_runtime_dir, \
     hostname, runtime_dir
+from zeroserve.workers import affinity
 from zeroserve.workers.supervisor import Child, Supervisor, count_gpus, ensure_examples, \
     wait_http_ready
 
@@ -55,6 +56,22 @@ def http_processes(requested: int, cores: int, shared_memory: bool) -> int:
     if requested > 0:
         return requested
     return 1 if shared_memory else max(1, min(MAX_GATEWAYS, cores // CORES_PER_GATEWAY))
+
+
+def pinning(wanted: bool, workers: int, threads: int, gpus: int) -> list[list[int]] | None:
+    """--pin-workers: each CPU worker's cores, or None (not asked, GPU workers, or more
+    threads than cores, which is said)."""
+    if not wanted:
+        return None
+    if gpus:
+        logger.warning("--pin-workers pins CPU workers only; GPU workers stay unpinned")
+        return None
+    usable = sorted(os.sched_getaffinity(0))
+    pins = affinity.plan(workers, threads, usable)
+    if pins is None:
+        logger.warning("--pin-workers: %d worker(s) of %d thread(s) need more than the %d "
+                       "usable cores; not pinning", workers, threads, len(usable))
+    return pins
 
 
 def curve_args(args: Any, role: str) -> list[str]:
@@ -125,6 +142,7 @@ def run(args: Any) -> int:
         "--model-control-mode", args.model_control_mode,
         *[a for m in args.load_model or () for a in ("--load-model", m)],
         *curve_args(args, "broker")], own_registry)]
+    pins = pinning(args.pin_workers, n, threads, gpus)
     for i in range(n):
         env = {**own_registry, **({"CUDA_VISIBLE_DEVICES": str(i)} if i < gpus else {})}
         argv = _base(args, "worker") + ["--index", str(i), "--credits", str(args.credits),
@@ -137,6 +155,8 @@ def run(args: Any) -> int:
             argv += ["--memory-headroom", str(args.memory_headroom)]
         if args.device:
             argv += ["--device", args.device]
+        if pins is not None:
+            argv += ["--cpus", affinity.format_cpus(pins[i])]
         children.append(Child(f"worker {hostname()}/{i}", argv, env))
     children += gateways(args)
     # each stop stage outlasts the bound of the component it waits for

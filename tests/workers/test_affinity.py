@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, Server, http, linear_config, short_tmpdir, write_model
+from tests.conftest import ROOT, Server, http, linear_config, short_tmpdir, wait_for, \
+    write_model
+from zeroserve.broker.client import Client
 from zeroserve.workers import affinity
 from zeroserve.workers.serve import pinning
 
@@ -63,6 +65,11 @@ def test_serve_pins_each_worker_and_every_thread_it_starts() -> None:
     try:
         expected = affinity.plan(n, 1, USABLE)
         assert expected is not None
+
+        def registered() -> int:   # a worker pins itself before it connects
+            with Client(srv.control, timeout_s=5) as c:
+                return len(c.control("status")["workers"])
+        wait_for(lambda: registered() == n, 60, f"{n} workers registered")
         pids = srv.pids("worker")
         assert len(pids) == n
         seen = []

@@ -64,7 +64,8 @@ def pinning(wanted: bool, workers: int, threads: int, gpus: int) -> list[list[in
     if not wanted:
         return None
     if gpus:
-        logger.warning("--pin-workers pins CPU workers only; GPU workers stay unpinned")
+        logger.warning("--pin-workers is for CPU hosts; on a GPU host the workers stay "
+                       "unpinned (pin them by NUMA node, e.g. systemd's CPUAffinity=)")
         return None
     usable = sorted(os.sched_getaffinity(0))
     pins = affinity.plan(workers, threads, usable)

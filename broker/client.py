@@ -32,7 +32,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from zeroserve.broker import curve, protocol as p
+from zeroserve.broker import curve, protocol as p, sockets
 from zeroserve.broker.runtime import Endpoints
 
 ErrorCode = p.ErrorCode
@@ -74,18 +74,10 @@ def to_result(reply: p.InferReply) -> InferResult:
 
 def _new_socket(ctx: zmq.Context[Any], endpoint: str,
                 keys: curve.ClientKeys | None = None) -> zmq.Socket[Any]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IMMEDIATE, 1)   # queue nothing for a broker that is not there
-    sock.setsockopt(zmq.RECONNECT_IVL, 100)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-    # bounded, like the broker's side: past it a send fails at once (overloaded)
-    sock.setsockopt(zmq.SNDHWM, 1000)
-    sock.setsockopt(zmq.RCVHWM, 1000)
-    sock.setsockopt(zmq.IDENTITY, f"c-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode())
-    curve.secure_client(sock, keys, endpoint)  # Curve on tcp:// (CurveError: exposed, no keys)
-    sock.connect(endpoint)
-    return sock
+    # bounded, like the broker's side: past it a send fails at once (overloaded); and
+    # nothing queued for a broker that is not there
+    return sockets.dealer(ctx, endpoint, hwm=1000, immediate=True, keys=keys,
+                          identity=f"c-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode())
 
 
 def _watch(sock: zmq.Socket[Any]) -> zmq.Socket[Any]:

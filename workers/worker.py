@@ -33,7 +33,7 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from zeroserve.broker import curve, protocol as p
+from zeroserve.broker import curve, protocol as p, sockets
 from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
@@ -108,15 +108,8 @@ class Worker:
 
     # -- sockets ------------------------------------------------------------
     def _connect(self) -> None:
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        curve.secure_client(self.sock, self.curve_keys, self.endpoint)
-        self.sock.connect(self.endpoint)
+        self.sock = sockets.dealer(self.ctx, self.endpoint, hwm=0, keys=self.curve_keys,
+                                   identity=self.worker_id.encode())
         # its descriptor, not the socket: polling a socket is a call on it, and the
         # compute thread may be sending on it meanwhile (edge-triggered: see _readable)
         self._sock_fd = self.sock.getsockopt(zmq.FD)

@@ -25,6 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 from zeroserve.broker import curve, protocol as p
 from zeroserve.broker.process import RateLimitedLog
 from zeroserve.broker.runtime import Endpoints
+from zeroserve.broker.sockets import router
 
 if TYPE_CHECKING:
     from zeroserve.broker.server.broker import Broker
@@ -86,19 +87,6 @@ class Connections:
         self.monitor.close(linger=0)
 
 
-def _router(ctx: zmq.Context[Any], endpoint: str, hwm: int,
-            security: curve.ServerSecurity | None = None, domain: str = "") -> zmq.Socket[Any]:
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
-    curve.secure_server(sock, security, endpoint, domain)  # tcp:// with keys: Curve
-    sock.bind(endpoint)
-    return sock
-
-
 def _send(sock: zmq.Socket[Any], identity: bytes, frames: list[Any]) -> bool:
     try:
         sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
@@ -113,9 +101,11 @@ class BrokerLoop:
                  security: curve.ServerSecurity | None = None) -> None:
         self.endpoints = endpoints
         self.ctx = ctx
-        self.frontend = _router(ctx, endpoints.frontend, FRONTEND_HWM, security, "frontend")
-        self.backend = _router(ctx, endpoints.backend, BACKEND_HWM, security, "backend")
-        self.control = _router(ctx, endpoints.control, FRONTEND_HWM)
+        self.frontend = router(ctx, endpoints.frontend, hwm=FRONTEND_HWM, security=security,
+                               domain="frontend")
+        self.backend = router(ctx, endpoints.backend, hwm=BACKEND_HWM, security=security,
+                              domain="backend")
+        self.control = router(ctx, endpoints.control, hwm=FRONTEND_HWM)
         self.clients = Connections(self.frontend)
         self.workers = Connections(self.backend)
         self._wake_r, self._wake_w = socket.socketpair()

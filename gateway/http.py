@@ -12,6 +12,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from zeroserve.broker import wording
 from zeroserve.broker.client import InferError
 from zeroserve.broker.protocol import ErrorCode
 
@@ -153,9 +154,12 @@ def parse_version(raw: str | None) -> int | None:
     """A version path segment: None when absent, else a positive integer (BadRequest)."""
     if raw is None:
         return None
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_INT:
-        raise BadRequest(f"version must be a positive integer, got {raw!r}")
-    return int(raw)
+    number = raw[1:] if raw[:1] in "+-" else raw
+    if not (number.isascii() and number.isdigit()) or int(number) > MAX_INT:
+        raise BadRequest(wording.bad_version(raw))
+    if raw.startswith("-") or int(number) < 1:
+        raise BadRequest(wording.invalid_version(raw))
+    return int(number)
 
 
 def bounded_int(value: Any, name: str) -> int:

@@ -31,6 +31,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from zeroserve.broker import protocol as p
+from zeroserve.broker import wording
 from zeroserve.broker.client import ErrorCode, InferError
 from zeroserve.gateway import v2
 from zeroserve.gateway.apikey import api_key_of
@@ -169,7 +170,8 @@ class InferEndpoint:
                                   timeout_ms, api_key_of(headers))
         if isinstance(got, InferError):
             status, extra = infer_error_parts(got)
-            return await send_error(send, status, got.message, extra)
+            return await send_error(send, status, wording.with_request_id(got.message, req.id),
+                                    extra)
         return await self._answer(send, req, *got, headers.get("accept-encoding"))
 
     async def _forward(self, receive: Receive, name: str, req: v2.V2Request,

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from zeroserve.broker import wording
 from zeroserve.broker.client import InferError
 from zeroserve.gateway.access import refused
 from zeroserve.gateway.app import BodyTooLarge, error_response, infer_error_response, \
@@ -99,7 +100,7 @@ class Registration:
             doc = await self.gw.client.control("models")
             if name not in doc["models"]:
                 error = doc["errors"].get(name)
-                return error_response(404, f"unknown model {name!r}" +
+                return error_response(404, wording.unknown_model(name) +
                                       (f": {error}" if error else ""))
             config = await self.gw.client.control("config", model=name)
         except InferError as exc:

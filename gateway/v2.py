@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 
 from zeroserve.broker import protocol as p
+from zeroserve.broker import wording
 from zeroserve.gateway import v2json
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -171,7 +172,7 @@ def parse_document(body: bytes, header_length: int | None) -> tuple[dict[str, An
         doc = v2json.loads(json_part) if len(json_part) >= SIMDJSON_FROM_BYTES \
             else orjson.loads(json_part)
     except orjson.JSONDecodeError as exc:
-        raise DecodeError(f"malformed JSON: {exc}") from None
+        raise DecodeError(wording.bad_json(exc.msg, exc.pos)) from None
     if not isinstance(doc, dict):
         raise DecodeError("the request must be a JSON object")
     return doc, binary
@@ -189,8 +190,8 @@ def decode_document(doc: dict[str, Any], binary: memoryview,
     """The request of a parsed document: numeric JSON data as v2json read it into
     numpy (else one ``np.asarray`` per tensor), binary data as views into the body."""
     inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise DecodeError("'inputs' must be a non-empty list")
+    if not isinstance(inputs, list):   # an empty one: the broker names what is missing
+        raise DecodeError("'inputs' must be a list")
     params = parameters_of(doc)
     tensors, pos = [], 0
     for i, inp in enumerate(inputs):

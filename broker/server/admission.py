@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from zeroserve.broker import protocol as p
+from zeroserve.broker import wording
 from zeroserve.broker.server.catalog import CatalogModel
 from zeroserve.broker.server.pool import WorkerPool
 from zeroserve.models.repository import ModelConfig
@@ -16,10 +17,9 @@ def admission_error(req: p.InferRequest, model: CatalogModel | None, pool: Worke
     if not admitting:
         return p.ErrorCode.UNAVAILABLE, "broker is shutting down"
     if model is None:
-        return p.ErrorCode.NOT_FOUND, f"unknown model {req.model!r}"
+        return p.ErrorCode.NOT_FOUND, wording.unknown_model(req.model)
     if req.version is not None and req.version not in model.versions:
-        return p.ErrorCode.NOT_FOUND, \
-            f"version {req.version} of model {req.model!r} is not served"
+        return p.ErrorCode.NOT_FOUND, wording.unknown_version(req.model, req.version)
     if not pool.holders(req.model, req.version):
         return p.ErrorCode.NO_WORKER, f"no worker has model {req.model!r} loaded"
     return None

@@ -20,6 +20,7 @@ import zmq
 from zeroserve.broker import protocol as p
 from zeroserve.broker.process import Notifier, trim_memory
 from zeroserve.broker.runtime import hostname
+from zeroserve.broker import wording
 from zeroserve.broker.server.catalog import Catalog, optional_models
 from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
 from zeroserve.broker.server.extverbs import ExtensionVerbs
@@ -391,9 +392,9 @@ class Broker:
         name, version = args.get("model"), args.get("version")
         model = self.catalog.get(name) if isinstance(name, str) else None
         if model is None:
-            raise LookupError(f"unknown model {name!r}")
+            raise LookupError(wording.unknown_model(name))
         if version is not None and version not in model.versions:
-            raise LookupError(f"version {version} of model {name!r} is not served")
+            raise LookupError(wording.unknown_version(name, version))
         return model
 
     def _restart(self, args: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from zeroserve.broker import wording
 from zeroserve.broker.protocol import TensorMeta
 from zeroserve.broker.server.scheduler import Policy
 from zeroserve.models.repository import ConfigError, ModelConfig, RepoModel, load_config, \
@@ -77,47 +78,53 @@ def normalize_priority(priority: int, cfg: ModelConfig) -> int:
 
 def check_inputs(cfg: ModelConfig, metas: Sequence[TensorMeta],
                  outputs: Sequence[str] | None) -> int:
-    """Validate request tensors against the config; return the batch size (samples)."""
+    """Validate request tensors against the config; return the batch size (samples).
+    The checks run in Triton's order (InferenceRequest::Normalize), with its words."""
+    model = cfg.name
+    known = {t.name for t in cfg.outputs}
+    for name in outputs or ():
+        if name not in known:
+            raise RequestError(wording.unexpected_output(name, model))
     declared = {t.name: t for t in cfg.inputs}
     names = [m.name for m in metas]
-    missing = [n for n in declared if n not in names]
-    extra = [n for n in names if n not in declared]
-    if extra:
-        raise RequestError(f"unexpected input {extra[0]!r} for model {cfg.name!r} "
-                           f"(inputs: {', '.join(declared)})")
-    if missing:
-        raise RequestError(f"missing input {missing[0]!r} for model {cfg.name!r}")
     if len(set(names)) != len(names):
-        raise RequestError("an input is given twice")
-    batch: int | None = None
+        raise RequestError(wording.input_twice(next(n for n in names if names.count(n) > 1)))
+    if len(names) != len(declared):   # every input is required: none is optional
+        raise RequestError(wording.input_count(model, list(declared), names))
+    for name in names:
+        if name not in declared:
+            raise RequestError(wording.unexpected_input(name, model))
+    batch = _batch_size(cfg, metas)
     for meta in metas:
         spec = declared[meta.name]
         if meta.datatype != spec.datatype:
-            raise RequestError(f"input {meta.name!r}: datatype {meta.datatype}, "
-                               f"model expects {spec.datatype}")
-        shape = list(meta.shape)
+            raise RequestError(wording.wrong_datatype(meta.name, meta.datatype, model,
+                                                      spec.datatype))
+        shape = list(meta.shape)[1:] if cfg.max_batch_size > 0 else list(meta.shape)
         expected = list(spec.shape)
-        if cfg.max_batch_size > 0:
-            if not shape:
-                raise RequestError(f"input {meta.name!r}: missing the batch dimension")
-            n, shape = shape[0], shape[1:]
-            if n < 1 or n > cfg.max_batch_size:
-                raise RequestError(f"input {meta.name!r}: batch size {n} is outside "
-                                   f"1..{cfg.max_batch_size} (max_batch_size)")
-            if batch is not None and n != batch:
-                raise RequestError("inputs disagree on the batch size")
-            batch = n
         if len(shape) != len(expected) or any(
                 e != -1 and d != e for d, e in zip(shape, expected)):
-            lead = "[n] + " if cfg.max_batch_size > 0 else ""
-            raise RequestError(f"input {meta.name!r}: shape {list(meta.shape)} does not "
-                               f"match the model's {lead}{expected}")
-    if outputs is not None:
-        known = {t.name for t in cfg.outputs}
-        for name in outputs:
-            if name not in known:
-                raise RequestError(f"unknown output {name!r} for model {cfg.name!r}")
-    return batch or 1
+            raise RequestError(wording.wrong_shape(meta.name, model, expected, meta.shape,
+                                                   cfg.max_batch_size > 0))
+    return batch
+
+
+def _batch_size(cfg: ModelConfig, metas: Sequence[TensorMeta]) -> int:
+    """The samples of a request: dim 0 of every input of a batching model, else 1."""
+    if cfg.max_batch_size <= 0:
+        return 1
+    batch: int | None = None
+    for meta in metas:
+        if not meta.shape:
+            raise RequestError(wording.no_batch_dim(meta.name, cfg.name))
+        if batch is not None and meta.shape[0] != batch:
+            raise RequestError(wording.batch_mismatch(meta.name, cfg.name))
+        batch = meta.shape[0]
+    if batch is None or batch > cfg.max_batch_size:
+        raise RequestError(wording.batch_too_large(cfg.max_batch_size, cfg.name))
+    if batch < 1:
+        raise RequestError(wording.batch_empty(cfg.name))
+    return batch
 
 
 class Catalog:

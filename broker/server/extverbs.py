@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from zeroserve.broker.logsettings import LogSettings, SettingsError
+from zeroserve.broker import wording
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlError, ControlTable, model_arg
 from zeroserve.broker.server.pool import WorkerPool
@@ -36,9 +37,9 @@ class ExtensionVerbs:
             name, version = model_arg(args)
             model = self.catalog.get(name)
             if model is None:
-                raise LookupError(f"unknown model {name!r}")
+                raise LookupError(wording.unknown_model(name))
             if version is not None and version not in model.versions:
-                raise LookupError(f"version {version} of model {name!r} is not served")
+                raise LookupError(wording.unknown_version(name, version))
             names = [name]
         out = []
         for name in names:

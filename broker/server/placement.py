@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from zeroserve.broker import protocol as p
+from zeroserve.broker import wording
 from zeroserve.broker.server.pool import WorkerState
 from zeroserve.models.footprint import Learned, Prediction, WeightsCache, predict, size_text
 from zeroserve.models.repository import ConfigError, ModelConfig, parse_config
@@ -153,7 +154,7 @@ class Placement:
             return None
         model = self._model(name)
         if model is None:
-            return f"unknown model {name!r}"
+            return wording.unknown_model(name)
         need, how = self.need(worker, name, version, model[0], model[1] / str(version))
         return self._verdict(worker, name, version, need, how, self.available(worker))
 

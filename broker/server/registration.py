@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from zeroserve.broker import protocol as p
+from zeroserve.broker import wording
 from zeroserve.broker.server.control import ControlError
 from zeroserve.broker.server.pool import WorkerState
 from zeroserve.models.repository import NAME_RE, ConfigError, ModelConfig, is_temp_name, \
@@ -217,7 +218,7 @@ class Registrar:
     def unregister(self, args: dict[str, Any]) -> dict[str, Any]:
         name = args.get("model")
         if not isinstance(name, str) or not NAME_RE.match(name) or is_temp_name(name):
-            raise ControlError("not_found", f"unknown model {name!r}")
+            raise ControlError("not_found", wording.unknown_model(name))
         target = self.root / name
         version = args.get("version")
         if version is not None:

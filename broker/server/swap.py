@@ -21,6 +21,7 @@ from typing import Any, Callable
 import zmq
 
 from zeroserve.broker import protocol as p
+from zeroserve.broker import wording
 from zeroserve.broker.server.catalog import Catalog, CatalogModel
 from zeroserve.broker.server.hasher import Hasher
 from zeroserve.broker.server.metrics import BrokerMetrics
@@ -203,9 +204,9 @@ class Lifecycle:
         keeps serving until then, and keeps serving if any load fails."""
         model = self.catalog.get(name)
         if model is None:
-            raise LookupError(f"unknown model {name!r}")
+            raise LookupError(wording.unknown_model(name))
         if version is not None and version not in model.versions:
-            raise LookupError(f"version {version} of model {name!r} is not served")
+            raise LookupError(wording.unknown_version(name, version))
         versions = [version] if version is not None else list(model.versions)
         workers = self.reload(name, versions)
         return {"model": name, "versions": versions,

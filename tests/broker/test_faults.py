@@ -257,7 +257,7 @@ def test_an_idle_broker_stays_idle_after_a_signal(server: Server) -> None:
 def test_a_zero_size_batch_is_a_clear_bad_input(server: Server) -> None:
     with Client(server.frontend, timeout_s=10) as c, pytest.raises(InferError) as err:
         c.infer("linear", {"input": np.zeros((0, 4), np.float32)})
-    assert err.value.code is ErrorCode.BAD_INPUT and "batch size 0" in err.value.message
+    assert err.value.code is ErrorCode.BAD_INPUT and "batch-size must be >= 1" in err.value.message
 
 
 @pytest.mark.parametrize("verb, args", [
@@ -356,4 +356,4 @@ def test_a_zero_size_batch_over_http_is_a_400(server: Server) -> None:
             headers = {"Inference-Header-Content-Length": str(len(body))}
         code, _, got = http("POST", server.url + "/v2/models/linear/infer", body, headers)
         assert code == 400, got
-        assert "batch size 0" in json.loads(got)["error"]
+        assert "batch-size must be >= 1" in json.loads(got)["error"]

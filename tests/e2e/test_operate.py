@@ -105,8 +105,8 @@ def test_reload_model_loads_it_afresh_on_every_worker(srv: Server) -> None:
     (["drain", "nohost/9"], 1, "unknown worker 'nohost/9' (known: "),
     (["undrain", "nohost/9"], 1, "unknown worker 'nohost/9'"),
     (["reload", "--worker", "nohost/9"], 1, "unknown worker 'nohost/9'"),
-    (["reload", "nope"], 1, "unknown model 'nope'"),
-    (["reload", "slow/7"], 1, "version 7 of model 'slow' is not served"),
+    (["reload", "nope"], 1, "Request for unknown model: 'nope' is not found"),
+    (["reload", "slow/7"], 1, "Request for unknown model: 'slow' version 7 is not found"),
     (["reload", "slow/x"], 1, "version must be a positive integer"),
     (["reload"], 1, "name either MODEL[/VERSION] or --worker WORKER"),
 ])

@@ -86,12 +86,16 @@ def test_direct_clients_equal_the_model_in_process(server):
 
 
 @pytest.mark.parametrize("body, status, needle", [
-    (b"{not json", 400, "malformed JSON"),
+    (b"{not json", 400, "failed to parse the request JSON buffer: "),
     (b"[]", 400, "JSON object"),
-    (v2_body(np.zeros((1, 4), np.float32), name="wrong"), 400, "unexpected input 'wrong'"),
-    (v2_body(np.zeros((1, 4), np.float32), datatype="INT32"), 400, "datatype INT32"),
-    (v2_body(np.zeros((1, 5), np.float32)), 400, "shape [1, 5]"),
-    (v2_body(np.zeros((9, 4), np.float32)), 400, "batch size 9"),
+    (v2_body(np.zeros((1, 4), np.float32), name="wrong"), 400,
+     "unexpected inference input 'wrong' for model 'linear'"),
+    (v2_body(np.zeros((1, 4), np.float32), datatype="INT32"), 400,
+     "inference input 'input' data-type is 'INT32', but model 'linear' expects 'FP32'"),
+    (v2_body(np.zeros((1, 5), np.float32)), 400,
+     "unexpected shape for input 'input' for model 'linear'. Expected [-1,4], got [1,5]"),
+    (v2_body(np.zeros((9, 4), np.float32)), 400,
+     "inference request batch-size must be <= 8 for 'linear'"),
     (json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
                              "data": [1, 2]}]}).encode(), 400, "2 elements"),
     (json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
@@ -106,8 +110,10 @@ def test_bad_input_gets_a_clear_400(server, body, status, needle):
 
 def test_unknown_model_or_version_is_404(server):
     body = v2_body(np.zeros((1, 4), np.float32))
-    for path, needle in (("/v2/models/nope/infer", "unknown model 'nope'"),
-                         ("/v2/models/linear/versions/9/infer", "version 9"),
+    for path, needle in (("/v2/models/nope/infer",
+                          "Request for unknown model: 'nope' is not found"),
+                         ("/v2/models/linear/versions/9/infer",
+                          "Request for unknown model: 'linear' version 9 is not found"),
                          ("/v2/models/nope", "unknown model")):
         code, _, got = http("POST" if path.endswith("infer") else "GET", server.url + path,
                             body if path.endswith("infer") else None)

@@ -56,8 +56,9 @@ def test_health_and_metadata(client, api_server):
     config = client.get_model_config("linear")
     assert config["max_batch_size"] == 8 and config["inputs"][0]["shape"] == [4]
     assert client.get_model_config("half", "1")["inputs"][0]["datatype"] == "FP16"
-    with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
+    with pytest.raises(InferenceServerException) as err:
         client.get_model_config("nope")
+    assert err.value.message() == "Request for unknown model: 'nope' is not found"
 
 
 @pytest.mark.parametrize("binary_in", [True, False])
@@ -134,7 +135,7 @@ def test_bytes_round_trip_through_a_python_handler(client):
 def test_bytes_to_a_torchscript_model_is_a_clear_400(client):
     inp = triton.InferInput("input", [1, 4], "BYTES")
     inp.set_data_from_numpy(np.array([[b"a", b"b", b"c", b"d"]], dtype=object))
-    with pytest.raises(InferenceServerException, match="datatype BYTES"):
+    with pytest.raises(InferenceServerException, match="data-type is 'BYTES'"):
         client.infer("linear", [inp])
 
 
@@ -154,13 +155,16 @@ def test_timeout_reaches_the_broker(client):
 
 
 def test_unknown_model_error_reaches_the_client(client):
-    with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
+    with pytest.raises(InferenceServerException) as err:
         client.infer("nope", [linear_input(X)])
-    with pytest.raises(InferenceServerException, match="version 7"):
+    assert err.value.message() == "Request for unknown model: 'nope' is not found"
+    with pytest.raises(InferenceServerException) as err:
         client.infer("linear", [linear_input(X)], model_version="7")
-    with pytest.raises(InferenceServerException, match="unexpected input 'other'"):
+    assert err.value.message() == "Request for unknown model: 'linear' version 7 is not found"
+    with pytest.raises(InferenceServerException) as err:
         client.infer("linear", [triton.InferInput("other", [1, 4], "FP32")
                                 .set_data_from_numpy(X[:1])])
+    assert err.value.message() == "unexpected inference input 'other' for model 'linear'"
 
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
@@ -195,3 +199,45 @@ def test_corrupt_compressed_body_is_a_400(api_server):
 def test_url_quoted_model_name(api_server):
     status, _, got = http("GET", api_server.url + "/v2/models/li%6Eear")
     assert status == 200 and json.loads(got)["name"] == "linear"
+
+
+def triton_error(call, *args, **kwargs) -> str:
+    with pytest.raises(InferenceServerException) as err:
+        call(*args, **kwargs)
+    return err.value.message()
+
+
+def test_bad_requests_in_triton_words(client, api_server):
+    """Each text as Triton's server words it (wording.py names the sources)."""
+    wide = triton.InferInput("input", [1, 5], "FP32").set_data_from_numpy(
+        np.zeros((1, 5), np.float32))
+    assert triton_error(client.infer, "linear", [wide]) == (
+        "[request id: <id_unknown>] unexpected shape for input 'input' for model 'linear'. "
+        "Expected [-1,4], got [1,5]. NOTE: Setting a non-zero max_batch_size in the model "
+        "config requires a batch dimension to be prepended to each input shape. If you want "
+        "to specify the full shape including the batch dim in your input dims config, try "
+        "setting max_batch_size to zero. See the model configuration docs for more info on "
+        "max_batch_size.")
+    ints = triton.InferInput("input", [1, 4], "INT32").set_data_from_numpy(
+        np.zeros((1, 4), np.int32))
+    assert triton_error(client.infer, "linear", [ints], request_id="r-5") == (
+        "[request id: r-5] inference input 'input' data-type is 'INT32', but model 'linear' "
+        "expects 'FP32'")
+    assert triton_error(client.infer, "linear", []) == (
+        "[request id: <id_unknown>] expected 1 inputs but got 0 inputs for model 'linear'. "
+        "Got input(s) [], but missing required input(s) ['input']. Please provide all "
+        "required input(s).")
+    nine = linear_input(np.zeros((9, 4), np.float32))
+    assert triton_error(client.infer, "linear", [nine]) == \
+        "[request id: <id_unknown>] inference request batch-size must be <= 8 for 'linear'"
+    assert triton_error(client.infer, "linear", [linear_input(X)], model_version="abc") == (
+        "failed to get model version from specified version string 'abc' (details: stol), "
+        "version should be an integral value > 0")
+    assert triton_error(client.get_model_metadata, "linear", "x1").startswith(
+        "failed to get model version from specified version string 'x1'")
+    assert triton_error(client.get_model_metadata, "linear", "3") == \
+        "Request for unknown model: 'linear' version 3 is not found"
+    status, _, got = http("POST", api_server.url + "/v2/models/linear/infer", b"{\"inputs\": ")
+    assert status == 400 and json.loads(got)["error"].startswith(
+        "failed to parse the request JSON buffer: ")
+    assert client.is_server_live()

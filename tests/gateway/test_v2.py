@@ -68,7 +68,8 @@ def test_every_numeric_datatype_round_trips_binary_and_json():
 
 @pytest.mark.parametrize("body, hlen, needle", [
     (b'{"inputs": [{"name": "t", "shape": [1], "datatype": "BYTES", '
-     b'"parameters": {"binary_data_size": 3}}]}\x05\x00\x00', None, "malformed JSON"),
+     b'"parameters": {"binary_data_size": 3}}]}\x05\x00\x00', None,
+     "failed to parse the request JSON buffer"),
     (b'{"inputs": [{"name": "t", "shape": [1], "datatype": "BYTES", '
      b'"parameters": {"binary_data_size": 6}}]}\x05\x00\x00\x00ab', 101, "runs past"),
     (b'{"inputs": [{"name": "t", "shape": [1], "datatype": "BYTES", "data": [1]}]}', None,

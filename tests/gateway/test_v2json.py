@@ -36,7 +36,7 @@ def old(text: bytes) -> v2.V2Request | str:
     try:
         doc = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
-        return f"malformed JSON: {exc}"
+        return f"failed to parse the request JSON buffer: {exc.msg} at {exc.pos}"
     try:
         if not isinstance(doc, dict):
             raise v2.DecodeError("the request must be a JSON object")
@@ -184,7 +184,8 @@ def test_what_numpy_cannot_take_directly_stays_a_list(datatype, data):
 def test_documents_refused_as_before(text):
     assert_same_document(text)
     got = assert_same(text)
-    assert isinstance(got, str) and ("malformed JSON: " in got or "JSON object" in got)
+    assert isinstance(got, str) and ("failed to parse the request JSON buffer: " in got
+                                     or "JSON object" in got)
 
 
 @pytest.mark.parametrize("text", [
@@ -350,8 +351,8 @@ def test_fp16_json_through_the_server(api_server):
     (doc_of("FP32", [1, 2], [[1], [[2]]], "input"), "inhomogeneous"),
     (doc_of("INT8", [1, 2], [1, 300], "input"), "data is not INT8"),
     (doc_of("FP32", [1, 3], [1, 2], "input"), "2 elements for shape [1, 3]"),
-    (b'{"inputs": [', "malformed JSON"),
-    (b"\xef\xbb\xbf{}", "malformed JSON"),
+    (b'{"inputs": [', "failed to parse the request JSON buffer: "),
+    (b"\xef\xbb\xbf{}", "failed to parse the request JSON buffer: "),
 ])
 def test_bad_json_tensors_are_400s_through_the_server(api_server, text, needle):
     status, got = post(api_server, "linear", text)

@@ -2,7 +2,7 @@
 
 Layout (Triton's)::
 
-    <model-dir>/<name>/config.json
+    <model-dir>/<name>/config.json            (or Triton's config.pbtxt: triton_config.py)
     <model-dir>/<name>/<version>/model.pt     TorchScript
     <model-dir>/<name>/<version>/model.pt2    torch.export program
     <model-dir>/<name>/<version>/model.py     Python handler
@@ -29,6 +29,7 @@ PLATFORMS = {"pytorch_torchscript": "pytorch_torchscript",
 MODEL_FILES = {"pytorch_torchscript": "model.pt", "pytorch_export": "model.pt2",
                "python": "model.py"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+PBTXT = "config.pbtxt"   # Triton's, read where a model has no config.json
 
 
 DEFAULT_INSTANCES: dict[str, Any] = {"count": 0, "workers": [], "min": 0, "max": 0}
@@ -296,14 +297,26 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
 
 
 def load_config(model_dir: Path) -> ModelConfig:
+    raw, path = raw_config(model_dir)
+    return parse_config(raw, str(path), expected_name=model_dir.name)
+
+
+def raw_config(model_dir: Path) -> tuple[dict[str, Any], Path]:
+    """A model folder's config in config.json's form, and the file it was read from:
+    ``config.json``, else Triton's ``config.pbtxt`` (models/triton_config.py)."""
     path = model_dir / "config.json"
+    if not path.exists() and (model_dir / PBTXT).exists():
+        from zeroserve.models import triton_config   # protobuf only for such a repository
+        return triton_config.read(model_dir / PBTXT), model_dir / PBTXT
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{path}: missing") from None
+        raise ConfigError(f"{path}: missing (or a Triton {PBTXT})") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: not valid JSON: {exc}") from None
-    return parse_config(raw, str(path), expected_name=model_dir.name)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must be a JSON object")
+    return raw, path
 
 
 LABELS_FILE = "labels.txt"

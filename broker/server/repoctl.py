@@ -142,7 +142,9 @@ class RepositoryControl:
                 raise _failed(name, errors.get(name, "no such model in the repository"))
             return found[name]
         try:
-            raw = json.loads(config) if isinstance(config, str) else config
+            from zeroserve.models import triton_config   # protobuf: only once overridden
+            raw = triton_config.overridden(
+                self.lc.root / name, json.loads(config) if isinstance(config, str) else config)
             cfg = parse_config(raw, f"config override of {name}", expected_name=name)
         except (ValueError, ConfigError) as exc:   # JSONDecodeError is a ValueError
             raise _failed(name, str(exc)) from None

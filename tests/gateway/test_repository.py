@@ -123,6 +123,28 @@ def test_a_config_override_and_a_broken_one(client, srv) -> None:
     assert client.get_model_config("other")["max_batch_size"] == 8
 
 
+def test_a_partial_override_keeps_the_rest_of_the_stored_config(client, srv) -> None:
+    """As Triton: the override's fields replace the stored config's, numbers may be
+    strings (Triton's JSON parser takes them), and Triton's field names are read."""
+    client.load_model("other", config='{"max_batch_size":"2"}')
+    cfg = client.get_model_config("other")
+    assert cfg["max_batch_size"] == 2 and cfg["platform"] == "pytorch_torchscript"
+    assert cfg["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [4]}]
+    with pytest.raises(InferenceServerException, match="batch-size must be <= 2 for 'other'"):
+        infer(client, "other")
+    client.load_model("other", config=json.dumps({"dynamic_batching": {
+        "preferred_batch_size": ["2", 4], "max_queue_delay_microseconds": "1500"}}))
+    cfg = client.get_model_config("other")   # one override replaces the one before
+    assert cfg["max_batch_size"] == 8 and cfg["dynamic_batching"]["preferred_batch_sizes"] \
+        == [2, 4] and cfg["dynamic_batching"]["max_queue_delay_ms"] == 1.5
+    assert infer(client, "other").shape == (3, 3)
+    with pytest.raises(InferenceServerException,
+                       match="failed to load 'other'.*field 'sequence_batching'"):
+        client.load_model("other", config='{"sequence_batching": {}}')
+    client.load_model("other")
+    assert client.get_model_config("other")["dynamic_batching"]["max_queue_delay_ms"] == 0
+
+
 def test_a_load_with_files_and_one_that_fails_on_the_worker(client, tmp_path) -> None:
     vdir = write_model(tmp_path, "fresh", 1, "nn.Linear(4, 3)")
     cfg = json.dumps(linear_config("fresh"))

@@ -1,6 +1,6 @@
-"""The README's measured Performance tables, regenerated from ``zeroserve bench`` runs.
+"""The measured tables of docs/performance.md, regenerated from ``zeroserve bench`` runs.
 
-    python -m tests.bench.perf_report --write-readme
+    python -m tests.bench.perf_report --write-docs
 
 One ``zeroserve serve --workers 1`` on the bundled examples, then:
   * the request path on ``mlp``: the broker's ping (the messaging floor), the direct
@@ -9,8 +9,8 @@ One ``zeroserve serve --workers 1`` on the bundled examples, then:
   * overload on ``cnn``: its capacity measured closed loop over HTTP, then an open
     loop at twice that (Poisson), 30% priority 1 and 70% priority 2, every request with
     a 50 ms deadline, each priority from its own ``zeroserve bench`` process.
-The tables go to tests/bench/results/performance.md and, with --write-readme, between
-the README's ``perf-report`` markers.
+The tables go to tests/bench/results/performance.md and, with --write-docs, between
+the ``perf-report`` markers of docs/performance.md; the PNG goes to docs/img/.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from tests.bench.harness import ROOT, example_repo, start
 from tests.conftest import Server
 
 RESULTS = ROOT / "tests" / "bench" / "results"
+PAGE = ROOT / "docs" / "performance.md"
+IMAGES = ROOT / "docs" / "img"
 BEGIN, END = "<!-- perf-report:begin -->", "<!-- perf-report:end -->"
 TRANSPORT_NAMES = {"ping": "broker ping (the floor)", "direct": "direct client",
                    "http-json": "HTTP, v2 JSON", "http-binary": "HTTP, v2 binary"}
@@ -59,7 +61,7 @@ def metric(server: Server, name: str) -> float:
 
 
 def request_path(server: Server, args: argparse.Namespace) -> str:
-    png = RESULTS / "request-path.png"
+    png = IMAGES / "request-path.png"
     rows, settings = bench(server, "-m", "mlp", "--transport", "ping,direct,http-json,http-binary",
                            "--concurrency", "1,16,64", "--warmup-s", str(args.warmup_s),
                            "--duration-s", str(args.duration_s), "--in-process",
@@ -75,7 +77,7 @@ def request_path(server: Server, args: argparse.Namespace) -> str:
     calls = ", ".join(f"batch {b['batch']}: {b['ms_per_call']:.3f} ms a call "
                       f"({b['samples_per_s']:,.0f} samples/s)" for b in base.get("results", []))
     lines.append(f"\nIn-process `mlp`, same run, {base.get('threads', '?')} thread(s): {calls}.")
-    lines.append(f"\n![latency and throughput against load](tests/bench/results/{png.name})")
+    lines.append(f"\n![latency and throughput against load](img/{png.name})")
     return "\n".join(lines)
 
 
@@ -115,20 +117,20 @@ def overload(server: Server, args: argparse.Namespace, transport: str) -> str:
     return "\n".join(lines)
 
 
-def write_readme(text: str) -> None:
-    readme = ROOT / "README.md"
-    body = readme.read_text()
+def write_docs(text: str) -> None:
+    body = PAGE.read_text()
     if BEGIN not in body or END not in body:
-        raise SystemExit(f"README.md has no {BEGIN} … {END} markers")
+        raise SystemExit(f"{PAGE} has no {BEGIN} … {END} markers")
     head, rest = body.split(BEGIN, 1)
-    readme.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    PAGE.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--duration-s", type=float, default=20.0)
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true",
+                    help="replace the tables between the markers of docs/performance.md")
     ap.add_argument("--overload-transports", default="direct,http-binary")
     ap.add_argument("--skip-request-path", action="store_true")
     args = ap.parse_args()
@@ -148,8 +150,8 @@ def main() -> int:
         server.stop()
     (RESULTS / "performance.md").write_text(text + "\n")
     print(text)
-    if args.write_readme:
-        write_readme(text)
+    if args.write_docs:
+        write_docs(text)
     return 0
 
 

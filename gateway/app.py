@@ -9,32 +9,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from zeroserve.broker import __version__
 from zeroserve.broker.client import AsyncClient, InferError
 from zeroserve.broker.curve import ClientKeys
 from zeroserve.broker import protocol as p
 from zeroserve.broker.protocol import ErrorCode
-from zeroserve.gateway import metrics, openapi, readiness, routes_simple
+from zeroserve.gateway import errors, metrics, readiness, routes
 from zeroserve.gateway.classification import classify
 from zeroserve.gateway.door import Door
-from zeroserve.gateway.infer import InferEndpoint
+from zeroserve.gateway.routes.infer import InferEndpoint
 from zeroserve.broker.logsettings import LogSettings
 from zeroserve.gateway.shm import SharedMemory
-from zeroserve.gateway.http import STATUS, BadRequest, BodyTooLarge, error_response, \
-    infer_error_response, json_response, path_version, read_body
+from zeroserve.gateway.http import error_response
 
-__all__ = ["STATUS", "Settings", "create_app", "error_response", "json_response",
-           "infer_error_response", "read_body", "BodyTooLarge"]
+__all__ = ["Gateway", "Settings", "create_app"]
 
 logger = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 300.0   # a repository load answers once done, as Triton's blocks
+STATUS_POLL_S = 0.05
 
 # exactly what this gateway implements; system_shared_memory only when it is on
 EXTENSIONS = ["binary_tensor_data", "schedule_policy", "model_configuration",
@@ -107,17 +108,9 @@ class Gateway:
                              f"no answer from the broker within "
                              f"{self.settings.broker_timeout_s:g} s") from None
 
-    # -- health -------------------------------------------------------------
-    async def live(self, request: Request) -> Response:
-        return Response(status_code=200)
-
-    async def ready(self, request: Request) -> Response:
-        why = await self._not_ready()
-        if why:
-            return error_response(503, why)
-        return Response(status_code=200)
-
-    async def _not_ready(self) -> str | None:
+    # -- what both front ends answer (HTTP routes and the gRPC service) -------
+    async def not_ready(self) -> str | None:
+        """Why the server is not ready (the rule of /v2/health/ready), or None."""
         if self.draining:
             return "gateway is shutting down"
         if not self.client.connected:
@@ -127,46 +120,61 @@ class Gateway:
         except InferError as exc:
             return exc.message
 
-    async def server_metadata(self, request: Request) -> Response:
-        return json_response({"name": self.settings.server_name,
-                              "version": self.settings.server_version,
-                              "extensions": self.settings.extensions()})
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": self.settings.server_name, "version": self.settings.server_version,
+                "extensions": self.settings.extensions()}
 
-    # -- models -------------------------------------------------------------
-    async def model_metadata(self, request: Request) -> Response:
-        try:
-            meta = await self._control(request, "metadata")
-        except InferError as exc:
-            return infer_error_response(exc)
-        except BadRequest as exc:
-            return error_response(400, str(exc))
+    async def model_metadata(self, name: str, version: int | None) -> dict[str, Any]:
+        meta: dict[str, Any] = await self.control("metadata", model=name, version=version)
         for internal in ("ready", "max_batch_size", "labels"):
             meta.pop(internal, None)
-        return json_response(meta)
+        return meta
 
-    async def model_config(self, request: Request) -> Response:
+    async def model_config(self, name: str, version: int | None) -> dict[str, Any]:
+        return await self.control("config", model=name, version=version)  # type: ignore[no-any-return]
+
+    async def model_not_ready(self, name: str, version: int | None) -> str | None:
+        """Why the model is not ready, or None; InferError for an unknown one."""
+        meta = await self.control("metadata", model=name, version=version)
+        return None if meta["ready"] else f"model {meta['name']!r} is not ready"
+
+    async def stats(self, name: str | None, version: int | None) -> dict[str, Any]:
+        args = {} if name is None else {"model": name, "version": version}
+        return await self.control("stats", **args)  # type: ignore[no-any-return]
+
+    async def load_model(self, name: str, config: str | None, files: dict[str, bytes]) -> None:
+        """Returns once the broker has loaded the model; InferError if it failed to."""
+        job = await self.admin.control("repository_load", model=name, config=config,
+                                       files=files)
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while True:
+            status = await self.admin.control("repository_load_status", token=str(job["token"]))
+            if status["state"] == "ready":
+                return
+            if status["state"] != "loading":
+                raise InferError(ErrorCode.BAD_INPUT, str(status["error"]))
+            if time.monotonic() > deadline:
+                raise InferError(ErrorCode.UNAVAILABLE, f"failed to load '{name}': still "
+                                 f"loading after {LOAD_TIMEOUT_S:g} s", retry_after_s=5)
+            await asyncio.sleep(STATUS_POLL_S)  # the broker answers at once: poll the job
+
+    async def change_log_settings(self, update: Any) -> dict[str, Any]:
+        """Applied here (SettingsError if one does not validate), then passed on: the
+        broker applies them and passes them to its workers. A broker without the verb
+        (or down) leaves them to this gateway alone."""
+        settings = self.logs.apply(update)
         try:
-            return json_response(await self._control(request, "config"))
+            await asyncio.wait_for(self.admin.control("logging", settings=update),
+                                   self.settings.broker_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("log settings not passed to the broker: no answer within %g s",
+                           self.settings.broker_timeout_s)
         except InferError as exc:
-            return infer_error_response(exc)
-        except BadRequest as exc:
-            return error_response(400, str(exc))
-
-    async def model_ready(self, request: Request) -> Response:
-        try:
-            meta = await self._control(request, "metadata")
-        except InferError as exc:
-            return infer_error_response(exc)
-        except BadRequest as exc:
-            return error_response(400, str(exc))
-        if not meta["ready"]:
-            return error_response(503, f"model {meta['name']!r} is not ready")
-        return Response(status_code=200)
-
-    async def _control(self, request: Request, verb: str) -> dict[str, Any]:
-        version = path_version(request)
-        return await self.control(  # type: ignore[no-any-return]
-            verb, model=request.path_params["name"], version=version)
+            if exc.code is ErrorCode.BAD_INPUT and "unknown control verb" in exc.message:
+                logger.debug("the broker has no 'logging' verb: settings stay local")
+            else:
+                logger.warning("log settings not passed to the broker: %s", exc.message)
+        return settings
 
     async def classify(self, model: str, version: int, tensors: list[p.Tensor],
                         counts: dict[str, int]) -> list[p.Tensor]:
@@ -182,34 +190,6 @@ class Gateway:
 def create_app(settings: Settings) -> Starlette:
     gw = Gateway(settings)
     infer = InferEndpoint(gw)   # the fast path (fastpath.py) calls the same object
-    m = "/v2/models/{name}"
-    mv = "/v2/models/{name}/versions/{version}"
-    from zeroserve.gateway.routes_repo import RepositoryRoutes
-    repository = RepositoryRoutes(gw)
-    routes = [
-        *repository.stats_routes(),   # before m: "/v2/models/stats" is no model's metadata
-        Route("/v2/health/live", gw.live, methods=["GET"]),
-        Route("/v2/health/ready", gw.ready, methods=["GET"]),
-        Route("/healthz", gw.live, methods=["GET"]),
-        Route("/readyz", gw.ready, methods=["GET"]),
-        Route("/v2", gw.server_metadata, methods=["GET"]),
-        Route(m, gw.model_metadata, methods=["GET"]),
-        Route(mv, gw.model_metadata, methods=["GET"]),
-        Route(m + "/ready", gw.model_ready, methods=["GET"]),
-        Route(mv + "/ready", gw.model_ready, methods=["GET"]),
-        Route(m + "/config", gw.model_config, methods=["GET"]),
-        Route(mv + "/config", gw.model_config, methods=["GET"]),
-        Route(m + "/infer", infer, methods=["POST"]),
-        Route(mv + "/infer", infer, methods=["POST"]),
-        *routes_simple.routes(gw),
-        Route("/metrics", metrics.Scrape(gw.control).endpoint, methods=["GET"]),
-    ]
-    from zeroserve.gateway.registration import Registration  # it imports this module
-    from zeroserve.gateway.routes_ext import Extensions
-    routes += Registration(gw).routes()
-    routes += Extensions(gw).routes()
-    routes += repository.routes()
-    routes.append(openapi.route(routes))
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
@@ -221,10 +201,10 @@ def create_app(settings: Settings) -> Starlette:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}")
 
-    app = Starlette(routes=routes, lifespan=gw.lifespan,
+    app = Starlette(routes=routes.routes(gw, infer), lifespan=gw.lifespan,
                     middleware=[metrics.middleware()],
                     exception_handlers={404: http_error, 405: http_error,
-                                        Exception: unexpected})
+                                        **errors.http_handlers(), Exception: unexpected})
     app.state.gateway = gw
     app.state.infer = infer
     return app

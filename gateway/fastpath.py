@@ -1,5 +1,5 @@
 """The inference fast path: ``POST /v2/models/{m}[/versions/{v}]/infer`` from uvicorn
-straight to :class:`~zeroserve.gateway.infer.InferEndpoint`, around Starlette's
+straight to :class:`~zeroserve.gateway.routes.infer.InferEndpoint`, around Starlette's
 middleware stack and router; everything else goes through the Starlette app.
 
 Measured with py-spy under load at C=64 on ``mlp``: the middleware layers, routing
@@ -18,7 +18,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
 
-from zeroserve.gateway.infer import STATUS_KEY, InferEndpoint
+from zeroserve.gateway.routes.infer import STATUS_KEY, InferEndpoint
 from zeroserve.gateway.metrics import HTTP_REQUESTS, HTTP_SECONDS
 
 INFER = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer$")

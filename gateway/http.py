@@ -4,7 +4,6 @@ body reading with a size limit and request decompression, response compression."
 from __future__ import annotations
 
 import gzip
-import math
 import zlib
 from typing import Any
 
@@ -13,27 +12,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from zeroserve.broker import wording
-from zeroserve.broker.client import InferError
-from zeroserve.broker.protocol import ErrorCode
+from zeroserve.gateway.errors import BadRequest, BodyTooLarge
 
-# DESIGN's statuses, one per typed error code
-STATUS = {
-    ErrorCode.BAD_INPUT: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.DEADLINE: 504,
-    ErrorCode.OVERLOADED: 429, ErrorCode.QUOTA: 429, ErrorCode.NO_WORKER: 503,
-    ErrorCode.UNAVAILABLE: 503, ErrorCode.WORKER_LOST: 503, ErrorCode.MODEL_ERROR: 500,
-    ErrorCode.CANCELLED: 499, ErrorCode.INTERNAL: 500,
-    ErrorCode.FORBIDDEN: 403, ErrorCode.CONFLICT: 409, ErrorCode.UNAUTHORIZED: 401,
-}
+__all__ = ["BadRequest", "BodyTooLarge", "json_response", "error_response", "read_body"]
+
 # msgpack carries integers up to 64 bits; keep what the wire sees well inside that
 MAX_INT = 2**31 - 1
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class BadRequest(ValueError):
-    """Anything a client sent wrong that is not caught by a codec (HTTP 400)."""
 
 
 def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -45,37 +29,16 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     return json_response({"error": message}, status, headers)
 
 
-def infer_error_parts(err: InferError) -> tuple[int, dict[str, str] | None]:
-    """The status and extra headers of a typed error (its message is the body's)."""
-    headers = None
-    if err.retry_after_s is not None:  # rounded up: retrying earlier is refused again
-        headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))}
-    elif err.code is ErrorCode.UNAUTHORIZED:
-        headers = {"WWW-Authenticate": "Bearer"}
-    elif err.code in (ErrorCode.OVERLOADED, ErrorCode.NO_WORKER, ErrorCode.UNAVAILABLE):
-        headers = {"Retry-After": "1"}
-    return STATUS.get(err.code, 500), headers
-
-
-def infer_error_response(err: InferError) -> Response:
-    status, headers = infer_error_parts(err)
-    return error_response(status, err.message, headers)
-
-
-def too_large_response(limit: int) -> Response:
-    return error_response(413, f"request body exceeds {limit} bytes")
-
-
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, decompressed per Content-Encoding; both sizes bounded by ``limit``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge()
+        raise BodyTooLarge(limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise BodyTooLarge()
+            raise BodyTooLarge(limit)
         chunks.append(chunk)
     body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
@@ -102,7 +65,7 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
                 continue
             raise BadRequest(f"the {encoding} body does not decompress: {exc}") from None
         if len(out) > limit:
-            raise BodyTooLarge()
+            raise BodyTooLarge(limit)
         if not d.eof:
             raise BadRequest(f"the {encoding} body is truncated")
         return out

@@ -53,7 +53,7 @@ class GatewayServer(uvicorn.Server):
         units ordered after the gateway start when its models serve."""
         said = None
         while not self.should_exit:
-            why = await self.gateway._not_ready()
+            why = await self.gateway.not_ready()
             if why is None:
                 self.notifier.ready(f"serving ({self.gateway.settings.readiness} readiness)")
                 logger.info("ready (%s readiness)", self.gateway.settings.readiness)

@@ -16,17 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.v2 import DecodeError
 
 SHM_ROOT = Path("/dev/shm")
 
 
 class ShmError(DecodeError):
-    """A shared-memory request the gateway refuses; ``status`` is the HTTP answer."""
+    """A shared-memory request the gateway refuses; ``code`` picks its row of the error
+    table (gateway/errors.py)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_INPUT) -> None:
         super().__init__(message)
-        self.status = status
+        self.code = code
 
 
 @dataclass
@@ -65,7 +67,7 @@ class SharedMemory:
     def check_enabled(self) -> None:
         if not self.enabled:
             raise ShmError("system shared memory is off: start the gateway with "
-                           "--allow-shared-memory", 403)
+                           "--allow-shared-memory", ErrorCode.FORBIDDEN)
 
     def register(self, name: str, key: Any, offset: Any, byte_size: Any) -> None:
         self.check_enabled()
@@ -108,7 +110,7 @@ class SharedMemory:
             return [r.describe() for _, r in sorted(self.regions.items())]
         region = self.regions.get(name)
         if region is None:
-            raise ShmError(f"unknown shared-memory region {name!r}", 404)
+            raise ShmError(f"unknown shared-memory region {name!r}", ErrorCode.NOT_FOUND)
         return [region.describe()]
 
     def _span(self, name: str, offset: int, size: int) -> tuple[Region, int]:

@@ -134,7 +134,7 @@ def shm_place(where: str, params: dict[str, Any]) -> ShmPlace:
                     _count(where, SHM_SIZE, params[SHM_SIZE]))
 
 
-def _raw_tensor(name: str, datatype: str, shape: tuple[int, ...], raw: Any,
+def raw_tensor(name: str, datatype: str, shape: tuple[int, ...], raw: Any,
                 what: str) -> p.Tensor:
     """A tensor from raw little-endian bytes, checked against its shape and datatype."""
     meta = p.TensorMeta(name, datatype, shape)
@@ -214,7 +214,7 @@ def decode_document(doc: dict[str, Any], binary: memoryview,
                                   "shared memory is off (gateway --allow-shared-memory)")
             place = shm_place(f"input {name!r}", iparams)
             raw = shm(place.region, place.offset, place.byte_size)
-            tensors.append(_raw_tensor(name, datatype, shape, raw,
+            tensors.append(raw_tensor(name, datatype, shape, raw,
                                        f"shared-memory region {place.region!r}"))
         elif size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -223,7 +223,7 @@ def decode_document(doc: dict[str, Any], binary: memoryview,
                 raise DecodeError(f"input {name!r}: binary_data_size {size} runs past the body")
             raw = binary[pos:pos + size]
             pos += size
-            tensors.append(_raw_tensor(name, datatype, shape, raw, "binary data"))
+            tensors.append(raw_tensor(name, datatype, shape, raw, "binary data"))
         else:
             if "data" not in inp:
                 raise DecodeError(f"input {name!r}: no 'data' and no binary_data_size")

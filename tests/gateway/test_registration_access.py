@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from starlette.requests import Request
 
+from zeroserve.broker.client import InferError
+from zeroserve.broker.protocol import ErrorCode
+from zeroserve.gateway import errors
+from zeroserve.gateway.access import check_admin
 from zeroserve.gateway.app import Gateway, Settings
-from zeroserve.gateway.registration import Registration
+from zeroserve.gateway.routes.extensions import Extensions
 
 
 def request(host: str, auth: str | None = None) -> Request:
@@ -14,39 +21,42 @@ def request(host: str, auth: str | None = None) -> Request:
                     "client": (host, 40000), "headers": headers})
 
 
-def registration(token: str = "") -> Registration:
-    return Registration(Gateway(Settings("ipc:///tmp/zs-unused", admin_token=token)))
+def refusal(host: str, auth: str = "", token: str = "") -> errors.Answer | None:
+    try:
+        check_admin(host, auth, token)
+    except InferError as exc:
+        return errors.answer(exc)
+    return None
 
 
 def test_without_a_token_only_loopback_may_manage() -> None:
-    reg = registration()
-    assert reg._refused(request("127.0.0.1")) is None
-    assert reg._refused(request("::1")) is None
-    refused = reg._refused(request("10.1.2.3"))
-    assert refused is not None and refused.status_code == 403
-    assert b"only on loopback" in refused.body
+    assert refusal("127.0.0.1") is None
+    assert refusal("::1") is None
+    refused = refusal("10.1.2.3")
+    assert refused is not None and refused.status.http == 403
+    assert refused.status.grpc == "PERMISSION_DENIED"
+    assert "only on loopback" in refused.message
 
 
 def test_with_a_token_anyone_holding_it_may_manage() -> None:
-    reg = registration("tok")
-    assert reg._refused(request("10.1.2.3", "Bearer tok")) is None
-    missing = reg._refused(request("127.0.0.1"))
-    assert missing is not None and missing.status_code == 401
-    wrong = reg._refused(request("10.1.2.3", "Bearer nope"))
-    assert wrong is not None and wrong.status_code == 403
+    assert refusal("10.1.2.3", "Bearer tok", "tok") is None
+    missing = refusal("127.0.0.1", "", "tok")
+    assert missing is not None and missing.status.http == 401
+    assert missing.http_headers() == {"WWW-Authenticate": "Bearer"}
+    assert missing.status.grpc == "UNAUTHENTICATED"
+    wrong = refusal("10.1.2.3", "Bearer nope", "tok")
+    assert wrong is not None and wrong.status.http == 403
 
 
 def test_shared_memory_and_log_writes_follow_the_same_rule() -> None:
-    import asyncio
-
-    from zeroserve.gateway.routes_ext import Extensions
-
     ext = Extensions(Gateway(Settings("ipc:///tmp/zs-unused", allow_shared_memory=True)))
     for handler in (ext.shm_register, ext.shm_unregister, ext.change_log_settings):
         req = request("10.1.2.3")
         req.scope["path_params"] = {"region": "r"}
-        answer = asyncio.run(handler(req))
-        assert answer.status_code == 403 and b"only on loopback" in answer.body
+        with pytest.raises(InferError) as got:
+            asyncio.run(handler(req))
+        assert got.value.code is ErrorCode.FORBIDDEN and "only on loopback" in got.value.message
     ext = Extensions(Gateway(Settings("ipc:///tmp/zs-unused", admin_token="tok")))
-    answer = asyncio.run(ext.change_log_settings(request("127.0.0.1")))
-    assert answer.status_code == 401
+    with pytest.raises(InferError) as got:
+        asyncio.run(ext.change_log_settings(request("127.0.0.1")))
+    assert got.value.code is ErrorCode.UNAUTHORIZED

@@ -19,12 +19,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker.client import InferError
 from zeroserve.gateway import simple
 from zeroserve.gateway.apikey import api_key_of
-from zeroserve.gateway.http import MAX_INT, BadRequest, BodyTooLarge, compressed, \
-    error_response, header_int, infer_error_response, json_response, read_body, \
-    too_large_response
+from zeroserve.gateway.http import MAX_INT, BadRequest, compressed, header_int, \
+    json_response, read_body
 
 if TYPE_CHECKING:
     from zeroserve.gateway.app import Gateway
@@ -73,23 +71,16 @@ class SimpleRoutes:
         self.infos = ModelInfoCache(gw)
 
     async def _serve(self, request: Request, handler: Handler) -> Response:
-        """Everything the two route families share: body, JSON, metadata, errors."""
+        """Everything the two route families share: body, JSON, metadata."""
         name = request.path_params["name"]
+        version = _version(request.path_params.get("version"))
+        body = await read_body(request, self.gw.settings.max_body_bytes)
         try:
-            version = _version(request.path_params.get("version"))
-            body = await read_body(request, self.gw.settings.max_body_bytes)
-            try:
-                doc = orjson.loads(body)
-            except orjson.JSONDecodeError as exc:
-                raise BadRequest(f"malformed JSON: {exc}") from None
-            info = await self.infos.get(name, version)
-            return await handler(request, doc, info, version)
-        except BodyTooLarge:
-            return too_large_response(self.gw.settings.max_body_bytes)
-        except ValueError as exc:  # BadRequest, SimpleError
-            return error_response(400, str(exc))
-        except InferError as exc:
-            return infer_error_response(exc)
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"malformed JSON: {exc}") from None
+        info = await self.infos.get(name, version)
+        return await handler(request, doc, info, version)
 
     async def _infer(self, request: Request, tensors: list[p.Tensor], version: int | None,
                      outputs: list[str] | None = None) -> p.InferReply:
@@ -121,7 +112,7 @@ class SimpleRoutes:
 
     async def ping(self, request: Request) -> Response:
         """TorchServe's health check; not ready answers 503 with the reason."""
-        why = await self.gw._not_ready()
+        why = await self.gw.not_ready()
         if why:
             return json_response({"status": "Unhealthy", "error": why}, 503)
         return json_response({"status": "Healthy"})

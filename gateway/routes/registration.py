@@ -21,9 +21,9 @@ from starlette.routing import Route
 
 from zeroserve.broker import wording
 from zeroserve.broker.client import InferError
-from zeroserve.gateway.access import refused
-from zeroserve.gateway.app import BodyTooLarge, error_response, infer_error_response, \
-    json_response, read_body
+from zeroserve.broker.protocol import ErrorCode
+from zeroserve.gateway.access import require_admin
+from zeroserve.gateway.http import BadRequest, error_response, json_response, read_body
 
 if TYPE_CHECKING:
     from zeroserve.gateway.app import Gateway
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 300.0
+MAX_BODY_BYTES = 1 << 20
 STATUS_POLL_S = 0.05
 
 
@@ -47,27 +48,17 @@ class Registration:
             Route("/v1/models/{name}/versions/{version}", self.delete, methods=["DELETE"]),
         ]
 
-    def _refused(self, request: Request) -> Response | None:
-        """None when the caller may manage models; else the 401/403 answer."""
-        return refused(request, self.gw.settings.admin_token)
-
     async def create(self, request: Request) -> Response:
-        if (refused := self._refused(request)) is not None:
-            return refused
+        require_admin(request, self.gw.settings.admin_token)
         try:
-            doc = orjson.loads(await read_body(request, 1 << 20))
-        except BodyTooLarge:
-            return error_response(413, "registration body exceeds 1 MiB")
+            doc = orjson.loads(await read_body(request, MAX_BODY_BYTES))
         except orjson.JSONDecodeError as exc:
-            return error_response(400, f"body is not valid JSON: {exc}")
+            raise BadRequest(f"body is not valid JSON: {exc}") from None
         if not isinstance(doc, dict):
-            return error_response(400, "body must be a JSON object with name, platform, "
-                                  "model_path, inputs (or input_shape) and outputs")
-        try:
-            job = await self.gw.admin.control("register", body=doc)
-            status = await self._follow(str(job["token"]))
-        except InferError as exc:
-            return infer_error_response(exc)
+            raise BadRequest("body must be a JSON object with name, platform, "
+                             "model_path, inputs (or input_shape) and outputs")
+        job = await self.gw.admin.control("register", body=doc)
+        status = await self._follow(str(job["token"]))
         if status["state"] == "published":
             return json_response({"name": status["name"], "versions": status["versions"],
                                   "state": "published"}, 201,
@@ -87,38 +78,27 @@ class Registration:
             await asyncio.sleep(STATUS_POLL_S)  # the broker answers at once: poll the job
 
     async def list(self, request: Request) -> Response:
-        try:
-            doc = await self.gw.client.control("models")
-        except InferError as exc:
-            return infer_error_response(exc)
+        doc = await self.gw.client.control("models")
         return json_response({"models": [_summary(n, m) for n, m in doc["models"].items()],
                               "errors": doc["errors"]})
 
     async def get(self, request: Request) -> Response:
         name = request.path_params["name"]
-        try:
-            doc = await self.gw.client.control("models")
-            if name not in doc["models"]:
-                error = doc["errors"].get(name)
-                return error_response(404, wording.unknown_model(name) +
-                                      (f": {error}" if error else ""))
-            config = await self.gw.client.control("config", model=name)
-        except InferError as exc:
-            return infer_error_response(exc)
+        doc = await self.gw.client.control("models")
+        if name not in doc["models"]:
+            error = doc["errors"].get(name)
+            raise InferError(ErrorCode.NOT_FOUND, wording.unknown_model(name) +
+                             (f": {error}" if error else ""))
+        config = await self.gw.client.control("config", model=name)
         return json_response({**_summary(name, doc["models"][name]), "config": config})
 
     async def delete(self, request: Request) -> Response:
-        if (refused := self._refused(request)) is not None:
-            return refused
+        require_admin(request, self.gw.settings.admin_token)
         raw = request.path_params.get("version")
         if raw is not None and (not raw.isdigit() or int(raw) < 1):
-            return error_response(400, f"version must be a positive integer, got {raw!r}")
-        try:
-            doc = await self.gw.admin.control(
-                "unregister", model=request.path_params["name"],
-                version=int(raw) if raw is not None else None)
-        except InferError as exc:
-            return infer_error_response(exc)
+            raise BadRequest(f"version must be a positive integer, got {raw!r}")
+        doc = await self.gw.admin.control("unregister", model=request.path_params["name"],
+                                          version=int(raw) if raw is not None else None)
         return json_response(doc)
 
 

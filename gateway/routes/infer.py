@@ -36,8 +36,10 @@ from zeroserve.broker.client import ErrorCode, InferError
 from zeroserve.gateway import v2
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.door import RETRY_AFTER_S, SHED_DEADLINE
-from zeroserve.gateway.http import STATUS, BadRequest, BodyTooLarge, bounded_int, compress, \
-    decompress, encoding_of, infer_error_parts, parse_version
+from zeroserve.gateway import errors
+from zeroserve.gateway.errors import STATUS, BadRequest, BodyTooLarge
+from zeroserve.gateway.http import bounded_int, compress, decompress, encoding_of, \
+    parse_version
 
 if TYPE_CHECKING:
     from zeroserve.gateway.app import Gateway
@@ -85,10 +87,15 @@ async def send_error(send: Send, status: int, message: str,
     return status
 
 
+async def send_answer_of(send: Send, answer: errors.Answer) -> int:
+    """An error of the table (gateway/errors.py), answered as every other route does."""
+    return await send_error(send, answer.status.http, answer.message, answer.http_headers())
+
+
 async def read_all(receive: Receive, declared: str | None, limit: int) -> bytes:
     """The raw body; BodyTooLarge past ``limit``, Disconnected if the client left."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge()
+        raise BodyTooLarge(limit)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -98,7 +105,7 @@ async def read_all(receive: Receive, declared: str | None, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise BodyTooLarge()
+            raise BodyTooLarge(limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -155,10 +162,8 @@ class InferEndpoint:
             req = v2.decode_document(doc, binary, gw.shm.read if gw.shm.enabled else None)
             if req.parameters.get("sequence_id"):
                 raise BadRequest("sequence batching is not supported")
-        except BodyTooLarge:
-            return await send_error(send, 413, f"request body exceeds {limit} bytes")
-        except ValueError as exc:  # DecodeError, BadRequest
-            return await send_error(send, 400, str(exc))
+        except (BodyTooLarge, ValueError) as exc:   # a ValueError of a codec: bad input
+            return await send_answer_of(send, errors.bad_input(exc))
         timeout_ms = 0.0
         if timeout_us:   # what is left of the budget: the wire carries a remaining time
             timeout_ms = timeout_us / 1000.0 - (time.monotonic() - accepted) * 1000.0
@@ -169,9 +174,10 @@ class InferEndpoint:
         got = await self._forward(receive, path["name"], req, version, priority,
                                   timeout_ms, api_key_of(headers))
         if isinstance(got, InferError):
-            status, extra = infer_error_parts(got)
-            return await send_error(send, status, wording.with_request_id(got.message, req.id),
-                                    extra)
+            answer = errors.infer_answer(got)
+            return await send_error(send, answer.status.http,
+                                    wording.with_request_id(got.message, req.id),
+                                    answer.http_headers())
         return await self._answer(send, req, *got, headers.get("accept-encoding"))
 
     async def _forward(self, receive: Receive, name: str, req: v2.V2Request,
@@ -225,7 +231,7 @@ class InferEndpoint:
             body, json_len = v2.encode_response(reply.model, reply.version, req.id, tensors,
                                                 req, self.gw.shm.write, clamped(reply.stats))
         except v2.DecodeError as exc:
-            return await send_error(send, 400, str(exc))
+            return await send_answer_of(send, errors.bad_input(exc))
         ctype, extra = JSON, None
         if json_len is not None:
             ctype, extra = OCTETS, {"Inference-Header-Content-Length": str(json_len)}

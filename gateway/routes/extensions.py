@@ -1,0 +1,83 @@
+"""Routes of the system shared-memory and logging extensions. Writes follow the admin
+rule of every state-changing route (gateway/access.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from zeroserve.gateway.access import require_admin
+from zeroserve.gateway.http import BodyTooLarge, BadRequest, json_response, read_body
+
+if TYPE_CHECKING:
+    from zeroserve.gateway.app import Gateway
+
+logger = logging.getLogger(__name__)
+
+SHM = "/v2/systemsharedmemory"
+MAX_BODY = 64 << 10
+
+
+async def _json_body(request: Request, empty_ok: bool = False) -> Any:
+    try:
+        body = await read_body(request, MAX_BODY)
+    except BodyTooLarge:
+        raise BadRequest(f"the body exceeds {MAX_BODY} bytes") from None
+    if not body.strip() and empty_ok:
+        return {}
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+
+
+class Extensions:
+    def __init__(self, gateway: "Gateway") -> None:
+        self.gw = gateway
+
+    def routes(self) -> list[Route]:
+        return [
+            Route(SHM + "/status", self.shm_status, methods=["GET"]),
+            Route(SHM + "/region/{region}/status", self.shm_status, methods=["GET"]),
+            Route(SHM + "/region/{region}/register", self.shm_register, methods=["POST"]),
+            Route(SHM + "/unregister", self.shm_unregister, methods=["POST"]),
+            Route(SHM + "/region/{region}/unregister", self.shm_unregister,
+                  methods=["POST"]),
+            Route("/v2/logging", self.log_settings, methods=["GET"]),
+            Route("/v2/logging", self.change_log_settings, methods=["POST"]),
+        ]
+
+    # -- system shared memory ------------------------------------------------
+    async def shm_status(self, request: Request) -> Response:
+        return json_response(self.gw.shm.status(request.path_params.get("region")))
+
+    async def shm_register(self, request: Request) -> Response:
+        require_admin(request, self.gw.settings.admin_token)
+        name = request.path_params["region"]
+        self.gw.shm.check_enabled()
+        doc = await _json_body(request)
+        if not isinstance(doc, dict) or "key" not in doc or "byte_size" not in doc:
+            raise BadRequest("the body must be {\"key\": ..., \"offset\": ..., "
+                             "\"byte_size\": ...}")
+        self.gw.shm.register(name, doc["key"], doc.get("offset", 0), doc["byte_size"])
+        logger.info("shared-memory region %r registered (key %r)", name, doc["key"])
+        return Response(status_code=200)
+
+    async def shm_unregister(self, request: Request) -> Response:
+        require_admin(request, self.gw.settings.admin_token)
+        self.gw.shm.unregister(request.path_params.get("region"))
+        return Response(status_code=200)
+
+    # -- logging ---------------------------------------------------------------
+    async def log_settings(self, request: Request) -> Response:
+        return json_response(self.gw.logs.current())
+
+    async def change_log_settings(self, request: Request) -> Response:
+        require_admin(request, self.gw.settings.admin_token)
+        doc = await _json_body(request, empty_ok=True)
+        return json_response(await self.gw.change_log_settings(doc))

@@ -1,0 +1,66 @@
+"""Health, server metadata and the per-model read routes of KServe v2: live, ready,
+``GET /v2``, ``/v2/models/{m}[/versions/{v}]``, ``.../ready``, ``.../config``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from zeroserve.gateway.http import error_response, json_response, path_version
+
+if TYPE_CHECKING:
+    from zeroserve.gateway.app import Gateway
+
+
+class ModelRoutes:
+    def __init__(self, gateway: "Gateway") -> None:
+        self.gw = gateway
+
+    def routes(self) -> list[Route]:
+        m = "/v2/models/{name}"
+        mv = "/v2/models/{name}/versions/{version}"
+        return [
+            Route("/v2/health/live", self.live, methods=["GET"]),
+            Route("/v2/health/ready", self.ready, methods=["GET"]),
+            Route("/healthz", self.live, methods=["GET"]),
+            Route("/readyz", self.ready, methods=["GET"]),
+            Route("/v2", self.server_metadata, methods=["GET"]),
+            Route(m, self.model_metadata, methods=["GET"]),
+            Route(mv, self.model_metadata, methods=["GET"]),
+            Route(m + "/ready", self.model_ready, methods=["GET"]),
+            Route(mv + "/ready", self.model_ready, methods=["GET"]),
+            Route(m + "/config", self.model_config, methods=["GET"]),
+            Route(mv + "/config", self.model_config, methods=["GET"]),
+        ]
+
+    async def live(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(self, request: Request) -> Response:
+        why = await self.gw.not_ready()
+        if why:
+            return error_response(503, why)
+        return Response(status_code=200)
+
+    async def server_metadata(self, request: Request) -> Response:
+        return json_response(self.gw.server_metadata())
+
+    async def model_metadata(self, request: Request) -> Response:
+        return json_response(await self.gw.model_metadata(*self._model(request)))
+
+    async def model_config(self, request: Request) -> Response:
+        return json_response(await self.gw.model_config(*self._model(request)))
+
+    async def model_ready(self, request: Request) -> Response:
+        why = await self.gw.model_not_ready(*self._model(request))
+        if why:
+            return error_response(503, why)
+        return Response(status_code=200)
+
+    @staticmethod
+    def _model(request: Request) -> tuple[str, int | None]:
+        name: Any = request.path_params["name"]
+        return name, path_version(request)

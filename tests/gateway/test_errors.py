@@ -47,7 +47,7 @@ def test_unknown_route_and_method_are_json(api_server):
     status, headers, got = http("DELETE", api_server.url + "/v2/models/linear/infer")
     assert status == 405 and "POST" in headers["allow"] and json.loads(got)["error"]
     status, _, got = http("GET", api_server.url + "/v2/models/linear/versions/0")
-    assert status == 400 and "positive integer" in json.loads(got)["error"]
+    assert status == 400 and "integral value > 0" in json.loads(got)["error"]
     status, _, got = http("GET", api_server.url + "/v2/models/linear/versions/"
                           + "9" * 30 + "/ready")
     assert status == 400

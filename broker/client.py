@@ -21,6 +21,7 @@ retryable ``unavailable`` error and the client reconnects by itself.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 import time
@@ -34,6 +35,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from zeroserve.broker import curve, protocol as p, sockets
 from zeroserve.broker.runtime import Endpoints
+from zeroserve.broker.streamclient import AsyncStream, Stream, StreamResponse
+
+__all__ = ["AsyncClient", "AsyncStream", "Client", "ErrorCode", "InferError", "InferResult",
+           "Stream", "StreamResponse"]
 
 ErrorCode = p.ErrorCode
 
@@ -123,6 +128,8 @@ def _decode_answers(frames: list[Any]) -> list[tuple[p.Kind, str, Any]]:
     kind, header, bufs = p.unpack(frames)
     if kind is p.Kind.REPLIES:
         return [(p.Kind.REPLY, r.request_id, r) for r in p.decode_replies(header, bufs)]
+    if kind is p.Kind.PARTS:
+        return [(kind, part.request_id, part) for part in p.decode_parts(header, bufs)]
     return [_decode_answer(kind, header, bufs)]
 
 
@@ -165,6 +172,8 @@ class Client:
         self.connect_timeout_s = connect_timeout_s
         self._ctx = ctx or zmq.Context.instance()
         self._ids = itertools.count(1)
+        # open streams' answers that arrived while another call waited, in order
+        self._inbox: dict[str, collections.deque[Any]] = {}
         self._open()
 
     def _open(self) -> None:
@@ -215,14 +224,54 @@ class Client:
         frames = p.encode(p.ControlRequest(rid, verb, args, self.admin_token))
         return _control_result(self._roundtrip(frames, rid, self.timeout_s))
 
+    def stream(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
+               version: int | None = None, priority: int = 0, timeout_ms: float | None = None,
+               outputs: Sequence[str] | None = None, tenant: str = "",
+               api_key: str | None = None) -> Stream:
+        """A request whose responses come as a stream (a decoupled model's), iterated as
+        :class:`StreamResponse` objects (see :mod:`zeroserve.broker.streamclient`).
+        ``timeout_ms`` bounds the first response; each later one may take up to the
+        client's ``timeout_s``. Other calls on this client may be made meanwhile."""
+        rid = str(next(self._ids))
+        req = p.InferRequest(rid, model, _tensors(inputs), version, priority, timeout_ms or 0.0,
+                             tenant, outputs, self.api_key if api_key is None else api_key,
+                             stream=True)
+        first_wait_s = timeout_ms / 1000.0 + 5.0 if timeout_ms else self.timeout_s
+        self._send_request(p.encode_request(req), first_wait_s)
+        self._inbox[rid] = collections.deque()
+        return Stream(lambda wait_s: self._receive(rid, wait_s),
+                      lambda cancel: self._end_stream(rid, cancel), first_wait_s, self.timeout_s)
+
+    def _receive(self, rid: str, wait_s: float) -> Any:
+        inbox = self._inbox.get(rid)
+        answer = inbox.popleft() if inbox else self._await(rid, wait_s)
+        if isinstance(answer, InferError):
+            raise answer
+        return answer
+
+    def _end_stream(self, rid: str, cancel: bool) -> None:
+        if self._inbox.pop(rid, None) is not None and cancel:
+            try:
+                self._sock.send_multipart(p.encode(p.Cancel(rid)), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass   # not connected: the broker withdrew it with the connection
+
     def _roundtrip(self, frames: list[Any], rid: str, wait_s: float) -> Any:
-        deadline = time.monotonic() + wait_s
+        self._send_request(frames, wait_s)
+        return self._await(rid, wait_s)
+
+    def _send_request(self, frames: list[Any], wait_s: float) -> None:
         # IMMEDIATE: writable only once connected, so a missing broker times out here
         if not self._sock.poll(0, zmq.POLLOUT) and \
                 not self._await_connection(min(wait_s, self.connect_timeout_s)):
             raise _unreachable(self.endpoint, self._refused)
-        self._disconnected()  # a drop before this request says nothing about it
+        if not self._inbox:
+            self._disconnected()  # a drop before this request says nothing about it
         self._sock.send_multipart(frames, copy=False)
+
+    def _await(self, rid: str, wait_s: float) -> Any:
+        """The answer to ``rid``; open streams' answers met meanwhile are kept."""
+        deadline = time.monotonic() + wait_s
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             events = dict(self._poller.poll(left_ms)) if left_ms > 0 else {}
@@ -230,15 +279,26 @@ class Client:
                 for _, got, answer in _decode_answers(self._sock.recv_multipart(copy=False)):
                     if got == rid:
                         return answer
+                    if got in self._inbox:
+                        self._inbox[got].append(answer)
             elif self._monitor in events:
                 if self._disconnected():
+                    self._fail_streams(InferError(p.ErrorCode.UNAVAILABLE, LOST))
                     raise InferError(p.ErrorCode.UNAVAILABLE, LOST)
             else:
                 # start over on a fresh socket so a late answer to this request can
                 # never be read as another's
                 self._reset()
+                self._fail_streams(InferError(
+                    p.ErrorCode.UNAVAILABLE, "the client's connection was reset while "
+                    "another call waited too long; retry"))
                 raise InferError(p.ErrorCode.UNAVAILABLE,
                                  f"no answer from the broker within {wait_s:g} s")
+
+    def _fail_streams(self, err: InferError) -> None:
+        """Every open stream ends with ``err`` after what it has already received."""
+        for inbox in self._inbox.values():
+            inbox.append(err)
 
     def _reset(self) -> None:
         self.close()
@@ -290,6 +350,7 @@ class AsyncClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self._pending: dict[str, asyncio.Future[Any]] = {}
+        self._streams: dict[str, asyncio.Queue[Any]] = {}   # open streams' answers
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = -float("inf")
         self._bundles = False    # the broker speaks version 2: send REQUESTS
@@ -334,6 +395,34 @@ class AsyncClient:
                     **kwargs: Any) -> InferResult:
         return to_result(await self.infer_tensors(model, _tensors(inputs), **kwargs))
 
+    def stream(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
+               version: int | None = None, priority: int = 0, timeout_ms: float | None = None,
+               outputs: Sequence[str] | None = None, tenant: str = "",
+               api_key: str | None = None) -> AsyncStream:
+        """A request whose responses come as a stream, iterated with ``async for`` as
+        :class:`StreamResponse` objects (see :mod:`zeroserve.broker.streamclient`);
+        errors, the broker's refusal included, are raised out of the iteration.
+        ``timeout_ms`` (the broker's deadline) bounds the first response."""
+        assert self._loop is not None, "call start() first"
+        rid = str(next(self._ids))
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[rid] = queue
+        if not self.connected:
+            queue.put_nowait(_unreachable(self.endpoint, self._refused))
+        else:
+            tensors = list(inputs) if not isinstance(inputs, Mapping) else _tensors(inputs)
+            req = p.InferRequest(rid, model, tensors, version, priority, timeout_ms or 0.0,
+                                 tenant, outputs, self.api_key if api_key is None else api_key,
+                                 stream=True)
+            if not self._submit(req, rid):
+                queue.put_nowait(InferError(*_FULL))
+        return AsyncStream(queue, lambda cancel: self._end_stream(rid, cancel))
+
+    def _end_stream(self, rid: str, cancel: bool) -> None:
+        if self._streams.pop(rid, None) is not None and cancel:
+            if self._outbox.pop(rid, None) is None and self._sock is not None:
+                self._send(p.encode(p.Cancel(rid)))
+
     async def control(self, verb: str, **args: Any) -> Any:
         rid = f"ctl-{next(self._ids)}"
         header = await self._call(p.encode(p.ControlRequest(rid, verb, args, self.admin_token)),
@@ -349,15 +438,7 @@ class AsyncClient:
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._pending[rid] = fut
         try:
-            if isinstance(msg, p.InferRequest) and self._bundles:
-                self._outbox[rid] = msg
-                if len(self._outbox) >= FLUSH_AT:
-                    self._flush()
-                elif not self._flush_due:
-                    self._flush_due = True
-                    self._loop.call_soon(self._flush)
-            elif not self._send(p.encode_request(msg) if isinstance(msg, p.InferRequest)
-                                else msg):
+            if not self._submit(msg, rid):
                 raise InferError(*_FULL)
             return await fut
         except asyncio.CancelledError:
@@ -366,6 +447,19 @@ class AsyncClient:
             raise
         finally:
             self._pending.pop(rid, None)
+
+    def _submit(self, msg: list[Any] | p.InferRequest, rid: str) -> bool:
+        """Send now, or with this turn's bundle; False if the socket would block."""
+        assert self._loop is not None
+        if isinstance(msg, p.InferRequest) and self._bundles:
+            self._outbox[rid] = msg
+            if len(self._outbox) >= FLUSH_AT:
+                self._flush()
+            elif not self._flush_due:
+                self._flush_due = True
+                self._loop.call_soon(self._flush)
+            return True
+        return self._send(p.encode_request(msg) if isinstance(msg, p.InferRequest) else msg)
 
     def _flush(self) -> None:
         """The requests of this turn of the event loop, in as few messages as allowed."""
@@ -377,9 +471,7 @@ class AsyncClient:
                       else p.encode_requests(chunk))
             if self._sock is None or not self._send(frames):
                 for req in chunk:
-                    fut = self._pending.get(req.request_id)
-                    if fut is not None and not fut.done():
-                        fut.set_result(InferError(*_FULL))
+                    self._answer(req.request_id, InferError(*_FULL))
 
     def _send(self, frames: list[Any]) -> bool:
         assert self._sock is not None and self._loop is not None
@@ -409,9 +501,7 @@ class AsyncClient:
                     versions = answer.get("versions")
                     self._bundles = isinstance(versions, list) and 2 in versions
                     continue
-                fut = self._pending.get(rid)
-                if fut is not None and not fut.done():
-                    fut.set_result(answer)
+                self._answer(rid, answer)
 
     def _drain_monitor(self) -> None:
         """A dropped connection fails every pending request at once (retryable): the
@@ -438,11 +528,23 @@ class AsyncClient:
                 self._fail_pending("lost contact with the broker")
             was_connected = self.connected
 
+    def _answer(self, rid: str, answer: Any) -> None:
+        fut = self._pending.get(rid)
+        if fut is not None:
+            if not fut.done():
+                fut.set_result(answer)
+            return
+        queue = self._streams.get(rid)
+        if queue is not None:
+            queue.put_nowait(answer)
+
     def _fail_pending(self, why: str) -> None:
         self._outbox.clear()   # failed here: they must not leave for the broker later
         for fut in list(self._pending.values()):
             if not fut.done():
                 fut.set_result(InferError(p.ErrorCode.UNAVAILABLE, why))
+        for queue in self._streams.values():
+            queue.put_nowait(InferError(p.ErrorCode.UNAVAILABLE, why))
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -66,6 +66,7 @@ class Kind(bytes, enum.Enum):
     PONG = b"\x06"
     REQUESTS = b"\x07"    # version 2: several requests in one message
     REPLIES = b"\x08"     # version 2: several replies in one message
+    PARTS = b"\x09"       # responses of streams (decoupled models), each marked final or not
     # worker <-> broker (backend socket)
     READY = b"\x10"
     HEARTBEAT = b"\x11"
@@ -77,6 +78,8 @@ class Kind(bytes, enum.Enum):
     DISCONNECT = b"\x17"   # broker -> worker
     LEAVE = b"\x18"        # worker -> broker
     LOG_SETTINGS = b"\x19" # broker -> worker
+    PARTIAL = b"\x1a"      # worker -> broker: responses of a decoupled batch, as yielded
+    STOP = b"\x1b"         # broker -> worker: requests of a running stream to stop
     # control (CLI, gateway metadata and metrics)
     CONTROL = b"\x20"
     CONTROL_REPLY = b"\x21"
@@ -104,6 +107,7 @@ class ErrorCode(str, enum.Enum):
     FORBIDDEN = "forbidden"          # management: not allowed (registration disabled, path)
     CONFLICT = "conflict"            # management: the model already exists
     UNAUTHORIZED = "unauthorized"    # control: a state-changing verb without the admin token
+    UNSUPPORTED = "unsupported"      # the call does not fit the model (unary on a decoupled one)
 
     @property
     def retryable(self) -> bool:
@@ -143,6 +147,9 @@ class InferRequest:
     tenant: str = ""          # unused; the broker names the tenant from ``api_key``
     outputs: Sequence[str] | None = None
     api_key: str = ""         # who is calling, when the broker has a tenants file
+    # the caller reads a response sequence (PARTS): required by a decoupled model, and
+    # what tells the broker that this peer speaks PARTS (no protocol version needed)
+    stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,6 +204,49 @@ class BatchResult:
     phases_ms: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StreamPart:
+    """broker -> client: one response of a stream. ``index`` counts a request's responses
+    from 0; the one with ``final`` ends it (it may carry no tensors: an empty final
+    response). A request is answered at its final part, or by an ERROR."""
+
+    request_id: str
+    model: str
+    version: int
+    index: int
+    final: bool
+    tensors: Sequence[Tensor]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PartialItem:
+    """One yielded response of one batch item (``item`` is its id in the batch)."""
+
+    item: str
+    final: bool
+    tensors: Sequence[Tensor]
+
+
+@dataclass(frozen=True)
+class Partial:
+    """worker -> broker: what one yield of a decoupled model's generator produced, sent
+    as it is produced. The batch's RESULT follows the generator's end (or its error)."""
+
+    batch_id: int
+    parts: Sequence[PartialItem]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """broker -> worker: these items of a running batch are answered (cancelled, timed
+    out): their generation stops at its next yield once no item of the batch is left."""
+
+    KIND = Kind.STOP
+    batch_id: int
+    items: list[str] = field(default_factory=list)
+
+
 # ---------------------------------------------------------------------------
 # everything else: plain headers with a declared schema
 
@@ -222,6 +272,8 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "map": (lambda v: isinstance(v, dict), "a map"),
     "pairs": (_is_pairs, "a list of [name, version] pairs"),
     "ints": (lambda v: isinstance(v, list) and all(_is_int(x) for x in v), "a list of integers"),
+    "strs": (lambda v: isinstance(v, list) and len(v) <= MAX_BUNDLE
+             and all(isinstance(x, str) for x in v), "a list of strings"),
     "any": (lambda v: True, "anything"),
 }
 
@@ -359,10 +411,10 @@ class ControlReply:
 
 
 # the wire names of fields whose Python name differs (kept short and stable on the wire)
-_WIRE = {"request_id": "id", "call_id": "id"}
+_WIRE = {"request_id": "id", "call_id": "id", "batch_id": "id"}
 _TYPES = {"str": "str", "int": "int", "float": "float", "bool": "bool",
           "dict[str, Any]": "map", "list[list[Any]]": "pairs", "list[int]": "ints",
-          "Any": "any"}
+          "list[str]": "strs", "Any": "any"}
 _ENUMS: dict[str, type[enum.Enum]] = {"DisconnectReason": DisconnectReason,
                                       "LeaveReason": LeaveReason}
 
@@ -384,7 +436,7 @@ def _schema(cls: type) -> list[tuple[str, str, Any, Any]]:
 
 MESSAGES = (Cancel, Ping, Pong, WorkerReady, WorkerHeartbeat, BrokerHeartbeat, LoadModel,
             ModelLoaded, UnloadModel, Disconnect, Leave, LogSettings, ControlRequest,
-            ControlReply)
+            ControlReply, Stop)
 _SCHEMAS = {cls: _schema(cls) for cls in MESSAGES}
 
 
@@ -552,6 +604,7 @@ def decode_request(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReq
         tenant=_field(header, "tenant", str, ""),
         outputs=outputs,
         api_key=_field(header, "api_key", str, ""),
+        stream=_field(header, "stream", bool, False),
     )
 
 
@@ -570,6 +623,8 @@ def request_header(req: InferRequest) -> tuple[dict[str, Any], list[Buffer]]:
               "outputs": list(req.outputs) if req.outputs is not None else None}
     if req.api_key:
         header["api_key"] = req.api_key
+    if req.stream:   # absent otherwise: a unary request's header stays as it was
+        header["stream"] = True
     return header, bufs
 
 
@@ -721,3 +776,63 @@ def decode_result(header: dict[str, Any], frames: Sequence[Buffer],
 
 def result_batch_id(header: dict[str, Any]) -> int:
     return int(_field(header, "id", int))
+
+
+# ---------------------------------------------------------------------------
+# streams (decoupled models)
+
+def part_header(part: StreamPart) -> tuple[dict[str, Any], list[Buffer]]:
+    metas, bufs = _encode_tensors(part.tensors)
+    header: dict[str, Any] = {"id": part.request_id, "model": part.model,
+                              "version": part.version, "index": part.index,
+                              "final": part.final, "tensors": metas}
+    if part.stats:
+        header["stats"] = part.stats
+    return header, bufs
+
+
+def encode_parts(parts: Sequence[StreamPart]) -> list[Buffer]:
+    """Responses of streams to one client, in order, in one message."""
+    return bundle(Kind.PARTS, "parts", [part_header(x) for x in parts])
+
+
+def decode_part(header: dict[str, Any], frames: Sequence[Buffer]) -> StreamPart:
+    index = _field(header, "index", int)
+    if index < 0:
+        raise ProtocolError(f"a response index must be >= 0, got {index}")
+    return StreamPart(_field(header, "id", str), _field(header, "model", str),
+                      _field(header, "version", int), index, _field(header, "final", bool),
+                      _decode_tensors(header.get("tensors"), frames),
+                      _field(header, "stats", dict, {}))
+
+
+def decode_parts(header: dict[str, Any], frames: Sequence[Buffer]) -> list[StreamPart]:
+    return [decode_part(h, bufs) for h, bufs in unbundle(header, frames, "parts")]
+
+
+def encode_partial(msg: Partial) -> list[Buffer]:
+    parts, bufs = [], []
+    for item in msg.parts:
+        metas, item_bufs = _encode_tensors(item.tensors)
+        parts.append([item.item, item.final, metas])
+        bufs.extend(item_bufs)
+    return _pack(Kind.PARTIAL, {"id": msg.batch_id, "parts": parts}) + bufs
+
+
+def decode_partial(header: dict[str, Any], frames: Sequence[Buffer]) -> Partial:
+    """A PARTIAL whose every part is well formed, or ProtocolError (then none is used:
+    the broker fails the batch, as for a malformed RESULT)."""
+    raw_parts = _field(header, "parts", list)
+    if len(raw_parts) > MAX_BUNDLE:
+        raise ProtocolError(f"{len(raw_parts)} parts in one, more than {MAX_BUNDLE}")
+    parts, pos = [], 0
+    for raw in raw_parts:
+        if not (type(raw) is list and len(raw) == 3 and type(raw[0]) is str
+                and type(raw[1]) is bool and type(raw[2]) is list):
+            raise ProtocolError("each part must be [item, final, tensors]")
+        n = len(raw[2])
+        parts.append(PartialItem(raw[0], raw[1], _decode_tensors(raw[2], frames[pos:pos + n])))
+        pos += n
+    if pos != len(frames):
+        raise ProtocolError(f"partial declares {pos} tensors but carries {len(frames)} frames")
+    return Partial(_field(header, "id", int), parts)

@@ -55,6 +55,23 @@ def invalid_version(raw: str) -> str:
     return f"invalid model version specified '{raw}' , version should be an integral value > 0"
 
 
+# -- decoupled models ------------------------------------------------------------
+
+# A unary call to a model with a decoupled transaction policy (Triton's http_server.cc and
+# grpc infer handler, TRITONSERVER_ERROR_UNSUPPORTED: HTTP 501, gRPC UNIMPLEMENTED). The
+# broker cannot tell which front end asked, so it answers decoupled_unary() with the code
+# UNSUPPORTED and each front end answers its own text for that code.
+DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
+DECOUPLED_GRPC = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+
+
+def decoupled_unary(name: object) -> str:
+    """zeroserve's own text (the direct client's): Triton has none for its C API."""
+    return (f"a unary infer doesn't support models with decoupled transaction policy: "
+            f"model '{name}' answers with a stream (Client.stream, HTTP generate_stream, "
+            f"gRPC ModelStreamInfer)")
+
+
 # -- the request's body ---------------------------------------------------------
 
 def bad_json(reason: str, offset: int) -> str:

@@ -8,7 +8,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -116,11 +116,26 @@ def _warm_sizes(cfg: ModelConfig) -> list[int]:
 
 def _run(loaded: LoadedModel, batch: int) -> None:
     args = sample_inputs(loaded.config, batch, loaded.device)
-    if loaded.handler is not None:
-        loaded.fn({s.name: t for s, t in zip(loaded.config.inputs, args)})
+    named = {s.name: t for s, t in zip(loaded.config.inputs, args)}
+    if loaded.config.decoupled:
+        # a batch of one-row requests, run to its first response (what a deadline bounds)
+        rows = [slice(i, i + 1) for i in range(batch)] if loaded.config.max_batch_size > 0 \
+            else [slice(None)]
+        gen = loaded.fn(named, rows)
+        if not isinstance(gen, Iterator):
+            raise LoadError(f"{loaded.name}/{loaded.version}: predict() of a decoupled model "
+                            f"returned {type(gen).__name__}: it must be a generator (yield)")
+        try:
+            next(gen, None)
+        finally:
+            close = getattr(gen, "close", None)
+            if close is not None:
+                close()
+    elif loaded.handler is not None:
+        loaded.fn(named)
     else:
         loaded.fn(*args)
-    del args
+    del args, named
 
 
 def warm_up(loaded: LoadedModel, probe: Probe | None = None) -> dict[int, int]:

@@ -83,9 +83,13 @@ class ModelConfig:
     warmup: dict[str, Any] = field(default_factory=lambda: {"batch_sizes": [1, 8]})
     # exempt from strict server readiness: a failure to load it is reported, not fatal
     optional: bool = False
+    # Triton's model_transaction_policy.decoupled: a request gets a sequence of responses
+    # (a Python handler whose predict is a generator; docs/streaming.md)
+    decoupled: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        out["model_transaction_policy"] = {"decoupled": out.pop("decoupled")}
         out["inputs"] = [t.to_json() for t in self.inputs]
         out["outputs"] = [t.to_json() for t in self.outputs]
         out["dynamic_batching"]["preferred_batch_sizes"] = list(
@@ -148,7 +152,7 @@ def _tensors(where: str, fld: str, raw: Any) -> tuple[TensorSpec, ...]:
 _DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
 _TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
                "version_policy", "traffic", "instances", "warmup", "input_shape", "backend",
-               "optional", "autoscaling"}
+               "optional", "autoscaling", "model_transaction_policy"}
 
 
 def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
@@ -285,6 +289,8 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
     optional = raw.get("optional", False)
     if not isinstance(optional, bool):
         raise _fail(where, "optional", f"must be true or false, got {optional!r}")
+    decoupled = _transaction_policy(where, raw.get("model_transaction_policy"),
+                                    PLATFORMS[platform])
     return ModelConfig(
         name=name, platform=PLATFORMS[platform], inputs=inputs, outputs=outputs,
         max_batch_size=mbs, dynamic_batching=_dynamic_batching(where, raw.get("dynamic_batching")),
@@ -293,7 +299,25 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
         autoscaling=autoscaling,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
-        optional=optional)
+        optional=optional, decoupled=decoupled)
+
+
+def _transaction_policy(where: str, raw: Any, platform: str) -> bool:
+    """``{"decoupled": bool}``. Only a Python handler can answer with a sequence (its
+    predict is a generator): a TorchScript or export program returns once."""
+    if raw is None:
+        return False
+    if not isinstance(raw, dict) or set(raw) - {"decoupled"}:
+        raise _fail(where, "model_transaction_policy", 'must be {"decoupled": true|false}')
+    decoupled = raw.get("decoupled", False)
+    if not isinstance(decoupled, bool):
+        raise _fail(where, "model_transaction_policy.decoupled",
+                    f"must be true or false, got {decoupled!r}")
+    if decoupled and platform != "python":
+        raise _fail(where, "model_transaction_policy.decoupled",
+                    f"needs platform 'python' (a handler whose predict yields responses), "
+                    f"not {platform!r}")
+    return decoupled
 
 
 def load_config(model_dir: Path) -> ModelConfig:

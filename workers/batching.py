@@ -122,7 +122,7 @@ def _bytes_output(arr: Any) -> np.ndarray:
     return arr
 
 
-def _handler_outputs(loaded: LoadedModel, out: Any) -> list[Any]:
+def handler_outputs(loaded: LoadedModel, out: Any) -> list[Any]:
     """A handler's predict() returns {output name: tensor, or object array for BYTES}."""
     if not isinstance(out, dict):
         raise BatchError(f"predict() returned {type(out).__name__}, expected a dict of outputs")
@@ -144,11 +144,11 @@ def _handler_outputs(loaded: LoadedModel, out: Any) -> list[Any]:
 def _call(loaded: LoadedModel, inputs: list[Any]) -> list[Any]:
     if loaded.handler is not None:
         named = {spec.name: t for spec, t in zip(loaded.config.inputs, inputs)}
-        return _handler_outputs(loaded, loaded.fn(named))
+        return handler_outputs(loaded, loaded.fn(named))
     return _as_outputs(loaded, loaded.fn(*inputs))
 
 
-def _encode(name: str, part: Any) -> p.Tensor:
+def encode_output(name: str, part: Any) -> p.Tensor:
     if isinstance(part, np.ndarray):  # BYTES
         flat = [x if isinstance(x, bytes) else str(x).encode() for x in part.reshape(-1)]
         return p.Tensor(p.TensorMeta(name, "BYTES", tuple(part.shape)),
@@ -206,10 +206,10 @@ def _replies(loaded: LoadedModel, batch: p.Batch, outputs: list[Any],
             if isinstance(t, torch.Tensor):
                 per_output.append(_rows(spec.name, t, sizes))
             else:
-                per_output.append([_encode(spec.name, part)
+                per_output.append([encode_output(spec.name, part)
                                    for part in np.split(t, np.cumsum(sizes)[:-1])])
         else:
-            per_output.append([_encode(spec.name, t)])
+            per_output.append([encode_output(spec.name, t)])
     names = [spec.name for spec in cfg.outputs]
     replies = []
     for i, item in enumerate(batch.items):

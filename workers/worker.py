@@ -38,7 +38,7 @@ from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
-from zeroserve.workers import batching, memory
+from zeroserve.workers import batching, memory, streaming
 from zeroserve.workers.memory import rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,10 @@ class Worker:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._sock_lock = threading.RLock()   # every call on self.sock holds it
         self._loads: queue.Queue[Any] = queue.Queue()
+        # stream batches received and not finished -> their items the broker answered
+        # already (STOP); the main thread adds, the compute thread reads and forgets
+        self._stops: dict[int, set[str]] = {}
+        self._stops_lock = threading.Lock()
         self.drain_timeout_s = drain_timeout_s
         self.stopping = False
         self._draining = False
@@ -251,7 +255,16 @@ class Worker:
                 # the budget is relative; turn it into our own clock's deadline on receipt
                 start_by = self._last_heard + batch.timeout_ms / 1000.0 \
                     if batch.timeout_ms > 0 else float("inf")
+                loaded = self.models.get((batch.model, batch.version))
+                if loaded is not None and loaded.config.decoupled:
+                    with self._stops_lock:
+                        self._stops[batch.batch_id] = set()
                 self._jobs.put((batch, start_by))
+            elif kind is p.Kind.STOP:
+                stop = p.decode(p.Stop, header)
+                with self._stops_lock:
+                    if stop.batch_id in self._stops:   # else it is done already
+                        self._stops[stop.batch_id].update(stop.items)
             elif kind is p.Kind.HEARTBEAT:
                 self._on_heartbeat(p.decode(p.BrokerHeartbeat, header))
             elif kind is p.Kind.LOAD:
@@ -338,11 +351,23 @@ class Worker:
                 result = p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=(
                     f"model {batch.model}/{batch.version} is not loaded on "
                     f"worker {self.worker_id}"))
+            elif loaded.config.decoupled:
+                result = streaming.run_stream(
+                    loaded, batch, lambda part: self._send_result(p.encode_partial(part)),
+                    lambda: self._stopped(batch.batch_id))
+                self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
             else:
                 result = batching.run(loaded, batch)
                 self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
+            if self._stops:
+                with self._stops_lock:
+                    self._stops.pop(batch.batch_id, None)
             self._send_result(p.encode_result(result))
             del loaded, result  # hold no version between batches: unloads free it
+
+    def _stopped(self, batch_id: int) -> frozenset[str]:
+        with self._stops_lock:
+            return frozenset(self._stops.get(batch_id, ()))
 
     def _loader_loop(self) -> None:
         out = self.ctx.socket(zmq.PUSH)

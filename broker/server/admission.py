@@ -20,6 +20,8 @@ def admission_error(req: p.InferRequest, model: CatalogModel | None, pool: Worke
         return p.ErrorCode.NOT_FOUND, wording.unknown_model(req.model)
     if req.version is not None and req.version not in model.versions:
         return p.ErrorCode.NOT_FOUND, wording.unknown_version(req.model, req.version)
+    if model.config.decoupled and not req.stream:
+        return p.ErrorCode.UNSUPPORTED, wording.decoupled_unary(req.model)
     if not pool.holders(req.model, req.version):
         return p.ErrorCode.NO_WORKER, f"no worker has model {req.model!r} loaded"
     return None

@@ -217,6 +217,8 @@ class Broker:
         worker.last_seen_s = now
         if kind is p.Kind.RESULT:
             self.requests.on_result(worker, header, bufs, now)
+        elif kind is p.Kind.PARTIAL:
+            self.requests.on_partial(worker, header, bufs, now)
         elif kind is p.Kind.HEARTBEAT:
             beat = p.decode(p.WorkerHeartbeat, header)
             worker.metrics_text, worker.memory = beat.metrics, beat.memory
@@ -411,6 +413,8 @@ class Broker:
         return {"workers": [w.describe(now) for w in self.pool.workers.values()],
                 "queues": {m: self.scheduler.depth(m) for m in self.catalog.models},
                 "inflight_batches": len(self.pool.inflight), "stopping": self.stopping,
+                "open_requests": self.requests.open_count(),
+                "streams": self.requests.streams.sizes(),
                 "pid": os.getpid(), "tenants": self.tenancy.summary(),
                 "autoscaling": self.replicas.describe(),
                 "memory_plan": self.lifecycle.placement.describe()}

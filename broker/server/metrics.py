@@ -85,6 +85,16 @@ class BrokerMetrics:
                                        namespace=ns, registry=r)
         self.bad = Counter("bad_messages", "Malformed messages counted and dropped",
                            ["socket", "reason"], namespace=ns, registry=r)
+        self.streams = Counter("streams", "Streams (requests to decoupled models) ended, by "
+                               "how: ok at a final response, else the error code",
+                               ["model", "status"], namespace=ns, registry=r)
+        self.stream_responses = Counter("stream_responses", "Responses sent on streams "
+                                        "(empty final responses included)", ["model"],
+                                        namespace=ns, registry=r)
+        self.first_response = Histogram("stream_first_response_seconds",
+                                        "Broker arrival to a stream's first response",
+                                        ["model"], namespace=ns, registry=r,
+                                        buckets=LATENCY_BUCKETS)
         self._child = Children()
 
     def request_done(self, model: str, version: int, queue_s: float, total_s: float) -> None:
@@ -99,6 +109,15 @@ class BrokerMetrics:
             self._child(self.rejected_total, model, reason).inc()
         if code is ErrorCode.DEADLINE:
             self._child(self.deadline, model).inc()
+
+    def stream_responses_sent(self, model: str, n: int) -> None:
+        self._child(self.stream_responses, model).inc(n)
+
+    def stream_first_response(self, model: str, seconds: float) -> None:
+        self._child(self.first_response, model).observe(seconds)
+
+    def stream_ended(self, model: str, status: str) -> None:
+        self._child(self.streams, model, status).inc()
 
     def queued(self, model: str, priority: int, queue_s: float) -> None:
         self._child(self.queue, model, str(priority)).observe(queue_s)

@@ -46,6 +46,7 @@ class Inflight:
     reason: str
     sent_s: float
     exec_deadline_s: float = math.inf
+    stream: bool = False   # a decoupled model's: its responses come as PARTIAL messages
 
 
 @dataclass
@@ -197,14 +198,14 @@ class WorkerPool:
     # -- batches ------------------------------------------------------------
     def send_batch(self, worker: WorkerState, model: str, version: int,
                    entries: list[Entry], items: list[p.BatchItem], reason: str, now: float,
-                   exec_s: float) -> Inflight | None:
+                   exec_s: float, stream: bool = False) -> Inflight | None:
         """Send a batch; None (and the worker is unreachable) if the send failed."""
         batch_id = next(self._batch_ids)
         tightest = min(e.deadline_s for e in entries)
         rec = Inflight(batch_id, worker.identity, model, version,
                        {it.request_id: e for it, e in zip(items, entries)},
                        sum(e.samples for e in entries), reason, now,
-                       now + exec_s if exec_s > 0 else math.inf)
+                       now + exec_s if exec_s > 0 else math.inf, stream)
         frames = p.encode_batch(p.Batch(batch_id, model, version, items,
                                         (tightest - now) * 1000.0 if tightest < math.inf else 0))
         if not self._send(worker.identity, frames):
@@ -222,6 +223,19 @@ class WorkerPool:
             if worker is not None and batch_id in worker.inflight:
                 worker.inflight.remove(batch_id)
         return rec
+
+    def progressed(self, batch_id: int, now: float, exec_s: float) -> Inflight | None:
+        """A stream's batch sent a response: ``max_execution_ms`` bounds the time between
+        its responses, not the whole stream (a generation may rightly run for minutes).
+        Returns its record, or None when it is no longer ours."""
+        rec = self.inflight.get(batch_id)
+        if rec is not None and exec_s > 0:
+            rec.exec_deadline_s = now + exec_s
+        return rec
+
+    def stop(self, identity: bytes, batch_id: int, items: list[str]) -> None:
+        """Tell a worker that these items of a running stream batch are answered."""
+        self._send(identity, p.encode(p.Stop(batch_id, items)))
 
     def overdue(self, now: float) -> list[Inflight]:
         return [r for r in self.inflight.values() if r.exec_deadline_s <= now]

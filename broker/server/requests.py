@@ -25,6 +25,8 @@ from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
+from zeroserve.broker.server.streampath import StreamPath
+from zeroserve.broker.server.streams import Streams
 from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
 
 # A batch sent to a busy worker waits there, in a FIFO that neither priority nor deadline
@@ -80,7 +82,7 @@ class Payload:
         self.request = None
 
 
-class RequestPath:
+class RequestPath(StreamPath):
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
                  latency: LatencyBook, metrics: BrokerMetrics, reply: Send,
                  rng: random.Random | None = None, tenancy: Tenancy | None = None) -> None:
@@ -99,6 +101,7 @@ class RequestPath:
         self.admitting = True                          # False while the broker stops
         self.stats = ModelStatistics()                 # the statistics extension's figures
         self.clock: Callable[[], float] = time.monotonic   # the broker's (for fail times)
+        self.streams = Streams()                       # decoupled models' running requests
 
     # -- state --------------------------------------------------------------
     def open_count(self) -> int:
@@ -248,6 +251,9 @@ class RequestPath:
         entry = self.scheduler.cancel((client, request_id))
         if entry is not None:
             self.answer_error(entry, p.ErrorCode.CANCELLED, "cancelled by the client")
+        elif self.streams:
+            self.stop_stream((client, request_id), p.ErrorCode.CANCELLED,
+                             "cancelled by the client")
 
     def client_gone(self, client: bytes) -> int:
         """A client's connection closed: its queued requests leave the queue (what is in
@@ -258,6 +264,9 @@ class RequestPath:
             if entry is not None:
                 self.answer_error(entry, p.ErrorCode.CANCELLED, "the client went away")
                 withdrawn += 1
+            elif self.streams and self.stop_stream((client, rid), p.ErrorCode.CANCELLED,
+                                                   "the client went away"):
+                withdrawn += 1   # a running stream: its generation stops too
         return withdrawn
 
     # -- results ------------------------------------------------------------
@@ -271,6 +280,9 @@ class RequestPath:
         except p.ProtocolError as exc:
             self._fail_batch(rec, p.ErrorCode.INTERNAL, f"worker sent a malformed result: {exc}")
             raise
+        if rec.stream:
+            self.stream_result(worker, rec, result, now)
+            return
         if result.error is not None:
             if result.retry:
                 self._requeue(list(rec.entries.values()), result.error, now)
@@ -341,7 +353,10 @@ class RequestPath:
         for entry in entries:
             pl: Payload = entry.payload
             if pl.attempts < 1 and entry.deadline_s > now and self.pool.holders(entry.model) \
-                    and self.scheduler.knows(entry.model) and self.is_open(entry.key):
+                    and self.scheduler.knows(entry.model) and self.is_open(entry.key) \
+                    and not (self.streams and self.streams.has_responded(entry.key)):
+                if self.streams:
+                    self.streams.forget(entry.key)   # it runs again from the start
                 pl.attempts += 1
                 fresh = entry.again()
                 fresh.version = entry.version if pl.pinned else None
@@ -358,6 +373,8 @@ class RequestPath:
     def expire(self, now: float) -> None:
         for entry in self.scheduler.expire(now):
             self.answer_error(entry, p.ErrorCode.DEADLINE, "deadline exceeded while queued")
+        if self.streams:
+            self.expire_streams(now)
 
     def dispatch(self, now: float) -> None:
         for name in self.scheduler.models_waiting():
@@ -407,13 +424,15 @@ class RequestPath:
                  for i, e in enumerate(entries)]  # open entries: their requests are held
         exec_s = model.config.dynamic_batching.max_execution_ms / 1000.0
         rec = self.pool.send_batch(worker, model.config.name, version, entries, items, reason,
-                                   now, exec_s)
+                                   now, exec_s, model.config.decoupled)
         if rec is None:
             self.worker_lost(self.pool.remove(worker, Loss.UNREACHABLE), Loss.UNREACHABLE,
                              worker.worker_id, now)
             self._requeue(entries, f"worker {worker.worker_id} is unreachable", now)
             return
         self._last_used[model.config.name] = now
+        if rec.stream:
+            self.streams_started(rec)
         self.metrics.batch_sent(model.config.name, reason, rec.samples)
         for entry in entries:
             self.metrics.queued(model.config.name, entry.priority, now - entry.arrival_s)
@@ -439,7 +458,8 @@ class RequestPath:
         return self.pool.work_s(worker, predict)
 
     def next_due(self, now: float) -> float | None:
-        due = [d for d in (self.scheduler.next_deadline(), self.pool.next_exec_deadline())
+        due = [d for d in (self.scheduler.next_deadline(), self.pool.next_exec_deadline(),
+                           self.streams.next_deadline() if self.streams else None)
                if d is not None]
         for name in self.scheduler.models_waiting():
             d = self.scheduler.next_due(name, now, self.latency.predictor(name))
@@ -452,6 +472,8 @@ class RequestPath:
         """Mark a request answered; False if it already was (then send nothing)."""
         if self._open.pop(key, None) is None:
             return False
+        if self.streams:
+            self.streams.forget(key)
         self.tenancy.release(key)
         rids = self._by_client.get(key[0])
         if rids is not None:
@@ -462,6 +484,8 @@ class RequestPath:
 
     def answer_error(self, entry: Entry, code: p.ErrorCode, message: str,
                      retry_after_s: float | None = None) -> None:
+        if self.streams and self.streams.get(entry.key) is not None:
+            self.metrics.stream_ended(entry.model, code.value)
         if not self._close(entry.key):
             return
         self.stats.request_failed(entry.model, entry.version,

@@ -1,0 +1,159 @@
+"""The request path's part for decoupled models: responses forwarded as they arrive.
+
+A worker running a stream batch sends a PARTIAL for each yield of the model's
+generator; each part is forwarded at once to its client as a PARTS message, numbered
+per request (``index``), and the part marked final answers its request: it closes
+the request's key as a reply does, so "exactly one final answer per request" holds
+for streams too, and a part that arrives for a request answered meanwhile (cancelled,
+timed out, its worker presumed dead) is dropped. The batch's RESULT, sent when the
+generator ends, gives each stream still open an empty final response, or the error.
+
+A stream answered early (its client cancelled or went away, or its deadline passed
+before its first response) is stopped at its worker: STOP names the batch item, and
+the worker closes the generator at its next yield once no item of the batch is left,
+which frees its slot. The deadline bounds the first response only, and
+``max_execution_ms`` the time between two responses (a generation may run long).
+
+This is a mixin of :class:`~zeroserve.broker.server.requests.RequestPath` (one
+object: the answers and the books are the same as for unary requests).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from zeroserve.broker import protocol as p
+from zeroserve.broker.server.streams import StreamState
+
+if TYPE_CHECKING:
+    from zeroserve.broker.server.catalog import Catalog
+    from zeroserve.broker.server.metrics import BrokerMetrics
+    from zeroserve.broker.server.pool import Inflight, WorkerPool, WorkerState
+    from zeroserve.broker.server.scheduler import Entry
+    from zeroserve.broker.server.stats import ModelStatistics
+    from zeroserve.broker.server.streams import Key, Streams
+
+Parts = dict[bytes, list[p.StreamPart]]
+
+
+class StreamPath:
+    if TYPE_CHECKING:   # what the request path provides
+        streams: Streams
+        pool: WorkerPool
+        catalog: Catalog
+        metrics: BrokerMetrics
+        stats: ModelStatistics
+        _reply: Callable[[bytes, list[Any]], bool]
+
+        def _close(self, key: Key) -> bool: ...
+
+        def answer_error(self, entry: Entry, code: p.ErrorCode, message: str,
+                         retry_after_s: float | None = None) -> None: ...
+
+        def _requeue(self, entries: list[Entry], why: str, now: float) -> None: ...
+
+        def _fail_batch(self, rec: Inflight, code: p.ErrorCode, message: str) -> None: ...
+
+    # -- dispatch -------------------------------------------------------------
+    def streams_started(self, rec: "Inflight") -> None:
+        for item, entry in rec.entries.items():
+            self.streams.started(entry.key, StreamState(
+                rec.batch_id, item, rec.worker, entry.deadline_s, rec.model, entry.arrival_s))
+
+    # -- responses ------------------------------------------------------------
+    def on_partial(self, worker: "WorkerState", header: dict[str, Any], bufs: Sequence[Any],
+                   now: float) -> None:
+        batch_id = p.result_batch_id(header)
+        rec = self.pool.inflight.get(batch_id)
+        if rec is None or not rec.stream or rec.worker != worker.identity:
+            return   # no longer ours (answered, or its worker presumed lost): dropped
+        try:
+            msg = p.decode_partial(header, bufs)
+        except p.ProtocolError as exc:
+            items = list(rec.entries)
+            self._fail_batch(rec, p.ErrorCode.INTERNAL,
+                             f"worker sent a malformed response: {exc}")
+            self.pool.stop(rec.worker, batch_id, items)
+            raise
+        model = self.catalog.get(rec.model)
+        exec_ms = model.config.dynamic_batching.max_execution_ms if model is not None else 0
+        self.pool.progressed(batch_id, now, exec_ms / 1000.0)
+        out: Parts = {}
+        for part in msg.parts:
+            entry = rec.entries.get(part.item)
+            if entry is None:
+                continue   # answered already (cancelled, late), or an item it never had
+            if part.final:
+                del rec.entries[part.item]
+            self._respond(out, rec, entry, part.final, part.tensors, now)
+        self._send_parts(rec.model, out)
+
+    def stream_result(self, worker: "WorkerState", rec: "Inflight", result: p.BatchResult,
+                      now: float) -> None:
+        """The generator ended (or raised): each stream still open ends now."""
+        self.metrics.batch_done(rec.model, rec.samples, result.compute_ms / 1000.0,
+                                result.phases_ms)
+        self.stats.batch_done(rec.model, rec.version, rec.samples, result.phases_ms,
+                              result.compute_ms)
+        if result.error is not None:
+            if result.retry:
+                self._requeue(list(rec.entries.values()), result.error, now)
+            else:
+                code = p.ErrorCode.DEADLINE if result.expired else p.ErrorCode.MODEL_ERROR
+                self._fail_batch(rec, code, result.error)
+            return
+        out: Parts = {}
+        for entry in rec.entries.values():   # what the model never marked final
+            self._respond(out, rec, entry, True, [], now)
+        rec.entries.clear()
+        self._send_parts(rec.model, out)
+
+    def _respond(self, out: Parts, rec: "Inflight", entry: "Entry", final: bool,
+                 tensors: Sequence[p.Tensor], now: float) -> None:
+        state = self.streams.get(entry.key)
+        if state is None or state.batch_id != rec.batch_id:
+            return
+        index = self.streams.responded(state, entry.key)
+        if index == 0:
+            self.metrics.stream_first_response(rec.model, now - entry.arrival_s)
+        pl = entry.payload
+        stats: dict[str, float] = {}
+        if final:
+            if not self._close(entry.key):
+                return
+            queue_s, total_s = rec.sent_s - entry.arrival_s, now - entry.arrival_s
+            self.metrics.request_done(rec.model, rec.version, queue_s, total_s)
+            self.metrics.stream_ended(rec.model, "ok")
+            self.stats.request_done(rec.model, rec.version, queue_s, total_s, {}, 0.0)
+            stats = {"queue_ms": queue_s * 1000.0, "batch_size": rec.samples,
+                     "responses": index + 1, **pl.notes}
+            pl.release()
+        out.setdefault(pl.client, []).append(p.StreamPart(
+            pl.request_id, rec.model, rec.version, index, final, tensors, stats))
+
+    def _send_parts(self, model: str, out: Parts) -> None:
+        for client, parts in out.items():
+            for i in range(0, len(parts), p.MAX_BUNDLE):
+                self._reply(client, p.encode_parts(parts[i:i + p.MAX_BUNDLE]))
+            self.metrics.stream_responses_sent(model, len(parts))
+
+    # -- ended early ----------------------------------------------------------
+    def stop_stream(self, key: "Key", code: p.ErrorCode, message: str) -> bool:
+        """Answer a running stream now and stop it at its worker; False if it is not
+        running (then there is nothing to stop)."""
+        state = self.streams.get(key)
+        if state is None:
+            return False
+        rec = self.pool.inflight.get(state.batch_id)
+        entry = rec.entries.pop(state.item, None) if rec is not None else None
+        if entry is None:
+            self.streams.forget(key)
+            return False
+        self.answer_error(entry, code, message)
+        self.pool.stop(state.worker, state.batch_id, [state.item])
+        return True
+
+    def expire_streams(self, now: float) -> None:
+        for key in self.streams.late(now):
+            self.stop_stream(key, p.ErrorCode.DEADLINE,
+                             "deadline exceeded before the first response")

@@ -306,3 +306,11 @@ def test_the_anchor_rules_agree_on_a_plain_heading_and_differ_on_punctuation(tmp
     assert mkdocs_anchors(page)[0] == github_anchors(page)[0] == "load-testing-zeroserve-bench"
     assert mkdocs_anchors(page)[1:] == ["a-b", "a-b_1"]
     assert github_anchors(page)[1:] == ["a----b", "a----b-1"]
+
+
+def test_perf_report_writes_into_the_performance_page():
+    from tests.bench import perf_report
+
+    text = perf_report.PAGE.read_text()
+    assert text.count(perf_report.BEGIN) == 1 and text.count(perf_report.END) == 1
+    assert (perf_report.IMAGES / "request-path.png").is_file()

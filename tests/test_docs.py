@@ -5,6 +5,7 @@ makes a warning an error)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -58,3 +59,22 @@ def test_a_nav_entry_without_its_page_fails_the_build(copy: Path) -> None:
     done = build(copy, copy / "site")
     assert done.returncode != 0
     assert "'troubleshooting.md' is included in the 'nav'" in done.stdout + done.stderr
+
+
+def test_troubleshooting_has_every_error_code_with_its_statuses() -> None:
+    """One row per ErrorCode, with the HTTP status and gRPC code the gateway answers for
+    it (gateway/errors.py) and whether the client may retry it."""
+    from zeroserve.broker.protocol import ErrorCode
+    from zeroserve.gateway import errors
+
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    rows = {m[0]: m[1:] for m in re.findall(
+        r"^\| `([a-z_]+)` \| (\d+) \| ([A-Z_]+) \| (yes|no) \|", text, re.M)}
+    wrong = []
+    for code in ErrorCode:
+        status = errors.BY_CODE.get(code, errors.INTERNAL)
+        want = (str(status.http), status.grpc, "yes" if code.retryable else "no")
+        if rows.get(code.value) != want:
+            wrong.append(f"{code.value}: the page says {rows.get(code.value)}, the code {want}")
+    wrong += [f"{name}: no such ErrorCode" for name in set(rows) - {c.value for c in ErrorCode}]
+    assert not wrong, "docs/troubleshooting.md's table of error codes:\n" + "\n".join(wrong)

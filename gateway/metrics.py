@@ -136,6 +136,14 @@ def _instance() -> str:
     return socket.gethostname() if MULTIPROC else f"{socket.gethostname()}:{os.getpid()}"
 
 
+def _broker_up(up: bool) -> str:
+    # set by the scrape itself: the broker's own series vanish when it is down, so only
+    # the gateway can say so (alert ZeroserveBrokerUnreachable)
+    return ("# HELP zeroserve_gateway_broker_up 1 if this scrape reached the broker\n"
+            "# TYPE zeroserve_gateway_broker_up gauge\n"
+            f"zeroserve_gateway_broker_up {1 if up else 0}\n")
+
+
 class Scrape:
     """``GET /metrics``: the gateway's series, then the broker's and every worker's.
     With the broker unreachable the scrape still answers, with the gateway's alone."""
@@ -144,15 +152,17 @@ class Scrape:
         self.control = control
 
     async def endpoint(self, request: Request) -> Response:
-        sources = [("gateway", _instance(), gateway_text())]
+        sources = []
         try:
             got: dict[str, Any] = await self.control("metrics")
         except InferError as exc:
             logger.warning("metrics from the broker unavailable: %s", exc.message)
-        else:
+            got = {}
+        if got:
             broker_instance = str(got.get("instance") or "broker")
             sources.append(("broker", broker_instance, str(got.get("broker", ""))))
             for worker_id, text in sorted((got.get("workers") or {}).items()):
                 if text:
                     sources.append(("worker", str(worker_id), str(text)))
+        sources.insert(0, ("gateway", _instance(), gateway_text() + _broker_up(bool(got))))
         return Response(merge(sources), 200, media_type=CONTENT_TYPE)

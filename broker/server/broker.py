@@ -25,7 +25,7 @@ from zeroserve.broker.server.catalog import Catalog, optional_models
 from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
 from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
-from zeroserve.broker.server.metrics import BrokerMetrics
+from zeroserve.broker.server.metrics import BrokerMetrics, ModelStates
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.replicas import Replicas
 from zeroserve.broker.server.repoctl import RepositoryControl
@@ -53,6 +53,7 @@ class Broker:
         self._to_controller = to_controller
         self.metrics = BrokerMetrics()
         self.catalog = Catalog(model_dir)
+        self.metrics.registry.register(ModelStates(lambda: self.catalog.models))
         self.scheduler = Scheduler()
         self.pool = WorkerPool(to_worker, clock, heartbeat_s=heartbeat_s,
                                expiry_s=worker_expiry_s)
@@ -236,6 +237,7 @@ class Broker:
         if old is not None:
             self._lose(old, Loss.REREGISTERED)
         worker = self.pool.register(identity, ready, now)
+        self.metrics.worker_registered(worker.worker_id)
         self.replicas.adopt(worker)
         self.lifecycle.sync_worker(worker)
         self.metrics.workers_alive(len(self.pool.workers))
@@ -246,6 +248,8 @@ class Broker:
             self._lose(worker, Loss.LEFT)
             return
         recycle = msg.reason is p.LeaveReason.RECYCLE
+        if recycle:
+            self.metrics.worker_recycled(worker.worker_id)
         self.pool.leave(worker, recycle=recycle)
         if self.stopping and not recycle:
             # the whole server stops: keep it until what we accepted is answered
@@ -262,6 +266,7 @@ class Broker:
     def _lose(self, worker: WorkerState, loss: Loss) -> None:
         self._left_s.pop(worker.identity, None)
         lost = self.pool.remove(worker, loss)
+        self.metrics.worker_lost(worker.worker_id, loss.name.lower())
         self.requests.worker_lost(lost, loss, worker.worker_id, self.clock())
         self.lifecycle.worker_removed()
         self.metrics.workers_alive(len(self.pool.workers))

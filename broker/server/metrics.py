@@ -3,9 +3,10 @@ them over the control socket and merges them into its one scrape."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 
 from zeroserve.broker.protocol import ErrorCode
@@ -95,6 +96,15 @@ class BrokerMetrics:
                                         "Broker arrival to a stream's first response",
                                         ["model"], namespace=ns, registry=r,
                                         buckets=LATENCY_BUCKETS)
+        self.restarts = Counter("worker_restarts", "Times a worker id registered again "
+                                "with this broker (each start after its first)", ["worker"],
+                                namespace=ns, registry=r)
+        self.losses = Counter("worker_losses", "Workers removed, by how they were lost",
+                              ["worker", "reason"], namespace=ns, registry=r)
+        self.recycles = Counter("worker_recycles", "Workers that left to be restarted "
+                                "because memory was not returned after an unload",
+                                ["worker"], namespace=ns, registry=r)
+        self._seen_workers: set[str] = set()
         self._child = Children()
 
     def request_done(self, model: str, version: int, queue_s: float, total_s: float) -> None:
@@ -140,6 +150,20 @@ class BrokerMetrics:
     def workers_alive(self, n: int) -> None:
         self.alive.set(n)
 
+    def worker_registered(self, worker_id: str) -> None:
+        # the first registration creates the series at 0, so increase() sees the first restart
+        child = self._child(self.restarts, worker_id)
+        self._child(self.recycles, worker_id)
+        if worker_id in self._seen_workers:
+            child.inc()
+        self._seen_workers.add(worker_id)
+
+    def worker_lost(self, worker_id: str, reason: str) -> None:
+        self._child(self.losses, worker_id, reason).inc()
+
+    def worker_recycled(self, worker_id: str) -> None:
+        self._child(self.recycles, worker_id).inc()
+
     def shutdown_failed(self, n: int) -> None:
         self.shutdown_cut.inc(n)
 
@@ -151,3 +175,23 @@ class BrokerMetrics:
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+class ModelStates:
+    """prometheus_client's collector protocol: each catalog model's readiness (what
+    ``/v2/models/{m}/ready`` answers) and its queue-time SLO (``autoscaling.queue_slo_ms``,
+    the alert rules' threshold), read at each scrape so the request path pays nothing."""
+
+    def __init__(self, models: Callable[[], Mapping[str, Any]]) -> None:
+        self.models = models
+
+    def collect(self) -> Iterator[Metric]:
+        ready = GaugeMetricFamily("zeroserve_model_ready", "1 while a version of the model "
+                                  "is loaded and routable, else 0", labels=["model"])
+        slo = GaugeMetricFamily("zeroserve_model_queue_slo_seconds", "The model's queue-time "
+                                "objective (autoscaling.queue_slo_ms)", labels=["model"])
+        for name, model in sorted(self.models().items()):
+            ready.add_metric([name], 1.0 if model.ready else 0.0)
+            slo.add_metric([name], float(model.config.autoscaling.get("queue_slo_ms", 100.0))
+                           / 1000.0)
+        yield from (ready, slo)

@@ -345,9 +345,17 @@ class Placement:
                 if key in self.measured:
                     meas.add_metric([m, str(v), w.worker_id],
                                     _int(self.measured[key], "footprint_bytes"))
+        free = GaugeMetricFamily("zeroserve_worker_memory_available_bytes",
+                                 "Bytes a new version may take on the worker's device after "
+                                 "the headroom (negative: over it; absent: no limit)",
+                                 labels=["worker", "device"])
+        for w in self.lc.pool.workers.values():
+            room = self.available(w)
+            if room is not None:
+                free.add_metric([w.worker_id, str(w.info.get("device") or "cpu")], room)
         refused = CounterMetricFamily("zeroserve_memory_refusals",
                                       "Loads refused for memory before loading",
                                       labels=["model", "device"])
         for (model, device), n in sorted(self.refusals.items()):
             refused.add_metric([model, device], n)
-        yield from (pred, meas, refused)
+        yield from (pred, meas, free, refused)

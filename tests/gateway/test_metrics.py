@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from zeroserve.broker.client import Client
+from zeroserve.broker.client import Client, InferError
+from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway import metrics
 from tests.conftest import http, wait_for
 
@@ -98,8 +100,11 @@ def test_one_scrape_has_gateway_broker_and_each_worker(api_server):
                  "zeroserve_inference_compute_seconds_count",
                  "zeroserve_inference_batch_size_count", "zeroserve_model_load_success_total",
                  "zeroserve_model_load_seconds_count", "zeroserve_queue_depth",
-                 "zeroserve_requests_rejected_total", "zeroserve_http_request_seconds_bucket"):
+                 "zeroserve_requests_rejected_total", "zeroserve_http_request_seconds_bucket",
+                 "zeroserve_worker_restarts_total", "zeroserve_model_ready",
+                 "zeroserve_model_queue_slo_seconds", "zeroserve_gateway_broker_up"):
         assert name in series, name
+    assert re.search(r"zeroserve_gateway_broker_up\{[^}]*\} 1\.0", text)
     assert re.search(r'zeroserve_requests_rejected_total\{[^}]*reason="bad_input"', text)
     for family in ("zeroserve_queue_depth", "zeroserve_worker_memory_bytes"):
         assert text.count(f"# TYPE {family} ") == 1
@@ -125,3 +130,19 @@ def test_gateways_share_multiprocess_mode_and_the_rest_stays_apart(serve, tiny_r
     written = {p.name.split("_")[0] for p in tmp_path.glob("*.db")}
     assert written and written <= {"counter", "histogram", "gauge"}  # gauge: the door's
     assert len({p.name.rsplit("_", 1)[1] for p in tmp_path.glob("*.db")}) == 1  # one pid
+
+
+def test_a_scrape_without_the_broker_says_so_and_keeps_the_gateways_series():
+    async def unreachable(verb, **args):
+        raise InferError(ErrorCode.UNAVAILABLE, "broker at ipc://x is not reachable")
+
+    async def answering(verb, **args):
+        return {"instance": "h:1", "broker": BROKER, "workers": {"h/0": WORKER}}
+
+    down = asyncio.run(metrics.Scrape(unreachable).endpoint(None)).body.decode()
+    up = asyncio.run(metrics.Scrape(answering).endpoint(None)).body.decode()
+    assert re.search(r"zeroserve_gateway_broker_up\{[^}]*\} 0\.0", down)
+    assert re.search(r"zeroserve_gateway_broker_up\{[^}]*\} 1\.0", up)
+    assert "zeroserve_inference_requests_total" not in down
+    assert "zeroserve_inference_requests_total" in up
+    assert "zeroserve_http_requests_total" in down

@@ -67,6 +67,8 @@ BY_CODE: dict[ErrorCode, Status] = {
     ErrorCode.FORBIDDEN: Status(403, "PERMISSION_DENIED"),
     ErrorCode.CONFLICT: Status(409, "ALREADY_EXISTS"),
     ErrorCode.UNAUTHORIZED: Status(401, "UNAUTHENTICATED"),
+    # Triton's TRITONSERVER_ERROR_UNSUPPORTED (a unary call to a decoupled model)
+    ErrorCode.UNSUPPORTED: Status(501, "UNIMPLEMENTED"),
 }
 BAD_INPUT = BY_CODE[ErrorCode.BAD_INPUT]
 TOO_LARGE = Status(413, "RESOURCE_EXHAUSTED")

@@ -32,11 +32,17 @@ WHY = {
     422: "the model failed to load (the loader's message)",
     413: "request body too large", 429: "overloaded or over quota (Retry-After)",
     500: "the model raised", 503: "no worker, draining, or broker down (Retry-After)",
+    501: "a unary call to a model with a decoupled transaction policy (use generate_stream)",
     504: "deadline exceeded",
 }
 VERSION = {"type": "string", "pattern": "^[1-9][0-9]{0,8}$"}
 MODEL_READ = [200, 400, 404, 503]
-INFER = [200, 400, 404, 413, 429, 500, 503, 504]
+INFER = [200, 400, 404, 413, 429, 500, 501, 503, 504]
+GENERATE = [200, 400, 404, 413, 429, 500, 503, 504]
+GENERATE_REQUEST = {"type": "object", "description": "members naming the model's inputs are "
+                    "their data; parameters.priority and parameters.timeout (us) as for infer",
+                    "properties": {"text_input": {"type": "string"},
+                                   "parameters": {"type": "object"}}}
 
 V2_REQUEST = {
     "type": "object", "required": ["inputs"],
@@ -117,6 +123,14 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
      INFER, V2_REQUEST, "application/json"),
     ("post", "/v2/models/{name}/versions/{version}/infer", "KServe v2 inference, pinned "
      "version", INFER, V2_REQUEST, "application/json"),
+    ("post", "/v2/models/{name}/generate", "Triton's generate extension: one JSON response",
+     GENERATE, GENERATE_REQUEST, "application/json"),
+    ("post", "/v2/models/{name}/versions/{version}/generate", "generate, pinned version",
+     GENERATE, GENERATE_REQUEST, "application/json"),
+    ("post", "/v2/models/{name}/generate_stream", "Triton's generate extension: each "
+     "response as a Server-Sent Event", GENERATE, GENERATE_REQUEST, "text/event-stream"),
+    ("post", "/v2/models/{name}/versions/{version}/generate_stream", "generate_stream, "
+     "pinned version", GENERATE, GENERATE_REQUEST, "text/event-stream"),
     ("post", "/models/{name}/predict", "Simple JSON predict", INFER, SEED_REQUEST,
      "application/json"),
     ("post", "/models/{name}/{version}/predict", "Simple JSON predict, pinned version",

@@ -10,6 +10,7 @@ from starlette.routing import BaseRoute, Route
 from zeroserve.gateway import metrics, openapi
 from zeroserve.gateway.routes import predict
 from zeroserve.gateway.routes.extensions import Extensions
+from zeroserve.gateway.routes.generate import GenerateRoutes
 from zeroserve.gateway.routes.infer import InferEndpoint
 from zeroserve.gateway.routes.models import ModelRoutes
 from zeroserve.gateway.routes.registration import Registration
@@ -28,6 +29,7 @@ def routes(gw: "Gateway", infer: InferEndpoint) -> list[BaseRoute]:
         *ModelRoutes(gw).routes(),
         Route(m + "/infer", infer, methods=["POST"]),
         Route(mv + "/infer", infer, methods=["POST"]),
+        *GenerateRoutes(gw).routes(),
         *predict.routes(gw),
         Route("/metrics", metrics.Scrape(gw.control).endpoint, methods=["GET"]),
         *Registration(gw).routes(),

@@ -175,9 +175,9 @@ class InferEndpoint:
                                   timeout_ms, api_key_of(headers))
         if isinstance(got, InferError):
             answer = errors.infer_answer(got)
-            return await send_error(send, answer.status.http,
-                                    wording.with_request_id(got.message, req.id),
-                                    answer.http_headers())
+            message = wording.DECOUPLED_HTTP if got.code is ErrorCode.UNSUPPORTED \
+                else wording.with_request_id(got.message, req.id)
+            return await send_error(send, answer.status.http, message, answer.http_headers())
         return await self._answer(send, req, *got, headers.get("accept-encoding"))
 
     async def _forward(self, receive: Receive, name: str, req: v2.V2Request,

@@ -1,0 +1,121 @@
+"""Triton's generate extension: ``POST /v2/models/{m}[/versions/{v}]/generate`` and
+``/generate_stream`` (docs/streaming.md; the JSON is gateway/generate.py's).
+
+Both send the request as a stream (``AsyncClient.stream``), so they serve decoupled
+models and plain ones alike (a plain model's one reply is its final response).
+
+- ``/generate`` answers one JSON document: the model's last response with outputs (a
+  decoupled model that sends increments is read with ``/generate_stream``).
+- ``/generate_stream`` answers Server-Sent Events, ``data: {json}\\n\\n`` per response
+  (an empty final response sends none). The status is sent with the first event, so
+  the first response is awaited before anything is sent: an error before it is a JSON
+  error with its status, as for any route; an error after it is an event
+  ``data: {"error": "..."}`` and the end of the stream. A client that closes the
+  connection cancels the request, which stops the generation at its worker.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from zeroserve.broker.client import AsyncStream, InferError, StreamResponse
+from zeroserve.broker.protocol import ErrorCode
+from zeroserve.gateway import generate
+from zeroserve.gateway.apikey import api_key_of
+from zeroserve.gateway.door import RETRY_AFTER_S
+from zeroserve.gateway.errors import BadRequest
+from zeroserve.gateway.http import bounded_int, error_response, path_version, read_body
+
+if TYPE_CHECKING:
+    from zeroserve.gateway.app import Gateway
+
+SSE = "text/event-stream; charset=utf-8"
+
+
+class GenerateRoutes:
+    def __init__(self, gateway: "Gateway") -> None:
+        self.gw = gateway
+
+    def routes(self) -> list[Route]:
+        out = []
+        for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+            out.append(Route(base + "/generate", self.generate, methods=["POST"]))
+            out.append(Route(base + "/generate_stream", self.generate_stream,
+                             methods=["POST"]))
+        return out
+
+    async def _start(self, request: Request) -> AsyncStream | Response:
+        accepted = time.monotonic() - self.gw.door.current_lag_s()
+        why = self.gw.door.refuse()
+        if why is not None:
+            return error_response(503, why, {"Retry-After": str(RETRY_AFTER_S)})
+        name, version = request.path_params["name"], path_version(request)
+        body = await read_body(request, self.gw.settings.max_body_bytes)
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"malformed JSON: {exc}") from None
+        meta = await self.gw.control("metadata", model=name, version=version)
+        tensors, params = generate.request_tensors(doc, meta)
+        priority = bounded_int(params.get("priority", 0), "priority")
+        timeout_us = bounded_int(params.get("timeout", 0), "timeout")
+        timeout_ms = 0.0
+        if timeout_us:   # what is left of it: the wire carries a remaining budget
+            timeout_ms = timeout_us / 1000.0 - (time.monotonic() - accepted) * 1000.0
+            if timeout_ms <= 0:
+                raise InferError(ErrorCode.DEADLINE, "deadline exceeded in the gateway, "
+                                 "before the request reached the broker")
+        return self.gw.client.stream(name, tensors, version=version, priority=priority,
+                                     timeout_ms=timeout_ms,
+                                     api_key=api_key_of(request.headers))
+
+    async def generate(self, request: Request) -> Response:
+        stream = await self._start(request)
+        if isinstance(stream, Response):
+            return stream
+        last: StreamResponse | None = None
+        async with stream:
+            async for response in stream:
+                if response.tensors or last is None:
+                    last = response
+        assert last is not None   # a stream ends with a final response or raises
+        return Response(generate.response_body(last.model, last.version, last.tensors),
+                        media_type="application/json")
+
+    async def generate_stream(self, request: Request) -> Response:
+        stream = await self._start(request)
+        if isinstance(stream, Response):
+            return stream
+        try:
+            first = await stream.__anext__()   # an error now is a plain JSON answer
+        except BaseException:
+            stream.close()
+            raise
+        return StreamingResponse(_events(stream, first), media_type=SSE,
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"})
+
+
+async def _events(stream: AsyncStream, first: StreamResponse) -> AsyncIterator[bytes]:
+    """Each response as an event; an error after the first as an error event. Closing
+    the stream (the client left: Starlette cancels this generator) cancels the request."""
+    response: StreamResponse | None = first
+    try:
+        while response is not None:
+            if response.tensors or not response.final:
+                yield generate.event(generate.response_body(response.model, response.version,
+                                                            response.tensors))
+            response = None if response.final else await stream.__anext__()
+    except InferError as exc:
+        yield generate.event(orjson.dumps({"error": exc.message}))
+    except ValueError as exc:   # an output JSON cannot carry (BF16)
+        yield generate.event(orjson.dumps({"error": str(exc)}))
+    finally:
+        stream.close()
+

@@ -13,7 +13,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import zmq
 
@@ -25,14 +25,18 @@ from zeroserve.broker.server.catalog import Catalog, optional_models
 from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
 from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
+from zeroserve.broker.server.lifecycle import Lifecycle, LifecycleOptions
 from zeroserve.broker.server.metrics import BrokerMetrics, ModelStates
+from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.registration import Registrar
 from zeroserve.broker.server.replicas import Replicas
 from zeroserve.broker.server.repoctl import RepositoryControl
 from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
-from zeroserve.broker.server.swap import Lifecycle, LifecycleOptions
+from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.tenancy import Tenancy
+from zeroserve.models.repository import RepoModel
 
 logger = logging.getLogger(__name__)
 
@@ -58,29 +62,52 @@ class Broker:
         self.pool = WorkerPool(to_worker, clock, heartbeat_s=heartbeat_s,
                                expiry_s=worker_expiry_s)
         self.tenancy = Tenancy(tenants_path, self.metrics.registry, clock)  # TenantsError
+        self.stop = StopState()
         self.requests = RequestPath(self.catalog, self.scheduler, self.pool,
                                     LatencyBook(enabled=latency_model), self.metrics, to_client,
-                                    random.Random(), self.tenancy)
-        self.requests.clock = clock
-        self.lifecycle = Lifecycle(self.catalog, self.scheduler, self.pool, self.requests,
-                                   self.metrics, clock, ctx or zmq.Context.instance(), lifecycle)
-        self.replicas = Replicas(self.lifecycle, self.metrics)   # autoscaled models
+                                    random.Random(), self.tenancy, self.stop, clock)
+        self.lifecycle = self._compose(clock, ctx or zmq.Context.instance(),
+                                       lifecycle or LifecycleOptions())
         self.control = ControlTable(admin_token)
         self._add_verbs()
-        self.repository = RepositoryControl(self.lifecycle, self.requests.stats)
         self.repository.add_verbs(self.control)
         ExtensionVerbs(self.catalog, self.pool, self.requests.stats).add_verbs(self.control)
         self.notifier = Notifier()
-        self.stopping = False
         self._stop_requested = False
         self._exit_requested = False
-        self._exiting = False          # stopping to exit, not only drained (drain --all)
         self._stop_deadline = math.inf
-        self._drain_clients: set[bytes] = set()    # gateways draining their connections
         self._left_s: dict[bytes, float] = {}      # when a worker said it shuts down
         self._reload_requested = False
         self._next_heartbeat = 0.0
         self._busy_since_trim = False
+
+    def _compose(self, clock: Clock, ctx: zmq.Context[Any],
+                 opts: LifecycleOptions) -> Lifecycle:
+        """The model lifecycle and its strategies, each given what it reads and
+        callbacks for what it asks (the lifecycle's, bound late: it is built last)."""
+        self.placement = Placement(self.catalog, self.pool, self.metrics.registry,
+                                   queued=self.scheduler.depth,
+                                   last_used=self.requests.last_used)
+        self.replicas = Replicas(   # autoscaled models: which workers hold them
+            self.catalog, self.pool, self.scheduler, self.placement, self.metrics,
+            predict=self.requests.latency.predictor,
+            swapping=lambda name: name in self.lifecycle.swaps,
+            sync_worker=lambda worker: self.lifecycle.sync_worker(worker))
+        self.repository = RepositoryControl(
+            opts.control_mode, opts.load_models, self.catalog, self.pool,
+            self.requests.stats, load_now=lambda rm, vs: self.lifecycle.load_now(rm, vs),
+            remove=lambda name, why: self.lifecycle.remove_model(name, why),
+            rescan=lambda name: self.lifecycle.rescan_one(name),
+            busy=lambda name: self.lifecycle.busy(name))
+        self.registrar = Registrar(self.catalog, self.pool, opts.import_roots,
+                                   published=self.repository.published)
+        return Lifecycle(self.catalog, self.scheduler, self.pool, self.requests, self.metrics,
+                         clock, ctx, self.placement, self.registrar, options=opts,
+                         placed=self.replicas.placed, source=self.repository.source)
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop.stopping
 
     # -- setup --------------------------------------------------------------
     def load_catalog(self) -> None:
@@ -94,6 +121,12 @@ class Broker:
             logger.error("model %s not served: %s", name, err)
         logger.info("catalog: %s", ", ".join(
             f"{n} v{list(m.versions)}" for n, m in sorted(self.catalog.models.items())) or "empty")
+
+    def add_model(self, rm: RepoModel, shas: dict[int, str], ready: Iterable[int] = ()) -> None:
+        """Serve ``rm`` as committed at once, without a swap, with ``ready`` routable: how
+        a model enters a broker that did not scan it from its repository (the tests')."""
+        model, _ = self.catalog.commit(rm, shas, ready)
+        self.scheduler.set_policy(rm.config.name, model.policy())
 
     def start(self, poller: zmq.Poller) -> None:
         self.lifecycle.start(poller)
@@ -116,19 +149,18 @@ class Broker:
         if not self._stop_requested:
             return
         self._stop_requested = False
-        if self._exit_requested and not self._exiting:
-            self._exiting = True
+        if self._exit_requested and not self.stop.exiting:
+            self.stop.exit()
             self._stop_deadline = self.clock() + self.drain_timeout_s
             self.notifier.stopping()
-        if self.stopping:
+        if self.stop.stopping:
             return
-        self.stopping = True
-        self.requests.admitting = False
+        self.stop.halt()
         kept = [w for w in self.pool.workers.values() if w.exiting and not w.recycle]
         for worker in kept:  # signalled with us: they run our queue until it is done
             worker.draining = False
         logger.info("%s: %d request(s) to finish, %d leaving worker(s) kept until then",
-                    "stopping" if self._exiting else "draining all",
+                    "stopping" if self.stop.exiting else "draining all",
                     self.requests.open_count(), len(kept))
 
     def _drain_all(self, _: dict[str, Any]) -> dict[str, Any]:
@@ -137,9 +169,9 @@ class Broker:
         return {"draining": True, "open_requests": self.requests.open_count()}
 
     def _undrain_all(self, _: dict[str, Any]) -> dict[str, Any]:
-        if self._exiting:
+        if self.stop.exiting:
             raise LookupError("the broker is stopping and cannot be undrained")
-        self.stopping, self.requests.admitting = False, True
+        self.stop.resume()
         for worker in self.pool.workers.values():
             worker.draining = worker.draining or worker.exiting  # leavers leave again
         logger.info("undrained: admitting requests again")
@@ -158,8 +190,6 @@ class Broker:
                 self.requests.refuse(client, rid, p.ErrorCode.BAD_INPUT, str(exc), model="")
             raise
         if kind is p.Kind.REQUEST or kind is p.Kind.REQUESTS:
-            if self.stopping:  # only a draining gateway's requests are still taken
-                self.requests.admitting = client in self._drain_clients and self._exiting
             if kind is p.Kind.REQUEST:
                 self.replicas.arrived(header.get("model"))   # offered load, refused or not
                 self.requests.on_request(client, header, bufs, self.clock())
@@ -184,11 +214,11 @@ class Broker:
         """A gateway stopping: what it forwards from now on comes from connections opened
         before its signal, which a stopping broker still takes. It says so on the socket
         its requests use, so the notice precedes them."""
-        self._drain_clients.add(client)
+        self.stop.client_draining(client)
         logger.info("a gateway drains its open connections; its requests stay admitted")
 
     def client_gone(self, client: bytes) -> None:
-        self._drain_clients.discard(client)
+        self.stop.client_gone(client)
         withdrawn = self.requests.client_gone(client)
         if withdrawn:
             logger.info("a client went away; %d queued request(s) withdrawn", withdrawn)
@@ -331,7 +361,7 @@ class Broker:
                   self.replicas.next_due()):
             if d is not None:
                 due.append(d)
-        if self._exiting:
+        if self.stop.exiting:
             due.append(self._stop_deadline)
         return min(due)
 
@@ -339,7 +369,7 @@ class Broker:
         """Whether a stopping broker may exit: everything it accepted is answered, or the
         drain bound passed (what is left gets 503). Workers that stop too are told."""
         self._begin_stop()
-        if not self._exiting or (self.requests.open_count() and now < self._stop_deadline):
+        if not self.stop.exiting or (self.requests.open_count() and now < self._stop_deadline):
             return False
         left = self.requests.open_count()
         if left:
@@ -388,10 +418,9 @@ class Broker:
         c.add("draining", lambda _: {"ok": True})  # a gateway's notice (see on_frontend)
         c.add("restart", self._restart, mutates=True)
         c.add("reload", lambda a: self.lifecycle.reload_model(*model_arg(a)), mutates=True)
-        registrar = self.lifecycle.registrar
-        c.add("register", registrar.register, mutates=True)
-        c.add("register_status", registrar.status, mutates=True)
-        c.add("unregister", registrar.unregister, mutates=True)
+        c.add("register", self.registrar.register, mutates=True)
+        c.add("register_status", self.registrar.status, mutates=True)
+        c.add("unregister", self.registrar.unregister, mutates=True)
         c.add("tenants", self.tenancy.describe)
         c.add("reload_tenants", self.tenancy.reload_verb, mutates=True)
 
@@ -422,7 +451,7 @@ class Broker:
                 "streams": self.requests.streams.sizes(),
                 "pid": os.getpid(), "tenants": self.tenancy.summary(),
                 "autoscaling": self.replicas.describe(),
-                "memory_plan": self.lifecycle.placement.describe()}
+                "memory_plan": self.placement.describe()}
 
     def _models(self, _: dict[str, Any]) -> dict[str, Any]:
         out = {}
@@ -433,7 +462,7 @@ class Broker:
                          "workers": sorted(w.worker_id for w in self.pool.holders(name)),
                          **self.lifecycle.describe(name)}
         errors = dict(self.catalog.errors)
-        for name, failure in self.lifecycle.failures.items():
+        for name, failure in self.catalog.failures.items():
             errors.setdefault(name, failure["error"])
         return {"models": out, "errors": errors,
                 "optional": optional_models(self.catalog, errors)}

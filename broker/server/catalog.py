@@ -1,18 +1,28 @@
-"""The broker's model catalog: what the repository offers and how to check a request
-against a model's declared inputs. Reads config.json only; never imports torch."""
+"""The broker's model catalog: what the repository offers, the per-model lifecycle
+state (committed sha256s, failures, versions retiring), and how to check a request
+against a model's declared inputs. Reads config.json only; never imports torch.
+
+:class:`Catalog` is the one owner of that state: every other object reads it and asks
+the catalog's verbs (``commit``, ``fail``, ``remove``, ``mark_ready``, ``routable``,
+``retire``...) to change it.
+"""
 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from zeroserve.broker import wording
 from zeroserve.broker.protocol import TensorMeta
+from zeroserve.broker.server.pool import WorkerState
 from zeroserve.broker.server.scheduler import Policy
 from zeroserve.models.repository import ConfigError, ModelConfig, RepoModel, load_config, \
     load_labels, scan
+
+Retiring = tuple[bytes, str, int]   # (worker identity, model, version)
 
 
 class RequestError(ValueError):
@@ -128,12 +138,17 @@ def _batch_size(cfg: ModelConfig, metas: Sequence[TensorMeta]) -> int:
 
 
 class Catalog:
-    """Models by name, read from the repository folder."""
+    """Models by name, read from the repository folder, and what the lifecycle knows of
+    each: the only object that changes either."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.models: dict[str, CatalogModel] = {}
-        self.errors: dict[str, str] = {}
+        self.errors: dict[str, str] = {}                   # folders not served, and why
+        self.shas: dict[str, dict[int, str]] = {}         # committed sha256 per version
+        self.failures: dict[str, dict[str, Any]] = {}     # the last failed swap or load
+        self.failed: set[tuple[str, int, str]] = set()    # content that failed: not again
+        self.retiring: list[Retiring] = []   # out of routing, unloaded when idle
 
     def rescan(self) -> tuple[set[str], set[str], set[str]]:
         """Re-read the repository; returns (added, changed, removed) model names."""
@@ -160,6 +175,120 @@ class Catalog:
 
     def get(self, name: str) -> CatalogModel | None:
         return self.models.get(name)
+
+    # -- changes --------------------------------------------------------------
+    def commit(self, rm: RepoModel, shas: dict[int, str], ready: Iterable[int] = ()
+               ) -> tuple[CatalogModel, bool]:
+        """``rm`` is served from now on, with these sha256s and ``ready`` routable; its
+        failure and error are cleared. Returns the entry and whether it replaced one."""
+        name = rm.config.name
+        model = self.models.get(name)
+        replaced = model is not None
+        if model is None:
+            model = self.models[name] = CatalogModel(rm.config, rm.path, rm.versions)
+        else:
+            model.config, model.path, model.versions = rm.config, rm.path, rm.versions
+        model.labels = load_labels(rm.path)
+        model.ready = set(ready) & set(rm.versions)
+        self.shas[name] = dict(shas)
+        self.failures.pop(name, None)
+        self.errors.pop(name, None)
+        return model, replaced
+
+    def fail(self, name: str, error: str, versions: Iterable[int],
+             content: dict[int, str] | None = None) -> None:
+        """A swap or load of ``name`` failed: shown until the next commit. With
+        ``content`` (version -> sha256) that exact content is not tried again."""
+        listed = sorted(versions)
+        self.failures[name] = {"error": error, "versions": listed, "time": time.time()}
+        if content is not None:
+            self.failed.update((name, v, content[v]) for v in listed)
+
+    def failed_before(self, name: str, version: int, sha: str) -> bool:
+        return (name, version, sha) in self.failed
+
+    def retry(self, name: str) -> None:
+        """An operator's load: content that failed before may be tried again."""
+        self.failed = {f for f in self.failed if f[0] != name}
+
+    def set_error(self, name: str, error: str) -> None:
+        self.errors[name] = error
+
+    def clear_error(self, name: str) -> None:
+        self.errors.pop(name, None)
+
+    def remove(self, name: str) -> bool:
+        """Forget ``name`` (its failure and error too); whether it was served."""
+        self.failures.pop(name, None)
+        self.errors.pop(name, None)
+        self.shas.pop(name, None)
+        return self.models.pop(name, None) is not None
+
+    def restrict(self, wanted: set[str], missing: str) -> None:
+        """Serve only ``wanted`` (explicit model control); a wanted name with no folder
+        gets the error ``missing`` (formatted with ``name``)."""
+        for name in [n for n in self.models if n not in wanted]:
+            del self.models[name]
+        self.errors = {n: e for n, e in self.errors.items() if n in wanted}
+        for name in sorted(wanted - set(self.models) - set(self.errors)):
+            self.errors[name] = missing.format(name=name)
+
+    def prime(self, sha256: Callable[[Path], str]) -> None:
+        """At startup: the sha256 of every served version, by ``sha256(path)``."""
+        for name, model in self.models.items():
+            self.shas[name] = {v: sha256(model.path / str(v)) for v in model.versions}
+
+    # -- routing ----------------------------------------------------------------
+    def mark_ready(self, name: str, version: int) -> bool:
+        """A worker holds ``name/version``: routable, if it is served (else False)."""
+        model = self.models.get(name)
+        if model is None or version not in model.versions:
+            return False
+        model.ready.add(version)
+        return True
+
+    def routable(self, workers: Iterable[WorkerState], name: str | None = None) -> None:
+        """Versions (of ``name``, or of every model) that no worker holds are no longer
+        routable."""
+        holders = list(workers)
+        for model in [self.models[name]] if name in self.models else \
+                self.models.values() if name is None else []:
+            model.ready = {v for v in model.ready
+                           if any(w.holds(model.config.name, v) for w in holders)}
+
+    def retire(self, worker: WorkerState, name: str, version: int) -> None:
+        """No new batches to ``name/version`` on ``worker``; unloaded once idle."""
+        worker.discard_loaded(name, version)
+        self.retiring.append((worker.identity, name, version))
+
+    def evict(self, worker: WorkerState, name: str, version: int,
+              workers: Iterable[WorkerState]) -> None:
+        """Memory, or a replica scaled down: ``name/version`` leaves ``worker`` once idle,
+        routable from now on only where the other ``workers`` hold it."""
+        self.retire(worker, name, version)
+        self.routable(workers, name)
+
+    def unretire(self, key: Retiring) -> bool:
+        """Loaded again before it went: whether it was retiring (unload it first)."""
+        if key not in self.retiring:
+            return False
+        self.retiring.remove(key)
+        return True
+
+    def take_idle(self, busy: Iterable[Retiring]) -> list[Retiring]:
+        """The retiring versions with nothing in flight, no longer retiring."""
+        held = set(busy)
+        idle = [k for k in self.retiring if k not in held]
+        self.retiring = [k for k in self.retiring if k in held]
+        return idle
+
+    def status(self, name: str) -> dict[str, Any]:
+        """The lifecycle's part of ``zeroserve models`` for one model."""
+        out: dict[str, Any] = {"sha256": {str(v): s[:12] for v, s in
+                                          sorted(self.shas.get(name, {}).items())}}
+        if name in self.failures:
+            out["last_failure"] = self.failures[name]
+        return out
 
 
 def optional_models(catalog: Catalog, failed: Iterable[str]) -> list[str]:

@@ -18,7 +18,7 @@ from zeroserve.broker.runtime import BrokerLock, Endpoints, RuntimeDirError, \
 from zeroserve.broker.server.broker import Broker
 from zeroserve.broker.server import tenants
 from zeroserve.broker.server.loop import BrokerLoop
-from zeroserve.broker.server.swap import LifecycleOptions
+from zeroserve.broker.server.lifecycle import LifecycleOptions
 
 logger = logging.getLogger(__name__)
 

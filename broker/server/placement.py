@@ -25,20 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Callable, Iterator
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
-from zeroserve.broker.server.pool import WorkerState
+from zeroserve.broker.server.catalog import Catalog
+from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.models.footprint import Learned, Prediction, WeightsCache, predict, size_text
 from zeroserve.models.repository import ConfigError, ModelConfig, parse_config
-
-if TYPE_CHECKING:
-    from zeroserve.broker.server.swap import Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +54,15 @@ def _int(doc: dict[str, Any], key: str) -> int:
 
 
 class Placement:
-    def __init__(self, lifecycle: "Lifecycle") -> None:
-        self.lc = lifecycle
+    """Reads the catalog and the pool; asks ``queued(model)`` (requests waiting) and
+    ``last_used(model)`` (when it last ran) to choose what to evict."""
+
+    def __init__(self, catalog: Catalog, pool: WorkerPool, registry: CollectorRegistry, *,
+                 queued: Callable[[str], int], last_used: Callable[[str], float]) -> None:
+        self.catalog = catalog
+        self.pool = pool
+        self._queued = queued
+        self._last_used = last_used
         self.footprints: dict[Key, int] = {}        # what planning counts: measured, else predicted
         self.predicted: dict[Key, Prediction] = {}
         self.measured: dict[Key, dict[str, Any]] = {}    # the worker's plan after warm-up
@@ -66,7 +71,7 @@ class Placement:
         self.refused: list[tuple[WorkerState, p.ModelLoaded]] = []  # delivered by the tick
         self.refusals: dict[tuple[str, str], int] = {}
         self._weights: WeightsCache = {}
-        lifecycle.metrics.registry.register(self)  # a collector: see collect()
+        registry.register(self)  # a collector: see collect()
 
     # -- what a device has -------------------------------------------------------
     @staticmethod
@@ -128,7 +133,7 @@ class Placement:
 
     # -- what a version needs ----------------------------------------------------
     def _model(self, name: str) -> tuple[ModelConfig, Path] | None:
-        model = self.lc.catalog.get(name)
+        model = self.catalog.get(name)
         return (model.config, model.path) if model is not None else None
 
     def need(self, worker: WorkerState, name: str, version: int, cfg: ModelConfig,
@@ -138,7 +143,7 @@ class Placement:
         mine = self.measured.get((worker.identity, name, version))
         if mine is not None:
             return _int(mine, "footprint_bytes"), "measured on this worker"
-        sha = sha or self.lc.shas.get(name, {}).get(version, "")
+        sha = sha or self.catalog.shas.get(name, {}).get(version, "")
         seen = self.by_content.get((name, sha, _kind(worker))) if sha else None
         if seen is not None:
             return seen[0], f"measured on worker {seen[1]}"
@@ -180,13 +185,13 @@ class Placement:
         else refuse it: a failed LOADED, delivered by the next tick."""
         name, version = msg.model, msg.version
         if name.startswith(TRIAL):
-            self.lc.pool.load(worker, msg)
+            self.pool.load(worker, msg)
             return
         key = (worker.identity, name, version)
         try:
             cfg = parse_config(msg.config, f"config of {name}")
         except (ConfigError, ValueError):
-            self.lc.pool.load(worker, msg)   # the worker says what is wrong with it
+            self.pool.load(worker, msg)   # the worker says what is wrong with it
             return
         need, how = self.need(worker, name, version, cfg, Path(msg.path), msg.sha256)
         free = self.available(worker)   # a version reloaded in place is held twice a while
@@ -200,20 +205,19 @@ class Placement:
             self._evict(worker, name, idle, need - free)
         self.footprints[key] = need
         self.measured.pop(key, None)   # this load's warm-up measures it afresh
-        self.lc.pool.load(worker, msg)
+        self.pool.load(worker, msg)
 
     def _refuse(self, worker: WorkerState, msg: p.ModelLoaded) -> None:
         logger.error("refusing %s/%d on %s: %s", msg.model, msg.version, worker.worker_id,
                      msg.error)
-        self.lc.failures[msg.model] = {"error": msg.error, "versions": [msg.version],
-                                       "time": time.time()}
+        self.catalog.fail(msg.model, msg.error, [msg.version])
         label = (msg.model, str(worker.info.get("device") or "cpu"))
         self.refusals[label] = self.refusals.get(label, 0) + 1
         self.refused.append((worker, msg))
 
     def take_refused(self) -> list[tuple[WorkerState, p.ModelLoaded]]:
         out, self.refused = self.refused, []
-        return [(w, m) for w, m in out if self.lc.pool.get(w.identity) is w]
+        return [(w, m) for w, m in out if self.pool.get(w.identity) is w]
 
     # -- after a load ----------------------------------------------------------------
     def check(self, worker: WorkerState, msg: p.ModelLoaded) -> p.ModelLoaded:
@@ -239,10 +243,9 @@ class Placement:
             self._evict(worker, msg.model, idle, need - free)
             return msg
         logger.error("refusing %s/%d on %s: %s", msg.model, msg.version, worker.worker_id, why)
-        self.lc.failures[msg.model] = {"error": why, "versions": [msg.version],
-                                       "time": time.time()}
+        self.catalog.fail(msg.model, why, [msg.version])
         self.forget(key)
-        self.lc.unload_now(worker, msg.model, msg.version)
+        self.pool.unload(worker, msg.model, msg.version)
         return dataclasses.replace(msg, ok=False, error=why)
 
     def _learn(self, worker: WorkerState, msg: p.ModelLoaded) -> int:
@@ -274,10 +277,10 @@ class Placement:
 
     def _idle(self, worker: WorkerState, keep: str) -> list[str]:
         """Models on the worker with nothing queued or running, least recently used first."""
-        busy = self.lc.pool.busy_models(worker)
+        busy = self.pool.busy_models(worker)
         return sorted({m for m, _ in worker.loaded if m != keep and m not in busy
-                       and not self.lc.scheduler.depth(m)},
-                      key=self.lc.requests.last_used)
+                       and not self._queued(m)},
+                      key=self._last_used)
 
     def _evict(self, worker: WorkerState, keep: str, idle: list[str], needed: int) -> None:
         freed = 0
@@ -287,7 +290,7 @@ class Placement:
             freed += self._cost(worker, model)
             for version in sorted(worker.versions_of(model)):
                 self.forget((worker.identity, model, version))
-                self.lc.evict(worker, model, version)
+                self.catalog.evict(worker, model, version, self.pool.workers.values())
             logger.warning("evicted %s from worker %s (least recently used idle model) to "
                            "make room for %s", model, worker.worker_id, keep)
 
@@ -312,7 +315,7 @@ class Placement:
         """Per worker: the device's numbers and each version's predicted and measured bytes
         (``zeroserve status``)."""
         out = {}
-        for w in self.lc.pool.workers.values():
+        for w in self.pool.workers.values():
             free = self.available(w)
             out[w.worker_id] = {
                 "device": str(w.info.get("device") or "cpu"), "budget_bytes": self.budget(w),
@@ -326,7 +329,7 @@ class Placement:
         """Per worker holding it: predicted and measured bytes (``zeroserve models``)."""
         return {w.worker_id: {str(v): self._entry(w, m, v)
                               for m, v in sorted(self._held(w)) if m == name}
-                for w in self.lc.pool.workers.values()
+                for w in self.pool.workers.values()
                 if any(m == name for m, _ in self._held(w))}
 
     def collect(self) -> Iterator[Metric]:
@@ -337,7 +340,7 @@ class Placement:
         meas = GaugeMetricFamily("zeroserve_model_memory_measured_bytes",
                                  "A version's footprint measured after warm-up "
                                  "(resident + activations at its largest batch)", labels=labels)
-        for w in self.lc.pool.workers.values():
+        for w in self.pool.workers.values():
             for m, v in sorted(self._held(w)):
                 key = (w.identity, m, v)
                 if key in self.predicted:
@@ -349,7 +352,7 @@ class Placement:
                                  "Bytes a new version may take on the worker's device after "
                                  "the headroom (negative: over it; absent: no limit)",
                                  labels=["worker", "device"])
-        for w in self.lc.pool.workers.values():
+        for w in self.pool.workers.values():
             room = self.available(w)
             if room is not None:
                 free.add_metric([w.worker_id, str(w.info.get("device") or "cpu")], room)

@@ -18,17 +18,15 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
+from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlError
-from zeroserve.broker.server.pool import WorkerState
+from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.models.repository import NAME_RE, ConfigError, ModelConfig, is_temp_name, \
     parse_config
-
-if TYPE_CHECKING:
-    from zeroserve.broker.server.swap import Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -50,22 +48,22 @@ class Job:
 
 
 class Registrar:
-    def __init__(self, lifecycle: "Lifecycle") -> None:
-        self.lc = lifecycle
+    """Reads the catalog (whether a name is taken) and the pool (a worker to trial-load
+    on); tells ``published(name)`` when a folder appears in or leaves the repository."""
+
+    def __init__(self, catalog: Catalog, pool: WorkerPool, import_roots: tuple[Path, ...],
+                 published: Callable[[str], None]) -> None:
+        self.catalog = catalog
+        self.pool = pool
+        self.root = catalog.root
+        self.import_roots = import_roots
+        self._published = published
         self.jobs: dict[str, Job] = {}
         self._ids = itertools.count(1)
 
-    def verbs(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
-        return {"register": self.register, "register_status": self.status,
-                "unregister": self.unregister}
-
-    @property
-    def root(self) -> Path:
-        return self.lc.root
-
     # -- register -----------------------------------------------------------
     def register(self, args: dict[str, Any]) -> dict[str, Any]:
-        roots = self.lc.opts.import_roots
+        roots = self.import_roots
         if not roots:
             raise ControlError("forbidden", "registration is disabled: start the broker with "
                                "--import-root DIR to allow copying models from DIR")
@@ -87,7 +85,7 @@ class Registrar:
                                f"roots ({', '.join(str(r) for r in roots)})")
         if not source.exists():
             raise ControlError("bad_input", f"model_path {source_raw!r} does not exist")
-        if (self.root / cfg.name).exists() or cfg.name in self.lc.catalog.models or any(
+        if (self.root / cfg.name).exists() or cfg.name in self.catalog.models or any(
                 j.config.name == cfg.name and j.state in ("copying", "loading")
                 for j in self.jobs.values()):
             raise ControlError("conflict", f"model {cfg.name!r} already exists")
@@ -127,7 +125,7 @@ class Registrar:
     def _check_links(self, src: Path) -> None:
         """Links inside model_path may not lead out of the import roots (copying follows
         them, so a link could otherwise pull any readable file into the repository)."""
-        roots = [r.resolve() for r in self.lc.opts.import_roots]
+        roots = [r.resolve() for r in self.import_roots]
         paths = [src] if src.is_file() else [src, *src.rglob("*")]
         for path in paths:
             if path.is_symlink() and not any(path.resolve().is_relative_to(r) for r in roots):
@@ -156,16 +154,16 @@ class Registrar:
         return now + 0.02 if any(j.state == "copying" for j in self.jobs.values()) else None
 
     def _trial(self, job: Job) -> None:
-        worker = next((w for w in self.lc.pool.workers.values() if not w.draining), None)
+        worker = next((w for w in self.pool.workers.values() if not w.draining), None)
         if worker is None:
             job.kind, job.error = "load", "no worker is connected to trial-load the model"
             self._finish(job, ok=False)
             return
         version = job.versions[-1]
         job.state, job.worker = "loading", worker.identity
-        self.lc.pool.load(worker, p.LoadModel(_TRIAL_PREFIX + job.token, version,
-                                              str(job.temp / str(version)),
-                                              job.config.to_json()))
+        self.pool.load(worker, p.LoadModel(_TRIAL_PREFIX + job.token, version,
+                                           str(job.temp / str(version)),
+                                           job.config.to_json()))
 
     def on_loaded(self, worker: WorkerState, msg: p.ModelLoaded) -> bool:
         """A trial load's outcome (True), or not a trial (False)."""
@@ -176,7 +174,7 @@ class Registrar:
         if job is None or job.state != "loading":
             return True
         if msg.ok:
-            self.lc.pool.unload(worker, msg.model, msg.version)
+            self.pool.unload(worker, msg.model, msg.version)
         else:
             job.kind, job.error = "load", msg.error
         self._finish(job, ok=msg.ok)
@@ -185,7 +183,7 @@ class Registrar:
     def check_workers(self) -> None:
         """A trial worker that left cannot answer: fail its job."""
         for job in self.jobs.values():
-            if job.state == "loading" and self.lc.pool.get(job.worker) is None:
+            if job.state == "loading" and self.pool.get(job.worker) is None:
                 job.kind, job.error = "load", "the worker trial-loading the model went away"
                 self._finish(job, ok=False)
 
@@ -195,7 +193,7 @@ class Registrar:
                 # the publish: one rename; the watcher sees MOVED_TO and loads it
                 os.rename(job.temp, self.root / job.config.name)
                 job.state = "published"
-                self.lc.published(job.config.name)
+                self._published(job.config.name)
                 logger.info("registered model %s (versions %s) from %s", job.config.name,
                             job.versions, job.source)
                 return
@@ -232,6 +230,6 @@ class Registrar:
         doomed = target.parent / f".deleted-{target.name}-{next(self._ids)}"
         os.rename(target, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
-        self.lc.published(name)
+        self._published(name)
         logger.info("unregistered %s", f"{name}/{version}" if version else name)
         return {"deleted": name, "version": version}

@@ -2,13 +2,14 @@
 applied to the pool, in the broker's tick.
 
 A model whose config gives ``instances.min``/``max`` (or ``count``) is held only by the
-workers chosen for it here (``Lifecycle.placed``); every other model stays on every
-eligible worker. Scaling up assigns one more worker, chosen among those that may hold
-the model and that placement says have memory for it, and loads it there through the
-lifecycle's load path (``sync_worker``: the LOADED answer makes it routable). Scaling
-down takes one replica out of routing at once and unloads it when its in-flight
-batches are done (``Lifecycle.evict``): nothing queued or running is lost, since the
-other replicas keep the model.
+workers chosen for it here (:meth:`Replicas.placed`, the placement strategy the
+broker gives the lifecycle); every other model stays on every eligible worker. Scaling
+up assigns one more worker, chosen among those that may hold the model and that
+placement says have memory for it, and loads it there through the lifecycle's load
+path (``sync_worker``: the LOADED answer makes it routable). Scaling down takes one
+replica out of routing at once and unloads it when its in-flight batches are done
+(``Catalog.evict``): nothing queued or running is lost, since the other replicas keep
+the model.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from zeroserve.broker.server.autoscale import DOWN, HOLD, UP, Controller, Decision, \
     Sample, ScalePolicy
+from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.metrics import BrokerMetrics
-from zeroserve.broker.server.pool import WorkerState
+from zeroserve.broker.server.placement import Placement
+from zeroserve.broker.server.pool import WorkerPool, WorkerState
+from zeroserve.broker.server.scheduler import Scheduler
+from zeroserve.broker.server.swap import Placed, placed_on
 from zeroserve.models.repository import ModelConfig
-
-if TYPE_CHECKING:
-    from zeroserve.broker.server.swap import Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +41,25 @@ def policy_of(cfg: ModelConfig) -> ScalePolicy | None:
 
 
 class Replicas:
-    def __init__(self, lifecycle: "Lifecycle", metrics: BrokerMetrics, *,
+    """Reads the catalog, the pool, the scheduler's queues and placement's memory plan;
+    asks ``predict(model)`` for a batch's run time (the latency model), ``swapping(model)``
+    whether a swap is placing it, and ``sync_worker(worker)`` to (un)load what a worker
+    should hold."""
+
+    def __init__(self, catalog: Catalog, pool: WorkerPool, scheduler: Scheduler,
+                 placement: Placement, metrics: BrokerMetrics, *,
+                 predict: Callable[[str], Callable[[int], float]],
+                 swapping: Callable[[str], bool],
+                 sync_worker: Callable[[WorkerState], None], default: Placed = placed_on,
                  sample_s: float = 0.05, step_s: float = 0.5) -> None:
-        self.lc = lifecycle
-        self.pool = lifecycle.pool
+        self.catalog = catalog
+        self.pool = pool
+        self.scheduler = scheduler
+        self.placement = placement
         self.metrics = metrics
+        self._predict = predict
+        self._swapping = swapping
+        self._sync_worker = sync_worker
         self.sample_s = sample_s
         self.step_s = step_s
         self.controller = Controller()
@@ -53,11 +69,12 @@ class Replicas:
         self.history: dict[str, deque[dict[str, Any]]] = {}
         self._next_sample = 0.0
         self._next_step = 0.0
-        self._default_placed = lifecycle.placed
-        lifecycle.placed = self.placed
+        self._default_placed = default
 
     # -- the lifecycle's and the broker's calls -------------------------------
     def placed(self, cfg: ModelConfig, worker: WorkerState) -> bool:
+        """The placement strategy: pinned workers, and of those, for an autoscaled model,
+        only its replicas."""
         if not self._default_placed(cfg, worker):
             return False
         return policy_of(cfg) is None or worker.identity in self.assigned.get(cfg.name, ())
@@ -68,7 +85,7 @@ class Replicas:
         Any joiner brings the next step forward: a model under its min gets it now."""
         self._next_sample = self._next_step = 0.0
         for name in sorted({m for m, _ in worker.loaded}):
-            model = self.lc.catalog.get(name)
+            model = self.catalog.get(name)
             pol = policy_of(model.config) if model is not None else None
             if pol is None or model is None or not self._default_placed(model.config, worker):
                 continue
@@ -111,25 +128,25 @@ class Replicas:
                 if not w.holds(name) and any(m == name for m, _ in w.loading)]
 
     def _sample(self, name: str, now: float) -> Sample:
-        oldest = self.lc.scheduler.oldest_arrival(name)
+        oldest = self.scheduler.oldest_arrival(name)
         serving = self.serving(name)
         busy = sum(1 for w in serving if name in self.pool.busy_models(w))
         return Sample(now - oldest if oldest is not None else 0.0,
-                      self.lc.scheduler.depth(name), busy, len(serving), self._capacity(name))
+                      self.scheduler.depth(name), busy, len(serving), self._capacity(name))
 
     def _capacity(self, name: str) -> float:
         """One replica's requests/s at full batches, by the broker's latency model (0
         until it has one). Requests, not samples: the arrival rate counts requests."""
-        model = self.lc.catalog.models.get(name)
+        model = self.catalog.models.get(name)
         if model is None:
             return 0.0
         cap = max(model.config.max_batch_size, 1)
-        run_s = self.lc.requests.latency.predictor(name)(cap)
+        run_s = self._predict(name)(cap)
         return cap / run_s if run_s > 0 else 0.0
 
     # -- policies ---------------------------------------------------------------
     def _sync_policies(self, now: float) -> None:
-        catalog = self.lc.catalog
+        catalog = self.catalog
         for name, model in catalog.models.items():
             pol = policy_of(model.config)
             known = self.controller.policy(name) is not None
@@ -137,7 +154,7 @@ class Replicas:
                 if known:  # no longer autoscaled: every eligible worker holds it again
                     self._forget(name)
                     for w in list(self.pool.workers.values()):
-                        self.lc.sync_worker(w)
+                        self._sync_worker(w)
                 continue
             if not known:  # newly autoscaled: those holding it now are its replicas
                 ids = self.assigned.setdefault(name, [])
@@ -166,7 +183,7 @@ class Replicas:
         """Replicas whose worker left are gone; one whose load failed (placement
         refused it, or the load raised) is given up and that worker skipped a while."""
         ids = self.assigned.get(name, [])
-        model = self.lc.catalog.models[name]
+        model = self.catalog.models[name]
         for identity in list(ids):
             w = self.pool.get(identity)
             if w is None:
@@ -183,11 +200,11 @@ class Replicas:
                                                  self.controller.signals(name, now),
                                                  f"{w.worker_id}: {errors[0]}"), [w])
             elif not w.draining:
-                self.lc.sync_worker(w)   # assigned but neither holding nor loading it
+                self._sync_worker(w)   # assigned but neither holding nor loading it
 
     # -- one step ---------------------------------------------------------------
     def _step(self, name: str, now: float) -> None:
-        if name in self.lc.swaps or name not in self.lc.catalog.models:
+        if self._swapping(name) or name not in self.catalog.models:
             return  # a swap places versions itself; decide when it is over
         self._prune(name, now)
         for _ in range(len(self.pool.workers) + 1):  # below min: as many as it takes
@@ -209,7 +226,7 @@ class Replicas:
     def _room(self, name: str, now: float
               ) -> tuple[WorkerState | None, tuple[str, str] | None]:
         """The worker to take one more replica, or why none can."""
-        model = self.lc.catalog.models[name]
+        model = self.catalog.models[name]
         taken = set(self.assigned.get(name, ()))
         candidates = [w for w in self.pool.workers.values()
                       if not w.draining and w.identity not in taken
@@ -220,7 +237,7 @@ class Replicas:
         fits, why = [], []
         for w in candidates:
             refusals = [r for v in model.versions
-                        if (r := self.lc.placement.refusal(w, name, v)) is not None]
+                        if (r := self.placement.refusal(w, name, v)) is not None]
             if refusals:
                 why.append(refusals[0])
             else:
@@ -228,7 +245,7 @@ class Replicas:
         if not fits:
             more = f" (and {len(why) - 2} more)" if len(why) > 2 else ""
             return None, ("no_memory", "; ".join(why[:2]) + more)
-        place = self.lc.placement
+        place = self.placement
         return min(fits, key=lambda w: (len(w.loaded), place.used(w), len(w.inflight))), None
 
     def _scale_up(self, name: str, now: float) -> WorkerState | None:
@@ -236,7 +253,7 @@ class Replicas:
         if worker is None:
             return None
         self.assigned.setdefault(name, []).append(worker.identity)
-        self.lc.sync_worker(worker)   # LOAD now; routable when its LOADED arrives
+        self._sync_worker(worker)   # LOAD now; routable when its LOADED arrives
         return worker
 
     def _scale_down(self, name: str) -> WorkerState | None:
@@ -250,7 +267,7 @@ class Replicas:
         victim = min(serving, key=lambda w: (busy[w.identity], -ids.index(w.identity)))
         ids.remove(victim.identity)
         for version in sorted(victim.versions_of(name)):
-            self.lc.evict(victim, name, version)   # out of routing now, unloaded when idle
+            self.catalog.evict(victim, name, version, self.pool.workers.values())   # out of routing now, unloaded when idle
         return victim
 
     # -- telling ----------------------------------------------------------------

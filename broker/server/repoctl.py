@@ -23,17 +23,20 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlError, ControlTable
+from zeroserve.broker.server.pool import WorkerPool
 from zeroserve.broker.server.stats import ModelStatistics
-from zeroserve.broker.server.swap import Found, Lifecycle
 from zeroserve.models.repository import NAME_RE, ConfigError, RepoModel, list_versions, \
     parse_config, scan, select_versions
 
 logger = logging.getLogger(__name__)
 
 MODES = ("none", "poll", "explicit")
+
+Found = tuple[dict[str, RepoModel], dict[str, str]]
 
 
 @dataclass
@@ -48,21 +51,34 @@ def _failed(name: str, why: str) -> ControlError:
 
 
 class RepositoryControl:
-    def __init__(self, lifecycle: Lifecycle, stats: ModelStatistics) -> None:
-        self.lc = lifecycle
-        self.stats = stats
-        self.mode = lifecycle.opts.control_mode
-        if self.mode not in MODES:
+    """Reads the catalog and the pool; asks the lifecycle, through the callbacks it is
+    given, to ``load_now`` a model, ``remove`` one, ``rescan(name)`` a folder, and
+    whether a change of a model is ``busy`` (on its way). Its :meth:`source` and
+    :meth:`published` are the strategies the broker gives the lifecycle and the
+    registrar: under explicit control a rescan sees only the models asked for."""
+
+    def __init__(self, mode: str, load_models: tuple[str, ...], catalog: Catalog,
+                 pool: WorkerPool, stats: ModelStatistics, *,
+                 load_now: Callable[[RepoModel, list[int]], object],
+                 remove: Callable[[str, str], None], rescan: Callable[[str], None],
+                 busy: Callable[[str], bool]) -> None:
+        if mode not in MODES:
             raise ValueError(f"model control mode must be one of {', '.join(MODES)}")
-        self.wanted: set[str] = set(lifecycle.opts.load_models)
+        self.mode = mode
+        self.catalog = catalog
+        self.pool = pool
+        self.root = catalog.root
+        self.stats = stats
+        self._load_now = load_now
+        self._remove = remove
+        self._rescan = rescan
+        self._busy = busy
+        self.wanted: set[str] = set(load_models)
         self.overrides: dict[str, RepoModel] = {}
         self.unloaded: set[str] = set()
         self.jobs: dict[str, LoadJob] = {}
         self._ids = itertools.count(1)
         self._files: Path | None = None
-        if self.mode == "explicit":
-            lifecycle.source = self.source
-            lifecycle.published = self._published
 
     def add_verbs(self, control: ControlTable) -> None:
         control.add("repository_index", self.index)
@@ -72,6 +88,8 @@ class RepositoryControl:
 
     # -- what the lifecycle sees -------------------------------------------------
     def source(self, found: Found) -> Found:
+        if self.mode != "explicit":
+            return found
         models, errors = found
         models = {n: self.overrides.get(n, rm) for n, rm in models.items() if n in self.wanted}
         models.update({n: rm for n, rm in self.overrides.items() if n in self.wanted})
@@ -79,23 +97,18 @@ class RepositoryControl:
 
     def prime(self) -> None:
         """At start, before hashing: explicit control serves only what was asked for."""
-        if self.mode != "explicit":
-            return
-        cat = self.lc.catalog
-        for name in [n for n in cat.models if n not in self.wanted]:
-            del cat.models[name]
-        cat.errors = {n: e for n, e in cat.errors.items() if n in self.wanted}
-        for name in sorted(self.wanted - set(cat.models) - set(cat.errors)):
-            cat.errors[name] = f"--load-model {name}: no such model folder"
+        if self.mode == "explicit":
+            self.catalog.restrict(self.wanted, "--load-model {name}: no such model folder")
 
-    def _published(self, name: str) -> None:
+    def published(self, name: str) -> None:
         """Registration published (or removed) a folder: registering asks for the model."""
-        if (self.lc.root / name).is_dir():
-            self.wanted.add(name)
-        else:
-            self.wanted.discard(name)
-            self.overrides.pop(name, None)
-        self.lc.rescan_one(name)
+        if self.mode == "explicit":
+            if (self.root / name).is_dir():
+                self.wanted.add(name)
+            else:
+                self.wanted.discard(name)
+                self.overrides.pop(name, None)
+        self._rescan(name)
 
     def close(self) -> None:
         if self._files is not None:
@@ -119,8 +132,8 @@ class RepositoryControl:
         else:
             self.overrides.pop(name, None)
         self.stats.forget(name)      # statistics count since load
-        self.lc.catalog.errors.pop(name, None)
-        self.lc.load_now(rm, list(rm.versions))
+        self.catalog.clear_error(name)
+        self._load_now(rm, list(rm.versions))
         job = LoadJob(str(next(self._ids)), name, time.time())
         self.jobs[job.token] = job
         logger.info("model %s: load asked for (versions %s%s)", name, list(rm.versions),
@@ -133,18 +146,18 @@ class RepositoryControl:
             raise ControlError("bad_input", "'files' must map relative paths to bytes")
         if files and config is None:
             raise _failed(name, "file: parameters need a config parameter as well")
-        folder = self.lc.root / name
+        folder = self.root / name
         if files:
             folder = self._write_files(name, files)
         if config is None:
-            found, errors = scan(self.lc.root)
+            found, errors = scan(self.root)
             if name not in found:
                 raise _failed(name, errors.get(name, "no such model in the repository"))
             return found[name]
         try:
             from zeroserve.models import triton_config   # protobuf: only once overridden
             raw = triton_config.overridden(
-                self.lc.root / name, json.loads(config) if isinstance(config, str) else config)
+                self.root / name, json.loads(config) if isinstance(config, str) else config)
             cfg = parse_config(raw, f"config override of {name}", expected_name=name)
         except (ValueError, ConfigError) as exc:   # JSONDecodeError is a ValueError
             raise _failed(name, str(exc)) from None
@@ -182,18 +195,18 @@ class RepositoryControl:
                 "error": f"failed to load '{job.model}': {error}" if error else ""}
 
     def _outcome(self, job: LoadJob) -> tuple[str, str]:
-        lc, name = self.lc, job.model
-        if name in lc.pending or name in lc.swaps or name in lc.deferred:
+        name = job.model
+        if self._busy(name):
             return "loading", ""
-        failure = lc.failures.get(name)
+        failure = self.catalog.failures.get(name)
         if failure is not None and failure["time"] >= job.started:
             return "failed", str(failure["error"])
-        if name in lc.catalog.errors:
-            return "failed", lc.catalog.errors[name]
-        model = lc.catalog.get(name)
+        if name in self.catalog.errors:
+            return "failed", self.catalog.errors[name]
+        model = self.catalog.get(name)
         if model is None:
             return "failed", "it left the repository while loading"
-        workers = list(lc.pool.workers.values())
+        workers = list(self.pool.workers.values())
         if any(m == name for w in workers for m, _ in w.loading):
             return "loading", ""
         if model.ready:
@@ -207,8 +220,8 @@ class RepositoryControl:
         self._check_mode("unload")
         self.wanted.discard(name)
         self.overrides.pop(name, None)
-        was = name in self.lc.catalog.models
-        self.lc.remove_model(name, "unloaded by the operator")
+        was = name in self.catalog.models
+        self._remove(name, "unloaded by the operator")
         self.stats.forget(name)
         self.unloaded.add(name)
         return {"model": name, "unloaded": was}
@@ -216,11 +229,10 @@ class RepositoryControl:
     def index(self, args: dict[str, Any]) -> list[dict[str, Any]]:
         ready_only = args.get("ready") is True
         try:
-            found, errors = scan(self.lc.root)
+            found, errors = scan(self.root)
         except ConfigError:
             found, errors = {}, {}
-        lc = self.lc
-        names = set(found) | set(errors) | set(lc.catalog.models) | set(self.overrides)
+        names = set(found) | set(errors) | set(self.catalog.models) | set(self.overrides)
         out: list[dict[str, Any]] = []
         for name in sorted(names):
             out += self._entries(name, found.get(name), errors.get(name))
@@ -228,13 +240,12 @@ class RepositoryControl:
 
     def _entries(self, name: str, rm: RepoModel | None, error: str | None
                  ) -> list[dict[str, Any]]:
-        lc = self.lc
-        model = lc.catalog.get(name)
-        busy = name in lc.pending or name in lc.swaps or name in lc.deferred
-        workers = list(lc.pool.workers.values())
+        model = self.catalog.get(name)
+        busy = self._busy(name)
+        workers = list(self.pool.workers.values())
         if model is None:
-            failure = lc.failures.get(name)
-            reason = (lc.catalog.errors.get(name) or (failure or {}).get("error") or error
+            failure = self.catalog.failures.get(name)
+            reason = (self.catalog.errors.get(name) or (failure or {}).get("error") or error
                       or ("unloaded" if name in self.unloaded else "not loaded"))
             versions = [str(v) for v in rm.versions] if rm is not None else [""]
             return [{"name": name, "version": v, "state": "LOADING" if busy else "UNAVAILABLE",
@@ -247,7 +258,7 @@ class RepositoryControl:
                 e for w in workers for k, e in w.load_errors.items() if k == f"{name}/{v}"
             ) or "no live worker holds it"
             out.append({"name": name, "version": str(v), "state": state, "reason": reason})
-        for v in sorted({v for _, n, v in lc.retiring if n == name} - set(model.versions)):
+        for v in sorted({v for _, n, v in self.catalog.retiring if n == name} - set(model.versions)):
             out.append({"name": name, "version": str(v), "state": "UNLOADING", "reason": ""})
         return out
 

@@ -25,6 +25,7 @@ from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
+from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import Streams
 from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
@@ -85,7 +86,9 @@ class Payload:
 class RequestPath(StreamPath):
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
                  latency: LatencyBook, metrics: BrokerMetrics, reply: Send,
-                 rng: random.Random | None = None, tenancy: Tenancy | None = None) -> None:
+                 rng: random.Random | None = None, tenancy: Tenancy | None = None,
+                 stop: StopState | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.catalog = catalog
         self.tenancy = tenancy or Tenancy(None, metrics.registry, lambda: 0.0)
         self.scheduler = scheduler
@@ -98,9 +101,9 @@ class RequestPath(StreamPath):
         self._by_client: dict[bytes, set[str]] = {}
         self._last_used: dict[str, float] = {}
         self._priorities: dict[str, tuple[int, float]] = {}  # model -> (last, mixed until)
-        self.admitting = True                          # False while the broker stops
+        self.stop = stop or StopState()                # the broker's: asked at admission
         self.stats = ModelStatistics()                 # the statistics extension's figures
-        self.clock: Callable[[], float] = time.monotonic   # the broker's (for fail times)
+        self.clock = clock                             # the broker's (for fail times)
         self.streams = Streams()                       # decoupled models' running requests
 
     # -- state --------------------------------------------------------------
@@ -148,7 +151,7 @@ class RequestPath(StreamPath):
             self.refuse(client, req.request_id, who.code, who.message, model=req.model)
             return
         model = self.catalog.get(req.model)
-        err = admission_error(req, model, self.pool, self.admitting)
+        err = admission_error(req, model, self.pool, self.stop.admits(client))
         if err is not None:
             self.refuse(client, req.request_id, err[0], err[1], model=req.model)
             return

@@ -14,7 +14,7 @@ import zmq
 from zeroserve.broker.runtime import Endpoints
 from zeroserve.broker.server.broker import Broker
 from zeroserve.broker.server.loop import BrokerLoop
-from zeroserve.broker.server.swap import LifecycleOptions
+from zeroserve.broker.server.lifecycle import LifecycleOptions
 from tests.conftest import short_tmpdir
 
 

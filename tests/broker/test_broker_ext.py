@@ -18,7 +18,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.broker.client import Client, InferError
 from zeroserve.broker.server.broker import Broker
 from zeroserve.broker.server.stats import ModelStatistics
-from zeroserve.broker.server.swap import LifecycleOptions
+from zeroserve.broker.server.lifecycle import LifecycleOptions
 from zeroserve.models.repository import version_sha256
 from tests.broker.test_lifecycle import OPEN, FakeWorker, broker, control, write_version
 from tests.broker.running import broker_in_thread

@@ -27,7 +27,7 @@ from zeroserve.broker.protocol import ErrorCode
 from zeroserve.broker.runtime import Endpoints
 from zeroserve.broker.server.broker import Broker
 from zeroserve.broker.server.loop import BrokerLoop
-from zeroserve.broker.server.swap import LifecycleOptions
+from zeroserve.broker.server.lifecycle import LifecycleOptions
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,7 +17,7 @@ import zmq
 from zeroserve.broker import protocol as p
 from zeroserve.broker.client import Client
 from zeroserve.broker.server.broker import Broker
-from zeroserve.broker.server.swap import LifecycleOptions
+from zeroserve.broker.server.lifecycle import LifecycleOptions
 from zeroserve.models.repository import version_sha256
 from tests.broker.running import broker_in_thread
 from tests.conftest import linear_config, short_tmpdir

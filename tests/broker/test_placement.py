@@ -6,61 +6,19 @@ when that makes room, and is planned with what was measured once a worker warmed
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from tests.conftest import linear_config, write_model
+from tests.broker.rig import BrokerRig
+from tests.conftest import linear_config
 from zeroserve.broker import protocol as p
-from zeroserve.broker.server.broker import Broker
-from zeroserve.broker.server.catalog import CatalogModel
-from zeroserve.models.repository import parse_config, version_sha256
 
 MB = 1_000_000
 WEIGHTS = (1000 * 1000 + 1000) * 4      # nn.Linear(1000, 1000): 4.0 MB
 
 
-class Rig:
-    def __init__(self, tmp_path: Path) -> None:
-        self.now = 0.0
-        self.to_workers: list[tuple[bytes, list[Any]]] = []
-        self.b = Broker(tmp_path, to_client=lambda *_: True, to_worker=self._send,
-                        to_controller=lambda *_: True, clock=lambda: self.now,
-                        latency_model=False)
-        self.repo = tmp_path
-        self.placement = self.b.lifecycle.placement
-
-    def _send(self, identity: bytes, frames: list[Any]) -> bool:
-        self.to_workers.append((identity, [bytes(f) for f in frames]))
-        return True
-
+class Rig(BrokerRig):
     def model(self, name: str, versions: tuple[int, ...] = (1,), mbs: int = 8) -> None:
-        cfg = parse_config(linear_config(name, 1000, 1000, mbs=mbs), "test")
-        for v in versions:
-            write_model(self.repo, name, v, "nn.Linear(1000, 1000)")
-        self.b.catalog.models[name] = CatalogModel(cfg, self.repo / name, versions, set())
-        self.b.scheduler.set_policy(name, self.b.catalog.models[name].policy())
-        self.b.lifecycle.shas[name] = {v: version_sha256(self.repo / name / str(v))
-                                       for v in versions}
-
-    def worker(self, wid: str, device: str = "cpu", budget: int = 0,
-               **memory: Any) -> Any:
-        ready = p.WorkerReady(wid, 1, device=device, memory_budget_bytes=budget,
-                              memory={"device": device, **memory})
-        self.b.worker_ready(wid.encode(), ready, self.now)
-        return self.b.pool.get(wid.encode())
-
-    def loads(self, wid: str) -> list[str]:
-        out = []
-        for identity, frames in self.to_workers:
-            kind, header, _ = p.unpack(frames)
-            if identity == wid.encode() and kind is p.Kind.LOAD:
-                out.append(f"{header['model']}/{header['version']}")
-        return out
-
-    def loaded(self, wid: str, name: str, version: int, **plan: Any) -> None:
-        sha = self.b.lifecycle.shas[name][version]
-        msg = p.ModelLoaded(name, version, True, sha256=sha,
-                            memory_bytes=plan.get("resident_bytes", 0), memory=plan)
-        self.b.on_backend(wid.encode(), [bytes(f) for f in p.encode(msg)])
+        self.add_model(name, linear_config(name, 1000, 1000, mbs=mbs), versions,
+                       factory="nn.Linear(1000, 1000)")
 
 
 def test_a_version_that_does_not_fit_on_a_gpu_is_refused_before_it_loads(tmp_path: Path) -> None:
@@ -77,7 +35,7 @@ def test_a_version_that_does_not_fit_on_a_gpu_is_refused_before_it_loads(tmp_pat
     assert rig.b.lifecycle.next_due() == rig.now   # the refusal is answered on the next tick
     rig.b.tick(rig.now)
     assert w.load_errors == {"m/1": why} and not w.loading and not w.loaded
-    assert rig.b.lifecycle.failures["m"]["error"] == why
+    assert rig.b.catalog.failures["m"]["error"] == why
     assert 'zeroserve_memory_refusals_total{device="cuda:0",model="m"} 1.0' \
         in rig.b.metrics.render()
     plan = rig.placement.describe()["host/1"]

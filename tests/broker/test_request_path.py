@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker.server.catalog import Catalog, CatalogModel
+from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Loss, WorkerPool
 from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
-from zeroserve.models.repository import parse_config
+from zeroserve.models.repository import RepoModel, parse_config
 from tests.conftest import linear_config
 
 
@@ -32,8 +32,7 @@ class Harness:
         self.to_clients: list[tuple[bytes, list[Any]]] = []
         self.catalog = Catalog(Path("/nonexistent"))
         cfg = parse_config(linear_config("m", mbs=max_batch_size), "test")
-        model = CatalogModel(cfg, Path("/nonexistent/m"), (1,), {1})
-        self.catalog.models["m"] = model
+        model, _ = self.catalog.commit(RepoModel(cfg, Path("/nonexistent/m"), (1,)), {}, {1})
         self.scheduler = Scheduler()
         self.scheduler.set_policy("m", model.policy())
         self.pool = WorkerPool(self._to_worker, lambda: self.now)

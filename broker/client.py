@@ -367,6 +367,10 @@ class AsyncClient:
         self._drain()
         self._drain_monitor()
 
+    def census(self) -> dict[str, int]:
+        """What this client holds of requests, by name: 0 once each has its answer."""
+        return {"client.pending": len(self._pending), "client.outbox": len(self._outbox)}
+
     @property
     def connected(self) -> bool:
         """Whether the broker answered within ``broker_timeout_s``."""

@@ -68,6 +68,9 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-s", type=float, default=0.5)
     p.add_argument("--worker-expiry-s", type=float, default=2.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--max-message-bytes", type=int, default=256 << 20, metavar="BYTES",
+                   help="the most tensor bytes one message from a client or worker may "
+                        "carry; a request over it is answered too_large (413)")
     p.add_argument("--latency-model", choices=["on", "off"], default="on",
                    help="off: batches bounded by size and delay only, no deadline-aware "
                         "admission (for comparison)")

@@ -108,6 +108,7 @@ class ErrorCode(str, enum.Enum):
     CONFLICT = "conflict"            # management: the model already exists
     UNAUTHORIZED = "unauthorized"    # control: a state-changing verb without the admin token
     UNSUPPORTED = "unsupported"      # the call does not fit the model (unary on a decoupled one)
+    TOO_LARGE = "too_large"          # a message over the receiver's byte or length limits
 
     @property
     def retryable(self) -> bool:
@@ -122,6 +123,7 @@ class DisconnectReason(str, enum.Enum):
     DRAINED = "drained"                  # nothing of ours runs on you any more: exit
     HUNG = "hung"                        # a batch ran past max_execution_ms: exit now
     BROKER_STOPPING = "broker_stopping"  # exit if you are stopping too, else wait for the next
+    DUPLICATE_ID = "duplicate_id"        # another live process holds your worker id: not you
 
 
 class LeaveReason(str, enum.Enum):
@@ -267,7 +269,7 @@ def _is_pairs(v: Any) -> bool:
 _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "str": (lambda v: isinstance(v, str), "a string"),
     "int": (_is_int, "an integer"),
-    "float": (_is_number, "a number"),
+    "float": (lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
     "bool": (lambda v: isinstance(v, bool), "a boolean"),
     "map": (lambda v: isinstance(v, dict), "a map"),
     "pairs": (_is_pairs, "a list of [name, version] pairs"),
@@ -370,6 +372,7 @@ class Disconnect:
     KIND = Kind.DISCONNECT
     reason: DisconnectReason
     restart: bool = False
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -479,6 +482,70 @@ def decode(cls: type, header: dict[str, Any]) -> Any:
 # ---------------------------------------------------------------------------
 # framing helpers
 
+@dataclass(frozen=True)
+class Limits:
+    """What one received message may hold. Checked before its header is decoded, so an
+    oversized message costs its receiver nothing but the bytes it already holds: a
+    header of a million keys took the broker's loop 0.7 s to decode, and its memory."""
+
+    header_bytes: int = 256 << 10
+    message_bytes: int = 256 << 20     # every frame together (tensors bounded by shapes)
+    container_len: int = 1 << 16       # entries of any one map or list in a header
+
+
+# for a peer that trusts its sender (a client reading its broker's answers, which may
+# carry every worker's metrics): bounded by what msgpack can address, nothing more
+TRUSTED = Limits(header_bytes=1 << 31, message_bytes=1 << 62, container_len=1 << 31)
+
+
+class Refused(ProtocolError):
+    """A message that names requests (or a control call) to answer: each id gets the
+    error ``code`` with this message. Raised by :func:`unpack` and the bundle codecs."""
+
+    def __init__(self, ids: Sequence[str], code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.ids = list(ids)
+        self.code = code
+
+
+_ID_SCAN_ENTRIES = 16   # a header's first entries looked at for its id (encoders put it first)
+
+
+def ids_of(header: Any) -> list[str]:
+    """Best effort: the ids a malformed header names (its own, and each bundled
+    part's), so that each can be answered."""
+    if not isinstance(header, dict):
+        return []
+    out = [rid] if (rid := request_id_of(header)) is not None else []
+    for key in ("requests", "replies"):
+        parts = header.get(key)
+        if isinstance(parts, list):
+            out.extend(r for part in parts[:MAX_BUNDLE * 4] if isinstance(part, dict)
+                       and (r := request_id_of(part)) is not None)
+    return out
+
+
+def _scan_id(raw: Buffer) -> list[str]:
+    """The ``id`` of a header too large (or too deep) to decode, read from its first few
+    entries only, so the work stays bounded whatever the header holds."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=0)
+    try:
+        unpacker.feed(raw)
+        for _ in range(min(unpacker.read_map_header(), _ID_SCAN_ENTRIES)):
+            key = unpacker.unpack()
+            if key == "id":
+                value = unpacker.unpack()
+                return [value] if isinstance(value, str) and len(value) <= 256 else []
+            unpacker.skip()
+    except Exception:  # noqa: BLE001 - anything msgpack raises means: no id to be had
+        pass
+    return []
+
+
+def _nbytes(frame: Buffer) -> int:
+    buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    return int(buf.nbytes)
+
 def _pack(kind: Kind, header: dict[str, Any]) -> list[Buffer]:
     header["v"] = _SINCE.get(kind, 1)
     return [kind.value, msgpack.packb(header, use_bin_type=True)]
@@ -494,22 +561,47 @@ def peek_kind(frames: Sequence[Buffer]) -> Kind:
     return kind
 
 
-def unpack(frames: Sequence[Buffer]) -> tuple[Kind, dict[str, Any], Sequence[Buffer]]:
-    """Split a message into (kind, header, tensor frames); validate the envelope."""
-    kind = peek_kind(frames)
+def unpack(frames: Sequence[Buffer], limits: Limits = TRUSTED
+           ) -> tuple[Kind, dict[str, Any], Sequence[Buffer]]:
+    """Split a message into (kind, header, tensor frames); validate the envelope and the
+    receiver's ``limits`` (:class:`Refused` when the message names what to answer)."""
     try:
-        header = msgpack.unpackb(bytes(frames[1]), raw=False, strict_map_key=True)
+        kind = peek_kind(frames)
+    except ProtocolError as exc:
+        small = len(frames) > 1 and _nbytes(frames[1]) <= limits.header_bytes
+        raise Refused(_scan_id(frames[1]) if small else [], ErrorCode.BAD_INPUT,
+                      str(exc)) from None
+    raw = frames[1].buffer if hasattr(frames[1], "buffer") else memoryview(frames[1])
+    if raw.nbytes > limits.header_bytes:
+        raise Refused(_scan_id(raw), ErrorCode.TOO_LARGE, f"a header of {raw.nbytes} bytes "
+                      f"is over the limit of {limits.header_bytes}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True,
+                                 max_map_len=limits.container_len,
+                                 max_array_len=limits.container_len,
+                                 max_str_len=limits.header_bytes,
+                                 max_bin_len=limits.header_bytes)
+    except ValueError as exc:
+        if "exceeds max" in str(exc):   # msgpack's wording for its length limits
+            raise Refused(_scan_id(raw), ErrorCode.TOO_LARGE, f"a header with a map or list "
+                          f"of more than {limits.container_len} entries") from None
+        raise ProtocolError(f"header is not msgpack: {type(exc).__name__}") from None
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"header is not msgpack: {type(exc).__name__}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a map")
+    if len(frames) > 2:
+        total = sum(_nbytes(f) for f in frames[2:])
+        if total > limits.message_bytes:
+            raise Refused(ids_of(header), ErrorCode.TOO_LARGE, f"a message of {total} bytes "
+                          f"of tensors is over the limit of {limits.message_bytes}")
     version = header.get("v")
     if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
         raise VersionMismatch(header, f"protocol version {version!r} is not supported (this "
                                       f"peer speaks {', '.join(map(str, SUPPORTED_VERSIONS))})")
     if version < _SINCE.get(kind, 1):
-        raise ProtocolError(f"{kind.name} needs protocol version {_SINCE[kind]}, "
-                            f"the message says {version}")
+        raise Refused(ids_of(header), ErrorCode.BAD_INPUT, f"{kind.name} needs protocol "
+                      f"version {_SINCE[kind]}, the message says {version}")
     return kind, header, frames[2:]
 
 
@@ -643,17 +735,19 @@ def unbundle(header: dict[str, Any], frames: Sequence[Buffer], key: str
     ``tensors`` is not a list owns no frame (decoding it names the error)."""
     parts = _field(header, key, list)
     if len(parts) > MAX_BUNDLE:
-        raise ProtocolError(f"{len(parts)} messages in one, more than {MAX_BUNDLE}")
+        raise Refused(ids_of(header), ErrorCode.BAD_INPUT,
+                      f"{len(parts)} messages in one, more than {MAX_BUNDLE}")
     out, pos = [], 0
     for part in parts:
         if not isinstance(part, dict):
-            raise ProtocolError(f"each of {key!r} must be a map")
+            raise Refused(ids_of(header), ErrorCode.BAD_INPUT, f"each of {key!r} must be a map")
         tensors = part.get("tensors")
         n = len(tensors) if isinstance(tensors, list) else 0
         out.append((part, frames[pos:pos + n]))
         pos += n
     if pos != len(frames):
-        raise ProtocolError(f"{key} declare {pos} tensors but carry {len(frames)} frames")
+        raise Refused(ids_of(header), ErrorCode.BAD_INPUT,
+                      f"{key} declare {pos} tensors but carry {len(frames)} frames")
     return out
 
 
@@ -766,12 +860,24 @@ def decode_result(header: dict[str, Any], frames: Sequence[Buffer],
         pos += n
     if pos != len(frames):
         raise ProtocolError(f"result declares {pos} tensors but carries {len(frames)} frames")
-    phases = _field(header, "phases_ms", dict, {})
+    phases = {str(k): _duration_ms(f"phases_ms[{k!r}]", v)
+              for k, v in _field(header, "phases_ms", dict, {}).items()}
     return BatchResult(_field(header, "id", int), replies,
-                       float(_field(header, "compute_ms", (int, float), 0.0)),
+                       _duration_ms("compute_ms", _field(header, "compute_ms", (int, float), 0.0)),
                        _field(header, "error", str, None), _field(header, "retry", bool, False),
-                       _field(header, "expired", bool, False),
-                       {str(k): float(v) for k, v in phases.items() if _is_number(v)})
+                       _field(header, "expired", bool, False), phases)
+
+
+MAX_DURATION_MS = 7 * 24 * 3600 * 1000.0   # a week: no batch runs longer
+
+
+def _duration_ms(name: str, value: Any) -> float:
+    """A time a worker measured: finite and within [0, a week], or the message is
+    refused (a NaN once poisoned the latency model and lost its batch)."""
+    if not _is_number(value) or not 0.0 <= value <= MAX_DURATION_MS:
+        raise ProtocolError(f"{name} must be a finite number of ms in [0, "
+                            f"{MAX_DURATION_MS:.0f}], got {value!r}"[:200])
+    return float(value)
 
 
 def result_batch_id(header: dict[str, Any]) -> int:

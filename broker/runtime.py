@@ -63,8 +63,10 @@ class BrokerLock:
     """An flock on ``<runtime>/broker.lock`` held for the broker's life, with its pid in
     it: a second broker on the same folder would take over the first one's sockets."""
 
+    ROLE = "broker"
+
     def __init__(self, folder: Path) -> None:
-        self.path = folder / "broker.lock"
+        self.path = folder / f"{self.ROLE}.lock"
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -76,7 +78,7 @@ class BrokerLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RuntimeDirError(f"another broker (pid {holder}) already serves "
+            raise RuntimeDirError(f"another {self.ROLE} (pid {holder}) already serves "
                                   f"{self.path.parent}; stop it or use another "
                                   "--runtime-dir") from None
         os.ftruncate(fd, 0)
@@ -89,10 +91,31 @@ class BrokerLock:
         self.acquire()
         self.release()
 
+    def holder(self) -> int | None:
+        """The pid holding the lock, or None when nobody does."""
+        try:
+            self.check_free()
+        except RuntimeDirError:
+            try:
+                return int(self.path.read_text().strip())
+            except (OSError, ValueError):
+                return -1
+        return None
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class ServerLock(BrokerLock):
+    """Held by ``zeroserve serve`` for its whole life. The broker's own lock is let go
+    while the supervisor restarts it: a second server started in that moment passed the
+    check, then ran its gateway through the first one's broker and its workers under the
+    first one's ids. A broker whose folder is held by a server not its parent refuses
+    to start."""
+
+    ROLE = "server"
 
 
 def hostname() -> str:

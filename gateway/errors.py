@@ -69,9 +69,10 @@ BY_CODE: dict[ErrorCode, Status] = {
     ErrorCode.UNAUTHORIZED: Status(401, "UNAUTHENTICATED"),
     # Triton's TRITONSERVER_ERROR_UNSUPPORTED (a unary call to a decoupled model)
     ErrorCode.UNSUPPORTED: Status(501, "UNIMPLEMENTED"),
+    ErrorCode.TOO_LARGE: Status(413, "RESOURCE_EXHAUSTED"),
 }
 BAD_INPUT = BY_CODE[ErrorCode.BAD_INPUT]
-TOO_LARGE = Status(413, "RESOURCE_EXHAUSTED")
+TOO_LARGE = BY_CODE[ErrorCode.TOO_LARGE]
 INTERNAL = BY_CODE[ErrorCode.INTERNAL]
 # HTTP statuses by code, for the routes that answer one without raising
 STATUS = {code: status.http for code, status in BY_CODE.items()}

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from zeroserve.broker import options
-from zeroserve.broker.runtime import BrokerLock, RuntimeDirError, cache_dir, ensure_runtime_dir, \
-    hostname, runtime_dir
+from zeroserve.broker.runtime import BrokerLock, RuntimeDirError, ServerLock, cache_dir, \
+    ensure_runtime_dir, hostname, runtime_dir
 from zeroserve.workers import affinity
 from zeroserve.workers.supervisor import Child, Supervisor, count_gpus, ensure_examples, \
     wait_http_ready
@@ -112,12 +112,22 @@ def gateways(args: Any) -> list[Child]:
 
 def run(args: Any) -> int:
     folder = Path(args.runtime_dir) if args.runtime_dir else runtime_dir()
+    lock = ServerLock(folder)
     try:
         ensure_runtime_dir(folder)
+        lock.acquire()   # for the server's whole life, across its broker's restarts
         BrokerLock(folder).check_free()  # a second server would take over the first's sockets
     except RuntimeDirError as exc:
+        lock.release()
         logger.error("%s", exc)
         return 2
+    try:
+        return _run(args)
+    finally:
+        lock.release()
+
+
+def _run(args: Any) -> int:
     if args.load_model and args.model_control_mode != "explicit":
         logger.error("--load-model needs --model-control-mode explicit (the other modes "
                      "load every model folder)")

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import queue
+import secrets
 import signal
 import socket
 import threading
@@ -84,6 +86,8 @@ class Worker:
         self.notifier = Notifier()
         self.log_settings = LogSettings()
         self._registered = False  # the broker has heartbeated us since our READY
+        self._identity = f"{worker_id}#{os.getpid()}.{secrets.token_hex(4)}".encode()
+        self._retry_ready_s = math.inf   # refused as a duplicate id: when to try again
         self._broker_stopped = False  # it said BROKER_STOPPING and no broker spoke since
         self.memory_tolerance_bytes = memory_tolerance_bytes
         self.memory_budget_bytes = memory_budget_bytes
@@ -112,8 +116,11 @@ class Worker:
 
     # -- sockets ------------------------------------------------------------
     def _connect(self) -> None:
+        # one identity per process, not the worker id: a second process claiming the id
+        # must not take this one's connection over (ROUTER_HANDOVER would hand it over
+        # before the broker could refuse it); reconnects of this process keep it
         self.sock = sockets.dealer(self.ctx, self.endpoint, hwm=0, keys=self.curve_keys,
-                                   identity=self.worker_id.encode())
+                                   identity=self._identity)
         # its descriptor, not the socket: polling a socket is a call on it, and the
         # compute thread may be sending on it meanwhile (edge-triggered: see _readable)
         self._sock_fd = self.sock.getsockopt(zmq.FD)
@@ -200,8 +207,12 @@ class Worker:
         while self._exit is None:
             now = time.monotonic()
             if now >= next_beat:
-                self._heartbeat()
+                if self._retry_ready_s == math.inf:   # refused, it is nobody's worker yet
+                    self._heartbeat()
                 next_beat = now + self.heartbeat_s
+            if now >= self._retry_ready_s:
+                self._retry_ready_s = math.inf
+                self._send_ready()
             self.notifier.watchdog(now)
             self._notify_ready_once()
             if now - self._last_heard > self.broker_expiry_s:
@@ -314,6 +325,12 @@ class Worker:
                 self._exit = 0
             self._broker_stopped = True
             return  # otherwise reconnect to the next broker when this one is gone
+        if reason is p.DisconnectReason.DUPLICATE_ID:
+            # a second server on this folder, or two workers given one index: say so and
+            # keep trying, so the id is ours once the other process is gone
+            self._bad_log.log(logging.ERROR, "refused by the broker: %s", msg.detail)
+            self._retry_ready_s = time.monotonic() + self.broker_expiry_s
+            return
         logger.info("broker does not know us; registering again")
         self._send_ready()
         if self._draining:

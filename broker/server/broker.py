@@ -50,8 +50,14 @@ class Broker:
                  drain_timeout_s: float = 30.0, latency_model: bool = True,
                  clock: Clock = time.monotonic, ctx: zmq.Context[Any] | None = None,
                  lifecycle: LifecycleOptions | None = None, admin_token: str = "",
-                 tenants_path: Path | None = None) -> None:
+                 tenants_path: Path | None = None, max_message_bytes: int = 256 << 20) -> None:
         self.clock = clock
+        # what a message may hold, per socket: clients' requests are small headers and
+        # tensors; control calls carry configs; workers' heartbeats carry metrics text
+        self.limits = {
+            "frontend": p.Limits(message_bytes=max_message_bytes),
+            "control": p.Limits(header_bytes=4 << 20, message_bytes=0),
+            "backend": p.Limits(header_bytes=32 << 20, message_bytes=max_message_bytes)}
         self.drain_timeout_s = drain_timeout_s
         self._to_client = to_client
         self._to_controller = to_controller
@@ -182,13 +188,23 @@ class Broker:
 
     # -- frontend -----------------------------------------------------------
     def on_frontend(self, client: bytes, frames: list[Any]) -> None:
+        """A client's message. One that cannot be used but names its requests (or its
+        control call) answers each of them with what is wrong, then counts as malformed."""
         try:
-            kind, header, bufs = p.unpack(frames)
-        except p.VersionMismatch as exc:
-            rid = p.request_id_of(exc.header)
-            if rid is not None:  # the request names itself: tell it which versions we speak
-                self.requests.refuse(client, rid, p.ErrorCode.BAD_INPUT, str(exc), model="")
+            self._on_frontend(client, frames)
+        except (p.Refused, p.VersionMismatch) as exc:   # the latter: say which we speak
+            ids = exc.ids if isinstance(exc, p.Refused) else p.ids_of(exc.header)
+            code = exc.code if isinstance(exc, p.Refused) else p.ErrorCode.BAD_INPUT
+            if bytes(frames[0]) == p.Kind.CONTROL.value:   # answered as the call expects
+                for call_id in ids:
+                    self._to_client(client, p.encode(p.ControlReply(
+                        call_id, False, code=code.value, error=str(exc)[:500])))
+            else:
+                self.requests.refuse_ids(client, ids, code, str(exc))
             raise
+
+    def _on_frontend(self, client: bytes, frames: list[Any]) -> None:
+        kind, header, bufs = p.unpack(frames, self.limits["frontend"])
         if kind is p.Kind.REQUEST or kind is p.Kind.REQUESTS:
             if kind is p.Kind.REQUEST:
                 self.replicas.arrived(header.get("model"))   # offered load, refused or not
@@ -203,7 +219,7 @@ class Broker:
         elif kind is p.Kind.PING:
             self._to_client(client, p.encode(p.Pong()))
         elif kind is p.Kind.CONTROL:
-            msg = p.decode(p.ControlRequest, header)
+            msg = self._control_request(header, lambda f: self._to_client(client, f))
             if msg.verb == "draining":
                 self._client_draining(client)
             self._to_client(client, self.control.handle(msg, on_frontend=True))
@@ -224,18 +240,41 @@ class Broker:
             logger.info("a client went away; %d queued request(s) withdrawn", withdrawn)
 
     def on_control(self, client: bytes, frames: list[Any]) -> None:
-        kind, header, _ = p.unpack(frames)
+        def answer(reply: list[Any]) -> None:
+            self._to_controller(client, reply)
+        try:
+            kind, header, _ = p.unpack(frames, self.limits["control"])
+        except (p.Refused, p.VersionMismatch) as exc:
+            ids = exc.ids if isinstance(exc, p.Refused) else p.ids_of(exc.header)
+            code = exc.code if isinstance(exc, p.Refused) else p.ErrorCode.BAD_INPUT
+            for call_id in ids:
+                answer(p.encode(p.ControlReply(call_id, False, code=code.value,
+                                               error=str(exc)[:500])))
+            raise
         if kind is p.Kind.PING:  # a long-lived controller (the gateway) watching us
-            self._to_controller(client, p.encode(p.Pong()))
+            answer(p.encode(p.Pong()))
             return
         if kind is not p.Kind.CONTROL:
             raise p.ProtocolError(f"unexpected kind {kind.name} on the control socket")
-        msg = p.decode(p.ControlRequest, header)
-        self._to_controller(client, self.control.handle(msg, on_frontend=False))
+        answer(self.control.handle(self._control_request(header, answer), on_frontend=False))
+
+    @staticmethod
+    def _control_request(header: dict[str, Any],
+                         answer: Callable[[list[Any]], Any]) -> p.ControlRequest:
+        """The call, or (a field of the wrong type) its error answered when it has an id."""
+        try:
+            msg: p.ControlRequest = p.decode(p.ControlRequest, header)
+            return msg
+        except p.ProtocolError as exc:
+            call_id = p.request_id_of(header)
+            if call_id is not None:
+                answer(p.encode(p.ControlReply(call_id, False, code="bad_input",
+                                               error=str(exc)[:500])))
+            raise
 
     # -- backend ------------------------------------------------------------
     def on_backend(self, identity: bytes, frames: list[Any]) -> None:
-        kind, header, bufs = p.unpack(frames)
+        kind, header, bufs = p.unpack(frames, self.limits["backend"])
         now = self.clock()
         if kind is p.Kind.READY:
             self.worker_ready(identity, p.decode(p.WorkerReady, header), now)
@@ -263,9 +302,28 @@ class Broker:
             raise p.ProtocolError(f"unexpected kind {kind.name} on the backend")
 
     def worker_ready(self, identity: bytes, ready: p.WorkerReady, now: float) -> None:
+        """A worker registers. Once per process: a READY from a process already registered
+        (it answered an "unknown worker" to a message sent before its first READY was
+        read) changes nothing, where it used to re-queue what had just been sent to it.
+        A worker id is one process's: another live process's claim to it is refused,
+        naming both, and never takes it over."""
         old = self.pool.get(identity)
         if old is not None:
-            self._lose(old, Loss.REREGISTERED)
+            if (old.info.get("pid"), old.info.get("host")) == (ready.pid, ready.host):
+                return
+            self._lose(old, Loss.REREGISTERED)   # its connection taken over by a new process
+        twin = self.pool.by_id(ready.worker_id) if ready.worker_id else None
+        if twin is not None and self.pool.alive(twin, now):
+            detail = (f"worker id {ready.worker_id!r} is held by pid {twin.info.get('pid')} "
+                      f"on {twin.info.get('host') or '?'}; pid {ready.pid} on "
+                      f"{ready.host or '?'} was refused (give each worker its own --index "
+                      "or --worker-id)")
+            logger.error("%s", detail)
+            self.metrics.bad_message("backend", "duplicate_worker_id")
+            self.pool.disconnect(identity, p.DisconnectReason.DUPLICATE_ID, detail=detail)
+            return
+        if twin is not None:   # silent past its expiry: its successor takes its place
+            self._lose(twin, Loss.REREGISTERED)
         worker = self.pool.register(identity, ready, now)
         self.metrics.worker_registered(worker.worker_id)
         self.replicas.adopt(worker)
@@ -298,6 +356,7 @@ class Broker:
         lost = self.pool.remove(worker, loss)
         self.metrics.worker_lost(worker.worker_id, loss.name.lower())
         self.requests.worker_lost(lost, loss, worker.worker_id, self.clock())
+        self.requests.worker_gone(worker.worker_id)
         self.lifecycle.worker_removed()
         self.metrics.workers_alive(len(self.pool.workers))
 
@@ -311,6 +370,7 @@ class Broker:
         if self._reload_requested:
             self._reload_repository()
         self.requests.expire(now)
+        self.requests.move_stalled(now)
         for identity in self.requests.overdue(now):
             worker = self.pool.get(identity)
             if worker is not None:
@@ -344,6 +404,7 @@ class Broker:
                 continue
             self._left_s.pop(worker.identity, None)
             self.pool.release(worker)
+            self.requests.worker_gone(worker.worker_id)
             self.metrics.workers_alive(len(self.pool.workers))
 
     def _trim_when_idle(self) -> None:
@@ -405,6 +466,7 @@ class Broker:
     def _add_verbs(self) -> None:
         c = self.control
         c.add("status", self._status)
+        c.add("census", lambda _: self.requests.census())
         c.add("models", self._models)
         c.add("metadata", self._metadata)
         c.add("config", lambda a: self._model(a).config.to_json())

@@ -61,6 +61,13 @@ class ControlTable:
         except LookupError as exc:
             return p.encode(p.ControlReply(msg.call_id, False, code="not_found",
                                            error=str(exc.args[0]) if exc.args else str(exc)))
+        except (TypeError, ValueError) as exc:   # args of the wrong shape for the verb
+            return p.encode(p.ControlReply(msg.call_id, False, code="bad_input",
+                                           error=f"{msg.verb}: {exc}"[:500]))
+        except Exception as exc:  # noqa: BLE001 - a bug of ours still gets its one answer
+            logger.exception("control verb %r failed", msg.verb)
+            return p.encode(p.ControlReply(msg.call_id, False, code="internal",
+                                           error=f"{msg.verb} failed: {exc}"[:500]))
         return p.encode(p.ControlReply(msg.call_id, True, result=result))
 
     def _authorize(self, msg: p.ControlRequest, on_frontend: bool) -> None:

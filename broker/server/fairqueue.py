@@ -77,6 +77,18 @@ class FairLevel:
         self.clock = max(self.clock, v)
         self.vt[e.tenant] = v + e.samples / e.weight
 
+    def clear(self) -> None:
+        """The level emptied: every tenant is idle, so all restart level (virtual times
+        matter only relative to each other)."""
+        self.heaps.clear()
+        self.vt.clear()
+        self.clock = 0.0
+        self.samples.clear()
+        self.weights.clear()
+
+    def size(self) -> int:
+        return sum(map(len, self.heaps.values()))
+
     def compact(self) -> None:
         for t in list(self.heaps):
             live = [x for x in self.heaps[t] if x[2].state == QUEUED]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Callable
+
+MAX_S = 24 * 3600.0   # no batch takes a day
 
 
 class LatencyModel:
@@ -21,6 +24,10 @@ class LatencyModel:
         self._fit: tuple[float, float] | None = None
 
     def observe(self, batch_size: int, seconds: float) -> None:
+        # what cannot be a batch's time is ignored: one NaN in the running sums once
+        # stopped admission from ever refusing on a deadline again
+        if not (batch_size > 0 and math.isfinite(seconds) and 0.0 <= seconds <= MAX_S):
+            return
         if len(self._samples) == self._samples.maxlen:
             self._add(*self._samples[0], sign=-1)
         self._samples.append((batch_size, seconds))
@@ -78,6 +85,15 @@ class LatencyBook:
         self.enabled = enabled
         self.window = window
         self._models: dict[tuple[str, str], LatencyModel] = {}
+
+    def forget_worker(self, worker: str) -> None:
+        """A worker left for good: ids churn on hosts that name workers by pod, so a
+        model per worker ever seen would grow for ever (the model's own stays)."""
+        for key in [k for k in self._models if k[1] == worker]:
+            del self._models[key]
+
+    def size(self) -> int:
+        return len(self._models)
 
     def _get(self, model: str, worker: str) -> LatencyModel:
         lm = self._models.get((model, worker))

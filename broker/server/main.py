@@ -13,7 +13,7 @@ from typing import Any
 import zmq
 
 from zeroserve.broker import curve, options
-from zeroserve.broker.runtime import BrokerLock, Endpoints, RuntimeDirError, \
+from zeroserve.broker.runtime import BrokerLock, Endpoints, RuntimeDirError, ServerLock, \
     ensure_runtime_dir, exposed_endpoints
 from zeroserve.broker.server.broker import Broker
 from zeroserve.broker.server import tenants
@@ -55,6 +55,7 @@ def build(endpoints: Endpoints, model_dir: Path, args: Any, ctx: zmq.Context[Any
     broker = Broker(model_dir, to_client=loop.to_client, to_worker=loop.to_worker,
                     to_controller=loop.to_controller, heartbeat_s=args.heartbeat_s,
                     worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s,
+                    max_message_bytes=args.max_message_bytes,
                     latency_model=args.latency_model == "on", ctx=ctx,
                     admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", ""),
                     tenants_path=Path(args.tenants) if args.tenants else None,
@@ -97,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         ensure_runtime_dir(folder)
         lock.acquire()
+        owner = ServerLock(folder).holder()
+        if owner is not None and owner != os.getppid():
+            lock.release()
+            raise RuntimeDirError(f"runtime folder {folder} belongs to the server of pid "
+                                  f"{owner}; stop it or use another --runtime-dir")
     except (RuntimeDirError, OSError) as exc:
         logger.error("%s", exc)
         return 2

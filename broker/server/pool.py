@@ -47,6 +47,8 @@ class Inflight:
     sent_s: float
     exec_deadline_s: float = math.inf
     stream: bool = False   # a decoupled model's: its responses come as PARTIAL messages
+    started_s: float = math.inf   # when the worker is taken to have begun it (it runs its
+                                  # batches in order: when the one before it returned)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class WorkerState:
     load_errors: dict[str, str] = field(default_factory=dict)
     inflight: list[int] = field(default_factory=list)   # batch ids, in the order sent
     draining: bool = False
+    stalled: bool = False   # its running batch overran far past its prediction: no more
     exiting: bool = False
     recycle: bool = False
     metrics_text: str = ""
@@ -87,7 +90,7 @@ class WorkerState:
 
     @property
     def free(self) -> int:
-        return 0 if self.draining else self.credits - len(self.inflight)
+        return 0 if self.draining or self.stalled else self.credits - len(self.inflight)
 
     @property
     def on_cpu(self) -> bool:
@@ -106,7 +109,7 @@ class WorkerState:
     def describe(self, now: float) -> dict[str, Any]:
         return {
             "id": self.worker_id,
-            "state": "draining" if self.draining else "ready",
+            "state": "draining" if self.draining else "stalled" if self.stalled else "ready",
             "credits": self.credits,
             "inflight_batches": len(self.inflight),
             "models": sorted(f"{m}/{v}" for m, v in self.loaded),
@@ -205,7 +208,8 @@ class WorkerPool:
         rec = Inflight(batch_id, worker.identity, model, version,
                        {it.request_id: e for it, e in zip(items, entries)},
                        sum(e.samples for e in entries), reason, now,
-                       now + exec_s if exec_s > 0 else math.inf, stream)
+                       now + exec_s if exec_s > 0 else math.inf, stream,
+                       math.inf if worker.inflight else now)
         frames = p.encode_batch(p.Batch(batch_id, model, version, items,
                                         (tightest - now) * 1000.0 if tightest < math.inf else 0))
         if not self._send(worker.identity, frames):
@@ -221,7 +225,12 @@ class WorkerPool:
         if rec is not None:
             worker = self.workers.get(rec.worker)
             if worker is not None and batch_id in worker.inflight:
+                was_head = worker.inflight[0] == batch_id
                 worker.inflight.remove(batch_id)
+                if was_head:
+                    worker.stalled = False
+                    if worker.inflight:
+                        self.inflight[worker.inflight[0]].started_s = self._clock()
         return rec
 
     def progressed(self, batch_id: int, now: float, exec_s: float) -> Inflight | None:
@@ -236,6 +245,30 @@ class WorkerPool:
     def stop(self, identity: bytes, batch_id: int, items: list[str]) -> None:
         """Tell a worker that these items of a running stream batch are answered."""
         self._send(identity, p.encode(p.Stop(batch_id, items)))
+
+    def stalled(self, now: float, limit_s: Callable[[WorkerState, Inflight], float]
+                ) -> list[tuple[WorkerState, list[Inflight]]]:
+        """Workers whose running batch has run past ``limit_s`` of it, with the batches
+        queued behind it taken back (the worker has not started them): they move at
+        once instead of waiting out the hung one's max_execution_ms. Such a worker gets
+        nothing more until that batch returns."""
+        out = []
+        for w in self.workers.values():
+            if len(w.inflight) < 2 or w.stalled:
+                continue
+            head = self.inflight[w.inflight[0]]
+            if now - head.started_s > limit_s(w, head):
+                w.stalled = True
+                behind = [self.inflight.pop(b) for b in w.inflight[1:]]
+                del w.inflight[1:]
+                out.append((w, behind))
+        return out
+
+    def next_stall(self, limit_s: Callable[[WorkerState, Inflight], float]) -> float | None:
+        due = [head.started_s + limit_s(w, head) for w in self.workers.values()
+               if len(w.inflight) >= 2 and not w.stalled
+               and (head := self.inflight[w.inflight[0]]).started_s < math.inf]
+        return min(due, default=None)
 
     def overdue(self, now: float) -> list[Inflight]:
         return [r for r in self.inflight.values() if r.exec_deadline_s <= now]
@@ -282,8 +315,12 @@ class WorkerPool:
             self._send(worker.identity, frames)
 
     def disconnect(self, identity: bytes, reason: p.DisconnectReason,
-                   restart: bool = False) -> None:
-        self._send(identity, p.encode(p.Disconnect(reason, restart)))
+                   restart: bool = False, detail: str = "") -> None:
+        self._send(identity, p.encode(p.Disconnect(reason, restart, detail)))
+
+    def alive(self, worker: WorkerState, now: float) -> bool:
+        """Heard from within the expiry: its connection is live, whatever says otherwise."""
+        return now - worker.last_seen_s < self.expiry_s
 
     def heartbeat(self, now: float) -> list[WorkerState]:
         """Heartbeat every worker; returns the ones that fell silent (not yet removed)."""

@@ -58,6 +58,11 @@ SPLIT_COST = 1.15
 # cost direct clients 4%, whose load turns round faster than the worker's idle moment.
 # An accelerator's idle moment is lost, so a GPU worker always gets its second batch.
 CPU_PREFETCH_FRACTION = 0.5
+# A running batch counts as hung, and the batches queued behind it on its worker move to
+# others, once it has run this many times its predicted time, and at least STALL_MIN_S
+# (a model with no prediction yet, or one whose times swing, is not taken for hung).
+STALL_FACTOR = 10.0
+STALL_MIN_S = 1.0
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +118,22 @@ class RequestPath(StreamPath):
     def is_open(self, key: Key) -> bool:
         return key in self._open
 
+    def census(self) -> dict[str, int]:
+        """Every structure that holds something of a request, by name and size: each is
+        0 once every request has been answered, at any load (the fault tests check it)."""
+        out = self.scheduler.census()
+        out.update({
+            "requests.open": len(self._open), "requests.by_client": len(self._by_client),
+            "pool.inflight": len(self.pool.inflight),
+            "pool.worker_batches": sum(len(w.inflight) for w in self.pool.workers.values()),
+            "tenancy.open": self.tenancy.open_count()})
+        return out
+
+    def worker_gone(self, worker_id: str) -> None:
+        """No worker of this id is registered any more."""
+        if self.pool.by_id(worker_id) is None:
+            self.latency.forget_worker(worker_id)
+
     def last_used(self, model: str) -> float:
         return self._last_used.get(model, 0.0)
 
@@ -139,7 +160,7 @@ class RequestPath(StreamPath):
             rid = p.request_id_of(header)
             if rid is None:
                 raise  # nothing to answer: the loop counts it as a malformed message
-            self.refuse(client, rid, p.ErrorCode.BAD_INPUT, str(exc), model="")
+            self.refuse_ids(client, [rid], p.ErrorCode.BAD_INPUT, str(exc))
             return
         key = (client, req.request_id)
         if key in self._open:
@@ -283,6 +304,16 @@ class RequestPath(StreamPath):
         except p.ProtocolError as exc:
             self._fail_batch(rec, p.ErrorCode.INTERNAL, f"worker sent a malformed result: {exc}")
             raise
+        try:
+            self._answer_batch(worker, rec, result, now)
+        except Exception as exc:
+            # out of the in-flight table, the batch's requests have no other way to an answer
+            self._fail_batch(rec, p.ErrorCode.INTERNAL, f"internal error on the batch's "
+                             f"result: {type(exc).__name__}: {exc}"[:300])
+            raise
+
+    def _answer_batch(self, worker: WorkerState, rec: Inflight, result: p.BatchResult,
+                      now: float) -> None:
         if rec.stream:
             self.stream_result(worker, rec, result, now)
             return
@@ -300,8 +331,8 @@ class RequestPath(StreamPath):
                               result.compute_ms)
         bundles: dict[bytes, list[p.InferReply]] = {}
         for rep in result.replies:
-            entry = rec.entries.pop(rep.request_id, None)
-            if entry is None or not self._close(entry.key):
+            entry = rec.entries.get(rep.request_id)
+            if entry is None or not self.is_open(entry.key):
                 continue
             pl: Payload = entry.payload
             queue_s = rec.sent_s - entry.arrival_s
@@ -311,10 +342,13 @@ class RequestPath(StreamPath):
             stats = {"queue_ms": queue_s * 1000.0, "compute_ms": result.compute_ms,
                      "batch_size": rec.samples, **pl.notes}
             reply = p.InferReply(pl.request_id, rec.model, rec.version, rep.tensors, stats)
-            if pl.bundled:
+            frames = None if pl.bundled else p.encode_reply(reply)
+            del rec.entries[rep.request_id]   # from here on nothing can fail before it leaves
+            self._close(entry.key)
+            if frames is None:
                 bundles.setdefault(pl.client, []).append(reply)
             else:
-                self._reply(pl.client, p.encode_reply(reply))
+                self._reply(pl.client, frames)
             pl.release()
         for client, replies in bundles.items():
             self._send_replies(client, replies)
@@ -352,15 +386,31 @@ class RequestPath(StreamPath):
             hung.append(rec.worker)
         return hung
 
-    def _requeue(self, entries: list[Entry], why: str, now: float) -> None:
+    def move_stalled(self, now: float) -> None:
+        """Batches queued behind a hung one go back to the queue; they never ran, so this
+        spends none of their one retry."""
+        for worker, behind in self.pool.stalled(now, self._stall_limit_s):
+            logger.warning("worker %s: its running batch overran its prediction; %d batch(es) "
+                           "queued behind it move to other workers", worker.worker_id,
+                           len(behind))
+            for rec in behind:
+                self._requeue(list(rec.entries.values()), f"worker {worker.worker_id} is "
+                              "stuck on an earlier batch", now, spend=False)
+
+    def _stall_limit_s(self, worker: WorkerState, head: Inflight) -> float:
+        predict = self.latency.predictor(head.model, worker.worker_id)
+        return max(STALL_MIN_S, STALL_FACTOR * predict(head.samples))
+
+    def _requeue(self, entries: list[Entry], why: str, now: float, spend: bool = True) -> None:
         for entry in entries:
             pl: Payload = entry.payload
-            if pl.attempts < 1 and entry.deadline_s > now and self.pool.holders(entry.model) \
+            if (pl.attempts < 1 or not spend) and entry.deadline_s > now \
+                    and self.pool.holders(entry.model) \
                     and self.scheduler.knows(entry.model) and self.is_open(entry.key) \
                     and not (self.streams and self.streams.has_responded(entry.key)):
                 if self.streams:
                     self.streams.forget(entry.key)   # it runs again from the start
-                pl.attempts += 1
+                pl.attempts += int(spend)
                 fresh = entry.again()
                 fresh.version = entry.version if pl.pinned else None
                 self._queue(fresh)
@@ -462,8 +512,8 @@ class RequestPath(StreamPath):
 
     def next_due(self, now: float) -> float | None:
         due = [d for d in (self.scheduler.next_deadline(), self.pool.next_exec_deadline(),
-                           self.streams.next_deadline() if self.streams else None)
-               if d is not None]
+                           self.streams.next_deadline() if self.streams else None,
+                           self.pool.next_stall(self._stall_limit_s)) if d is not None]
         for name in self.scheduler.models_waiting():
             d = self.scheduler.next_due(name, now, self.latency.predictor(name))
             if d is not None:
@@ -506,6 +556,14 @@ class RequestPath(StreamPath):
         self.metrics.error(model if self.catalog.get(model) is not None else "", code)
         self._reply(client, p.encode_error(p.ErrorReply(request_id, code, message,
                                                         retry_after_s)))
+
+    def refuse_ids(self, client: bytes, ids: Sequence[str], code: p.ErrorCode,
+                   message: str) -> None:
+        """Answer the ids a malformed message names, except those already in progress
+        (an error sent for one of those would be taken as its answer)."""
+        for rid in dict.fromkeys(ids):
+            if (client, rid) not in self._open:
+                self.refuse(client, rid, code, message, model="")
 
     def fail_queued(self, model: str, code: p.ErrorCode, message: str) -> None:
         for entry in self.scheduler.drop_model(model):

@@ -97,9 +97,13 @@ class _Queue:
     level_samples: dict[int, int] = field(default_factory=dict)
     count: int = 0
     samples: int = 0
+    # entries that left the queue but may still sit in fifo, arrivals or the levels'
+    # heaps (they leave those lazily, from the ends only): compacted once they outnumber
+    # the live ones, so memory follows the live queue at any load, not just when full
+    dead: int = 0
 
     def push(self, e: Entry) -> None:
-        if len(self.fifo) > 4 * self.count + 1024:
+        if self.dead > self.count + 64:
             self._compact()
         level = self.levels.get(e.priority)
         if level is None:
@@ -119,12 +123,26 @@ class _Queue:
                          for lvl, d in self.arrivals.items()}
         for level in self.levels.values():
             level.compact()
+        self.dead = 0
 
     def forget(self, e: Entry) -> None:
         self.count -= 1
         self.samples -= e.samples
         self.level_samples[e.priority] -= e.samples
         self.levels[e.priority].forget(e)
+        self.dead += 1
+        if not self.count:  # empty: nothing of any request may stay behind
+            self.fifo.clear()
+            self.arrivals.clear()
+            self.level_samples.clear()
+            for level in self.levels.values():
+                level.clear()
+            self.dead = 0
+
+    def census(self) -> dict[str, int]:
+        return {"fifo": len(self.fifo), "arrivals": sum(map(len, self.arrivals.values())),
+                "fair_heaps": sum(lv.size() for lv in self.levels.values()),
+                "queued": self.count}
 
     def newest(self, level: tuple[int, int]) -> Entry | None:
         arrivals = self.arrivals.get(level)
@@ -218,7 +236,7 @@ class Scheduler:
         q.push(entry)
         self._by_key[entry.key] = entry
         if entry.deadline_s != math.inf:
-            if len(self._deadlines) > 4 * len(self._by_key) + 1024:
+            if len(self._deadlines) > 2 * len(self._by_key) + 64:
                 self._deadlines = [t for t in self._deadlines if t[2].state == QUEUED]
                 heapq.heapify(self._deadlines)
             heapq.heappush(self._deadlines, (entry.deadline_s, entry.seq, entry))
@@ -268,10 +286,6 @@ class Scheduler:
 
     def models_waiting(self) -> list[str]:
         return [m for m, q in self._queues.items() if q.count]
-
-    def head(self, model: str, now: float) -> Entry | None:
-        q = self._queues.get(model)
-        return next(q.ordered(now), None) if q and q.count else None
 
     def estimate_wait(self, model: str, priority: int, predict: Predict, workers: int,
                       tenant: str | None = None, weight: float = 1.0,
@@ -351,6 +365,7 @@ class Scheduler:
             del self._by_key[e.key]
         for e in doomed:
             self._remove(e)
+        self._settle()
         if reason == IDLE and total >= pol.cap:
             reason = FULL
         return Decision(batch, reason, doomed)
@@ -392,6 +407,22 @@ class Scheduler:
             self._queues[e.model].forget(e)
         e.state = GONE
         self._by_key.pop(e.key, None)
+        self._settle()
+
+    def _settle(self) -> None:
+        """With nothing queued, the deadline heap lets go of every answered entry."""
+        if not self._by_key and self._deadlines:
+            self._deadlines.clear()
+
+    def census(self) -> dict[str, int]:
+        """Size of every structure that holds requests, by name: all 0 once every
+        request has been answered (the fault tests check it through ``census``)."""
+        out = {"scheduler.by_key": len(self._by_key),
+               "scheduler.deadlines": len(self._deadlines)}
+        for q in self._queues.values():
+            for name, n in q.census().items():
+                out[f"scheduler.{name}"] = out.get(f"scheduler.{name}", 0) + n
+        return out
 
     @staticmethod
     def _lowest_newest(q: _Queue) -> Entry | None:

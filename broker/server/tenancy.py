@@ -191,6 +191,10 @@ class Tenancy:
         return Grant(dataclasses.replace(req, priority=priority, timeout_ms=timeout_ms),
                      t.name, t.weight, t.qos.rank, notes)
 
+    def open_count(self) -> int:
+        """Requests holding an in-flight place (the census: 0 once all are answered)."""
+        return len(self._open)
+
     def release(self, key: Hashable) -> None:
         """The request's one answer went out (or it was refused after admission)."""
         name = self._open.pop(key, None)

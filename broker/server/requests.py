@@ -126,7 +126,8 @@ class RequestPath(StreamPath):
             "requests.open": len(self._open), "requests.by_client": len(self._by_client),
             "pool.inflight": len(self.pool.inflight),
             "pool.worker_batches": sum(len(w.inflight) for w in self.pool.workers.values()),
-            "tenancy.open": self.tenancy.open_count()})
+            "tenancy.open": self.tenancy.open_count(),
+            **{f"streams.{k}": n for k, n in self.streams.sizes().items()}})
         return out
 
     def worker_gone(self, worker_id: str) -> None:

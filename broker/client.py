@@ -145,6 +145,12 @@ def _decode_answer(kind: p.Kind, header: dict[str, Any], bufs: Any) -> tuple[p.K
     return kind, "", header
 
 
+def _keyed(args: dict[str, Any], api_key: str) -> dict[str, Any]:
+    """A control call's args with the client's API key, unless it names one: with a
+    tenants file the broker shows a tenant only its own models (broker/server/scope.py)."""
+    return {"api_key": api_key, **args} if api_key else args
+
+
 def _control_result(header: dict[str, Any]) -> Any:
     if header.get("ok"):
         return header.get("result")
@@ -221,7 +227,8 @@ class Client:
 
     def control(self, verb: str, **args: Any) -> Any:
         rid = f"ctl-{next(self._ids)}"
-        frames = p.encode(p.ControlRequest(rid, verb, args, self.admin_token))
+        frames = p.encode(p.ControlRequest(rid, verb, _keyed(args, self.api_key),
+                                           self.admin_token))
         return _control_result(self._roundtrip(frames, rid, self.timeout_s))
 
     def stream(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
@@ -429,8 +436,8 @@ class AsyncClient:
 
     async def control(self, verb: str, **args: Any) -> Any:
         rid = f"ctl-{next(self._ids)}"
-        header = await self._call(p.encode(p.ControlRequest(rid, verb, args, self.admin_token)),
-                                  rid, cancel=False)
+        msg = p.ControlRequest(rid, verb, _keyed(args, self.api_key), self.admin_token)
+        header = await self._call(p.encode(msg), rid, cancel=False)
         if isinstance(header, InferError):
             raise header
         return _control_result(header)

@@ -34,6 +34,7 @@ from zeroserve.broker.server.replicas import Replicas
 from zeroserve.broker.server.repoctl import RepositoryControl
 from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
+from zeroserve.broker.server.scope import TenantScope
 from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.tenancy import Tenancy
 from zeroserve.models.repository import RepoModel
@@ -74,7 +75,7 @@ class Broker:
                                     random.Random(), self.tenancy, self.stop, clock)
         self.lifecycle = self._compose(clock, ctx or zmq.Context.instance(),
                                        lifecycle or LifecycleOptions())
-        self.control = ControlTable(admin_token)
+        self.control = ControlTable(admin_token, TenantScope(self.tenancy, admin_token))
         self._add_verbs()
         self.repository.add_verbs(self.control)
         ExtensionVerbs(self.catalog, self.pool, self.requests.stats).add_verbs(self.control)

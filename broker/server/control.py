@@ -12,9 +12,12 @@ from __future__ import annotations
 import hmac
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from zeroserve.broker import protocol as p
+
+if TYPE_CHECKING:
+    from zeroserve.broker.server.scope import TenantScope
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +40,12 @@ class ControlTable:
     """Verbs by name. Components add theirs with :meth:`add`; the loop calls
     :meth:`handle` with where the call came from."""
 
-    def __init__(self, admin_token: str = "") -> None:
+    def __init__(self, admin_token: str = "", scope: "TenantScope | None" = None) -> None:
         self._token = admin_token
+        self._scope = scope   # what a tenant on the frontend may see (scope.py)
         self._verbs: dict[str, Verb] = {"ping": Verb(lambda _: {"ok": True})}
+        if scope is not None:
+            scope.add_verbs(self)
 
     def add(self, name: str, fn: Handler, *, mutates: bool = False) -> None:
         self._verbs[name] = Verb(fn, mutates)
@@ -55,7 +61,12 @@ class ControlTable:
                                    + f" (known: {', '.join(self.names())})")
             if verb.mutates:
                 self._authorize(msg, on_frontend)
-            result = verb.fn(msg.args)
+            args = dict(msg.args)
+            visible = self._scope.check(msg.verb, args, msg.token, on_frontend) \
+                if self._scope is not None else None
+            result = verb.fn(args)
+            if visible is not None:
+                result = visible(result)
         except ControlError as exc:
             return p.encode(p.ControlReply(msg.call_id, False, code=exc.code, error=str(exc)))
         except LookupError as exc:

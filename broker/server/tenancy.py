@@ -138,14 +138,27 @@ class Tenancy:
 
     # -- the door ------------------------------------------------------------
     def identify(self, req: p.InferRequest) -> Tenant | Refusal:
+        """Who calls, and whether it may call the model, before anything of the request
+        is checked against the model (a tenant learns nothing of another's models)."""
+        who = self.caller(req.api_key)
+        if isinstance(who, Refusal):
+            self.rejected(who.tenant, who.code)
+        elif not who.allows(req.model):
+            return self._refuse(who.name, p.ErrorCode.FORBIDDEN,
+                                f"tenant {who.name!r} may not call model {req.model!r}")
+        return who
+
+    def caller(self, api_key: str) -> Tenant | Refusal:
+        """The tenant of a key (requests and the frontend's control calls alike);
+        nothing is counted here."""
         if not self.enabled:
             return _ANON
-        if not req.api_key:
-            return self._refuse(UNKNOWN, p.ErrorCode.UNAUTHORIZED, "an API key is required "
-                                "(Authorization: Bearer <key>, X-API-Key, or api_key=)")
-        name = self.set.identify(req.api_key)
+        if not api_key:
+            return Refusal(p.ErrorCode.UNAUTHORIZED, "an API key is required (Authorization: "
+                           "Bearer <key>, X-API-Key, or api_key=)", UNKNOWN)
+        name = self.set.identify(api_key)
         if name is None:
-            return self._refuse(UNKNOWN, p.ErrorCode.UNAUTHORIZED, "unknown API key")
+            return Refusal(p.ErrorCode.UNAUTHORIZED, "unknown API key", UNKNOWN)
         return self.set.tenants[name]
 
     def admit(self, t: Tenant, key: Hashable, req: p.InferRequest, samples: int,

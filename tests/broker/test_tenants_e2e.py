@@ -179,6 +179,27 @@ def test_a_broken_file_is_refused_and_the_old_tenants_stay(world: World) -> None
     assert world.cli("reload", "--tenants").returncode == 0
 
 
+def test_direct_control_calls_show_a_tenant_only_its_models(world: World) -> None:
+    """The frontend's read verbs over the direct client: no key, another tenant's model,
+    the right key (bob may call linear only; alice every model)."""
+    from zeroserve.broker import wording
+    with Client(world.server.frontend) as c, pytest.raises(InferError) as err:
+        c.control("metadata", model="linear")
+    assert err.value.code is ErrorCode.UNAUTHORIZED
+    with Client(world.server.frontend, api_key=world.keys["bob"]) as c:
+        for verb in ("metadata", "config", "stats"):
+            with pytest.raises(InferError) as err:
+                c.control(verb, model="other")
+            assert (err.value.code, err.value.message) == (ErrorCode.NOT_FOUND,
+                                                           wording.unknown_model("other"))
+        assert c.control("metadata", model="linear")["name"] == "linear"
+        assert {s["name"] for s in c.control("stats")["model_stats"]} == {"linear"}
+        assert {e["name"] for e in c.control("repository_index")} == {"linear"}
+    with Client(world.server.frontend, api_key=world.keys["alice"]) as c:
+        assert {e["name"] for e in c.control("repository_index")} == {"linear", "other"}
+        assert c.control("config", model="other")["name"] == "other"
+
+
 def test_a_key_rotated_while_requests_flow(world: World) -> None:
     """bob gets a second key, the flow moves to it, the old key is removed: every request
     of the flow is answered 200, and the old key is then refused."""

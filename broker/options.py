@@ -111,6 +111,11 @@ def _worker_opts(p: argparse.ArgumentParser) -> None:
                    help="memory an unload may fail to return before the worker is recycled")
 
 
+# with tenants, /metrics names every model and tenant: loopback (a Prometheus on the
+# host, a sidecar in the pod) unless the operator names the scraper's network
+METRICS_ALLOW = "127.0.0.0/8,::1"
+
+
 def _gateway_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8080)
@@ -128,6 +133,9 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shed-lag-ms", type=float, default=50.0,
                    help="answer inference 503 at the door while the gateway's event loop "
                         "is this far behind (0: never)")
+    p.add_argument("--metrics-allow", default=METRICS_ALLOW, metavar="CIDRS",
+                   help="with tenants, the addresses that may scrape /metrics without the "
+                        "admin token (comma-separated addresses or CIDRs; default loopback)")
     p.add_argument("--max-in-flight", type=int, default=2048,
                    help="inference requests one gateway process holds at most; past it, "
                         "503 at the door (0: no bound)")

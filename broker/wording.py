@@ -152,4 +152,5 @@ def cuda_shm_unsupported(region: str) -> str:
     return f"failed to register CUDA shared memory region: '{region}', GPUs not supported"
 
 
-CUDA_SHM_NO_NAME = "'region name' is necessary to register cuda shared memory region"
+def cuda_shm_unknown(region: str) -> str:
+    return f"Unable to find cuda shared memory region: '{region}'"

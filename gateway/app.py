@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from zeroserve.broker import __version__
 from zeroserve.broker.client import AsyncClient, InferError
@@ -29,6 +31,8 @@ from zeroserve.gateway.routes.infer import InferEndpoint
 from zeroserve.broker.logsettings import LogSettings
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.http import error_response
+from zeroserve.gateway.tenantgate import DEFAULT_METRICS_ALLOW, GateMiddleware, TenantGate, \
+    networks
 
 __all__ = ["Gateway", "Settings", "create_app"]
 
@@ -56,6 +60,8 @@ class Settings:
     shed_lag_ms: float = 50.0  # shed at the door while the event loop is this far behind
     max_in_flight: int = 2048  # inference requests in the gateway at most (0: no bound)
     curve_keys: ClientKeys | None = None  # a broker on tcp:// with CurveZMQ (broker/curve.py)
+    # with tenants, who may scrape /metrics without the admin token (tenantgate.py)
+    metrics_allow: str = DEFAULT_METRICS_ALLOW
 
     @property
     def control_endpoint(self) -> str:
@@ -71,8 +77,11 @@ class Settings:
 class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # the admin token rides on the frontend too: with tenants the broker shows the
+        # gateway's own calls (readiness, a scrape) everything, its callers' only theirs
         self.client = AsyncClient(settings.frontend, broker_timeout_s=settings.broker_timeout_s,
-                                  curve_keys=settings.curve_keys)
+                                  curve_keys=settings.curve_keys,
+                                  admin_token=settings.admin_token)
         # verbs that change state go to the control socket, with the admin token: the
         # broker answers only read-only verbs on the frontend
         self.admin = AsyncClient(settings.control_endpoint,
@@ -82,6 +91,8 @@ class Gateway:
         self.door = Door(settings.shed_lag_ms, settings.max_in_flight)
         self.shm = SharedMemory(settings.allow_shared_memory)
         self.logs = LogSettings()
+        self.gate = TenantGate(self.control, settings.admin_token,
+                               networks(settings.metrics_allow))
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -124,23 +135,35 @@ class Gateway:
         return {"name": self.settings.server_name, "version": self.settings.server_version,
                 "extensions": self.settings.extensions()}
 
-    async def model_metadata(self, name: str, version: int | None) -> dict[str, Any]:
-        meta: dict[str, Any] = await self.control("metadata", model=name, version=version)
+    # ``api_key``: the caller's key ("" for none), which the broker judges it by when it
+    # has tenants; None only for the operator (the admin token) and the gateway itself
+    async def model_metadata(self, name: str, version: int | None,
+                             api_key: str | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = await self.control("metadata", model=name, version=version,
+                                                  **as_caller(api_key))
         for internal in ("ready", "max_batch_size", "labels"):
             meta.pop(internal, None)
         return meta
 
-    async def model_config(self, name: str, version: int | None) -> dict[str, Any]:
-        return await self.control("config", model=name, version=version)  # type: ignore[no-any-return]
+    async def model_config(self, name: str, version: int | None,
+                           api_key: str | None = None) -> dict[str, Any]:
+        return await self.control(  # type: ignore[no-any-return]
+            "config", model=name, version=version, **as_caller(api_key))
 
-    async def model_not_ready(self, name: str, version: int | None) -> str | None:
+    async def model_not_ready(self, name: str, version: int | None,
+                              api_key: str | None = None) -> str | None:
         """Why the model is not ready, or None; InferError for an unknown one."""
-        meta = await self.control("metadata", model=name, version=version)
+        meta = await self.control("metadata", model=name, version=version,
+                                  **as_caller(api_key))
         return None if meta["ready"] else f"model {meta['name']!r} is not ready"
 
-    async def stats(self, name: str | None, version: int | None) -> dict[str, Any]:
+    async def stats(self, name: str | None, version: int | None,
+                    api_key: str | None = None) -> dict[str, Any]:
         args = {} if name is None else {"model": name, "version": version}
-        return await self.control("stats", **args)  # type: ignore[no-any-return]
+        return await self.control("stats", **args, **as_caller(api_key))  # type: ignore[no-any-return]
+
+    async def repository_index(self, ready: bool, api_key: str | None = None) -> Any:
+        return await self.control("repository_index", ready=ready, **as_caller(api_key))
 
     async def load_model(self, name: str, config: str | None, files: dict[str, bytes]) -> None:
         """Returns once the broker has loaded the model; InferError if it failed to."""
@@ -177,14 +200,20 @@ class Gateway:
         return settings
 
     async def classify(self, model: str, version: int, tensors: list[p.Tensor],
-                        counts: dict[str, int]) -> list[p.Tensor]:
+                        counts: dict[str, int], api_key: str | None = None) -> list[p.Tensor]:
         """The top N of each output that asks for it. The model's metadata says
         whether dimension 0 is the batch, and (once the broker sends them) its labels."""
-        meta = await self.control("metadata", model=model, version=version)
+        meta = await self.control("metadata", model=model, version=version,
+                                  **as_caller(api_key))
         batched = int(meta.get("max_batch_size") or 0) > 0
         labels = meta.get("labels")
         return [classify(t, counts[t.meta.name], batched, labels)
                 if t.meta.name in counts else t for t in tensors]
+
+
+def as_caller(api_key: str | None) -> dict[str, str]:
+    """A control call's args for a caller: its key, or none at all for the operator."""
+    return {} if api_key is None else {"api_key": api_key}
 
 
 def create_app(settings: Settings) -> Starlette:
@@ -201,8 +230,14 @@ def create_app(settings: Settings) -> Starlette:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}")
 
+    async def refuse(scope: Scope, receive: Receive, send: Send, exc: InferError) -> None:
+        got = errors.infer_answer(exc)
+        await error_response(got.status.http, got.message, got.http_headers())(
+            scope, receive, send)
+
     app = Starlette(routes=routes.routes(gw, infer), lifespan=gw.lifespan,
-                    middleware=[metrics.middleware()],
+                    middleware=[metrics.middleware(),
+                                Middleware(GateMiddleware, gate=gw.gate, refuse=refuse)],
                     exception_handlers={404: http_error, 405: http_error,
                                         **errors.http_handlers(), Exception: unexpected})
     app.state.gateway = gw

@@ -25,7 +25,8 @@ ERROR = {"$ref": "#/components/schemas/Error"}
 ANY_JSON: dict[str, Any] = {}
 WHY = {
     200: "OK", 201: "registered", 400: "bad input (the message says what)",
-    401: "an admin token is configured: send Authorization: Bearer <token>",
+    401: "a key is needed: the admin token (Authorization: Bearer <token>), or with "
+         "tenants an API key (Authorization: Bearer <key> or X-API-Key)",
     403: "management refused (not loopback, wrong token, registration disabled, "
          "model_path outside the import roots, or shared memory off)",
     404: "unknown model, version or shared-memory region", 409: "the model already exists",
@@ -82,6 +83,7 @@ LOG_SETTINGS = {"type": "object", "properties": {
     "log_format": {"type": "string", "enum": ["default", "ISO8601"]},
     "log_file": {"type": "string", "description": "read-only: always empty (stderr)"}}}
 SHM = "/v2/systemsharedmemory"
+CUDA_SHM = "/v2/cudasharedmemory"
 REPO_INDEX = {"type": "object", "properties": {"ready": {
     "type": "boolean", "description": "true: only the READY entries"}}}
 REPO_LOAD = {"type": "object", "properties": {"parameters": {
@@ -140,8 +142,8 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
     ("post", "/predictions/{name}/{version}", "TorchServe-compatible predict, pinned "
      "version", INFER, ANY_JSON, "application/json"),
     ("get", "/ping", "TorchServe-compatible health", [200, 503], None, "application/json"),
-    ("get", "/metrics", "Prometheus scrape of the gateway, the broker and every worker",
-     [200], None, "text/plain"),
+    ("get", "/metrics", "Prometheus scrape of the gateway, the broker and every worker "
+     "(with tenants: the admin token or --metrics-allow)", [200, 403], None, "text/plain"),
     ("get", "/openapi.json", "This document", [200], None, "application/json"),
     ("post", "/v1/models", "Register a model from model_path (copied, trial-loaded, then "
      "published)", [201, 400, 401, 403, 409, 413, 422, 503, 504], REGISTER,
@@ -161,6 +163,16 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
      [200, 400, 401, 403], SHM_REGISTER, None),
     ("post", SHM + "/unregister", "Unregister every region", [200, 401, 403], None, None),
     ("post", SHM + "/region/{region}/unregister", "Unregister one region (unknown: no "
+     "error)", [200, 401, 403], None, None),
+    ("get", CUDA_SHM + "/status", "CUDA shared-memory regions: none (zeroserve takes "
+     "tensors from host memory)", [200], None, "application/json"),
+    ("get", CUDA_SHM + "/region/{region}/status", "One CUDA region: never registered",
+     [404], None, None),
+    ("post", CUDA_SHM + "/region/{region}/register", "Refused: GPUs not supported for "
+     "CUDA shared memory", [400, 401, 403], ANY_JSON, None),
+    ("post", CUDA_SHM + "/unregister", "Unregister every CUDA region (there are none)",
+     [200, 401, 403], None, None),
+    ("post", CUDA_SHM + "/region/{region}/unregister", "Unregister one CUDA region (no "
      "error)", [200, 401, 403], None, None),
     ("get", "/v2/logging", "Log settings", [200], None, "application/json"),
     ("post", "/v2/logging", "Change log settings (the keys given)", [200, 400, 401, 403],
@@ -197,7 +209,9 @@ def _operation(method: str, path: str, summary: str, statuses: list[int],
     if path.startswith(("/models/", "/predictions/")):
         params += SIMPLE_HEADERS
     responses: dict[str, Any] = {}
-    for status in statuses:
+    if path.startswith("/v2") and not path.startswith("/v2/health/") and 401 not in statuses:
+        statuses = [*statuses, 401]   # with tenants: no key, or an unknown one
+    for status in sorted(statuses):
         resp: dict[str, Any] = {"description": WHY.get(status, "")}
         if status >= 400:
             resp["content"] = {"application/json": {"schema": ERROR}}

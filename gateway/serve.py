@@ -26,6 +26,7 @@ from zeroserve.broker import __version__, curve, options
 from zeroserve.broker.process import Notifier, notify
 from zeroserve.gateway.app import Gateway, Settings, create_app
 from zeroserve.gateway.fastpath import InferFastPath
+from zeroserve.gateway.tenantgate import networks
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         keys = curve.client_keys(args)
         curve.check_client(keys, frontend)
-    except curve.CurveError as exc:
+        networks(args.metrics_allow)
+    except (curve.CurveError, ValueError) as exc:   # ValueError: --metrics-allow
         logger.error("%s", exc)
         return 2
     app = create_app(Settings(frontend=frontend, control=options.endpoints(args).control,
@@ -131,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
                               server_version=args.server_version or __version__,
                               allow_shared_memory=args.allow_shared_memory,
                               shed_lag_ms=args.shed_lag_ms, max_in_flight=args.max_in_flight,
+                              metrics_allow=args.metrics_allow,
                               curve_keys=keys))
     config = uvicorn.Config(InferFastPath(app), host=args.http_host, port=args.http_port,
                             loop="uvloop", http="httptools", access_log=False,

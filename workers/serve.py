@@ -97,6 +97,7 @@ def gateways(args: Any) -> list[Child]:
         "--shutdown-timeout-s", str(args.shutdown_timeout_s),
         "--readiness", args.readiness, "--server-name", args.server_name,
         "--shed-lag-ms", str(args.shed_lag_ms), "--max-in-flight", str(args.max_in_flight),
+        "--metrics-allow", args.metrics_allow,
         *(["--server-version", args.server_version] if args.server_version else []),
         *(["--allow-shared-memory"] if args.allow_shared_memory else []),
         *curve_args(args, "gateway")]

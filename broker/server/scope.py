@@ -8,7 +8,10 @@ caller's; the direct client sends its own): no key or an unknown one is refused
 model that does not exist, and a listing keeps only the tenant's models. The
 operator's verbs (status, models, metrics, tenants, ...) are not a tenant's: on the
 frontend they need the admin token when the broker has one; a call with that token
-and no key sees everything (the gateway's own calls: readiness, a scrape). Without an
+and no ``api_key`` at all sees everything (the gateway's own calls: readiness, a
+scrape); one that names a key, even an empty one, is that caller's (the gateway passes
+its caller's key always, so a caller without one is refused though the gateway holds
+the token). Without an
 admin token they stay open, as every read-only verb was before tenants: the broker
 then trusts whoever reaches its socket, as it does for management on loopback.
 ``ping``, ``draining`` and ``access`` (whether keys are needed at all) are the
@@ -50,11 +53,11 @@ class TenantScope:
         """The filter of the verb's answer for this caller; ControlError where it may not
         call, LookupError (not found) for a model it may not see. ``args`` is the call's
         own copy: the key is taken out of it, so no verb sees one."""
-        key = args.pop("api_key", "")
+        key = args.pop("api_key", None)
         if not on_frontend or not self.tenancy.enabled or verb in OPEN:
             return _unchanged
-        if not key and self._token and hmac.compare_digest(token.encode(),
-                                                           self._token.encode()):
+        if key is None and self._token and hmac.compare_digest(token.encode(),
+                                                               self._token.encode()):
             return _unchanged
         if verb not in SCOPED:
             if not self._token:

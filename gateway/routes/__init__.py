@@ -3,8 +3,10 @@ errors of gateway/errors.py; the app's exception handlers answer them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from zeroserve.gateway import metrics, openapi
@@ -20,6 +22,17 @@ if TYPE_CHECKING:
     from zeroserve.gateway.app import Gateway
 
 
+def scrape(gw: "Gateway") -> Callable[[Request], Awaitable[Response]]:
+    """``GET /metrics``, which with tenants only the operator and --metrics-allow see."""
+    merged = metrics.Scrape(gw.control)
+
+    async def endpoint(request: Request) -> Response:
+        await gw.gate.may_scrape(request.headers, request.client.host if request.client
+                                 else "")
+        return await merged.endpoint(request)
+    return endpoint
+
+
 def routes(gw: "Gateway", infer: InferEndpoint) -> list[BaseRoute]:
     m = "/v2/models/{name}"
     mv = "/v2/models/{name}/versions/{version}"
@@ -31,7 +44,7 @@ def routes(gw: "Gateway", infer: InferEndpoint) -> list[BaseRoute]:
         Route(mv + "/infer", infer, methods=["POST"]),
         *GenerateRoutes(gw).routes(),
         *predict.routes(gw),
-        Route("/metrics", metrics.Scrape(gw.control).endpoint, methods=["GET"]),
+        Route("/metrics", scrape(gw), methods=["GET"]),
         *Registration(gw).routes(),
         *Extensions(gw).routes(),
         *repository.routes(),

@@ -11,6 +11,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from zeroserve.broker import wording
+from zeroserve.broker.client import InferError
+from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.access import require_admin
 from zeroserve.gateway.http import BodyTooLarge, BadRequest, json_response, read_body
 
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHM = "/v2/systemsharedmemory"
+CUDA_SHM = "/v2/cudasharedmemory"
 MAX_BODY = 64 << 10
 
 
@@ -48,6 +52,13 @@ class Extensions:
             Route(SHM + "/unregister", self.shm_unregister, methods=["POST"]),
             Route(SHM + "/region/{region}/unregister", self.shm_unregister,
                   methods=["POST"]),
+            Route(CUDA_SHM + "/status", self.cuda_status, methods=["GET"]),
+            Route(CUDA_SHM + "/region/{region}/status", self.cuda_status, methods=["GET"]),
+            Route(CUDA_SHM + "/region/{region}/register", self.cuda_register,
+                  methods=["POST"]),
+            Route(CUDA_SHM + "/unregister", self.cuda_unregister, methods=["POST"]),
+            Route(CUDA_SHM + "/region/{region}/unregister", self.cuda_unregister,
+                  methods=["POST"]),
             Route("/v2/logging", self.log_settings, methods=["GET"]),
             Route("/v2/logging", self.change_log_settings, methods=["POST"]),
         ]
@@ -71,6 +82,24 @@ class Extensions:
     async def shm_unregister(self, request: Request) -> Response:
         require_admin(request, self.gw.settings.admin_token)
         self.gw.shm.unregister(request.path_params.get("region"))
+        return Response(status_code=200)
+
+    # -- CUDA shared memory: answered as a Triton built without GPUs answers ----
+    # Tensors reach a worker's GPU from the gateway's host memory, so no region is
+    # ever registered: the status is empty, unregistering succeeds (Triton's unregister
+    # of a region it does not hold does too), registering says why it cannot.
+    async def cuda_status(self, request: Request) -> Response:
+        region = request.path_params.get("region")
+        if region is not None:
+            raise InferError(ErrorCode.NOT_FOUND, wording.cuda_shm_unknown(region))
+        return json_response([])
+
+    async def cuda_register(self, request: Request) -> Response:
+        require_admin(request, self.gw.settings.admin_token)
+        raise BadRequest(wording.cuda_shm_unsupported(request.path_params["region"]))
+
+    async def cuda_unregister(self, request: Request) -> Response:
+        require_admin(request, self.gw.settings.admin_token)
         return Response(status_code=200)
 
     # -- logging ---------------------------------------------------------------

@@ -144,6 +144,10 @@ class InferEndpoint:
         gw, limit = self.gw, self.gw.settings.max_body_bytes
         headers = wanted_headers(scope["headers"])
         path = scope["path_params"]
+        try:   # with tenants, a caller without a key learns nothing, not even a 400
+            await gw.gate.caller(headers)
+        except InferError as exc:
+            return await send_answer_of(send, errors.infer_answer(exc))
         try:
             version = parse_version(path.get("version"))
             body = await read_all(receive, headers.get("content-length"), limit)
@@ -210,7 +214,7 @@ class InferEndpoint:
             tensors = reply.tensors
             if req.classified:
                 tensors = await self.gw.classify(reply.model, reply.version, tensors,
-                                                 req.classified)
+                                                 req.classified, api_key)
             return reply, tensors
         except InferError as exc:
             return exc

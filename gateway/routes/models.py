@@ -10,6 +10,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from zeroserve.gateway.http import error_response, json_response, path_version
+from zeroserve.gateway.tenantgate import key_of
 
 if TYPE_CHECKING:
     from zeroserve.gateway.app import Gateway
@@ -61,6 +62,6 @@ class ModelRoutes:
         return Response(status_code=200)
 
     @staticmethod
-    def _model(request: Request) -> tuple[str, int | None]:
+    def _model(request: Request) -> tuple[str, int | None, str | None]:
         name: Any = request.path_params["name"]
-        return name, path_version(request)
+        return name, path_version(request), key_of(request)

@@ -37,18 +37,20 @@ class ModelInfoCache:
     def __init__(self, gw: "Gateway", ttl_s: float = METADATA_TTL_S) -> None:
         self.gw = gw
         self.ttl_s = ttl_s
-        self._cache: dict[tuple[str, int | None], tuple[float, simple.ModelInfo]] = {}
+        # by caller too: with tenants, what a key may see is the broker's to say
+        self._cache: dict[tuple[str, int | None, str], tuple[float, simple.ModelInfo]] = {}
 
-    async def get(self, name: str, version: int | None) -> simple.ModelInfo:
+    async def get(self, name: str, version: int | None, api_key: str) -> simple.ModelInfo:
         now = time.monotonic()
-        hit = self._cache.get((name, version))
+        hit = self._cache.get((name, version, api_key))
         if hit is not None and now - hit[0] < self.ttl_s:
             return hit[1]
-        meta = await self.gw.control("metadata", model=name, version=version)
+        meta = await self.gw.control("metadata", model=name, version=version,
+                                     api_key=api_key)
         info = simple.ModelInfo.from_metadata(meta)
         if len(self._cache) > 4096:  # unknown names are not cached, so this is a bound
             self._cache.clear()
-        self._cache[(name, version)] = (now, info)
+        self._cache[(name, version, api_key)] = (now, info)
         return info
 
 
@@ -79,7 +81,7 @@ class SimpleRoutes:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise BadRequest(f"malformed JSON: {exc}") from None
-        info = await self.infos.get(name, version)
+        info = await self.infos.get(name, version, api_key_of(request.headers))
         return await handler(request, doc, info, version)
 
     async def _infer(self, request: Request, tensors: list[p.Tensor], version: int | None,

@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from zeroserve.gateway.access import require_admin
 from zeroserve.gateway.http import BadRequest, json_response, path_version, read_body
+from zeroserve.gateway.tenantgate import key_of
 
 if TYPE_CHECKING:
     from zeroserve.gateway.app import Gateway
@@ -62,7 +63,7 @@ class RepositoryRoutes:
     async def stats(self, request: Request) -> Response:
         name = request.path_params.get("name")
         version = path_version(request)
-        return json_response(await self.gw.stats(name, version))
+        return json_response(await self.gw.stats(name, version, key_of(request)))
 
     # -- repository ------------------------------------------------------------
     async def index(self, request: Request) -> Response:
@@ -70,7 +71,7 @@ class RepositoryRoutes:
         ready = doc.get("ready", False)
         if not isinstance(ready, bool):
             raise BadRequest(f"'ready' must be true or false, got {ready!r}")
-        return json_response(await self.gw.control("repository_index", ready=ready))
+        return json_response(await self.gw.repository_index(ready, key_of(request)))
 
     async def load(self, request: Request) -> Response:
         require_admin(request, self.gw.settings.admin_token)

@@ -100,6 +100,9 @@ def test_the_operators_verbs_need_the_admin_token_and_it_sees_everything(tmp_pat
     # a key with the token: the key's tenant decides (the gateway passes its caller's)
     assert refusal(c, "metadata", token=TOKEN, model="cnn", api_key=keys["bob"])[0] is \
         p.ErrorCode.NOT_FOUND
+    # a caller's empty key is that caller's, though the call carries the token
+    assert refusal(c, "metadata", token=TOKEN, model="cnn", api_key="")[0] is \
+        p.ErrorCode.UNAUTHORIZED
     assert call(c, "draining") == {"ok": True}   # the gateway's plumbing stays open
 
 

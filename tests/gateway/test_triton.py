@@ -241,3 +241,14 @@ def test_bad_requests_in_triton_words(client, api_server):
     assert status == 400 and json.loads(got)["error"].startswith(
         "failed to parse the request JSON buffer: ")
     assert client.is_server_live()
+
+
+def test_cuda_shared_memory_answers_as_a_triton_without_gpus(client):
+    assert client.get_cuda_shared_memory_status() == []
+    client.unregister_cuda_shared_memory()            # every region: there are none
+    client.unregister_cuda_shared_memory("never")     # one it does not hold: no error
+    assert triton_error(client.register_cuda_shared_memory, "r0", "AAAA", 0, 64) == \
+        "failed to register CUDA shared memory region: 'r0', GPUs not supported"
+    assert triton_error(client.get_cuda_shared_memory_status, "r0") == \
+        "Unable to find cuda shared memory region: 'r0'"
+    assert client.get_cuda_shared_memory_status() == [] and client.is_server_live()

@@ -1,0 +1,57 @@
+"""The gateway's side of tenants (gateway/tenantgate.py): --metrics-allow parsing and who
+may scrape, which key a caller is judged by. The broker's answer to ``access`` is a
+stand-in here; tests/gateway/test_tenant_scope.py runs the whole thing for real."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from zeroserve.broker.client import InferError
+from zeroserve.broker.protocol import ErrorCode
+from zeroserve.gateway.tenantgate import DEFAULT_METRICS_ALLOW, TenantGate, networks
+
+
+def gate(tenants: bool, allow: str = DEFAULT_METRICS_ALLOW) -> TenantGate:
+    async def control(verb: str, **args: Any) -> Any:
+        assert verb == "access"
+        return {"tenants": tenants}
+    return TenantGate(control, "tok", networks(allow))
+
+
+def test_metrics_allow_takes_addresses_and_cidrs() -> None:
+    assert [str(n) for n in networks("10.0.0.0/8, 192.0.2.7,::1")] == \
+        ["10.0.0.0/8", "192.0.2.7/32", "::1/128"]
+    with pytest.raises(ValueError, match="'10.0.0/33' is not an address or a CIDR"):
+        networks("10.0.0/33")
+
+
+@pytest.mark.parametrize("host, allow, ok", [
+    ("127.0.0.1", DEFAULT_METRICS_ALLOW, True), ("::1", DEFAULT_METRICS_ALLOW, True),
+    ("10.1.2.3", DEFAULT_METRICS_ALLOW, False), ("10.1.2.3", "10.0.0.0/8", True),
+    ("testclient", DEFAULT_METRICS_ALLOW, False),
+])
+def test_who_may_scrape_with_tenants(host: str, allow: str, ok: bool) -> None:
+    async def go() -> None:
+        await gate(True, allow).may_scrape({}, host)
+    if ok:
+        asyncio.run(go())
+    else:
+        with pytest.raises(InferError) as err:
+            asyncio.run(go())
+        assert err.value.code is ErrorCode.FORBIDDEN
+    asyncio.run(gate(True, allow).may_scrape({"authorization": "Bearer tok"}, host))
+    asyncio.run(gate(False, allow).may_scrape({}, host))   # no tenants: open as before
+
+
+def test_the_key_a_caller_is_judged_by() -> None:
+    async def caller(g: TenantGate, headers: dict[str, str]) -> str | None:
+        return await g.caller(headers)
+    assert asyncio.run(caller(gate(True), {"x-api-key": "zs_k"})) == "zs_k"
+    assert asyncio.run(caller(gate(True), {"authorization": "Bearer tok"})) is None
+    assert asyncio.run(caller(gate(False), {})) == ""
+    with pytest.raises(InferError) as err:
+        asyncio.run(caller(gate(True), {}))
+    assert err.value.code is ErrorCode.UNAUTHORIZED

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from zeroserve.broker import wording
 from zeroserve.broker.client import AsyncStream, InferError, StreamResponse
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway import generate
@@ -60,8 +61,10 @@ class GenerateRoutes:
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"malformed JSON: {exc}") from None
-        meta = await self.gw.control("metadata", model=name, version=version)
+            raise BadRequest(wording.bad_json(exc.msg, exc.pos)) from None
+        # the caller's key: with tenants, the broker shows it only models it may call
+        meta = await self.gw.control("metadata", model=name, version=version,
+                                     api_key=api_key_of(request.headers))
         tensors, params = generate.request_tensors(doc, meta)
         priority = bounded_int(params.get("priority", 0), "priority")
         timeout_us = bounded_int(params.get("timeout", 0), "timeout")

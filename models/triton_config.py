@@ -131,6 +131,8 @@ def from_message(msg: Message, fields: list[str]) -> tuple[dict[str, Any], list[
     for group in ("input", "output"):
         for i, tensor in enumerate(getattr(msg, group) if group in fields else ()):
             warnings += _tensor_warnings(f"{group}[{i}]", tensor)
+    if "dynamic_batching" in fields:
+        warnings += _batching_warnings(msg.dynamic_batching)
     return out, warnings
 
 
@@ -248,6 +250,19 @@ def _dynamic_batching(msg: Any) -> dict[str, Any]:
         if q.max_queue_size:   # 0: Triton's unbounded; zeroserve's default bound stays
             out["max_queue_size"] = q.max_queue_size
     return {"dynamic_batching": out}
+
+
+def _batching_warnings(d: Any) -> list[str]:
+    out = []
+    if d.preserve_ordering:
+        out.append("field 'dynamic_batching.preserve_ordering' is ignored: each request "
+                   "gets its own answer")
+    q = d.default_queue_policy
+    if d.HasField("default_queue_policy") and q.default_timeout_microseconds and \
+            not q.allow_timeout_override:
+        out.append("field 'dynamic_batching.default_queue_policy.allow_timeout_override' "
+                   "is ignored: a request's own timeout always applies")
+    return out
 
 
 def _version_policy(msg: Any) -> dict[str, Any]:

@@ -139,7 +139,8 @@ model_warmup [ { name: "w" batch_size: 1 } ]
         load_config(folder)   # the same file again: no second warning
     assert first == parse_config(SAME_AS_JSON, "<json>")
     warned = [r.getMessage() for r in caplog.records]
-    for fld in ("instance_group", "parameters", "optimization", "model_warmup"):
+    for fld in ("instance_group", "parameters", "optimization", "model_warmup",
+                "dynamic_batching.default_queue_policy.allow_timeout_override"):
         assert sum(f"field '{fld}' is ignored" in w for w in warned) == 1, warned
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 from zeroserve.broker import options
 from zeroserve.broker.runtime import BrokerLock, RuntimeDirError, ServerLock, cache_dir, \
@@ -25,14 +25,38 @@ MODULES = {"broker": "zeroserve.broker.server.main", "worker": "zeroserve.worker
            "gateway": "zeroserve.gateway.serve"}
 
 
-def _base(args: Any, command: str) -> list[str]:
-    argv = [sys.executable, "-m", MODULES[command],
-            "--log-level", args.log_level,
-            "--runtime-dir", str(Path(args.runtime_dir) if args.runtime_dir else runtime_dir())]
-    for name in ("frontend", "backend", "control"):
-        if getattr(args, name):
-            argv += [f"--{name}", getattr(args, name)]
+# what serve decides for a child itself instead of forwarding its own value: the
+# runtime folder (a default made explicit), the model folder, the worker's index,
+# threads and cores, the gateways' port sharing, and the Curve keys (curve_args)
+DECIDED = {"help", "config", "runtime_dir", "model_dir", "index", "worker_id", "threads",
+           "cpus", "reuse_port", "curve_secret_key", "curve_server_key",
+           "curve_authorized_keys"}
+
+
+def forwarded(args: argparse.Namespace, command: str) -> list[str]:
+    """serve's values of every option the child's own parser declares, as its flags: an
+    option added to a component reaches it from ``zeroserve serve`` with no change here.
+    An unset option (None) is left to the child's default."""
+    child = options.subparsers(options.parser())[command]
+    argv: list[str] = []
+    for action in child._actions:   # argparse keeps no public list of them
+        value = getattr(args, action.dest, None)
+        if action.dest in DECIDED or not action.option_strings or value is None:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):
+            argv += [a for v in value for a in (flag, str(v))]
+        else:
+            argv += [flag, str(value)]
     return argv
+
+
+def _base(args: argparse.Namespace, command: str) -> list[str]:
+    folder = Path(args.runtime_dir) if args.runtime_dir else runtime_dir()
+    return [sys.executable, "-m", MODULES[command], "--runtime-dir", str(folder),
+            *forwarded(args, command), *curve_args(args, command)]
 
 
 CORES_PER_GATEWAY = 4
@@ -75,7 +99,7 @@ def pinning(wanted: bool, workers: int, threads: int, gpus: int) -> list[list[in
     return pins
 
 
-def curve_args(args: Any, role: str) -> list[str]:
+def curve_args(args: argparse.Namespace, role: str) -> list[str]:
     """The broker's key pair for it, and for the local workers and gateways as theirs
     (the broker lets its own key in), so a tcp:// backend serves remote workers too."""
     if not args.curve_secret_key:
@@ -88,19 +112,10 @@ def curve_args(args: Any, role: str) -> list[str]:
     return argv
 
 
-def gateways(args: Any) -> list[Child]:
+def gateways(args: argparse.Namespace) -> list[Child]:
     """One gateway process, or several sharing the port (SO_REUSEPORT) and one
     prometheus multiprocess folder, so /metrics on any of them counts them all."""
-    argv = _base(args, "gateway") + [
-        "--http-host", args.http_host, "--http-port", str(args.http_port),
-        "--max-body-bytes", str(args.max_body_bytes),
-        "--shutdown-timeout-s", str(args.shutdown_timeout_s),
-        "--readiness", args.readiness, "--server-name", args.server_name,
-        "--shed-lag-ms", str(args.shed_lag_ms), "--max-in-flight", str(args.max_in_flight),
-        "--metrics-allow", args.metrics_allow,
-        *(["--server-version", args.server_version] if args.server_version else []),
-        *(["--allow-shared-memory"] if args.allow_shared_memory else []),
-        *curve_args(args, "gateway")]
+    argv = _base(args, "gateway")
     n = http_processes(args.http_workers, usable_cores(), args.allow_shared_memory)
     if n == 1:
         return [Child("gateway", argv)]
@@ -111,7 +126,7 @@ def gateways(args: Any) -> list[Child]:
     return [Child(f"gateway {i}", argv + ["--reuse-port"], env) for i in range(n)]
 
 
-def run(args: Any) -> int:
+def run(args: argparse.Namespace) -> int:
     folder = Path(args.runtime_dir) if args.runtime_dir else runtime_dir()
     lock = ServerLock(folder)
     try:
@@ -128,7 +143,7 @@ def run(args: Any) -> int:
         lock.release()
 
 
-def _run(args: Any) -> int:
+def _run(args: argparse.Namespace) -> int:
     if args.load_model and args.model_control_mode != "explicit":
         logger.error("--load-model needs --model-control-mode explicit (the other modes "
                      "load every model folder)")
@@ -141,32 +156,12 @@ def _run(args: Any) -> int:
     threads = args.threads or max(1, (usable_cores() - 1) // n)
     # prometheus_client picks multiprocess mode when it is imported: only gateways use it
     own_registry: dict[str, str | None] = {"PROMETHEUS_MULTIPROC_DIR": None}
-    children = [Child("broker", _base(args, "broker") + [
-        "--model-dir", str(model_dir), "--heartbeat-s", str(args.heartbeat_s),
-        "--worker-expiry-s", str(args.worker_expiry_s),
-        "--drain-timeout-s", str(args.drain_timeout_s),
-        "--latency-model", args.latency_model,
-        "--watch", args.watch,
-        "--watch-interval-s", str(args.watch_interval_s),
-        "--watch-debounce-ms", str(args.watch_debounce_ms),
-        *[a for r in args.import_root or () for a in ("--import-root", r)],
-        *(["--tenants", args.tenants] if args.tenants else []),
-        "--model-control-mode", args.model_control_mode,
-        *[a for m in args.load_model or () for a in ("--load-model", m)],
-        *curve_args(args, "broker")], own_registry)]
+    children = [Child("broker", _base(args, "broker") + ["--model-dir", str(model_dir)],
+                      own_registry)]
     pins = pinning(args.pin_workers, n, threads, gpus)
     for i in range(n):
         env = {**own_registry, **({"CUDA_VISIBLE_DEVICES": str(i)} if i < gpus else {})}
-        argv = _base(args, "worker") + ["--index", str(i), "--credits", str(args.credits),
-                                        "--threads", str(threads),
-                                        "--memory-budget", str(args.memory_budget),
-                                        "--memory-tolerance-bytes",
-                                        str(args.memory_tolerance_bytes),
-                                        *curve_args(args, "worker")]
-        if args.memory_headroom is not None:
-            argv += ["--memory-headroom", str(args.memory_headroom)]
-        if args.device:
-            argv += ["--device", args.device]
+        argv = _base(args, "worker") + ["--index", str(i), "--threads", str(threads)]
         if pins is not None:
             argv += ["--cpus", affinity.format_cpus(pins[i])]
         children.append(Child(f"worker {hostname()}/{i}", argv, env))

@@ -1,0 +1,56 @@
+"""``zeroserve serve`` builds each child's command line from the child's own parser:
+every option a broker, worker or gateway declares reaches it with serve's value, so an
+option added to a component needs no second edit in workers/serve.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from zeroserve.broker import options
+from zeroserve.workers import serve
+
+
+def _child_args(serve_argv: list[str], command: str) -> argparse.Namespace:
+    args = options.parser().parse_args(["serve", *serve_argv])
+    argv = serve._base(args, command)
+    assert argv[1:3] == ["-m", serve.MODULES[command]]
+    return options.parser().parse_args([command, *argv[3:]])
+
+
+def _a_value(action: argparse.Action) -> tuple[list[str], object]:
+    """Flags giving ``action`` a value other than its default, and that value."""
+    flag = max(action.option_strings, key=len)
+    if isinstance(action, argparse._StoreTrueAction):
+        return [flag], True
+    if isinstance(action, argparse._AppendAction):
+        return [flag, "one", flag, "two"], ["one", "two"]
+    if action.choices:
+        value = next(c for c in action.choices if c != action.default)
+        return [flag, str(value)], value
+    kind = action.type or str
+    value = kind(7) if kind in (int, float) else "/tmp/zs-value"
+    return [flag, str(value)], value
+
+
+@pytest.mark.parametrize("command", ["broker", "worker", "gateway"])
+def test_every_option_of_a_child_reaches_it_with_serves_value(command: str) -> None:
+    child = options.subparsers(options.parser())[command]
+    serve_dests = {a.dest for a in options.subparsers(options.parser())["serve"]._actions}
+    checked = 0
+    for action in child._actions:
+        if action.dest in serve.DECIDED or not action.option_strings \
+                or action.dest not in serve_dests:
+            continue
+        flags, value = _a_value(action)
+        assert getattr(_child_args(flags, command), action.dest) == value, action.dest
+        checked += 1
+    assert checked >= 8, "the child parsers' options were not found"
+
+
+def test_what_serve_decides_is_its_own() -> None:
+    argv = serve._base(options.parser().parse_args(
+        ["serve", "--runtime-dir", "/tmp/zs-rt", "--threads", "3"]), "worker")
+    assert argv[3:5] == ["--runtime-dir", "/tmp/zs-rt"]
+    assert "--threads" not in argv   # serve computes each worker's threads itself

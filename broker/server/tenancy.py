@@ -1,5 +1,5 @@
-"""The broker's side of tenants: who a request is, whether it may queue, what it is
-counted as. The request path asks :meth:`Tenancy.identify` at the door and
+"""Tenancy at admission, the broker's side of tenants: who a request is, whether it may
+queue, what it is counted as (the tenants file and its types are :mod:`tenants`). The request path asks :meth:`Tenancy.identify` at the door and
 :meth:`Tenancy.admit` once the request is known to be well formed, and tells
 :meth:`Tenancy.release` when its one answer goes out. Without a tenants file every
 request is the anonymous tenant and nothing is refused here.

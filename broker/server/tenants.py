@@ -1,5 +1,6 @@
-"""Tenants: who may call, what each may use. Pure: the file's text in, typed tenants out;
-every time is an argument (a fake clock in tests).
+"""The tenants file and its types: who may call, what each may use. Pure: the file's
+text in, typed tenants out; every time is an argument (a fake clock in tests). The
+broker applies them to requests in :mod:`tenancy` (identify, admit, release).
 
 The file (TOML)::
 

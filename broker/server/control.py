@@ -12,12 +12,9 @@ from __future__ import annotations
 import hmac
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from zeroserve.broker import protocol as p
-
-if TYPE_CHECKING:
-    from zeroserve.broker.server.scope import TenantScope
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +27,16 @@ class ControlError(Exception):
         self.code = code
 
 
+class Scope(Protocol):
+    """What a tenant on the frontend may see (scope.py's TenantScope): its verbs, and for
+    each call the filter of the answer (None: all of it)."""
+
+    def add_verbs(self, control: "ControlTable") -> None: ...
+
+    def check(self, verb: str, args: dict[str, Any], token: str,
+              on_frontend: bool) -> Callable[[Any], Any] | None: ...
+
+
 @dataclass(frozen=True)
 class Verb:
     fn: Handler
@@ -40,7 +47,7 @@ class ControlTable:
     """Verbs by name. Components add theirs with :meth:`add`; the loop calls
     :meth:`handle` with where the call came from."""
 
-    def __init__(self, admin_token: str = "", scope: "TenantScope | None" = None) -> None:
+    def __init__(self, admin_token: str = "", scope: Scope | None = None) -> None:
         self._token = admin_token
         self._scope = scope   # what a tenant on the frontend may see (scope.py)
         self._verbs: dict[str, Verb] = {"ping": Verb(lambda _: {"ok": True})}

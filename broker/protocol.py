@@ -696,8 +696,17 @@ def decode_request(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReq
         tenant=_field(header, "tenant", str, ""),
         outputs=outputs,
         api_key=_field(header, "api_key", str, ""),
-        stream=_field(header, "stream", bool, False),
+        stream=_stream_flag(header),
     )
+
+
+def _stream_flag(header: dict[str, Any]) -> bool:
+    """Absent on unary requests, so the common case is one dict lookup."""
+    stream = header.get("stream", False)
+    if stream is not False and stream is not True:
+        raise ProtocolError(f"header field 'stream' must be a boolean, got "
+                            f"{type(stream).__name__}")
+    return stream
 
 
 def encode_requests(reqs: Sequence[InferRequest]) -> list[Buffer]:

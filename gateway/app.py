@@ -136,9 +136,11 @@ class Gateway:
                 "extensions": self.settings.extensions()}
 
     # ``api_key``: the caller's key ("" for none), which the broker judges it by when it
-    # has tenants; None only for the operator (the admin token) and the gateway itself
+    # has tenants; None only for the operator (the admin token) and the gateway itself.
+    # No default: a front end that forgot its caller would show every tenant everything
+    # (tenantgate.TenantGate.caller gives the key of any mapping of headers or metadata)
     async def model_metadata(self, name: str, version: int | None,
-                             api_key: str | None = None) -> dict[str, Any]:
+                             api_key: str | None) -> dict[str, Any]:
         meta: dict[str, Any] = await self.control("metadata", model=name, version=version,
                                                   **as_caller(api_key))
         for internal in ("ready", "max_batch_size", "labels"):
@@ -146,23 +148,23 @@ class Gateway:
         return meta
 
     async def model_config(self, name: str, version: int | None,
-                           api_key: str | None = None) -> dict[str, Any]:
+                           api_key: str | None) -> dict[str, Any]:
         return await self.control(  # type: ignore[no-any-return]
             "config", model=name, version=version, **as_caller(api_key))
 
     async def model_not_ready(self, name: str, version: int | None,
-                              api_key: str | None = None) -> str | None:
+                              api_key: str | None) -> str | None:
         """Why the model is not ready, or None; InferError for an unknown one."""
         meta = await self.control("metadata", model=name, version=version,
                                   **as_caller(api_key))
         return None if meta["ready"] else f"model {meta['name']!r} is not ready"
 
     async def stats(self, name: str | None, version: int | None,
-                    api_key: str | None = None) -> dict[str, Any]:
+                    api_key: str | None) -> dict[str, Any]:
         args = {} if name is None else {"model": name, "version": version}
         return await self.control("stats", **args, **as_caller(api_key))  # type: ignore[no-any-return]
 
-    async def repository_index(self, ready: bool, api_key: str | None = None) -> Any:
+    async def repository_index(self, ready: bool, api_key: str | None) -> Any:
         return await self.control("repository_index", ready=ready, **as_caller(api_key))
 
     async def load_model(self, name: str, config: str | None, files: dict[str, bytes]) -> None:

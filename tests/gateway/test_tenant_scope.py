@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -15,6 +16,7 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from zeroserve.broker import wording
+from zeroserve.broker.client import Client
 from zeroserve.broker.server.tenants import new_key
 from tests.conftest import Server, http, linear_config, short_tmpdir, write_model
 
@@ -59,6 +61,30 @@ def world() -> Iterator[World]:
     w = World()
     yield w
     w.close()
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(autouse=True)
+def broker_unharmed(world: World) -> Iterator[None]:
+    """After each case: the same broker, serving, holding nothing of any request, not
+    grown."""
+    [pid] = world.server.pids("broker")
+    rss = rss_bytes(pid)
+    yield
+    assert world.server.pids("broker") == [pid]
+    with Client(world.server.frontend, api_key=world.keys["alice"]) as c:
+        assert c.infer("linear", {"input": np.ones((1, 4), np.float32)}).outputs[
+            "output"].shape == (1, 3)
+    with Client(world.server.control) as c:
+        census = c.control("census")
+    assert not any(census.values()), census
+    assert rss_bytes(pid) < rss + (40 << 20)
 
 
 READS = ["/v2/models/other", "/v2/models/other/versions/1", "/v2/models/other/config",

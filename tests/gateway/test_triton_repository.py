@@ -113,3 +113,16 @@ def test_ignored_fields_are_logged_and_refused_ones_named(client, srv) -> None:
         client.get_model_config("stateful")
     assert err.value.message() == "Request for unknown model: 'stateful' is not found"
     assert client.is_model_ready("tpt")
+
+
+def test_an_edited_pbtxt_is_picked_up_as_a_config_json_would_be(client, srv) -> None:
+    folder = srv.model_dir / "tpt"
+    tmp = folder / ".config.pbtxt.tmp"   # a temp name the watcher ignores, then a rename
+    tmp.write_text(PBTXT.replace("max_batch_size: 8", "max_batch_size: 4"))
+    tmp.rename(folder / "config.pbtxt")
+    wait_for(lambda: client.get_model_config("tpt")["max_batch_size"] == 4, 60,
+             "the new config.pbtxt to be served")
+    inp = triton.InferInput("INPUT__0", [5, 4], "FP32").set_data_from_numpy(
+        np.zeros((5, 4), np.float32))
+    with pytest.raises(InferenceServerException, match="batch-size must be <= 4 for 'tpt'"):
+        client.infer("tpt", [inp])

@@ -140,11 +140,6 @@ def wrong_shape(name: str, model: str, expected: Sequence[int], given: Sequence[
             f"{dims(full)}, got {dims(given)}. {BATCH_NOTE if batched else ''}")
 
 
-def byte_size(name: str, model: str, expected: int, given: int) -> str:
-    return (f"{NO_ID}input byte size mismatch for input '{name}' for model '{model}'. "
-            f"Expected {expected}, got {given}")
-
-
 # -- shared memory ----------------------------------------------------------------
 
 def cuda_shm_unsupported(region: str) -> str:

@@ -54,19 +54,32 @@ def networks(spec: str) -> list[Network]:
 
 class TenantGate:
     def __init__(self, control: Callable[..., Awaitable[Any]], admin_token: str,
-                 metrics_allow: Sequence[Network]) -> None:
+                 metrics_allow: Sequence[Network],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._control = control
+        self._clock = clock
         self._token = admin_token
         self._metrics_allow = list(metrics_allow)
         self._tenants = False
+        self._known = False
         self._asked_s = -ACCESS_TTL_S
 
     async def enabled(self) -> bool:
-        """Whether the broker has a tenants file (its answer of the last second)."""
-        now = time.monotonic()
+        """Whether the broker has a tenants file (its answer of the last second). A
+        broker that cannot say keeps its last answer; one never heard from is the
+        caller's error (unavailable): with tenants unknown, nothing is let through."""
+        now = self._clock()
         if now - self._asked_s >= ACCESS_TTL_S:
-            got = await self._control("access")
-            self._tenants, self._asked_s = bool(got.get("tenants")), now
+            try:
+                got = await self._control("access")
+            except InferError as exc:
+                if exc.code is ErrorCode.BAD_INPUT and "unknown control verb" in exc.message:
+                    got = {"tenants": False}   # a broker older than scoping scopes nothing
+                elif self._known:
+                    return self._tenants
+                else:
+                    raise
+            self._tenants, self._asked_s, self._known = bool(got.get("tenants")), now, True
         return self._tenants
 
     def is_admin(self, headers: Mapping[str, str]) -> bool:

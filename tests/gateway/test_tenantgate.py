@@ -55,3 +55,27 @@ def test_the_key_a_caller_is_judged_by() -> None:
     with pytest.raises(InferError) as err:
         asyncio.run(caller(gate(True), {}))
     assert err.value.code is ErrorCode.UNAUTHORIZED
+
+
+def test_a_broker_that_cannot_say_keeps_the_last_answer_or_lets_nothing_through() -> None:
+    answers: list[Any] = [{"tenants": True}]
+
+    async def control(verb: str, **args: Any) -> Any:
+        got = answers[0]
+        if isinstance(got, InferError):
+            raise got
+        return got
+
+    now = [100.0]
+
+    async def twice(g: TenantGate) -> tuple[bool, bool]:
+        first = await g.enabled()
+        now[0] += 10   # the cached answer is old: the gate asks again
+        answers[0] = InferError(ErrorCode.UNAVAILABLE, "broker down")
+        return first, await g.enabled()
+
+    assert asyncio.run(twice(TenantGate(control, "", [], lambda: now[0]))) == (True, True)
+    with pytest.raises(InferError):   # never heard from: unavailable
+        asyncio.run(TenantGate(control, "", []).enabled())
+    answers[0] = InferError(ErrorCode.BAD_INPUT, "unknown control verb 'access'")
+    assert asyncio.run(TenantGate(control, "", []).enabled()) is False

@@ -162,7 +162,8 @@ class Gateway:
     async def stats(self, name: str | None, version: int | None,
                     api_key: str | None) -> dict[str, Any]:
         args = {} if name is None else {"model": name, "version": version}
-        return await self.control("stats", **args, **as_caller(api_key))  # type: ignore[no-any-return]
+        got: dict[str, Any] = await self.control("stats", **args, **as_caller(api_key))
+        return got
 
     async def repository_index(self, ready: bool, api_key: str | None) -> Any:
         return await self.control("repository_index", ready=ready, **as_caller(api_key))

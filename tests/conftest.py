@@ -18,12 +18,25 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from tests.layers import starts_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 # the one command, run from the checkout (the installed copy is a snapshot of it)
 ZEROSERVE = [sys.executable, str(ROOT / "bin" / "zeroserve")]
 # how each component's process shows in `ps` (zeroserve serve starts them by module)
 ROLE_MODULES = {"broker": "zeroserve.broker.server.main", "worker": "zeroserve.workers.main",
                 "gateway": "zeroserve.gateway.serve", "": "zeroserve"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``e2e``: the tests that start a process or a server, found in their code (see
+    tests/layers.py); ``pytest -m "not e2e"`` runs the fast, in-process layer."""
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        names = [item.originalname] + ([item.cls.__name__] if item.cls is not None else [])
+        if starts_processes(Path(item.path), *names):
+            item.add_marker(pytest.mark.e2e)
 
 
 def load_cli() -> Any:
@@ -187,7 +200,8 @@ def serve() -> Iterator[Callable[..., Server]]:
 
 
 def http(method: str, url: str, body: bytes | None = None,
-         headers: dict[str, str] | None = None, timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+         headers: dict[str, str] | None = None,
+         timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
     req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

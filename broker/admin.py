@@ -188,7 +188,8 @@ def _autoscaling_lines(models: dict[str, Any]) -> list[str]:
         last = a.get("last") or {}
         lines.append(f"autoscale {name}: {len(a['replicas'])} replica(s) [{bound}] "
                      f"{', '.join(a['replicas']) or '-'}{loading}; last {last.get('action', '-')}"
-                     f" {last.get('reason', '')}{' ' + last['detail'] if last.get('detail') else ''}"
+                     f" {last.get('reason', '')}"
+                     f"{' ' + last['detail'] if last.get('detail') else ''}"
                      f" ({last.get('signals', '')})")
         for d in a.get("decisions", [])[-3:]:
             when = time.strftime("%H:%M:%S", time.localtime(d["time"]))

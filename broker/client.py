@@ -114,6 +114,11 @@ _FULL = (p.ErrorCode.OVERLOADED, "the broker is not keeping up with requests (it
          "to this client is full)", 1.0)
 
 
+def _fd(sock: zmq.Socket[Any]) -> int:
+    """The socket's descriptor, for the event loop (pyzmq types every option int | bytes)."""
+    return int(sock.getsockopt(zmq.FD))
+
+
 def _unreachable(endpoint: str, refused: int) -> InferError:
     """Why no connection came up: a refused Curve key is not worth retrying."""
     if refused == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -368,8 +373,8 @@ class AsyncClient:
         self._loop = asyncio.get_running_loop()
         self._sock = _new_socket(self._ctx, self.endpoint, self.curve_keys)
         self._monitor = _watch(self._sock)
-        self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
-        self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._drain_monitor)
+        self._loop.add_reader(_fd(self._sock), self._drain)
+        self._loop.add_reader(_fd(self._monitor), self._drain_monitor)
         self._tasks = [self._loop.create_task(self._pinger(), name="zeroserve-client-pinger")]
         self._drain()
         self._drain_monitor()
@@ -492,7 +497,7 @@ class AsyncClient:
             return False
         # ZeroMQ's descriptor is edge-triggered and a send can consume the edge:
         # look for answers that arrived meanwhile, or the reader may never wake.
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type]
             self._loop.call_soon(self._drain)
         return True
 
@@ -500,7 +505,7 @@ class AsyncClient:
         sock = self._sock
         if sock is None:
             return
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type]
             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             self._last_heard = time.monotonic()
             try:
@@ -567,8 +572,8 @@ class AsyncClient:
                 pass
         self._tasks = []
         if self._sock is not None and self._loop is not None:
-            self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
-            self._loop.remove_reader(self._monitor.getsockopt(zmq.FD))
+            self._loop.remove_reader(_fd(self._sock))
+            self._loop.remove_reader(_fd(self._monitor))
             _unwatch(self._sock, self._monitor)
             self._sock.close(linger=0)
             self._sock = None

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import zmq
 import zmq.auth
@@ -39,7 +39,7 @@ PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 DOMAINS = ("frontend", "backend")   # ZAP domains: which broker socket a handshake is for
 # client-side handshake failures, from a socket monitor, and what they mean for us
-REFUSALS = {
+REFUSALS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the broker refused this client's CurveZMQ key "
                                      "(its public key is not in the broker's authorized keys)",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the CurveZMQ handshake failed (is the broker's "
@@ -288,9 +288,9 @@ def client_keys(args: Any) -> ClientKeys | None:
     return ClientKeys(load_public(Path(server)), load_pair(Path(own)))
 
 
-def refusal(event: dict[str, Any]) -> str | None:
+def refusal(event: Mapping[str, Any]) -> str | None:
     """What a client socket's monitor event says about a refused handshake, if it does."""
-    return REFUSALS.get(event.get("event"))  # type: ignore[arg-type]
+    return REFUSALS.get(int(event.get("event", 0)))
 
 
 # -- ``zeroserve keys`` ----------------------------------------------------

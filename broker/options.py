@@ -213,7 +213,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _operate_parsers(sub: Any) -> None:
     def verb(name: str, text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=text)
+        p: argparse.ArgumentParser = sub.add_parser(name, help=text)
         _common(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--timeout", type=float, default=5.0,

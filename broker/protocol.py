@@ -440,7 +440,7 @@ def _schema(cls: type) -> list[tuple[str, str, Any, Any]]:
 MESSAGES = (Cancel, Ping, Pong, WorkerReady, WorkerHeartbeat, BrokerHeartbeat, LoadModel,
             ModelLoaded, UnloadModel, Disconnect, Leave, LogSettings, ControlRequest,
             ControlReply, Stop)
-_SCHEMAS = {cls: _schema(cls) for cls in MESSAGES}
+_SCHEMAS: dict[type, list[tuple[str, str, Any, Any]]] = {cls: _schema(cls) for cls in MESSAGES}
 
 
 def encode(msg: Any) -> list[Buffer]:

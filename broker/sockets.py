@@ -23,7 +23,7 @@ def router(ctx: zmq.Context[Any], endpoint: str, *, hwm: int,
     """A broker socket, bound. ``ROUTER_MANDATORY`` so a send to a vanished peer raises
     instead of vanishing; ``ROUTER_HANDOVER`` so a restarted peer takes its identity back.
     With ``security`` and a tcp:// endpoint it speaks Curve under the ZAP ``domain``."""
-    sock = ctx.socket(zmq.ROUTER)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -40,7 +40,7 @@ def dealer(ctx: zmq.Context[Any], endpoint: str, *, identity: bytes, hwm: int,
     ``immediate`` queues nothing while no broker is connected, so a send fails at once
     instead. Raises CurveError (the socket closed)
     for an endpoint beyond loopback without ``keys``."""
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if immediate:
         sock.setsockopt(zmq.IMMEDIATE, 1)

@@ -49,8 +49,8 @@ LAG = Gauge("gateway_loop_lag_seconds", "How late the gateway's event loop ran i
             "tick: the queueing delay inside the gateway", namespace="zeroserve",
             registry=REGISTRY, multiprocess_mode="max")
 IN_FLIGHT = Gauge("gateway_in_flight", "Inference requests between the gateway's door "
-                  "and their answer (sampled with the lag)", namespace="zeroserve", registry=REGISTRY,
-                  multiprocess_mode="sum")
+                  "and their answer (sampled with the lag)", namespace="zeroserve",
+                  registry=REGISTRY, multiprocess_mode="sum")
 SHED_LAG = SHED.labels("loop_lag")
 SHED_IN_FLIGHT = SHED.labels("in_flight")
 SHED_DEADLINE = SHED.labels("deadline")

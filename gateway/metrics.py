@@ -83,7 +83,7 @@ def middleware() -> Middleware:
 def gateway_text() -> str:
     if MULTIPROC:
         registry = CollectorRegistry()
-        MultiProcessCollector(registry)
+        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return generate_latest(registry).decode()
     return generate_latest(REGISTRY).decode()
 
@@ -128,7 +128,7 @@ def merge(sources: Iterable[tuple[str, str, str]]) -> str:
                 logger.warning("metric %s is a %s in %s but a %s elsewhere; dropped there",
                                family.name, family.type, component, seen.type)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged(families.values()))  # type: ignore[arg-type]
+    registry.register(_Merged(families.values()))
     return generate_latest(registry).decode()
 
 

@@ -41,7 +41,8 @@ class ModelInfo:
 def _bf16_words(arr: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bit patterns, rounded to nearest even (numpy has no bf16)."""
     bits = np.ascontiguousarray(arr, dtype="<f4").view("<u4")
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    words: np.ndarray = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    return words
 
 
 def to_tensor(name: str, datatype: str, value: Any) -> p.Tensor:
@@ -56,7 +57,7 @@ def to_tensor(name: str, datatype: str, value: Any) -> p.Tensor:
         if datatype == "BF16":
             words = _bf16_words(np.asarray(value, dtype=np.float32))
             return p.Tensor(p.TensorMeta(name, "BF16", tuple(words.shape)),
-                            memoryview(words).cast("B"))
+                            words.data.cast("B"))
         return p.from_numpy(name, np.asarray(value, dtype=p.DTYPES[datatype]), datatype)
     except SimpleError:
         raise

@@ -213,7 +213,7 @@ def decode_document(doc: dict[str, Any], binary: memoryview,
                 raise DecodeError(f"input {name!r} names a shared-memory region, but "
                                   "shared memory is off (gateway --allow-shared-memory)")
             place = shm_place(f"input {name!r}", iparams)
-            raw = shm(place.region, place.offset, place.byte_size)
+            raw: bytes | memoryview = shm(place.region, place.offset, place.byte_size)
             tensors.append(raw_tensor(name, datatype, shape, raw,
                                        f"shared-memory region {place.region!r}"))
         elif size is not None:

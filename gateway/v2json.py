@@ -180,7 +180,7 @@ def _numbers(data: Any, datatype: str) -> tuple[np.ndarray, int] | None:
     made of; None where this cannot tell it would be the same."""
     read = _READ.get(datatype)
     skeleton = _skeleton(data) if read is not None else None
-    if skeleton is None:
+    if read is None or skeleton is None:
         return None
     (dtype, kind), (dims, arrays) = read, skeleton
     assert dtype is not None

@@ -67,7 +67,8 @@ class SmallResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.blocks(self.stem(x))
         x = torch.mean(x, dim=(2, 3))
-        return self.fc(x)
+        out: torch.Tensor = self.fc(x)
+        return out
 
 
 BUILDERS = {"mlp": make_mlp, "cnn": SmallResNet}

@@ -68,7 +68,7 @@ class LoadedModel:
 
 
 def _load_torchscript(path: Path, device: str) -> Callable[..., Any]:
-    module = torch.jit.load(str(path), map_location=device)
+    module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
     module.eval()
     return module  # type: ignore[no-any-return]
 

@@ -144,7 +144,8 @@ def _tensors(where: str, fld: str, raw: Any) -> tuple[TensorSpec, ...]:
         if not isinstance(shape, list) or not all(
                 isinstance(d, int) and not isinstance(d, bool) and (d == -1 or d > 0)
                 for d in shape):
-            raise _fail(where, f + ".shape", f"must be a list of positive ints or -1, got {shape!r}")
+            raise _fail(where, f + ".shape",
+                        f"must be a list of positive ints or -1, got {shape!r}")
         specs.append(TensorSpec(name, datatype, tuple(shape)))
     return tuple(specs)
 

@@ -186,11 +186,11 @@ def _default_filename(msg: Any) -> dict[str, Any]:
     return {}
 
 
-DATATYPE_OF = {"TYPE_STRING": "BYTES"}
+DATATYPE_OF: dict[str, str] = {"TYPE_STRING": "BYTES"}
 
 
 def _datatype(where: str, value: int) -> str:
-    name = mc.DataType.Name(value)
+    name: str = mc.DataType.Name(value)
     if name == "TYPE_INVALID":
         raise TritonConfigError(f"{where}.data_type", "is required (TYPE_FP32, ...)")
     return DATATYPE_OF.get(name, name.removeprefix("TYPE_"))

@@ -371,7 +371,7 @@ class Worker:
             elif loaded.config.decoupled:
                 result = streaming.run_stream(
                     loaded, batch, lambda part: self._send_result(p.encode_partial(part)),
-                    lambda: self._stopped(batch.batch_id))
+                    lambda: self._stopped(batch.batch_id))  # noqa: B023 (called within)
                 self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
             else:
                 result = batching.run(loaded, batch)

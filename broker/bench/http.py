@@ -99,7 +99,8 @@ class HttpConnection(asyncio.Protocol):
             raise HttpError("connection closed")
         assert self._waiter is None or self._waiter.done(), "one request at a time"
         loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
+        waiter: asyncio.Future[Response] = loop.create_future()
+        self._waiter = waiter
         self._head = None
         self._transport.write(raw)
         if self._buf:  # never expected: the server spoke first

@@ -143,7 +143,7 @@ def tensors(inputs: dict[str, np.ndarray]) -> list[p.Tensor]:
     for name, arr in inputs.items():
         if arr.dtype == _BF16:
             out.append(p.Tensor(p.TensorMeta(name, "BF16", tuple(arr.shape)),
-                                memoryview(np.ascontiguousarray(arr)).cast("B")))
+                                np.ascontiguousarray(arr).data.cast("B")))
         else:
             out.append(p.from_numpy(name, arr))
     return out

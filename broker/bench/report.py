@@ -196,10 +196,10 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     for (transport, mode), rs in series.items():
         rs = sorted(rs, key=lambda r: r["load"])
         xs = [r["load"] for r in rs]
-        line = None
+        line: Any = None
         for key, style in (("p50_ms", "-"), ("p90_ms", "--"), ("p99_ms", ":")):
             ys = [r[key] if r[key] is not None else float("nan") for r in rs]
-            kw = {"color": line.get_color()} if line is not None else {}
+            kw: dict[str, Any] = {"color": line.get_color()} if line is not None else {}
             (drawn,) = ax_lat.plot(xs, ys, style, marker="o", label=f"{transport} {key[:3]}",
                                    **kw)
             line = line or drawn

@@ -21,7 +21,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     request, on a host whose cores the server shares."""
     try:
         import uvloop
-        return uvloop.new_event_loop  # type: ignore[no-any-return]
+        return uvloop.new_event_loop
     except ImportError:
         return asyncio.new_event_loop
 
@@ -111,8 +111,9 @@ class ProcessRunner:
         while pending:
             if time.monotonic() > limit:
                 raise RuntimeError("the load processes did not finish their level")
-            for conn in wait(pending, timeout=1.0):
-                assert isinstance(conn, Connection)
+            for ready in wait(pending, timeout=1.0):
+                assert isinstance(ready, Connection)
+                conn = ready
                 try:
                     kind, body = conn.recv()
                 except EOFError:

@@ -21,7 +21,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.broker.process import Notifier, trim_memory
 from zeroserve.broker.runtime import hostname
 from zeroserve.broker import wording
-from zeroserve.broker.server.catalog import Catalog, optional_models
+from zeroserve.broker.server.catalog import Catalog, CatalogModel, optional_models
 from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
 from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
@@ -487,7 +487,7 @@ class Broker:
         c.add("tenants", self.tenancy.describe)
         c.add("reload_tenants", self.tenancy.reload_verb, mutates=True)
 
-    def _model(self, args: dict[str, Any]) -> Any:
+    def _model(self, args: dict[str, Any]) -> CatalogModel:
         name, version = args.get("model"), args.get("version")
         model = self.catalog.get(name) if isinstance(name, str) else None
         if model is None:

@@ -267,7 +267,8 @@ class Replicas:
         victim = min(serving, key=lambda w: (busy[w.identity], -ids.index(w.identity)))
         ids.remove(victim.identity)
         for version in sorted(victim.versions_of(name)):
-            self.catalog.evict(victim, name, version, self.pool.workers.values())   # out of routing now, unloaded when idle
+            # out of routing now, unloaded when idle
+            self.catalog.evict(victim, name, version, self.pool.workers.values())
         return victim
 
     # -- telling ----------------------------------------------------------------
@@ -282,7 +283,8 @@ class Replicas:
         where = ", ".join(w.worker_id for w in workers)
         self.history.setdefault(name, deque(maxlen=HISTORY)).append(
             {"time": time.time(), "action": dec.action, "reason": dec.reason,
-             "replicas": dec.replicas, "changed": len(workers), "worker": where, "detail": dec.detail,
+             "replicas": dec.replicas, "changed": len(workers), "worker": where,
+             "detail": dec.detail,
              "signals": dec.signals.brief()})
         if dec.action != HOLD:
             logger.info("model %s: scale %s to %d replica(s) (%s) %s %s: %s", name,

@@ -258,7 +258,8 @@ class RepositoryControl:
                 e for w in workers for k, e in w.load_errors.items() if k == f"{name}/{v}"
             ) or "no live worker holds it"
             out.append({"name": name, "version": str(v), "state": state, "reason": reason})
-        for v in sorted({v for _, n, v in self.catalog.retiring if n == name} - set(model.versions)):
+        retiring = {v for _, n, v in self.catalog.retiring if n == name}
+        for v in sorted(retiring - set(model.versions)):
             out.append({"name": name, "version": str(v), "state": "UNLOADING", "reason": ""})
         return out
 

@@ -35,7 +35,7 @@ FULL, IDLE, DELAY, DEADLINE = "full", "idle", "delay_expired", "deadline"
 
 @dataclass(eq=False)
 class Entry:
-    key: Hashable
+    key: Any   # hashable, the caller's own (the request path's is (client, request id))
     model: str
     priority: int
     arrival_s: float

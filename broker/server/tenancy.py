@@ -1,5 +1,6 @@
 """Tenancy at admission, the broker's side of tenants: who a request is, whether it may
-queue, what it is counted as (the tenants file and its types are :mod:`tenants`). The request path asks :meth:`Tenancy.identify` at the door and
+queue, what it is counted as (the tenants file and its types are :mod:`tenants`). The
+request path asks :meth:`Tenancy.identify` at the door and
 :meth:`Tenancy.admit` once the request is known to be well formed, and tells
 :meth:`Tenancy.release` when its one answer goes out. Without a tenants file every
 request is the anonymous tenant and nothing is refused here.
@@ -212,7 +213,7 @@ class Tenancy:
         """The request's one answer went out (or it was refused after admission)."""
         name = self._open.pop(key, None)
         st = self._state.get(name) if name is not None else None
-        if st is not None:
+        if name is not None and st is not None:
             st.inflight -= 1
             if st.inflight == 0 and name not in self.set.tenants:
                 del self._state[name]

@@ -222,7 +222,8 @@ def _tenant(w: _Where, name: str, body: Any, classes: dict[str, QosClass]) -> Te
         raise w.error(table, None, "must be a table")
     extra = set(body) - _FIELDS
     if extra:
-        raise w.error(table, sorted(extra)[0], f"unknown field (known: {', '.join(sorted(_FIELDS))})")
+        raise w.error(table, sorted(extra)[0],
+                      f"unknown field (known: {', '.join(sorted(_FIELDS))})")
     keys = body.get("keys", [])
     if not isinstance(keys, list) or not all(isinstance(k, str) and _HASH.match(k) for k in keys):
         raise w.error(table, "keys", "must be a list of 'sha256$<salt-hex>$<digest-hex>' "

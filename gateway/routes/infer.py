@@ -12,8 +12,9 @@ The deadline counts from the door: ``parameters.timeout`` is turned into what is
 left of it when the request is handed to the broker (the wire carries a remaining
 budget), counted from the request's arrival (its start here less the event loop's
 current lag, the wait in the gateway's line), and a request whose budget ran out
-inside the gateway is answered 504 here without reaching the broker. A request that arrives while the gateway is behind is
-shed with 503 before its body is decoded (see :mod:`zeroserve.gateway.door`).
+inside the gateway is answered 504 here without reaching the broker. A request that
+arrives while the gateway is behind is shed with 503 before its body is decoded (see
+:mod:`zeroserve.gateway.door`).
 
 A request whose HTTP client went away is withdrawn: once the body is read, a task
 waits for ``http.disconnect`` and cancels the handler, and cancelling the client
@@ -67,8 +68,9 @@ def wanted_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     (ASGI servers lowercase them already)."""
     out: dict[str, str] = {}
     for name, value in raw:
-        if name in WANTED and name not in out:
-            out[name.decode()] = value.decode("latin-1")
+        key = name.decode("latin-1")
+        if name in WANTED and key not in out:
+            out[key] = value.decode("latin-1")
     return out
 
 
@@ -160,7 +162,8 @@ class InferEndpoint:
             params = v2.parameters_of(doc)
             priority = bounded_int(params.get("priority", 0), "priority")
             timeout_us = bounded_int(params.get("timeout", 0), "timeout")
-            why = gw.door.refuse_priority(priority, timeout_us > 0)   # before the costly part: the tensors
+            # before the costly part: the tensors
+            why = gw.door.refuse_priority(priority, timeout_us > 0)
             if why is not None:
                 return await send_error(send, 503, why, {"Retry-After": str(RETRY_AFTER_S)})
             req = v2.decode_document(doc, binary, gw.shm.read if gw.shm.enabled else None)
@@ -211,7 +214,7 @@ class InferEndpoint:
             reply = await self.gw.client.infer_tensors(
                 name, req.tensors, version=version, priority=priority, timeout_ms=timeout_ms,
                 outputs=req.output_names, api_key=api_key)
-            tensors = reply.tensors
+            tensors = list(reply.tensors)
             if req.classified:
                 tensors = await self.gw.classify(reply.model, reply.version, tensors,
                                                  req.classified, api_key)

@@ -219,7 +219,8 @@ def table(model: str, results: dict[str, list[dict[str, Any]]]) -> str:
              "|---" * (len(names) + 1 + len(ours) * peer) + "|"]
     for i, row in enumerate(results[ours[0]]):
         ratios = "".join(
-            f" | {results[n][i]['throughput_rps'] / results['TorchServe'][i]['throughput_rps']:.2f}x"
+            f" | {results[n][i]['throughput_rps'] / results['TorchServe'][i]['throughput_rps']:.2f}"
+            "x"
             for n in ours) if peer else ""
         lines.append(f"| {int(row['load'])} | " + " | ".join(cell(results[n][i]) for n in names)
                      + ratios + " |")

@@ -151,7 +151,8 @@ def part3(n: int) -> None:
         finally:
             srv.stop()
         lat.sort()
-        print(f"{label:<40} {lat[len(lat) // 2] * 1000:>8.3f} {lat[int(0.99 * len(lat))] * 1000:>8.3f}")
+        p50, p99 = lat[len(lat) // 2] * 1000, lat[int(0.99 * len(lat))] * 1000
+        print(f"{label:<40} {p50:>8.3f} {p99:>8.3f}")
 
 
 def bursty_trace(seconds: float, base_rate: float, burst: int, every_s: float,

@@ -73,7 +73,9 @@ class Run:
         return len(self.latencies_s) / self.duration_s if self.duration_s else 0.0
 
     def pct(self, q: float) -> float:
-        return float(np.percentile(self.latencies_s, q)) * 1000 if self.latencies_s else float("nan")
+        if not self.latencies_s:
+            return float("nan")
+        return float(np.percentile(self.latencies_s, q)) * 1000
 
     def row(self) -> str:
         errs = sum(self.errors.values())

@@ -72,7 +72,8 @@ def request_path(server: Server, args: argparse.Namespace) -> str:
         batch = r.get("server_batch_mean")
         lines.append(f"| {TRANSPORT_NAMES[r['transport']]} | {int(r['load'])} | "
                      f"{r['throughput_rps']:,.0f} | {ms(r['p50_ms'])} | {ms(r['p99_ms'])} | "
-                     f"{f'{batch:.1f}' if batch else ''} | {r.get('bottleneck') or 'not limiting'} |")
+                     f"{f'{batch:.1f}' if batch else ''} | "
+                     f"{r.get('bottleneck') or 'not limiting'} |")
     base = settings.get("in_process") or {}
     calls = ", ".join(f"batch {b['batch']}: {b['ms_per_call']:.3f} ms a call "
                       f"({b['samples_per_s']:,.0f} samples/s)" for b in base.get("results", []))
@@ -91,7 +92,8 @@ def overload(server: Server, args: argparse.Namespace, transport: str) -> str:
     for share, priority, seed in ((0.3, 1, 1), (0.7, 2, 2)):
         out = Path(tempfile.mkstemp(suffix=".json")[1])
         cmd = [sys.executable, "-m", "zeroserve.broker.bench", "--url", server.url, "-m", "cnn",
-               "--runtime-dir", str(server.runtime), "--transport", transport, "--rate", f"{offered * share:.1f}", "--priority", str(priority),
+               "--runtime-dir", str(server.runtime), "--transport", transport,
+               "--rate", f"{offered * share:.1f}", "--priority", str(priority),
                "--timeout-ms", "50", "--warmup-s", "3", "--duration-s", str(args.duration_s),
                "--seed", str(seed), "--quiet", "--json", str(out)]
         procs.append((priority, out, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
@@ -109,7 +111,8 @@ def overload(server: Server, args: argparse.Namespace, transport: str) -> str:
         out.unlink()
         errors = ", ".join(f"{n:,} × {k}" for k, n in sorted(r["errors"].items())) or "none"
         lines.append(f"| {priority} | {30 if priority == 1 else 70}% | {r['requests']:,} | "
-                     f"{100 * r['goodput_rps'] / max(r['requests'] / r['duration_s'], 1e-9):.1f}% | "
+                     f"{100 * r['goodput_rps'] / max(r['requests'] / r['duration_s'], 1e-9):.1f}"
+                     "% | "
                      f"{r['goodput_rps']:,.0f} req/s | {errors} | {ms(r['p50_ms'])} ms |")
     expired = metric(server, "zeroserve_worker_expired_requests_total") - expired_before
     lines.append(f"\nBatches a worker refused to start because their deadline had passed: "

@@ -116,7 +116,8 @@ def explicit() -> Iterator[tuple[Broker, Path, zmq.Context[Any]]]:
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.pt").write_bytes(f"weights of {name}".encode())
         (repo / name / "config.json").write_text(json.dumps(linear_config(name)))
-    with broker_in_thread(repo, LifecycleOptions(control_mode="explicit", load_models=("m",))) as (b, ctx):
+    explicit = LifecycleOptions(control_mode="explicit", load_models=("m",))
+    with broker_in_thread(repo, explicit) as (b, ctx):
         yield b, repo, ctx
         while OPEN:
             OPEN.pop().close(linger=0)

@@ -103,7 +103,8 @@ def run_broker(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_tcp_beyond_loopback_needs_curve_and_control_never_goes_there(tmp_path: Path) -> None:
     out = run_broker(tmp_path, "--backend", "tcp://0.0.0.0:5555")
     assert out.returncode == 2
-    assert "refusing to bind tcp://0.0.0.0:5555" in out.stderr and "--curve-secret-key" in out.stderr
+    assert "refusing to bind tcp://0.0.0.0:5555" in out.stderr
+    assert "--curve-secret-key" in out.stderr
     _, secret = curve.generate(tmp_path / "keys", "broker")
     out = run_broker(tmp_path, "--control", "tcp://0.0.0.0:5557", "--curve-secret-key", str(secret))
     assert out.returncode == 2 and "the control socket" in out.stderr
@@ -140,7 +141,8 @@ def test_a_client_beyond_loopback_without_keys_is_told_at_once() -> None:
 @contextlib.contextmanager
 def curve_broker(tmp_path: Path) -> Iterator[tuple[Broker, Endpoints, Path]]:
     """A real broker loop on a thread; frontend and backend on loopback tcp:// with Curve."""
-    keys, auth, repo, rt = tmp_path / "keys", tmp_path / "auth", tmp_path / "repo", short_tmpdir("zsrt")
+    keys, auth, repo = tmp_path / "keys", tmp_path / "auth", tmp_path / "repo"
+    rt = short_tmpdir("zsrt")
     auth.mkdir()
     repo.mkdir()
     curve.generate(keys, "broker")

@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 from zeroserve.broker.server.scheduler import DEADLINE, DELAY, FULL, IDLE, Entry, Policy, Scheduler
 
 
-def make(policy=Policy(max_batch_size=8)):
+def make(policy=None):
+    policy = policy or Policy(max_batch_size=8)
     s = Scheduler()
     s.set_policy("m", policy)
     return s

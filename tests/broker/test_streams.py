@@ -365,7 +365,7 @@ def test_max_execution_bounds_the_time_between_responses() -> None:
     h.request("a")
     h.path.dispatch(h.now)
     [(w, batch)] = h.batches()
-    for step in range(5):                      # 4 s in all, 0.8 s between responses
+    for _ in range(5):                         # 4 s in all, 0.8 s between responses
         h.now += 0.8
         assert h.path.overdue(h.now) == []
         h.partial(w, batch, [("0", False)])

@@ -121,7 +121,8 @@ def test_over_rate_is_429_with_retry_after_from_the_bucket(world: World) -> None
     assert [post(world, "linear", headers)[0] for _ in range(2)] == [200, 200]  # the burst
     code, hdrs, body = post(world, "linear", headers)
     assert code == 429 and "over its requests rate" in body["error"]
-    assert 1 <= int({k.lower(): v for k, v in hdrs.items()}["retry-after"]) <= 5     # one token at 0.2/s: up to 5 s
+    # one token at 0.2/s: up to 5 s
+    assert 1 <= int({k.lower(): v for k, v in hdrs.items()}["retry-after"]) <= 5
     err = direct_error(world, "linear", world.keys["slow"])
     assert err.code is ErrorCode.QUOTA and 0 < err.retry_after_s <= 5
 

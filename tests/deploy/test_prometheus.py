@@ -17,10 +17,8 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.error
 from collections import Counter
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np

@@ -182,7 +182,8 @@ def test_chaos_keeps_one_answer_per_request_and_the_broker_up(server: Server) ->
     wait_for(lambda: answered_by_broker(srv, "linear") == load.sent, 10,
              f"the broker's count ({answered_by_broker(srv, 'linear')}) to match {load.sent}")
     with Client(srv.frontend, timeout_s=10) as c:   # the hung model serves again
-        assert c.infer("sleepy", {"input": np.ones((1, 4), np.float32)}).outputs["output"][0, 0] == 2.0
+        answer = c.infer("sleepy", {"input": np.ones((1, 4), np.float32)})
+        assert answer.outputs["output"][0, 0] == 2.0
     # once every request is answered, nothing of any remains in the broker
     with Client(srv.control, timeout_s=10) as c:
         census = c.control("census")

@@ -132,7 +132,8 @@ def wait_exit(srv: Server, within_s: float) -> float:
     try:
         srv.proc.wait(within_s)
     except Exception:
-        raise AssertionError(f"serve did not exit within {within_s}s:\n{srv.log()[-4000:]}")
+        raise AssertionError(
+            f"serve did not exit within {within_s}s:\n{srv.log()[-4000:]}") from None
     wait_for(lambda: not children(srv), 10, "every child to exit")
     assert srv.proc.returncode == 0, srv.log()[-4000:]
     assert "Traceback" not in srv.log(), srv.log()[-6000:]

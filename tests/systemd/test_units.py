@@ -111,7 +111,8 @@ class NotifySocket:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(str(path))
 
-    def expect(self, state: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> list[str]:
+    def expect(self, state: str, proc: subprocess.Popen[bytes],
+               timeout_s: float = 60.0) -> list[str]:
         """Datagrams up to and including one that holds ``state`` (a line such as READY=1)."""
         seen: list[str] = []
         deadline = time.monotonic() + timeout_s
@@ -132,7 +133,8 @@ class NotifySocket:
         self.sock.close()
 
 
-def unit_command(name: str, env: dict[str, str], swap: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+def unit_command(name: str, env: dict[str, str],
+                 swap: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The unit's ExecStart and Environment, with its paths swapped for the test's."""
     u = unit(name)
 

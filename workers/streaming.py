@@ -77,10 +77,11 @@ def parts_of(loaded: LoadedModel, batch: p.Batch, sizes: Sequence[int], out: Any
         if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], bool)):
             raise BatchError(f"request {index}: each response is (outputs, final), got "
                              f"{type(value).__name__}")
+        if batch.items[index].request_id in stopped:
+            running.pop(index, None)
+            continue   # stopped by the broker (answered already): the handler cannot know
         item = running.get(index)
         if item is None:
-            if batch.items[index].request_id in stopped:
-                continue   # stopped by the broker: the handler cannot know
             raise BatchError(f"request {index} was named after its final response")
         outputs, final = value
         if outputs is None or (isinstance(outputs, Mapping) and not outputs):

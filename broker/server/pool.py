@@ -71,6 +71,8 @@ class WorkerState:
     # for every worker several times a request, so the versions are kept by model too
     _loaded: set[tuple[str, int]] = field(default_factory=set, repr=False)
     _versions: dict[str, set[int]] = field(default_factory=dict, repr=False)
+    # told when what it holds changes (its pool keeps holders by model)
+    changed: Callable[[], None] = field(default=lambda: None, repr=False)
 
     @property
     def loaded(self) -> AbstractSet[tuple[str, int]]:
@@ -79,6 +81,7 @@ class WorkerState:
     def add_loaded(self, model: str, version: int) -> None:
         self._loaded.add((model, version))
         self._versions.setdefault(model, set()).add(version)
+        self.changed()
 
     def discard_loaded(self, model: str, version: int) -> None:
         self._loaded.discard((model, version))
@@ -87,6 +90,7 @@ class WorkerState:
             versions.discard(version)
             if not versions:
                 del self._versions[model]
+        self.changed()
 
     @property
     def free(self) -> int:
@@ -130,13 +134,21 @@ class WorkerPool:
         self.expiry_s = expiry_s
         self.workers: dict[bytes, WorkerState] = {}
         self.inflight: dict[int, Inflight] = {}
+        # what the request path asks every tick or every request, kept so that its cost
+        # does not grow with the workers: holders by model (dropped whenever a worker
+        # joins, leaves, loads or unloads), workers with a batch queued behind another,
+        # and workers leaving
+        self._holders: dict[tuple[str, int | None], list[WorkerState]] = {}
+        self._stacked: dict[bytes, WorkerState] = {}
+        self._leaving: dict[bytes, WorkerState] = {}
         self._batch_ids = itertools.count(1)
         self.log_settings: dict[str, Any] = {}   # what /v2/logging changed, for joiners too
 
     # -- membership ---------------------------------------------------------
     def register(self, identity: bytes, ready: p.WorkerReady, now: float) -> WorkerState:
+        self._holders.clear()
         worker = WorkerState(identity, ready.worker_id or identity.decode(errors="replace"),
-                             max(1, min(ready.credits, 64)), now,
+                             max(1, min(ready.credits, 64)), now, changed=self._holders.clear,
                              info={"pid": ready.pid, "host": ready.host, "device": ready.device,
                                    "memory_budget_bytes": ready.memory_budget_bytes})
         for m, v in ready.models:
@@ -156,13 +168,23 @@ class WorkerPool:
         return next((w for w in self.workers.values() if w.worker_id == worker_id), None)
 
     def holders(self, model: str, version: int | None = None) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.holds(model, version)]
+        """The workers that hold the model (that version); the caller must not change
+        the list."""
+        key = (model, version)
+        got = self._holders.get(key)
+        if got is None:
+            got = self._holders[key] = [w for w in self.workers.values()
+                                        if w.holds(model, version)]
+        return got
 
     def free_holder(self, model: str) -> WorkerState | None:
-        """The least busy worker with a free credit that holds the model."""
+        """The least busy worker with a free credit that holds the model; the first idle
+        one at once (none can be less busy)."""
         best = None
-        for w in self.workers.values():
-            if w.free > 0 and w.holds(model):
+        for w in self.holders(model):
+            if w.free > 0:
+                if not w.inflight:
+                    return w
                 if best is None or len(w.inflight) < len(best.inflight):
                     best = w
         return best
@@ -187,11 +209,15 @@ class WorkerPool:
         """The worker drains, then exits once nothing of ours runs on it (see drained)."""
         worker.draining = worker.exiting = True
         worker.recycle = worker.recycle or recycle
+        self._leaving[worker.identity] = worker
 
     def remove(self, worker: WorkerState, loss: Loss, quiet: bool = False) -> list[Inflight]:
         """Forget a worker; returns its in-flight batches, oldest first."""
         if self.workers.pop(worker.identity, None) is None:
             return []
+        self._holders.clear()
+        self._stacked.pop(worker.identity, None)
+        self._leaving.pop(worker.identity, None)
         if not quiet:
             logger.warning("worker %s removed: %s", worker.worker_id, loss.value)
         lost = [self.inflight.pop(b) for b in worker.inflight if b in self.inflight]
@@ -216,6 +242,8 @@ class WorkerPool:
             return None
         self.inflight[batch_id] = rec
         worker.inflight.append(batch_id)
+        if len(worker.inflight) > 1:
+            self._stacked[worker.identity] = worker
         return rec
 
     def finish(self, batch_id: int) -> Inflight | None:
@@ -227,6 +255,8 @@ class WorkerPool:
             if worker is not None and batch_id in worker.inflight:
                 was_head = worker.inflight[0] == batch_id
                 worker.inflight.remove(batch_id)
+                if len(worker.inflight) < 2:
+                    self._stacked.pop(worker.identity, None)
                 if was_head:
                     worker.stalled = False
                     if worker.inflight:
@@ -253,21 +283,21 @@ class WorkerPool:
         once instead of waiting out the hung one's max_execution_ms. Such a worker gets
         nothing more until that batch returns."""
         out = []
-        for w in self.workers.values():
-            if len(w.inflight) < 2 or w.stalled:
+        for w in list(self._stacked.values()):
+            if w.stalled:
                 continue
             head = self.inflight[w.inflight[0]]
             if now - head.started_s > limit_s(w, head):
                 w.stalled = True
                 behind = [self.inflight.pop(b) for b in w.inflight[1:]]
                 del w.inflight[1:]
+                del self._stacked[w.identity]
                 out.append((w, behind))
         return out
 
     def next_stall(self, limit_s: Callable[[WorkerState, Inflight], float]) -> float | None:
-        due = [head.started_s + limit_s(w, head) for w in self.workers.values()
-               if len(w.inflight) >= 2 and not w.stalled
-               and (head := self.inflight[w.inflight[0]]).started_s < math.inf]
+        due = [head.started_s + limit_s(w, head) for w in self._stacked.values()
+               if not w.stalled and (head := self.inflight[w.inflight[0]]).started_s < math.inf]
         return min(due, default=None)
 
     def overdue(self, now: float) -> list[Inflight]:
@@ -333,7 +363,7 @@ class WorkerPool:
 
     def drained(self) -> Iterable[WorkerState]:
         """Workers leaving with nothing of ours in flight: they may go now."""
-        return [w for w in self.workers.values() if w.exiting and not w.inflight]
+        return [w for w in self._leaving.values() if not w.inflight]
 
     def release(self, worker: WorkerState) -> None:
         """A drained worker that is leaving: tell it to exit and forget it."""

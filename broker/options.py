@@ -123,7 +123,15 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight HTTP requests may take to finish")
     p.add_argument("--reuse-port", action="store_true",
-                   help="bind with SO_REUSEPORT, so several gateway processes share the port")
+                   help="bind with SO_REUSEPORT, so several gateway processes share the "
+                        "port (the gRPC port too)")
+    p.add_argument("--grpc-host", default="",
+                   help="address of Triton's gRPC service (default: --http-host's)")
+    p.add_argument("--grpc-port", type=int, default=8001,
+                   help="port of Triton's gRPC service (0: no gRPC)")
+    p.add_argument("--grpc-max-message-bytes", type=int, default=2**31 - 1,
+                   help="largest gRPC message the gateway takes (default INT32_MAX, as "
+                        "Triton)")
     p.add_argument("--readiness", choices=["strict", "any"], default="strict",
                    help="ready when every model serves (strict) or one does (any, weaker)")
     p.add_argument("--server-name", default="zeroserve", help="name in GET /v2")

@@ -47,6 +47,15 @@ HTTP_SECONDS = Histogram("http_request_seconds", "HTTP request time in the gatew
                          buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2,
                                   5, 10, 30))
 
+GRPC_REQUESTS = Counter("grpc_requests", "gRPC calls answered by the gateway (a stream "
+                        "counts once, when it ends)", ["method", "code"],
+                        namespace="zeroserve", registry=REGISTRY)
+GRPC_SECONDS = Histogram("grpc_request_seconds", "gRPC call time in the gateway, from "
+                         "the request decoded to the answer handed to gRPC", ["method"],
+                         namespace="zeroserve", registry=REGISTRY,
+                         buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2,
+                                  5, 10, 30))
+
 
 class _HttpMetrics:
     """Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer bodies). The route

@@ -1,12 +1,14 @@
 """Entry point of ``zeroserve gateway`` (also ``python -m zeroserve.gateway.serve``): the
-Starlette app under uvicorn.
+Starlette app under uvicorn, and Triton's gRPC service on the same event loop
+(``--grpc-port``, 0 for none; see gateway/grpc/server.py).
 
 Shutdown (SIGTERM): readiness turns false at once, systemd hears STOPPING=1, the
 broker hears that this gateway drains (so a stopping broker still takes what it
 forwards), the listener closes, and connections opened before keep being served
 while any request is in flight (a keep-alive client may send its next request on
 one); once none is, or ``shutdown_timeout_s`` passed, uvicorn closes them, runs the
-lifespan shutdown and exits.
+lifespan shutdown and exits. The gRPC server refuses new calls at the same moment and
+gives those in flight the same bound.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -34,20 +38,51 @@ READY_POLL_S = 0.2
 DRAIN_POLL_S = 0.05   # how often the drain looks whether requests are still in flight
 
 
+@dataclass(frozen=True)
+class GrpcListen:
+    host: str
+    port: int
+    max_message_bytes: int
+    reuse_port: bool
+
+
 class GatewayServer(uvicorn.Server):
     """uvicorn.Server that speaks systemd's notify protocol and drains on SIGTERM."""
 
-    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+    def __init__(self, config: uvicorn.Config, gateway: Gateway,
+                 grpc_listen: GrpcListen | None = None) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self.grpc_listen = grpc_listen
+        self.grpc: Any = None          # the GrpcServer once started
+        self.failed = False            # a listener could not start: exit 2
         self.notifier = Notifier()
         self.announcer: asyncio.Task[None] | None = None
         self.drain_notice: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        if self.started and self.grpc_listen is not None:
+            if not await self.start_grpc(self.grpc_listen):
+                self.failed = self.should_exit = True
+                return
         if self.started:  # HTTP answers from now on; READY=1 waits for the models
             self.announcer = asyncio.ensure_future(self.announce_ready())
+
+    async def start_grpc(self, listen: GrpcListen) -> bool:
+        """Triton's gRPC service on this loop, once the lifespan has started the broker
+        client (gRPC is imported only here: nothing of it exists before)."""
+        from zeroserve.gateway.grpc.server import GrpcBindError, GrpcServer
+        server = GrpcServer(self.gateway, listen.host, listen.port, listen.max_message_bytes,
+                            listen.reuse_port)
+        try:
+            port = await server.start()
+        except GrpcBindError as exc:
+            logger.error("%s", exc)
+            return False
+        self.grpc = server
+        logger.info("gRPC (Triton's GRPCInferenceService) on %s:%d", listen.host, port)
+        return True
 
     async def announce_ready(self) -> None:
         """READY=1 once /v2/health/ready would say 200 (the same rule), so systemd
@@ -72,7 +107,14 @@ class GatewayServer(uvicorn.Server):
             server.close()
         for sock in sockets or []:
             sock.close()
+        grpc_drained = None
+        if self.grpc is not None:   # refuses new calls now, lets those in flight finish
+            bound = self.config.timeout_graceful_shutdown
+            grpc_drained = asyncio.ensure_future(
+                self.grpc.stop(bound if bound is not None else 30.0))
         await self.drain_open_connections()
+        if grpc_drained is not None:
+            await grpc_drained
         await super().shutdown(sockets)
 
     async def drain_open_connections(self) -> None:
@@ -141,8 +183,13 @@ def run(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=int(args.shutdown_timeout_s))
     logger.info("gateway on http://%s:%d, broker %s", args.http_host, args.http_port, frontend)
     sockets = [shared_socket(args.http_host, args.http_port)] if args.reuse_port else None
-    GatewayServer(config, app.state.gateway).run(sockets=sockets)
-    return 0
+    listen = None
+    if args.grpc_port:
+        listen = GrpcListen(args.grpc_host or args.http_host, args.grpc_port,
+                            args.grpc_max_message_bytes, args.reuse_port)
+    server = GatewayServer(config, app.state.gateway, listen)
+    server.run(sockets=sockets)
+    return 2 if server.failed else 0
 
 
 def shared_socket(host: str, port: int) -> socket.socket:

@@ -26,6 +26,11 @@ ZEROSERVE = [sys.executable, str(ROOT / "bin" / "zeroserve")]
 # how each component's process shows in `ps` (zeroserve serve starts them by module)
 ROLE_MODULES = {"broker": "zeroserve.broker.server.main", "worker": "zeroserve.workers.main",
                 "gateway": "zeroserve.gateway.serve", "": "zeroserve"}
+# Many servers run at once here (and other checkouts' test runs beside this one): the
+# fixed default gRPC port would collide. A server a test starts has no gRPC unless the
+# test asks (Server below always does, on a free port of its own).
+os.environ.setdefault("ZEROSERVE_GATEWAY_GRPC_PORT", "0")
+os.environ.setdefault("ZEROSERVE_SERVE_GRPC_PORT", "0")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -115,10 +120,13 @@ class Server:
         self.runtime = short_tmpdir("zsrt")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_port = free_port()
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}"   # as tritonclient.grpc takes it
         self.model_dir = model_dir
         self.log_path = self.runtime / "serve.log"
         argv = [*ZEROSERVE, "serve",
                 "--model-dir", str(model_dir), "--http-port", str(self.port),
+                "--grpc-port", str(self.grpc_port),
                 "--runtime-dir", str(self.runtime), "--workers", str(workers),
                 "--threads", "1", "--log-level", "info", *(extra or [])]
         self._log = open(self.log_path, "wb")

@@ -1,0 +1,201 @@
+"""``inference.GRPCInferenceService`` (every RPC but inference, which is in infer.py)
+and ``grpc.health.v1.Health``, answered from the same :class:`Gateway` methods as
+the HTTP routes, so both follow one set of rules: readiness, metadata, the admin rule
+for what changes state, the caller's key for what a tenant may see."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from zeroserve.broker import wording
+from zeroserve.broker.client import InferError
+from zeroserve.broker.protocol import ErrorCode
+from zeroserve.gateway.access import check_admin
+from zeroserve.gateway.errors import BadRequest
+from zeroserve.gateway.grpc import messages
+from zeroserve.gateway.grpc.infer import Inference, metadata_of
+from zeroserve.gateway.grpc.proto import grpc_service_pb2 as pb
+from zeroserve.gateway.grpc.proto import health_pb2
+from zeroserve.gateway.grpc.tensors import value
+from zeroserve.gateway.http import parse_version
+from zeroserve.gateway.routes.repository import file_path
+
+if TYPE_CHECKING:
+    from zeroserve.gateway.app import Gateway
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "inference.GRPCInferenceService"
+# what Triton answers for tracing that is off (the trace extension owns the real ones)
+TRACE_OFF = {"trace_level": ["OFF"], "trace_rate": ["1000"], "trace_count": ["-1"],
+             "log_frequency": ["0"], "trace_mode": ["triton"]}
+
+
+def peer_host(context: Any) -> str:
+    """The client's address as the admin rule reads it: ``ipv4:127.0.0.1:5000`` ->
+    127.0.0.1, ``ipv6:[::1]:5000`` -> ::1 (a unix socket is local too)."""
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.partition("]")[0].lstrip("[")
+    if kind == "unix":
+        return "localhost"
+    return rest.rpartition(":")[0]
+
+
+def _version(raw: str) -> int | None:
+    return parse_version(raw or None)
+
+
+class InferenceService(Inference):
+    """The servicer: methods named as the proto's RPCs, each ``(request, context)``."""
+
+    def __init__(self, gateway: "Gateway") -> None:
+        super().__init__(gateway)
+
+    def _admin(self, context: Any) -> None:
+        check_admin(peer_host(context), metadata_of(context).get("authorization", ""),
+                    self.gw.settings.admin_token)
+
+    # -- health and metadata ---------------------------------------------------
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=await self.gw.not_ready() is None)
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        try:
+            why = await self.gw.model_not_ready(request.name, _version(request.version))
+        except InferError as exc:
+            if exc.code is not ErrorCode.NOT_FOUND:
+                raise
+            return pb.ModelReadyResponse(ready=False)   # as Triton: unknown is not ready
+        return pb.ModelReadyResponse(ready=why is None)
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        meta = self.gw.server_metadata()
+        return pb.ServerMetadataResponse(name=meta["name"], version=meta["version"],
+                                         extensions=meta["extensions"])
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        return messages.model_metadata(
+            await self.gw.model_metadata(request.name, _version(request.version)))
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        doc = await self.gw.model_config(request.name, _version(request.version))
+        return pb.ModelConfigResponse(config=messages.model_config(doc))
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        name = request.name or None
+        version = _version(request.version) if name else None
+        return messages.statistics(await self.gw.stats(name, version))
+
+    # -- model repository ------------------------------------------------------
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        return messages.repository_index(
+            await self.gw.control("repository_index", ready=bool(request.ready)))
+
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        self._admin(context)
+        config, files = None, {}
+        for key, param in request.parameters.items():
+            got = value(param)
+            if key == "config":
+                if not isinstance(got, str):
+                    raise BadRequest("parameter 'config' must be a string of JSON")
+                config = got
+            elif key.startswith("file:"):
+                if not isinstance(got, bytes):
+                    raise BadRequest(f"parameter {key!r} must be bytes_param file contents")
+                files[file_path(key)] = got
+        await self.gw.load_model(request.model_name, config, files)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        self._admin(context)
+        await self.gw.admin.control("repository_unload", model=request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- shared memory ---------------------------------------------------------
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        out = pb.SystemSharedMemoryStatusResponse()
+        for region in self.gw.shm.status(request.name or None):
+            out.regions[region["name"]].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+        return out
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self._admin(context)
+        self.gw.shm.register(request.name, request.key, request.offset, request.byte_size)
+        logger.info("shared-memory region %r registered over gRPC (key %r)", request.name,
+                    request.key)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self._admin(context)
+        self.gw.shm.unregister(request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        if request.name:   # no region is ever registered: there is no GPU in the gateway
+            raise InferError(ErrorCode.NOT_FOUND,
+                             f"unable to find cuda shared memory region: '{request.name}'")
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self._admin(context)
+        if not request.name:
+            raise BadRequest(wording.CUDA_SHM_NO_NAME)
+        raise BadRequest(wording.cuda_shm_unsupported(request.name))
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self._admin(context)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    # -- settings --------------------------------------------------------------
+    async def LogSettings(self, request: Any, context: Any) -> Any:
+        update = {key: value(setting) for key, setting in request.settings.items()}
+        if update:
+            self._admin(context)
+            current = await self.gw.change_log_settings(update)
+        else:
+            current = self.gw.logs.current()
+        out = pb.LogSettingsResponse()
+        for key, val in current.items():
+            setting = out.settings[key]
+            if isinstance(val, bool):
+                setting.bool_param = val
+            elif isinstance(val, int):
+                setting.uint32_param = val
+            else:
+                setting.string_param = str(val)
+        return out
+
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        if request.settings:
+            raise InferError(ErrorCode.BAD_INPUT, "trace settings cannot be changed over "
+                             "gRPC yet: tracing is off")
+        out = pb.TraceSettingResponse()
+        for key, values in TRACE_OFF.items():
+            out.settings[key].value.extend(values)
+        return out
+
+
+class HealthService:
+    """``grpc.health.v1.Health/Check`` for Kubernetes' gRPC probes: service "" or
+    ``inference.GRPCInferenceService`` is SERVING when the server is ready (HTTP's
+    rule), ``live`` whenever this process answers; anything else is NOT_FOUND."""
+
+    def __init__(self, gateway: "Gateway") -> None:
+        self.gw = gateway
+
+    async def Check(self, request: Any, context: Any) -> Any:
+        status = health_pb2.HealthCheckResponse
+        if request.service == "live":
+            return status(status=status.SERVING)
+        if request.service not in ("", SERVICE, "ready"):
+            raise InferError(ErrorCode.NOT_FOUND, f"unknown service {request.service!r}")
+        ready = await self.gw.not_ready() is None
+        return status(status=status.SERVING if ready else status.NOT_SERVING)

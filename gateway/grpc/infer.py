@@ -79,14 +79,16 @@ class Inference:
     def __init__(self, gateway: "Gateway") -> None:
         self.gw = gateway
 
-    def _admit(self, request: Any, context: Any) -> tuple[tensors.GrpcRequest, float]:
+    async def _admit(self, request: Any, context: Any) -> tuple[tensors.GrpcRequest, float]:
         """The request decoded and let through the door, with what is left of its
-        budget; raises the errors of the table (gateway/errors.py)."""
+        budget; raises the errors of the table (gateway/errors.py). With tenants, a
+        caller without a key learns nothing, not even what is wrong with its request."""
         door = self.gw.door
         accepted = time.monotonic() - door.current_lag_s()
         why = door.refuse()
         if why is not None:
             raise InferError(ErrorCode.UNAVAILABLE, why)
+        await self.gw.gate.caller(metadata_of(context))
         req = tensors.decode(request, self.gw.shm.read if self.gw.shm.enabled else None)
         why = door.refuse_priority(req.priority, req.timeout_us > 0)
         if why is not None:
@@ -94,9 +96,9 @@ class Inference:
         return req, budget_ms(req.timeout_us, context.time_remaining(), accepted)
 
     async def _encode(self, req: tensors.GrpcRequest, model: str, version: int,
-                      out: list[Any], stats: dict[str, float]) -> Any:
+                      out: list[Any], stats: dict[str, float], api_key: str) -> Any:
         if req.classified and out:
-            out = await self.gw.classify(model, version, out, req.classified)
+            out = await self.gw.classify(model, version, out, req.classified, api_key)
         return tensors.encode(model, version, req, out,
                               self.gw.shm.write if self.gw.shm.enabled else None,
                               clamped(stats))
@@ -105,16 +107,16 @@ class Inference:
         gw = self.gw
         gw.door.in_flight += 1
         try:
-            req, timeout_ms = self._admit(request, context)
+            req, timeout_ms = await self._admit(request, context)
+            api_key = api_key_of(metadata_of(context))
             try:
                 reply = await gw.client.infer_tensors(
                     req.model, req.tensors, version=req.version, priority=req.priority,
-                    timeout_ms=timeout_ms, outputs=req.output_names,
-                    api_key=api_key_of(metadata_of(context)))
+                    timeout_ms=timeout_ms, outputs=req.output_names, api_key=api_key)
             except InferError as exc:
                 raise tritons(exc, req.id, wording.DECOUPLED_GRPC) from None
             return await self._encode(req, reply.model, reply.version, reply.tensors,
-                                      reply.stats)
+                                      reply.stats, api_key)
         finally:
             gw.door.in_flight -= 1
 
@@ -162,17 +164,17 @@ class Inference:
         gw.door.in_flight += 1
         req = None
         try:
-            req, timeout_ms = self._admit(request, context)
+            req, timeout_ms = await self._admit(request, context)
             empty_final = bool(req.parameters.get(EMPTY_FINAL))
+            api_key = api_key_of(metadata_of(context))
             async with gw.client.stream(req.model, req.tensors, version=req.version,
                                         priority=req.priority, timeout_ms=timeout_ms,
-                                        outputs=req.output_names,
-                                        api_key=api_key_of(metadata_of(context))) as stream:
+                                        outputs=req.output_names, api_key=api_key) as stream:
                 async for part in stream:
                     if not part.tensors and part.final and not empty_final:
                         continue
                     resp = await self._encode(req, part.model, part.version, part.tensors,
-                                              part.stats)
+                                              part.stats, api_key)
                     resp.parameters[FINAL].bool_param = part.final
                     await answers.put(pb.ModelStreamInferResponse(infer_response=resp))
         except asyncio.CancelledError:

@@ -54,6 +54,11 @@ class InferenceService(Inference):
     def __init__(self, gateway: "Gateway") -> None:
         super().__init__(gateway)
 
+    async def _caller(self, context: Any) -> str | None:
+        """The key the broker judges the caller by (None: the operator); with tenants,
+        UNAUTHENTICATED at once without one, as every /v2 route but health."""
+        return await self.gw.gate.admit(metadata_of(context))
+
     def _admin(self, context: Any) -> None:
         check_admin(peer_host(context), metadata_of(context).get("authorization", ""),
                     self.gw.settings.admin_token)
@@ -67,7 +72,8 @@ class InferenceService(Inference):
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         try:
-            why = await self.gw.model_not_ready(request.name, _version(request.version))
+            why = await self.gw.model_not_ready(request.name, _version(request.version),
+                                                await self._caller(context))
         except InferError as exc:
             if exc.code is not ErrorCode.NOT_FOUND:
                 raise
@@ -75,29 +81,33 @@ class InferenceService(Inference):
         return pb.ModelReadyResponse(ready=why is None)
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        await self._caller(context)
         meta = self.gw.server_metadata()
         return pb.ServerMetadataResponse(name=meta["name"], version=meta["version"],
                                          extensions=meta["extensions"])
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
-        return messages.model_metadata(
-            await self.gw.model_metadata(request.name, _version(request.version)))
+        return messages.model_metadata(await self.gw.model_metadata(
+            request.name, _version(request.version), await self._caller(context)))
 
     async def ModelConfig(self, request: Any, context: Any) -> Any:
-        doc = await self.gw.model_config(request.name, _version(request.version))
+        doc = await self.gw.model_config(request.name, _version(request.version),
+                                         await self._caller(context))
         return pb.ModelConfigResponse(config=messages.model_config(doc))
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
         name = request.name or None
         version = _version(request.version) if name else None
-        return messages.statistics(await self.gw.stats(name, version))
+        return messages.statistics(await self.gw.stats(name, version,
+                                                       await self._caller(context)))
 
     # -- model repository ------------------------------------------------------
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
-        return messages.repository_index(
-            await self.gw.control("repository_index", ready=bool(request.ready)))
+        return messages.repository_index(await self.gw.repository_index(
+            bool(request.ready), await self._caller(context)))
 
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        await self._caller(context)
         self._admin(context)
         config, files = None, {}
         for key, param in request.parameters.items():
@@ -114,12 +124,14 @@ class InferenceService(Inference):
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        await self._caller(context)
         self._admin(context)
         await self.gw.admin.control("repository_unload", model=request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     # -- shared memory ---------------------------------------------------------
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        await self._caller(context)
         out = pb.SystemSharedMemoryStatusResponse()
         for region in self.gw.shm.status(request.name or None):
             out.regions[region["name"]].CopyFrom(
@@ -127,6 +139,7 @@ class InferenceService(Inference):
         return out
 
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        await self._caller(context)
         self._admin(context)
         self.gw.shm.register(request.name, request.key, request.offset, request.byte_size)
         logger.info("shared-memory region %r registered over gRPC (key %r)", request.name,
@@ -134,28 +147,33 @@ class InferenceService(Inference):
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        await self._caller(context)
         self._admin(context)
         self.gw.shm.unregister(request.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        await self._caller(context)
         if request.name:   # no region is ever registered: there is no GPU in the gateway
             raise InferError(ErrorCode.NOT_FOUND,
                              f"unable to find cuda shared memory region: '{request.name}'")
         return pb.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        await self._caller(context)
         self._admin(context)
         if not request.name:
             raise BadRequest(wording.CUDA_SHM_NO_NAME)
         raise BadRequest(wording.cuda_shm_unsupported(request.name))
 
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        await self._caller(context)
         self._admin(context)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # -- settings --------------------------------------------------------------
     async def LogSettings(self, request: Any, context: Any) -> Any:
+        await self._caller(context)
         update = {key: value(setting) for key, setting in request.settings.items()}
         if update:
             self._admin(context)
@@ -174,6 +192,7 @@ class InferenceService(Inference):
         return out
 
     async def TraceSetting(self, request: Any, context: Any) -> Any:
+        await self._caller(context)
         if request.settings:
             raise InferError(ErrorCode.BAD_INPUT, "trace settings cannot be changed over "
                              "gRPC yet: tracing is off")

@@ -244,5 +244,21 @@ def test_tenants_govern_grpc_calls(tenants: tuple[Server, str, str]) -> None:
         assert code_of(err.value) in ("PERMISSION_DENIED", "NOT_FOUND")
         assert c.infer("other", [linear_input()], headers={"x-api-key": alice}) \
             .as_numpy("output").shape == (2, 3)
+        # the reads are scoped too: nothing without a key, only its models with one
+        for read in (lambda h: c.get_model_metadata("linear", headers=h),
+                     lambda h: c.get_model_config("linear", headers=h),
+                     lambda h: c.get_inference_statistics(headers=h),
+                     lambda h: c.get_model_repository_index(headers=h)):
+            with pytest.raises(InferenceServerException) as err:
+                read({})
+            assert code_of(err.value) == "UNAUTHENTICATED"
+        assert c.is_server_live() and c.is_server_ready()   # health needs no key
+        as_bob = {"authorization": f"Bearer {bob}"}
+        assert c.get_model_metadata("linear", headers=as_bob).name == "linear"
+        with pytest.raises(InferenceServerException) as err:
+            c.get_model_metadata("other", headers=as_bob)
+        assert code_of(err.value) == "NOT_FOUND"
+        assert {m.name for m in c.get_model_repository_index(headers=as_bob).models} == \
+            {"linear"}
     finally:
         c.close()

@@ -11,6 +11,7 @@ is the same on the docs site (Python-Markdown's slugs) as on GitHub.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import io
 import re
@@ -218,8 +219,10 @@ def test_benchmark_and_test_commands_name_real_files(path):
 
 @pytest.mark.parametrize("path", EVERY, ids=rel)
 def test_python_blocks_compile(path):
+    """Snippets may await at their top level, as in an asyncio REPL or a notebook."""
     for i, block in enumerate(code_blocks(path.read_text(), "python")):
-        compile(block, f"{rel(path)}, python block {i + 1}", "exec")
+        compile(block, f"{rel(path)}, python block {i + 1}", "exec",
+                flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
 
 
 # -- links and anchors -------------------------------------------------------------

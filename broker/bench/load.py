@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from zeroserve.broker.bench import inputs as bi
+from zeroserve.broker.bench.grpcload import GrpcSender
 from zeroserve.broker.bench.http import HttpConnection, HttpError, Url, request_bytes
 from zeroserve.broker.client import AsyncClient, InferError
 
@@ -20,7 +21,8 @@ from zeroserve.broker.client import AsyncClient, InferError
 # /predictions/NAME) with the same generator, in the same run
 # ping: the broker's ping verb over the direct client, answered by the broker alone: the
 # messaging floor beside which the direct client's figures are read
-TRANSPORTS = ("http-json", "http-binary", "direct", "http-raw", "ping")
+# grpc: Triton's ModelInfer with raw tensors (broker/bench/grpcload.py)
+TRANSPORTS = ("http-json", "http-binary", "grpc", "direct", "http-raw", "ping")
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Plan:
     client_timeout_s: float = 30.0
     max_inflight: int = 1024       # open loop: requests in flight per process at most
     raw: "RawRequest | None" = None  # http-raw: what to send instead of a v2 body
+    grpc_url: str = "127.0.0.1:8001"  # grpc: the gateway's gRPC address
 
 
 @dataclass(frozen=True)
@@ -183,10 +186,12 @@ class DirectSender:
             await self.client.close()
 
 
-Sender = HttpSender | DirectSender
+Sender = HttpSender | DirectSender | GrpcSender
 
 
 def make_sender(plan: Plan) -> Sender:
+    if plan.transport == "grpc":
+        return GrpcSender(plan)
     return DirectSender(plan) if plan.transport in ("direct", "ping") else HttpSender(plan)
 
 

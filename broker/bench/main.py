@@ -61,6 +61,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--transport", default="http-json",
                     help=f"comma-separated, of {', '.join(bl.TRANSPORTS)} (default http-json)")
     ap.add_argument("--url", default="http://127.0.0.1:8080", help="the HTTP gateway")
+    ap.add_argument("--grpc-url", default="127.0.0.1:8001",
+                    help="the gateway's gRPC address, for --transport grpc")
     ap.add_argument("--endpoint", default=None,
                     help="the broker's frontend for direct (default: in --runtime-dir)")
     ap.add_argument("--runtime-dir", default=None, help="the server's runtime folder")
@@ -147,7 +149,8 @@ def _read_trace(path: Path) -> list[float]:
 
 def fetch_metadata(transport: str, args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     """The model's metadata over the transport's own path (so it also checks the server
-    is there): GET /v2/models/{m} or the broker's ``metadata`` control verb."""
+    is there): GET /v2/models/{m} or the broker's ``metadata`` control verb (grpc reads
+    it over HTTP, from the same gateway)."""
     if transport in ("direct", "ping"):
         return asyncio.run(_direct_metadata(endpoint, args.model, args.model_version))
     version = f"/versions/{args.model_version}" if args.model_version is not None else ""
@@ -246,7 +249,7 @@ def run_transport(transport: str, args: argparse.Namespace, endpoint: str,
                                  args.timeout_ms)
         plan = bl.Plan(transport, args.url, endpoint, opts, inputs,
                        args.slo_ms or args.timeout_ms, args.client_timeout_s, args.max_inflight,
-                       raw)
+                       raw, args.grpc_url)
         bl.make_sender(plan)  # builds the bodies: a JSON body of BF16 fails here
     except bi.InputError as exc:
         raise Usage(str(exc)) from None
@@ -278,7 +281,7 @@ class _ScrapeAround:
         self.before: dict[str, float] | None = None
         self.url, self.model = args.url, args.model
         self.timer = None
-        if transport in ("http-json", "http-binary"):
+        if transport in ("http-json", "http-binary", "grpc"):
             self.timer = threading.Timer(delay_s, self._first)
             self.timer.daemon = True
             self.timer.start()

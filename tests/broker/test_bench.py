@@ -246,3 +246,40 @@ def test_bench_modules_never_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_grpc_transport_runs_over_the_gateways_grpc_port(server: Server,
+                                                        tmp_path: Path) -> None:
+    out = bench(*targets(server), *SHORT, "--transport", "grpc,http-binary",
+                "--grpc-url", server.grpc_url, "--concurrency", "1,4",
+                "--json", str(tmp_path / "g.json"))
+    assert out.returncode == 0, out.stderr
+    rows = levels(tmp_path / "g.json")
+    assert [(r["transport"], r["load"]) for r in rows] == [
+        (t, c) for t in ("grpc", "http-binary") for c in (1, 4)]
+    for row in rows:
+        check_counts(row)
+        assert row["errors"] == {}
+    # a server that is not there: unreachable, exit 3
+    gone = bench(*targets(server), *SHORT, "--transport", "grpc",
+                 "--grpc-url", f"127.0.0.1:{free_port()}", "--concurrency", "1")
+    assert gone.returncode == 3, gone.stderr
+
+
+def test_the_hand_encoded_model_infer_request_is_what_protobuf_reads() -> None:
+    from zeroserve.broker.bench.grpcload import model_infer_request
+    from zeroserve.broker.bench.inputs import RequestOptions
+    from zeroserve.gateway.grpc.proto import grpc_service_pb2 as pb
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    words = np.array([b"a", b"bc"], dtype=object)
+    raw = model_infer_request({"input": x, "text": words},
+                              RequestOptions("mlp", 3, 1, 2.5))
+    req = pb.ModelInferRequest.FromString(raw)
+    assert (req.model_name, req.model_version) == ("mlp", "3")
+    assert req.parameters["priority"].uint64_param == 1
+    assert req.parameters["timeout"].int64_param == 2500
+    assert [(i.name, i.datatype, list(i.shape)) for i in req.inputs] == [
+        ("input", "FP32", [3, 4]), ("text", "BYTES", [2])]
+    assert req.raw_input_contents[0] == x.tobytes()
+    assert req.raw_input_contents[1] == b"\x01\x00\x00\x00a\x02\x00\x00\x00bc"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -19,9 +18,7 @@ import zmq
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.process import Notifier, trim_memory
-from zeroserve.broker.runtime import hostname
-from zeroserve.broker import wording
-from zeroserve.broker.server.catalog import Catalog, CatalogModel, optional_models
+from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
 from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
@@ -29,6 +26,7 @@ from zeroserve.broker.server.lifecycle import Lifecycle, LifecycleOptions
 from zeroserve.broker.server.metrics import BrokerMetrics, ModelStates
 from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.readverbs import ReadVerbs
 from zeroserve.broker.server.registration import Registrar
 from zeroserve.broker.server.replicas import Replicas
 from zeroserve.broker.server.repoctl import RepositoryControl
@@ -466,12 +464,9 @@ class Broker:
     # -- control verbs ------------------------------------------------------
     def _add_verbs(self) -> None:
         c = self.control
-        c.add("status", self._status)
+        ReadVerbs(self.catalog, self.pool, self.scheduler, self.metrics, self.clock,
+                  describe_model=self.lifecycle.describe, status=self._status).add_verbs(c)
         c.add("census", lambda _: self.requests.census())
-        c.add("models", self._models)
-        c.add("metadata", self._metadata)
-        c.add("config", lambda a: self._model(a).config.to_json())
-        c.add("metrics", self._metrics)
         c.add("drain", lambda a: self.pool.set_draining(worker_arg(a), True)
               .describe(self.clock()), mutates=True)
         c.add("undrain", lambda a: self.pool.set_draining(worker_arg(a), False)
@@ -487,15 +482,6 @@ class Broker:
         c.add("tenants", self.tenancy.describe)
         c.add("reload_tenants", self.tenancy.reload_verb, mutates=True)
 
-    def _model(self, args: dict[str, Any]) -> CatalogModel:
-        name, version = args.get("model"), args.get("version")
-        model = self.catalog.get(name) if isinstance(name, str) else None
-        if model is None:
-            raise LookupError(wording.unknown_model(name))
-        if version is not None and version not in model.versions:
-            raise LookupError(wording.unknown_version(name, version))
-        return model
-
     def _restart(self, args: dict[str, Any]) -> dict[str, Any]:
         """Drain a worker, then let it exit cleanly so its supervisor starts it again."""
         worker = self.pool.named(worker_arg(args))
@@ -505,42 +491,9 @@ class Broker:
         self.pool.leave(worker)
         return described
 
-    def _status(self, _: dict[str, Any]) -> dict[str, Any]:
-        now = self.clock()
-        return {"workers": [w.describe(now) for w in self.pool.workers.values()],
-                "queues": {m: self.scheduler.depth(m) for m in self.catalog.models},
-                "inflight_batches": len(self.pool.inflight), "stopping": self.stopping,
-                "open_requests": self.requests.open_count(),
-                "streams": self.requests.streams.sizes(),
-                "pid": os.getpid(), "tenants": self.tenancy.summary(),
+    def _status(self) -> dict[str, Any]:
+        """The broker's own sections of ``zeroserve status`` (see readverbs.py)."""
+        return {"stopping": self.stopping, "open_requests": self.requests.open_count(),
+                "streams": self.requests.streams.sizes(), "tenants": self.tenancy.summary(),
                 "autoscaling": self.replicas.describe(),
                 "memory_plan": self.placement.describe()}
-
-    def _models(self, _: dict[str, Any]) -> dict[str, Any]:
-        out = {}
-        for name, m in sorted(self.catalog.models.items()):
-            out[name] = {"versions": list(m.versions), "ready": sorted(m.ready),
-                         "default_version": m.default_version if m.ready else None,
-                         "platform": m.config.platform, "optional": m.config.optional,
-                         "workers": sorted(w.worker_id for w in self.pool.holders(name)),
-                         **self.lifecycle.describe(name)}
-        errors = dict(self.catalog.errors)
-        for name, failure in self.catalog.failures.items():
-            errors.setdefault(name, failure["error"])
-        return {"models": out, "errors": errors,
-                "optional": optional_models(self.catalog, errors)}
-
-    def _metadata(self, args: dict[str, Any]) -> dict[str, Any]:
-        model = self._model(args)
-        meta = model.metadata()
-        meta["ready"] = bool(model.ready if args.get("version") is None
-                             else args["version"] in model.ready)
-        meta["max_batch_size"] = model.config.max_batch_size
-        meta["labels"] = model.labels
-        return meta
-
-    def _metrics(self, _: dict[str, Any]) -> dict[str, Any]:
-        for name in self.catalog.models:
-            self.metrics.queue_depth.labels(name).set(self.scheduler.depth(name))
-        return {"broker": self.metrics.render(), "instance": f"{hostname()}:{os.getpid()}",
-                "workers": {w.worker_id: w.metrics_text for w in self.pool.workers.values()}}

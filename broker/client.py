@@ -33,7 +33,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from zeroserve.broker import curve, protocol as p, sockets
+from zeroserve.broker import curve, protocol as p, sockets, tracing
 from zeroserve.broker.runtime import Endpoints
 from zeroserve.broker.streamclient import AsyncStream, Stream, StreamResponse
 
@@ -64,6 +64,9 @@ class InferResult:
     version: int
     outputs: dict[str, np.ndarray]
     stats: dict[str, float] = field(default_factory=dict)
+    # a traced request (``traceparent=``): Triton's JSON trace records of it, the broker's
+    # and worker's timestamps on this process's monotonic clock (broker/tracing.py)
+    trace: list[dict[str, Any]] | None = None
 
 
 def _tensors(inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor]) -> list[p.Tensor]:
@@ -72,9 +75,15 @@ def _tensors(inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor]) -> list[p.Te
     return list(inputs)
 
 
-def to_result(reply: p.InferReply) -> InferResult:
-    return InferResult(reply.model, reply.version,
-                       {t.meta.name: p.to_numpy(t) for t in reply.tensors}, dict(reply.stats))
+def to_result(reply: p.InferReply, traceparent: str = "", sent_ns: int = 0) -> InferResult:
+    out = InferResult(reply.model, reply.version,
+                      {t.meta.name: p.to_numpy(t) for t in reply.tensors}, dict(reply.stats))
+    if reply.trace is not None:
+        stamps = tracing.core_stamps(reply.trace, sent_ns, time.monotonic_ns())
+        trace_id = int(reply.request_id) if reply.request_id.isdigit() else 0
+        out.trace = tracing.records(trace_id, reply.model, reply.version, stamps,
+                                    reply.request_id, traceparent)
+    return out
 
 
 def _new_socket(ctx: zmq.Context[Any], endpoint: str,
@@ -220,15 +229,21 @@ class Client:
     def infer(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
               version: int | None = None, priority: int = 0, timeout_ms: float = 0.0,
               outputs: Sequence[str] | None = None, tenant: str = "",
-              api_key: str | None = None) -> InferResult:
+              api_key: str | None = None, traceparent: str = "",
+              tracestate: str = "") -> InferResult:
+        """``traceparent`` (W3C, with ``tracestate``) traces the request: the result's
+        ``trace`` holds its records."""
         rid = str(next(self._ids))
+        trace = tracing.context(traceparent, tracestate) if traceparent else None
         req = p.InferRequest(rid, model, _tensors(inputs), version, priority, timeout_ms,
-                             tenant, outputs, self.api_key if api_key is None else api_key)
+                             tenant, outputs, self.api_key if api_key is None else api_key,
+                             trace=trace)
         wait_s = timeout_ms / 1000.0 + 5.0 if timeout_ms else self.timeout_s
+        sent_ns = time.monotonic_ns()
         answer = self._roundtrip(p.encode_request(req), rid, wait_s)
         if isinstance(answer, InferError):
             raise answer
-        return to_result(answer)
+        return to_result(answer, traceparent, sent_ns)
 
     def control(self, verb: str, **args: Any) -> Any:
         rid = f"ctl-{next(self._ids)}"
@@ -397,19 +412,25 @@ class AsyncClient:
     async def infer_tensors(self, model: str, tensors: Sequence[p.Tensor], *,
                             version: int | None = None, priority: int = 0,
                             timeout_ms: float = 0.0, outputs: Sequence[str] | None = None,
-                            tenant: str = "", api_key: str | None = None) -> p.InferReply:
-        """Like :meth:`infer` but with raw tensors in and out (no numpy conversion)."""
+                            tenant: str = "", api_key: str | None = None,
+                            trace: dict[str, str] | None = None) -> p.InferReply:
+        """Like :meth:`infer` but with raw tensors in and out (no numpy conversion);
+        ``trace`` is the wire's trace context (:func:`zeroserve.broker.tracing.context`)."""
         rid = str(next(self._ids))
         req = p.InferRequest(rid, model, tensors, version, priority, timeout_ms, tenant, outputs,
-                             self.api_key if api_key is None else api_key)
+                             self.api_key if api_key is None else api_key, trace=trace)
         answer = await self._call(req, rid, cancel=True)
         if isinstance(answer, InferError):
             raise answer
         return answer  # type: ignore[no-any-return]
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor],
-                    **kwargs: Any) -> InferResult:
-        return to_result(await self.infer_tensors(model, _tensors(inputs), **kwargs))
+                    traceparent: str = "", tracestate: str = "", **kwargs: Any) -> InferResult:
+        if traceparent:
+            kwargs["trace"] = tracing.context(traceparent, tracestate)
+        sent_ns = time.monotonic_ns()
+        reply = await self.infer_tensors(model, _tensors(inputs), **kwargs)
+        return to_result(reply, traceparent, sent_ns)
 
     def stream(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
                version: int | None = None, priority: int = 0, timeout_ms: float | None = None,

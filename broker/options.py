@@ -147,6 +147,10 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", type=int, default=2048,
                    help="inference requests one gateway process holds at most; past it, "
                         "503 at the door (0: no bound)")
+    p.add_argument("--trace-config", action="append", default=None, metavar="SETTING",
+                   help="Triton's trace setting, repeatable: rate=N, level=TIMESTAMPS|"
+                        "TENSORS, count=N, mode=triton, triton,file=PATH, "
+                        "triton,log-frequency=N (tracing is off without level)")
 
 
 def parser() -> argparse.ArgumentParser:

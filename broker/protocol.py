@@ -152,6 +152,8 @@ class InferRequest:
     # the caller reads a response sequence (PARTS): required by a decoupled model, and
     # what tells the broker that this peer speaks PARTS (no protocol version needed)
     stream: bool = False
+    # a traced request: the caller's W3C context (broker/tracing.py); absent otherwise
+    trace: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,7 @@ class InferReply:
     version: int
     tensors: Sequence[Tensor]
     stats: dict[str, float] = field(default_factory=dict)
+    trace: dict[str, Any] | None = None   # a traced request's stamps (broker/tracing.py)
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,7 @@ class Batch:
     version: int
     items: Sequence[BatchItem]
     timeout_ms: float = 0.0
+    trace: bool = False     # an item is traced: the result carries the worker's stamps
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,7 @@ class BatchResult:
     retry: bool = False     # the batch never ran here (say, its model is not loaded)
     expired: bool = False   # never ran: its deadline passed before it could start
     phases_ms: dict[str, float] = field(default_factory=dict)
+    trace: dict[str, Any] | None = None   # the worker's stamps, for a traced batch
 
 
 @dataclass(frozen=True)
@@ -697,6 +702,7 @@ def decode_request(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReq
         outputs=outputs,
         api_key=_field(header, "api_key", str, ""),
         stream=_stream_flag(header),
+        trace=_trace_context(header),
     )
 
 
@@ -707,6 +713,16 @@ def _stream_flag(header: dict[str, Any]) -> bool:
         raise ProtocolError(f"header field 'stream' must be a boolean, got "
                             f"{type(stream).__name__}")
     return stream
+
+
+def _trace_context(header: dict[str, Any]) -> dict[str, str] | None:
+    raw = header.get("trace")
+    if raw is None:
+        return None
+    if not (isinstance(raw, dict) and isinstance(raw.get("traceparent"), str)
+            and isinstance(raw.get("tracestate", ""), str)):
+        raise ProtocolError("'trace' must be {traceparent: str, tracestate: str}")
+    return {k: raw[k] for k in ("traceparent", "tracestate") if k in raw}
 
 
 def encode_requests(reqs: Sequence[InferRequest]) -> list[Buffer]:
@@ -726,6 +742,8 @@ def request_header(req: InferRequest) -> tuple[dict[str, Any], list[Buffer]]:
         header["api_key"] = req.api_key
     if req.stream:   # absent otherwise: a unary request's header stays as it was
         header["stream"] = True
+    if req.trace is not None:   # likewise: an untraced request carries nothing
+        header["trace"] = req.trace
     return header, bufs
 
 
@@ -768,8 +786,11 @@ def request_id_of(header: dict[str, Any]) -> str | None:
 
 def reply_header(rep: InferReply) -> tuple[dict[str, Any], list[Buffer]]:
     metas, bufs = _encode_tensors(rep.tensors)
-    return {"id": rep.request_id, "model": rep.model, "version": rep.version,
-            "tensors": metas, "stats": rep.stats}, bufs
+    header = {"id": rep.request_id, "model": rep.model, "version": rep.version,
+              "tensors": metas, "stats": rep.stats}
+    if rep.trace is not None:
+        header["trace"] = rep.trace
+    return header, bufs
 
 
 def encode_reply(rep: InferReply) -> list[Buffer]:
@@ -793,6 +814,7 @@ def decode_reply(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReply
         version=_field(header, "version", int),
         tensors=_decode_tensors(header.get("tensors"), frames),
         stats=_field(header, "stats", dict, {}),
+        trace=_field(header, "trace", dict, None),
     )
 
 
@@ -824,6 +846,8 @@ def encode_batch(batch: Batch) -> list[Buffer]:
         bufs.extend(item_bufs)
     header = {"id": batch.batch_id, "model": batch.model, "version": batch.version,
               "items": items, "timeout_ms": float(batch.timeout_ms)}
+    if batch.trace:
+        header["trace"] = True
     return _pack(Kind.BATCH, header) + bufs
 
 
@@ -841,7 +865,8 @@ def decode_batch(header: dict[str, Any], frames: Sequence[Buffer]) -> Batch:
         raise ProtocolError(f"batch declares {pos} tensors but carries {len(frames)} frames")
     return Batch(_field(header, "id", int), _field(header, "model", str),
                  _field(header, "version", int), items,
-                 float(_field(header, "timeout_ms", (int, float), 0.0)))
+                 float(_field(header, "timeout_ms", (int, float), 0.0)),
+                 _field(header, "trace", bool, False))
 
 
 def encode_result(result: BatchResult) -> list[Buffer]:
@@ -853,6 +878,8 @@ def encode_result(result: BatchResult) -> list[Buffer]:
     header = {"id": result.batch_id, "replies": replies, "compute_ms": result.compute_ms,
               "error": result.error, "retry": result.retry, "expired": result.expired,
               "phases_ms": result.phases_ms}
+    if result.trace is not None:
+        header["trace"] = result.trace
     return _pack(Kind.RESULT, header) + bufs
 
 
@@ -874,7 +901,8 @@ def decode_result(header: dict[str, Any], frames: Sequence[Buffer],
     return BatchResult(_field(header, "id", int), replies,
                        _duration_ms("compute_ms", _field(header, "compute_ms", (int, float), 0.0)),
                        _field(header, "error", str, None), _field(header, "retry", bool, False),
-                       _field(header, "expired", bool, False), phases)
+                       _field(header, "expired", bool, False), phases,
+                       _field(header, "trace", dict, None))
 
 
 MAX_DURATION_MS = 7 * 24 * 3600 * 1000.0   # a week: no batch runs longer

@@ -24,7 +24,7 @@ from zeroserve.broker.client import AsyncClient, InferError
 from zeroserve.broker.curve import ClientKeys
 from zeroserve.broker import protocol as p
 from zeroserve.broker.protocol import ErrorCode
-from zeroserve.gateway import errors, metrics, readiness, routes
+from zeroserve.gateway import errors, metrics, readiness, routes, tracing
 from zeroserve.gateway.classification import classify
 from zeroserve.gateway.door import Door
 from zeroserve.gateway.routes.infer import InferEndpoint
@@ -43,7 +43,7 @@ STATUS_POLL_S = 0.05
 
 # exactly what this gateway implements; system_shared_memory only when it is on
 EXTENSIONS = ["binary_tensor_data", "schedule_policy", "model_configuration",
-              "classification", "logging", "statistics", "model_repository"]
+              "classification", "logging", "statistics", "model_repository", "trace"]
 
 
 @dataclass
@@ -62,6 +62,8 @@ class Settings:
     curve_keys: ClientKeys | None = None  # a broker on tcp:// with CurveZMQ (broker/curve.py)
     # with tenants, who may scrape /metrics without the admin token (tenantgate.py)
     metrics_allow: str = DEFAULT_METRICS_ALLOW
+    trace_config: tuple[str, ...] = ()   # Triton's --trace-config entries (gateway/tracing.py)
+    shared_port: bool = False   # one of several processes on the port: a trace file each
 
     @property
     def control_endpoint(self) -> str:
@@ -93,6 +95,7 @@ class Gateway:
         self.logs = LogSettings()
         self.gate = TenantGate(self.control, settings.admin_token,
                                networks(settings.metrics_allow))
+        self.tracer = tracing.for_gateway(settings.trace_config, settings.shared_port)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -104,6 +107,7 @@ class Gateway:
             yield
         finally:
             self.door.stop()
+            self.tracer.close()   # what the trace file has not been given yet
             await self.admin.close()
             self.shm.close()
             await self.client.close()

@@ -82,6 +82,12 @@ LOG_SETTINGS = {"type": "object", "properties": {
     "log_verbose_level": {"type": "integer", "minimum": 0},
     "log_format": {"type": "string", "enum": ["default", "ISO8601"]},
     "log_file": {"type": "string", "description": "read-only: always empty (stderr)"}}}
+_STR_OR_NULL = {"type": "string", "nullable": True}
+TRACE_SETTINGS = {"type": "object", "properties": {
+    "trace_level": {"type": "array", "nullable": True, "items": {
+        "type": "string", "enum": ["OFF", "TIMESTAMPS", "TENSORS"]}},
+    "trace_rate": _STR_OR_NULL, "trace_count": _STR_OR_NULL, "log_frequency": _STR_OR_NULL,
+    "trace_file": {"type": "string", "description": "read-only: set by --trace-config"}}}
 SHM = "/v2/systemsharedmemory"
 CUDA_SHM = "/v2/cudasharedmemory"
 REPO_INDEX = {"type": "object", "properties": {"ready": {
@@ -177,6 +183,15 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
     ("get", "/v2/logging", "Log settings", [200], None, "application/json"),
     ("post", "/v2/logging", "Change log settings (the keys given)", [200, 400, 401, 403],
      LOG_SETTINGS, "application/json"),
+    ("get", "/v2/trace/setting", "The global trace setting (Triton's trace extension)",
+     [200], None, "application/json"),
+    ("post", "/v2/trace/setting", "Change the global trace setting (null: the default)",
+     [200, 400, 401, 403], TRACE_SETTINGS, "application/json"),
+    ("get", "/v2/models/{name}/trace/setting", "A model's trace setting", [200, 400, 503],
+     None, "application/json"),
+    ("post", "/v2/models/{name}/trace/setting", "Change a model's trace setting (null: "
+     "back to the global one)", [200, 400, 401, 403, 503], TRACE_SETTINGS,
+     "application/json"),
     ("get", "/v2/models/stats", "Statistics of every served model version (Triton's "
      "statistics extension)", [200, 503], None, "application/json"),
     ("get", "/v2/models/{name}/stats", "Statistics of a model's versions", STATS_READ, None,

@@ -28,6 +28,7 @@ import uvicorn
 
 from zeroserve.broker import __version__, curve, options
 from zeroserve.broker.process import Notifier, notify
+from zeroserve.gateway import tracing
 from zeroserve.gateway.app import Gateway, Settings, create_app
 from zeroserve.gateway.fastpath import InferFastPath
 from zeroserve.gateway.tenantgate import networks
@@ -168,6 +169,11 @@ def run(args: argparse.Namespace) -> int:
     except (curve.CurveError, ValueError) as exc:   # ValueError: --metrics-allow
         logger.error("%s", exc)
         return 2
+    try:
+        tracing.parse_config(args.trace_config or ())
+    except tracing.TraceSettingError as exc:
+        logger.error("%s", exc)
+        return 2
     app = create_app(Settings(frontend=frontend, control=options.endpoints(args).control,
                               max_body_bytes=args.max_body_bytes,
                               admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", ""),
@@ -176,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
                               allow_shared_memory=args.allow_shared_memory,
                               shed_lag_ms=args.shed_lag_ms, max_in_flight=args.max_in_flight,
                               metrics_allow=args.metrics_allow,
-                              curve_keys=keys))
+                              curve_keys=keys, trace_config=tuple(args.trace_config or ()),
+                              shared_port=args.reuse_port))
     config = uvicorn.Config(InferFastPath(app), host=args.http_host, port=args.http_port,
                             loop="uvloop", http="httptools", access_log=False,
                             log_level=args.log_level, log_config=None,

@@ -227,7 +227,8 @@ class WorkerPool:
     # -- batches ------------------------------------------------------------
     def send_batch(self, worker: WorkerState, model: str, version: int,
                    entries: list[Entry], items: list[p.BatchItem], reason: str, now: float,
-                   exec_s: float, stream: bool = False) -> Inflight | None:
+                   exec_s: float, stream: bool = False, trace: bool = False
+                   ) -> Inflight | None:
         """Send a batch; None (and the worker is unreachable) if the send failed."""
         batch_id = next(self._batch_ids)
         tightest = min(e.deadline_s for e in entries)
@@ -237,7 +238,8 @@ class WorkerPool:
                        now + exec_s if exec_s > 0 else math.inf, stream,
                        math.inf if worker.inflight else now)
         frames = p.encode_batch(p.Batch(batch_id, model, version, items,
-                                        (tightest - now) * 1000.0 if tightest < math.inf else 0))
+                                        (tightest - now) * 1000.0 if tightest < math.inf else 0,
+                                        trace))
         if not self._send(worker.identity, frames):
             return None
         self.inflight[batch_id] = rec

@@ -16,7 +16,7 @@ import random
 import time
 from typing import Any, Callable, Sequence
 
-from zeroserve.broker import protocol as p
+from zeroserve.broker import protocol as p, tracing
 from zeroserve.broker.server.admission import admission_error, deadline_of
 from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError, check_inputs, \
     normalize_priority
@@ -342,7 +342,11 @@ class RequestPath(StreamPath):
                                     result.phases_ms, result.compute_ms)
             stats = {"queue_ms": queue_s * 1000.0, "compute_ms": result.compute_ms,
                      "batch_size": rec.samples, **pl.notes}
-            reply = p.InferReply(pl.request_id, rec.model, rec.version, rep.tensors, stats)
+            trace = None
+            if pl.request is not None and pl.request.trace is not None:
+                trace = tracing.broker_stamps(entry.arrival_s, rec.sent_s, now, result.trace)
+            reply = p.InferReply(pl.request_id, rec.model, rec.version, rep.tensors, stats,
+                                 trace)
             frames = None if pl.bundled else p.encode_reply(reply)
             del rec.entries[rep.request_id]   # from here on nothing can fail before it leaves
             self._close(entry.key)
@@ -477,8 +481,9 @@ class RequestPath(StreamPath):
         items = [p.BatchItem(str(i), e.payload.request.tensors, e.payload.request.outputs)
                  for i, e in enumerate(entries)]  # open entries: their requests are held
         exec_s = model.config.dynamic_batching.max_execution_ms / 1000.0
+        traced = any(e.payload.request.trace is not None for e in entries)
         rec = self.pool.send_batch(worker, model.config.name, version, entries, items, reason,
-                                   now, exec_s, model.config.decoupled)
+                                   now, exec_s, model.config.decoupled, traced)
         if rec is None:
             self.worker_lost(self.pool.remove(worker, Loss.UNREACHABLE), Loss.UNREACHABLE,
                              worker.worker_id, now)

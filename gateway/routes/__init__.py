@@ -17,6 +17,7 @@ from zeroserve.gateway.routes.infer import InferEndpoint
 from zeroserve.gateway.routes.models import ModelRoutes
 from zeroserve.gateway.routes.registration import Registration
 from zeroserve.gateway.routes.repository import RepositoryRoutes
+from zeroserve.gateway.routes.trace import TraceRoutes
 
 if TYPE_CHECKING:
     from zeroserve.gateway.app import Gateway
@@ -47,6 +48,7 @@ def routes(gw: "Gateway", infer: InferEndpoint) -> list[BaseRoute]:
         Route("/metrics", scrape(gw), methods=["GET"]),
         *Registration(gw).routes(),
         *Extensions(gw).routes(),
+        *TraceRoutes(gw).routes(),
         *repository.routes(),
     ]
     table.append(openapi.route(table))

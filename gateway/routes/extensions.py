@@ -27,7 +27,7 @@ CUDA_SHM = "/v2/cudasharedmemory"
 MAX_BODY = 64 << 10
 
 
-async def _json_body(request: Request, empty_ok: bool = False) -> Any:
+async def json_body(request: Request, empty_ok: bool = False) -> Any:
     try:
         body = await read_body(request, MAX_BODY)
     except BodyTooLarge:
@@ -71,7 +71,7 @@ class Extensions:
         require_admin(request, self.gw.settings.admin_token)
         name = request.path_params["region"]
         self.gw.shm.check_enabled()
-        doc = await _json_body(request)
+        doc = await json_body(request)
         if not isinstance(doc, dict) or "key" not in doc or "byte_size" not in doc:
             raise BadRequest("the body must be {\"key\": ..., \"offset\": ..., "
                              "\"byte_size\": ...}")
@@ -108,5 +108,5 @@ class Extensions:
 
     async def change_log_settings(self, request: Request) -> Response:
         require_admin(request, self.gw.settings.admin_token)
-        doc = await _json_body(request, empty_ok=True)
+        doc = await json_body(request, empty_ok=True)
         return json_response(await self.gw.change_log_settings(doc))

@@ -39,6 +39,7 @@ from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.door import RETRY_AFTER_S, SHED_DEADLINE
 from zeroserve.gateway import errors
 from zeroserve.gateway.errors import STATUS, BadRequest, BodyTooLarge
+from zeroserve.gateway.tracing import Trace
 from zeroserve.gateway.http import bounded_int, compress, decompress, encoding_of, \
     parse_version
 
@@ -49,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 # the request headers this route reads; everything else is never decoded
 WANTED = frozenset({b"content-length", b"content-encoding", b"accept-encoding",
-                    b"authorization", b"x-api-key", v2.HEADER_LENGTH.encode()})
+                    b"authorization", b"x-api-key", v2.HEADER_LENGTH.encode(),
+                    b"traceparent", b"tracestate"})
 JSON = b"application/json"
 OCTETS = b"application/octet-stream"
 STATUS_KEY = "zeroserve.status"   # where the endpoint leaves its status for the metrics
@@ -150,9 +152,13 @@ class InferEndpoint:
             await gw.gate.caller(headers)
         except InferError as exc:
             return await send_answer_of(send, errors.infer_answer(exc))
+        trace = gw.tracer.begin(path["name"], headers.get("traceparent"),
+                                headers.get("tracestate")) if gw.tracer.active else None
         try:
             version = parse_version(path.get("version"))
             body = await read_all(receive, headers.get("content-length"), limit)
+            if trace is not None:
+                trace.stamp("HTTP_RECV_END")
             encoding = headers.get("content-encoding", "identity").strip().lower()
             if encoding not in ("", "identity"):
                 body = decompress(body, encoding, limit)
@@ -178,8 +184,12 @@ class InferEndpoint:
                 SHED_DEADLINE.inc()
                 return await send_error(send, STATUS[ErrorCode.DEADLINE], "deadline exceeded "
                                         "in the gateway, before the request reached the broker")
+        sent_ns = time.monotonic_ns() if trace is not None else 0
         got = await self._forward(receive, path["name"], req, version, priority,
-                                  timeout_ms, api_key_of(headers))
+                                  timeout_ms, api_key_of(headers),
+                                  trace.context if trace is not None else None)
+        if trace is not None:
+            return await self._traced(send, req, got, headers, trace, sent_ns)
         if isinstance(got, InferError):
             answer = errors.infer_answer(got)
             message = wording.DECOUPLED_HTTP if got.code is ErrorCode.UNSUPPORTED \
@@ -187,8 +197,29 @@ class InferEndpoint:
             return await send_error(send, answer.status.http, message, answer.http_headers())
         return await self._answer(send, req, *got, headers.get("accept-encoding"))
 
+    async def _traced(self, send: Send, req: v2.V2Request,
+                      got: tuple[p.InferReply, list[p.Tensor]] | InferError,
+                      headers: dict[str, str], trace: Trace, sent_ns: int) -> int:
+        """The answer of a traced request, stamped, then its trace record."""
+        received_ns = time.monotonic_ns()
+        trace.stamp("HTTP_SEND_START")
+        if isinstance(got, InferError):
+            answer = errors.infer_answer(got)
+            status = await send_error(send, answer.status.http,
+                                      wording.with_request_id(got.message, req.id),
+                                      answer.http_headers())
+            reply, outputs = None, []
+        else:
+            status = await self._answer(send, req, *got, headers.get("accept-encoding"))
+            reply, outputs = got
+        trace.stamp("HTTP_SEND_END")
+        self.gw.tracer.finish(trace, reply, sent_ns, received_ns, req.id or "",
+                              req.tensors, outputs)
+        return status
+
     async def _forward(self, receive: Receive, name: str, req: v2.V2Request,
-                       version: int | None, priority: int, timeout_ms: float, api_key: str
+                       version: int | None, priority: int, timeout_ms: float, api_key: str,
+                       trace: dict[str, str] | None = None
                        ) -> tuple[p.InferReply, list[p.Tensor]] | InferError:
         """The broker's reply (and its tensors, classified where asked), or its error;
         Disconnected when the client leaves meanwhile (the request is withdrawn)."""
@@ -213,7 +244,7 @@ class InferEndpoint:
         try:
             reply = await self.gw.client.infer_tensors(
                 name, req.tensors, version=version, priority=priority, timeout_ms=timeout_ms,
-                outputs=req.output_names, api_key=api_key)
+                outputs=req.output_names, api_key=api_key, trace=trace)
             tensors = list(reply.tensors)
             if req.classified:
                 tensors = await self.gw.classify(reply.model, reply.version, tensors,

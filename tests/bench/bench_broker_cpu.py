@@ -2,7 +2,7 @@
 sockets, so the figure is its Python alone (no polling, no wake-ups, no peers).
 
     .venv/bin/python -m tests.bench.bench_broker_cpu [--workers 1,64] [--bundle 1,64]
-        [--timeout-ms 0,1000] [--profile [tottime|cumtime]] [--before REV]
+        [--timeout-ms 0,1000] [--profile [tottime|cumtime]] [--before REV] [--traced F]
 
 Each cycle is what the socket loop does for one request at concurrency 1: the request
 arrives (``on_frontend``), the loop ticks and asks when it is next due, the batch goes
@@ -10,7 +10,9 @@ to the worker; the result arrives (``on_backend``), the loop ticks again, the re
 out. ``--bundle N`` sends N requests in one REQUESTS message and answers them as one
 batch (the closed loop at concurrency N). Prints microseconds per request; ``--profile``
 prints the top of a cProfile of the same cycles; ``--before REV`` runs an older commit
-beside this tree in the same run.
+beside this tree in the same run. ``--traced F`` gives that fraction of requests a
+trace context (every 1/F-th), and the played worker answers their batches with its
+stamps, as a real one does.
 """
 
 from __future__ import annotations
@@ -36,9 +38,16 @@ from zeroserve.broker.server.broker import Broker
 from zeroserve.broker.tensors import from_numpy
 
 
+TRACE = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+WORKER_TRACE = {"boot": "sim", "ns": {"COMPUTE_START": 1, "COMPUTE_INPUT_END": 2,
+                                      "COMPUTE_OUTPUT_START": 3, "COMPUTE_END": 4}}
+
+
 class Bench:
-    def __init__(self, workers: int, bundle: int, timeout_ms: float = 0.0) -> None:
+    def __init__(self, workers: int, bundle: int, timeout_ms: float = 0.0,
+                 traced: float = 0.0) -> None:
         self.timeout_ms = timeout_ms
+        self.every = round(1 / traced) if traced else 0
         self.repo = write_repo({"tiny": {"max_batch_size": max(16, bundle)}})
         self.to_worker: list[tuple[bytes, list[Any]]] = []
         self.loads: list[tuple[bytes, p.LoadModel]] = []
@@ -93,8 +102,12 @@ class Bench:
         reqs = []
         for _ in range(self.bundle):
             self._n += 1
-            reqs.append(p.InferRequest(str(self._n), "tiny", self._x,
-                                       timeout_ms=self.timeout_ms))
+            if self.every and self._n % self.every == 0:
+                reqs.append(p.InferRequest(str(self._n), "tiny", self._x,
+                                           timeout_ms=self.timeout_ms, trace=TRACE))
+            else:
+                reqs.append(p.InferRequest(str(self._n), "tiny", self._x,
+                                           timeout_ms=self.timeout_ms))
         frames = p.encode_request(reqs[0]) if self.bundle == 1 else p.encode_requests(reqs)
         peer = time.perf_counter() - t0
         self.broker.on_frontend(b"client", frames)
@@ -105,7 +118,8 @@ class Bench:
             _, header, _ = p.unpack(batch)
             result = p.BatchResult(header["id"], [
                 p.InferReply(it[0], "tiny", header["version"], self._out)
-                for it in header["items"]], compute_ms=0.1)
+                for it in header["items"]], compute_ms=0.1,
+                **({"trace": WORKER_TRACE} if header.get("trace") else {}))
             frames = p.encode_result(result)
             peer += time.perf_counter() - t0
             self.broker.on_backend(identity, frames)
@@ -117,9 +131,9 @@ class Bench:
         return spent
 
 def measure(workers: int, bundle: int, timeout_ms: float, requests: int,
-            profile: str | None) -> float:
+            profile: str | None, traced: float = 0.0) -> float:
     """Median broker microseconds a request over five rounds (the peers' part taken out)."""
-    b = Bench(workers, bundle, timeout_ms)
+    b = Bench(workers, bundle, timeout_ms, traced)
     try:
         cycles = max(5, requests // bundle)
         for _ in range(min(200, cycles)):
@@ -183,6 +197,8 @@ def main() -> None:
                     help="print a cProfile, in this order (tottime, cumtime)")
     ap.add_argument("--before", default=None, help="a commit to measure beside this tree")
     ap.add_argument("--json", action="store_true", help="print the figures as a JSON list")
+    ap.add_argument("--traced", type=float, default=0.0,
+                    help="fraction of requests traced (0.01: every 100th; 1: all)")
     args = ap.parse_args()
     if args.before:
         side_by_side(args)
@@ -192,7 +208,7 @@ def main() -> None:
               "|---|---|---|---|")
     figures = []
     for workers, bundle, timeout_ms in rows(args):
-        us = measure(workers, bundle, timeout_ms, args.requests, args.profile)
+        us = measure(workers, bundle, timeout_ms, args.requests, args.profile, args.traced)
         figures.append(us)
         if not args.json:
             print(f"| {workers} | {bundle} | {f'{timeout_ms:g} ms' if timeout_ms else 'none'} "

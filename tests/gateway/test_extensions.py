@@ -55,7 +55,7 @@ def test_server_identity_and_honest_extensions(client) -> None:
     assert meta["name"] == "triton" and meta["version"] == "2.99.0"
     assert set(meta["extensions"]) == {"binary_tensor_data", "schedule_policy",
                                        "model_configuration", "classification", "logging",
-                                       "statistics", "model_repository",
+                                       "statistics", "model_repository", "trace",
                                        "system_shared_memory"}
 
 

@@ -1,0 +1,58 @@
+"""Triton's trace extension: ``GET|POST /v2/trace/setting`` and
+``/v2/models/{name}/trace/setting`` (the settings live in gateway/tracing.py, shared with
+gRPC's TraceSetting). A POST changes state: the admin rule of gateway/access.py."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from zeroserve.broker.client import ErrorCode, InferError
+from zeroserve.gateway.access import require_admin
+from zeroserve.gateway.errors import BadRequest
+from zeroserve.gateway.http import json_response
+from zeroserve.gateway.routes.extensions import json_body
+from zeroserve.gateway.tenantgate import key_of
+from zeroserve.gateway.tracing import TraceSettingError
+
+if TYPE_CHECKING:
+    from zeroserve.gateway.app import Gateway
+
+
+class TraceRoutes:
+    def __init__(self, gateway: "Gateway") -> None:
+        self.gw = gateway
+
+    def routes(self) -> list[Route]:
+        return [Route(path, endpoint, methods=[method])
+                for path in ("/v2/trace/setting", "/v2/models/{name}/trace/setting")
+                for method, endpoint in (("GET", self.get), ("POST", self.post))]
+
+    async def _model(self, request: Request) -> str | None:
+        name = request.path_params.get("name")
+        if name is None:
+            return None
+        try:
+            why = await self.gw.model_not_ready(name, None, key_of(request))
+        except InferError as exc:
+            if exc.code is not ErrorCode.NOT_FOUND:
+                raise
+            why = "unknown"
+        if why is not None:   # Triton's answer, for a model it does not serve
+            raise BadRequest(f"Request for unknown model : {name}")
+        return name  # type: ignore[no-any-return]
+
+    async def get(self, request: Request) -> Response:
+        return json_response(self.gw.tracer.settings.get(await self._model(request)))
+
+    async def post(self, request: Request) -> Response:
+        require_admin(request, self.gw.settings.admin_token)
+        model = await self._model(request)
+        doc = await json_body(request, empty_ok=True)
+        try:
+            return json_response(self.gw.tracer.settings.update(model, doc))
+        except TraceSettingError as exc:
+            raise BadRequest(str(exc)) from None

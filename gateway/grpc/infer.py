@@ -79,7 +79,8 @@ class Inference:
     def __init__(self, gateway: "Gateway") -> None:
         self.gw = gateway
 
-    async def _admit(self, request: Any, context: Any) -> tuple[tensors.GrpcRequest, float]:
+    async def _admit(self, request: Any, context: Any,
+                     metadata: dict[str, str]) -> tuple[tensors.GrpcRequest, float]:
         """The request decoded and let through the door, with what is left of its
         budget; raises the errors of the table (gateway/errors.py). With tenants, a
         caller without a key learns nothing, not even what is wrong with its request."""
@@ -88,7 +89,7 @@ class Inference:
         why = door.refuse()
         if why is not None:
             raise InferError(ErrorCode.UNAVAILABLE, why)
-        await self.gw.gate.caller(metadata_of(context))
+        await self.gw.gate.caller(metadata)
         req = tensors.decode(request, self.gw.shm.read if self.gw.shm.enabled else None)
         why = door.refuse_priority(req.priority, req.timeout_us > 0)
         if why is not None:
@@ -107,8 +108,9 @@ class Inference:
         gw = self.gw
         gw.door.in_flight += 1
         try:
-            req, timeout_ms = await self._admit(request, context)
-            api_key = api_key_of(metadata_of(context))
+            metadata = metadata_of(context)
+            req, timeout_ms = await self._admit(request, context, metadata)
+            api_key = api_key_of(metadata)
             try:
                 reply = await gw.client.infer_tensors(
                     req.model, req.tensors, version=req.version, priority=req.priority,
@@ -164,9 +166,10 @@ class Inference:
         gw.door.in_flight += 1
         req = None
         try:
-            req, timeout_ms = await self._admit(request, context)
+            metadata = metadata_of(context)
+            req, timeout_ms = await self._admit(request, context, metadata)
             empty_final = bool(req.parameters.get(EMPTY_FINAL))
-            api_key = api_key_of(metadata_of(context))
+            api_key = api_key_of(metadata)
             async with gw.client.stream(req.model, req.tensors, version=req.version,
                                         priority=req.priority, timeout_ms=timeout_ms,
                                         outputs=req.output_names, api_key=api_key) as stream:

@@ -62,6 +62,7 @@ async def _abort(context: Any, method: str, exc: BaseException) -> None:
 
 def _unary(method: str, fn: Callable[[Any, Any], Awaitable[Any]]) -> Any:
     timer = GRPC_SECONDS.labels(method)
+    ok = GRPC_REQUESTS.labels(method, "OK")   # labels() takes a lock: once, not per call
 
     async def handle(request: Any, context: Any) -> Any:
         if isinstance(request, Malformed):
@@ -72,7 +73,7 @@ def _unary(method: str, fn: Callable[[Any, Any], Awaitable[Any]]) -> Any:
             answer = await fn(request, context)
         except Exception as exc:   # noqa: BLE001 - every error becomes the call's status
             await _abort(context, method, exc)
-        GRPC_REQUESTS.labels(method, "OK").inc()
+        ok.inc()
         timer.observe(time.perf_counter() - start)
         return answer
     return handle

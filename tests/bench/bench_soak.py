@@ -77,8 +77,11 @@ def http_lane(pace: Paced, port: int, body: bytes) -> None:
             conn.request("POST", "/v2/models/mlp/infer", body,
                          {"Content-Type": "application/json"})
             resp = conn.getresponse()
-            resp.read()
-            pace.record("ok" if resp.status == 200 else f"http {resp.status}")
+            answer = resp.read()
+            if resp.status == 200:
+                pace.record("ok")
+            else:   # the error's own words, so a count says why
+                pace.record(f"http {resp.status}: {json.loads(answer).get('error', '')[:60]}")
         except OSError as exc:
             pace.record(f"http {type(exc).__name__}")
             conn.close()

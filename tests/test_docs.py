@@ -78,3 +78,13 @@ def test_troubleshooting_has_every_error_code_with_its_statuses() -> None:
             wrong.append(f"{code.value}: the page says {rows.get(code.value)}, the code {want}")
     wrong += [f"{name}: no such ErrorCode" for name in set(rows) - {c.value for c in ErrorCode}]
     assert not wrong, "docs/troubleshooting.md's table of error codes:\n" + "\n".join(wrong)
+
+
+def test_the_http_page_lists_the_extensions_the_server_reports() -> None:
+    from zeroserve.gateway.app import EXTENSIONS
+
+    text = " ".join((ROOT / "docs" / "http-api.md").read_text().split())
+    listed = re.search(r"lists exactly the extensions implemented: (.*?) when it is on", text)
+    assert listed, "docs/http-api.md no longer lists the extensions of GET /v2"
+    named = set(re.findall(r"`([a-z_]+)`", listed.group(1)))
+    assert named == {*EXTENSIONS, "system_shared_memory"}

@@ -150,9 +150,13 @@ class _Files:
             path = file
             chunks = self.plain.setdefault(file, []) + chunks
             self.plain[file] = chunks
+        # whole or not at all: a reader never sees a file half written
+        folder, name = os.path.split(path)
+        tmp = os.path.join(folder, f".{name}.tmp")
         try:
-            with open(path, "wb") as out:
+            with open(tmp, "wb") as out:
                 out.write(b"[" + b",".join(chunks) + b"]")
+            os.replace(tmp, path)
         except OSError as exc:
             logger.error("trace file %s not written: %s", path, exc)
 

@@ -13,6 +13,7 @@ from zeroserve.broker.client import InferError
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.access import check_admin
 from zeroserve.gateway.errors import BadRequest
+from zeroserve.gateway.tracing import TraceSettingError
 from zeroserve.gateway.grpc import messages
 from zeroserve.gateway.grpc.infer import Inference, metadata_of
 from zeroserve.gateway.grpc.proto import grpc_service_pb2 as pb
@@ -28,10 +29,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
 # what Triton answers for tracing that is off (the trace extension owns the real ones)
-TRACE_OFF = {"trace_level": ["OFF"], "trace_rate": ["1000"], "trace_count": ["-1"],
-             "log_frequency": ["0"], "trace_mode": ["triton"]}
-
-
 def peer_host(context: Any) -> str:
     """The client's address as the admin rule reads it: ``ipv4:127.0.0.1:5000`` ->
     127.0.0.1, ``ipv6:[::1]:5000`` -> ::1 (a unix socket is local too)."""
@@ -192,12 +189,30 @@ class InferenceService(Inference):
         return out
 
     async def TraceSetting(self, request: Any, context: Any) -> Any:
+        """The settings HTTP's /v2/trace/setting reads and changes (gateway/tracing.py)."""
         await self._caller(context)
+        settings = self.gw.tracer.settings
+        model = request.model_name or None
+        if model is not None:
+            try:
+                why = await self.gw.model_not_ready(model, None, None)
+            except InferError as exc:
+                if exc.code is not ErrorCode.NOT_FOUND:
+                    raise
+                why = "unknown"
+            if why is not None:   # Triton's answer, as over HTTP
+                raise BadRequest(f"Request for unknown model : {model}")
         if request.settings:
-            raise InferError(ErrorCode.BAD_INPUT, "trace settings cannot be changed over "
-                             "gRPC yet: tracing is off")
+            self._admin(context)
+            try:
+                got = settings.update_lists(model, {k: list(v.value)
+                                                    for k, v in request.settings.items()})
+            except TraceSettingError as exc:
+                raise BadRequest(str(exc)) from None
+        else:
+            got = settings.get_lists(model)
         out = pb.TraceSettingResponse()
-        for key, values in TRACE_OFF.items():
+        for key, values in got.items():
             out.settings[key].value.extend(values)
         return out
 

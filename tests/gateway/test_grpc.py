@@ -225,6 +225,17 @@ def test_log_and_trace_settings(gc: tg.InferenceServerClient) -> None:
     assert "log_info" in settings
     trace = gc.get_trace_settings(as_json=True)["settings"]
     assert trace["trace_level"]["value"] == ["OFF"]
+    # the settings HTTP changes: a model's own rate, then cleared back to the global one
+    got = gc.update_trace_settings("linear", {"trace_rate": "5"}, as_json=True)["settings"]
+    assert got["trace_rate"]["value"] == ["5"] and got["trace_level"]["value"] == ["OFF"]
+    assert gc.get_trace_settings("linear", as_json=True)["settings"]["trace_rate"]["value"] \
+        == ["5"]
+    got = gc.update_trace_settings("linear", {"trace_rate": None}, as_json=True)["settings"]
+    assert got == gc.get_trace_settings(as_json=True)["settings"]
+    with pytest.raises(InferenceServerException, match="trace level"):
+        gc.update_trace_settings(settings={"trace_level": ["LOUD"]})
+    with pytest.raises(InferenceServerException, match="unknown model"):
+        gc.get_trace_settings("nope")
 
 
 # -- a stream of requests on a plain model -----------------------------------------

@@ -734,7 +734,7 @@ def encode_requests(reqs: Sequence[InferRequest]) -> list[Buffer]:
 def request_header(req: InferRequest) -> tuple[dict[str, Any], list[Buffer]]:
     """A request's header (without ``v``) and its tensor frames, to bundle."""
     metas, bufs = _encode_tensors(req.tensors)
-    header = {"id": req.request_id, "model": req.model, "version": req.version,
+    header: dict[str, Any] = {"id": req.request_id, "model": req.model, "version": req.version,
               "priority": req.priority, "timeout_ms": float(req.timeout_ms),
               "tenant": req.tenant, "tensors": metas,
               "outputs": list(req.outputs) if req.outputs is not None else None}

@@ -142,6 +142,9 @@ def wrong_shape(name: str, model: str, expected: Sequence[int], given: Sequence[
 
 # -- shared memory ----------------------------------------------------------------
 
+CUDA_SHM_NO_NAME = "'region name' is necessary to register cuda shared memory region"
+
+
 def cuda_shm_unsupported(region: str) -> str:
     """Register on a server built without GPUs."""
     return f"failed to register CUDA shared memory region: '{region}', GPUs not supported"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from zeroserve.broker import wording
 from zeroserve.broker.client import InferError
@@ -97,9 +97,9 @@ class Inference:
         return req, budget_ms(req.timeout_us, context.time_remaining(), accepted)
 
     async def _encode(self, req: tensors.GrpcRequest, model: str, version: int,
-                      out: list[Any], stats: dict[str, float], api_key: str) -> Any:
+                      out: Sequence[Any], stats: dict[str, float], api_key: str) -> Any:
         if req.classified and out:
-            out = await self.gw.classify(model, version, out, req.classified, api_key)
+            out = await self.gw.classify(model, version, list(out), req.classified, api_key)
         return tensors.encode(model, version, req, out,
                               self.gw.shm.write if self.gw.shm.enabled else None,
                               clamped(stats))

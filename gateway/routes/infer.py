@@ -203,6 +203,7 @@ class InferEndpoint:
         """The answer of a traced request, stamped, then its trace record."""
         received_ns = time.monotonic_ns()
         trace.stamp("HTTP_SEND_START")
+        outputs: list[p.Tensor]
         if isinstance(got, InferError):
             answer = errors.infer_answer(got)
             status = await send_error(send, answer.status.http,

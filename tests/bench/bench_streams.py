@@ -24,7 +24,7 @@ import threading
 import time
 from http.client import HTTPConnection
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 

@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from tests.conftest import ZEROSERVE, Server, linear_config, short_tmpdir, write_model
 

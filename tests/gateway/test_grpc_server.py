@@ -12,7 +12,6 @@ import shutil
 import subprocess
 from typing import Iterator
 
-import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tg

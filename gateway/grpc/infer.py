@@ -109,16 +109,32 @@ class Inference:
         gw.door.in_flight += 1
         try:
             metadata = metadata_of(context)
+            trace = gw.tracer.begin(request.model_name, metadata.get("traceparent"),
+                                    metadata.get("tracestate"), "GRPC_WAITREAD_END") \
+                if gw.tracer.active else None
             req, timeout_ms = await self._admit(request, context, metadata)
             api_key = api_key_of(metadata)
+            sent_ns = time.monotonic_ns() if trace is not None else 0
             try:
                 reply = await gw.client.infer_tensors(
                     req.model, req.tensors, version=req.version, priority=req.priority,
-                    timeout_ms=timeout_ms, outputs=req.output_names, api_key=api_key)
+                    timeout_ms=timeout_ms, outputs=req.output_names, api_key=api_key,
+                    trace=trace.context if trace is not None else None)
             except InferError as exc:
+                if trace is not None:
+                    gw.tracer.finish(trace, None, sent_ns, time.monotonic_ns(), req.id or "")
                 raise tritons(exc, req.id, wording.DECOUPLED_GRPC) from None
-            return await self._encode(req, reply.model, reply.version, reply.tensors,
-                                      reply.stats, api_key)
+            if trace is None:
+                return await self._encode(req, reply.model, reply.version, reply.tensors,
+                                          reply.stats, api_key)
+            received_ns = time.monotonic_ns()
+            trace.stamp("GRPC_SEND_START")
+            out = await self._encode(req, reply.model, reply.version, reply.tensors,
+                                     reply.stats, api_key)
+            trace.stamp("GRPC_SEND_END")   # handed to gRPC, which sends it after we return
+            gw.tracer.finish(trace, reply, sent_ns, received_ns, req.id or "", req.tensors,
+                             list(reply.tensors))
+            return out
         finally:
             gw.door.in_flight -= 1
 

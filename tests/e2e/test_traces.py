@@ -1,6 +1,6 @@
 """Triton's trace extension through real processes: ``zeroserve serve`` with a trace file
 (``--trace-config``), settings changed at run time with tritonclient, requests over HTTP
-and the direct client with a W3C ``traceparent``; each trace record has every timestamp,
+gRPC and the direct client with a W3C ``traceparent``; each trace record has every timestamp,
 in order, agreeing with the answer's own stats; sampling by rate, by the caller's
 sampled flag, and capped by the count."""
 
@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
@@ -141,6 +142,20 @@ def test_an_http_request_with_traceparent_has_every_timestamp_in_order(traced: W
                                          at["COMPUTE_INPUT_END"])) < 5_000
     # queued until sent; the worker starts after the batch's trip to it
     assert 0 <= delta("queue") <= at["COMPUTE_START"] - at["QUEUE_START"]
+
+
+def test_a_grpc_request_with_traceparent_has_the_grpc_stamps(traced: World) -> None:
+    client = grpcclient.InferenceServerClient(traced.server.grpc_url)
+    try:
+        x = grpcclient.InferInput("input", [1, 4], "FP32")
+        x.set_data_from_numpy(X)
+        before = len(traced.files())
+        client.infer("linear", [x], headers={"traceparent": TRACEPARENT})
+    finally:
+        client.close()
+    (records,) = traced.new_traces(before, 1)
+    assert records[0]["traceparent"] == TRACEPARENT
+    in_order(records, ["GRPC_WAITREAD_END", *CORE, "GRPC_SEND_START", "GRPC_SEND_END"])
 
 
 def test_tensors_level_adds_inputs_and_outputs(traced: World) -> None:

@@ -27,7 +27,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import numpy as np
 import zmq
@@ -518,7 +518,7 @@ class AsyncClient:
             return False
         # ZeroMQ's descriptor is edge-triggered and a send can consume the edge:
         # look for answers that arrived meanwhile, or the reader may never wake.
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type]
+        if cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._loop.call_soon(self._drain)
         return True
 
@@ -526,7 +526,7 @@ class AsyncClient:
         sock = self._sock
         if sock is None:
             return
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type]
+        while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             self._last_heard = time.monotonic()
             try:

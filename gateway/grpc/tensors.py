@@ -18,6 +18,7 @@ import numpy as np
 from zeroserve.broker import protocol as p
 from zeroserve.gateway import v2
 from zeroserve.gateway.errors import BadRequest
+from zeroserve.gateway.http import parse_version
 from zeroserve.gateway.grpc.proto import grpc_service_pb2 as pb
 
 # the typed field of InferTensorContents per datatype (FP16 and BF16 have none)
@@ -74,7 +75,6 @@ def _count(params: dict[str, Any], name: str) -> int:
 def decode(req: Any, shm: v2.ShmReader | None) -> GrpcRequest:
     """A ModelInferRequest as the broker's tensors; BadRequest (or v2.DecodeError) with
     Triton's wording where Triton has one."""
-    from zeroserve.gateway.http import parse_version
     params = parameters(req.parameters)
     if params.get("sequence_id"):
         raise BadRequest("sequence batching is not supported")

@@ -168,7 +168,7 @@ def test_aio_stream_and_a_client_that_leaves(srv: Server) -> None:
                     responses.cancel()
                     break
             return seen
-    assert asyncio.run(run()) == [1.0, 2.0, 3.0]
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == [1.0, 2.0, 3.0]
     wait_for(lambda: idle(srv), 10, "the stream to stop at the broker and the worker")
     got = collect(srv, [("after", ask(2), False)], 2)
     assert [e for _, e in got] == [None, None]

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from google.protobuf import json_format, text_format
 from google.protobuf.message import Message
 
-from zeroserve.gateway.grpc.proto import model_config_pb2 as mc
+from zeroserve.models.proto import model_config_pb2 as mc
 from zeroserve.models.repository import ConfigError, raw_config
 
 logger = logging.getLogger(__name__)

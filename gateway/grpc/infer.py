@@ -30,7 +30,7 @@ from zeroserve.gateway import errors
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.door import SHED_DEADLINE
 from zeroserve.gateway.grpc import tensors
-from zeroserve.gateway.grpc.proto import grpc_service_pb2 as pb
+from zeroserve.models.proto import grpc_service_pb2 as pb
 from zeroserve.gateway.routes.infer import clamped
 
 if TYPE_CHECKING:

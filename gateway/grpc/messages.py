@@ -7,8 +7,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from zeroserve.gateway.grpc.proto import grpc_service_pb2 as pb
-from zeroserve.gateway.grpc.proto import model_config_pb2 as mc
+from zeroserve.models.proto import grpc_service_pb2 as pb
+from zeroserve.models.proto import model_config_pb2 as mc
 
 # KServe datatype -> model_config.proto's DataType (BYTES is Triton's TYPE_STRING)
 DATA_TYPES = {"BOOL": mc.TYPE_BOOL, "UINT8": mc.TYPE_UINT8, "UINT16": mc.TYPE_UINT16,

@@ -24,8 +24,8 @@ from google.protobuf.message import DecodeError
 
 from zeroserve.gateway import errors
 from zeroserve.gateway.grpc.infer import Malformed
-from zeroserve.gateway.grpc.proto import grpc_service_pb2 as pb
-from zeroserve.gateway.grpc.proto import health_pb2
+from zeroserve.models.proto import grpc_service_pb2 as pb
+from zeroserve.models.proto import health_pb2
 from zeroserve.gateway.grpc.service import HealthService, InferenceService
 from zeroserve.gateway.metrics import GRPC_REQUESTS, GRPC_SECONDS
 

@@ -16,8 +16,8 @@ from zeroserve.gateway.errors import BadRequest
 from zeroserve.gateway.tracing import TraceSettingError
 from zeroserve.gateway.grpc import messages
 from zeroserve.gateway.grpc.infer import Inference, metadata_of
-from zeroserve.gateway.grpc.proto import grpc_service_pb2 as pb
-from zeroserve.gateway.grpc.proto import health_pb2
+from zeroserve.models.proto import grpc_service_pb2 as pb
+from zeroserve.models.proto import health_pb2
 from zeroserve.gateway.grpc.tensors import value
 from zeroserve.gateway.http import parse_version
 from zeroserve.gateway.routes.repository import file_path

@@ -19,7 +19,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.gateway import v2
 from zeroserve.gateway.errors import BadRequest
 from zeroserve.gateway.http import parse_version
-from zeroserve.gateway.grpc.proto import grpc_service_pb2 as pb
+from zeroserve.models.proto import grpc_service_pb2 as pb
 
 # the typed field of InferTensorContents per datatype (FP16 and BF16 have none)
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",

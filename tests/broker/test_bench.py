@@ -269,7 +269,7 @@ def test_grpc_transport_runs_over_the_gateways_grpc_port(server: Server,
 def test_the_hand_encoded_model_infer_request_is_what_protobuf_reads() -> None:
     from zeroserve.broker.bench.grpcload import model_infer_request
     from zeroserve.broker.bench.inputs import RequestOptions
-    from zeroserve.gateway.grpc.proto import grpc_service_pb2 as pb
+    from zeroserve.models.proto import grpc_service_pb2 as pb
 
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     words = np.array([b"a", b"bc"], dtype=object)

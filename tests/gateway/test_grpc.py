@@ -19,8 +19,8 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from zeroserve.broker import wording
-from zeroserve.gateway.grpc.proto import grpc_service_pb2 as pb
-from zeroserve.gateway.grpc.proto import health_pb2
+from zeroserve.models.proto import grpc_service_pb2 as pb
+from zeroserve.models.proto import health_pb2
 from tests.conftest import Server
 
 pytestmark = pytest.mark.timeout(180)

@@ -5,7 +5,7 @@
 # Protobuf Python Version: 6.33.5
 """Generated protocol buffer code."""
 from google.protobuf import descriptor as _descriptor
-from zeroserve.gateway.grpc.proto import POOL as _POOL
+from zeroserve.models.proto import POOL as _POOL
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder

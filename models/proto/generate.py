@@ -1,11 +1,11 @@
 """Regenerate the ``*_pb2.py`` modules beside this file from the vendored ``.proto``
-files: ``python -m zeroserve.gateway.grpc.proto.generate [DIR]`` (default: here).
+files: ``python -m zeroserve.models.proto.generate [DIR]`` (default: here).
 
 protoc's output is changed in two places: the files go into this package's own
 descriptor pool (see ``__init__.py``), and the import of ``model_config_pb2`` is made
 relative, so the modules work inside the package. Needs the grpcio-tools version that
 constraints.txt pins (its protoc writes the ``Protobuf Python Version`` line);
-tests/gateway/test_grpc_proto.py regenerates and compares.
+tests/models/test_proto.py regenerates and compares.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PROTOS = ("model_config.proto", "grpc_service.proto", "health.proto")
-POOL_IMPORT = "from zeroserve.gateway.grpc.proto import POOL as _POOL\n"
+POOL_IMPORT = "from zeroserve.models.proto import POOL as _POOL\n"
 
 
 def rewrite(source: str) -> str:

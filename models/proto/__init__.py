@@ -5,7 +5,7 @@ into a descriptor pool of this package's own.
 in protobuf's default pool, from files of its own version; generated into that pool too,
 a process importing both would fail with "duplicate symbol" (or "duplicate file name")
 as soon as the two versions differ. Messages of separate pools never meet: what travels
-is bytes. Regenerate with ``python -m zeroserve.gateway.grpc.proto.generate``.
+is bytes. Regenerate with ``python -m zeroserve.models.proto.generate``.
 """
 
 from google.protobuf import descriptor_pool

@@ -11,19 +11,19 @@ import pytest
 
 from tests.conftest import ROOT
 
-PROTO = ROOT / "gateway" / "grpc" / "proto"
+PROTO = ROOT / "models" / "proto"
 
 
 def test_checked_in_modules_are_what_the_generator_makes(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools")
-    from zeroserve.gateway.grpc.proto import generate
+    from zeroserve.models.proto import generate
 
     written = generate.generate(tmp_path)
     assert [p.name for p in written] == ["model_config_pb2.py", "grpc_service_pb2.py",
                                          "health_pb2.py"]
     for fresh in written:
         assert fresh.read_text() == (PROTO / fresh.name).read_text(), \
-            f"{fresh.name} differs: run python -m zeroserve.gateway.grpc.proto.generate"
+            f"{fresh.name} differs: run python -m zeroserve.models.proto.generate"
 
 
 def test_the_rewrite_leaves_no_default_pool_and_no_absolute_sibling_import() -> None:
@@ -41,7 +41,7 @@ def run_fresh(code: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("order", ["ours first", "tritonclient first"])
 def test_loads_beside_tritonclient_grpc_in_one_process(order: str) -> None:
-    ours = "from zeroserve.gateway.grpc.proto import grpc_service_pb2, health_pb2\n"
+    ours = "from zeroserve.models.proto import grpc_service_pb2, health_pb2\n"
     theirs = "import tritonclient.grpc, tritonclient.grpc.aio\n"
     code = (ours + theirs if order == "ours first" else theirs + ours) + (
         "from tritonclient.grpc import service_pb2\n"
@@ -57,7 +57,7 @@ def test_loads_beside_tritonclient_grpc_in_one_process(order: str) -> None:
 def test_our_files_stay_out_of_the_default_pool() -> None:
     out = run_fresh(
         "from google.protobuf import descriptor_pool\n"
-        "from zeroserve.gateway.grpc.proto import POOL, grpc_service_pb2, model_config_pb2\n"
+        "from zeroserve.models.proto import POOL, grpc_service_pb2, model_config_pb2\n"
         "assert grpc_service_pb2.DESCRIPTOR.pool is POOL\n"
         "assert model_config_pb2.DESCRIPTOR.pool is POOL\n"
         "try:\n"
@@ -74,7 +74,7 @@ def test_the_same_messages_in_the_default_pool_would_collide() -> None:
     out = run_fresh(
         "import tritonclient.grpc\n"
         "from google.protobuf import descriptor_pb2, descriptor_pool\n"
-        "from zeroserve.gateway.grpc.proto import grpc_service_pb2\n"
+        "from zeroserve.models.proto import grpc_service_pb2\n"
         "fd = descriptor_pb2.FileDescriptorProto()\n"
         "grpc_service_pb2.DESCRIPTOR.CopyToProto(fd)\n"
         "fd.name = 'zeroserve/grpc_service.proto'\n"
@@ -85,7 +85,7 @@ def test_the_same_messages_in_the_default_pool_would_collide() -> None:
 
 def test_a_triton_config_pbtxt_parses_into_model_config() -> None:
     from google.protobuf import text_format
-    from zeroserve.gateway.grpc.proto import model_config_pb2
+    from zeroserve.models.proto import model_config_pb2
 
     config = text_format.Parse(
         'name: "m" platform: "pytorch_libtorch" max_batch_size: 8 '

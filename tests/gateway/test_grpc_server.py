@@ -40,7 +40,7 @@ class Model:
         pass
 
     def predict(self, inputs):
-        time.sleep({SLOW_S})
+        time.sleep({SLOW_S})  # noqa: sleep-ok (the model under test is slow)
         return {{"output": inputs["input"]}}
 '''
 

@@ -58,17 +58,34 @@ def response_of(answer: p.StreamPart | p.InferReply) -> StreamResponse:
 End = Callable[[bool], None]
 
 
-class Stream(Iterator[StreamResponse]):
+class _Ending:
+    """What both streams do at their end: tell the client once, cancelling the request
+    at the broker when it had not finished."""
+
+    def __init__(self, end: End) -> None:
+        self._end = end
+        self._done = False
+
+    def _finish(self, cancel: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._end(cancel)
+
+    def close(self) -> None:
+        """Leave the stream now (no await needed): an unfinished request is cancelled."""
+        self._finish(cancel=True)
+
+
+class Stream(_Ending, Iterator[StreamResponse]):
     """A stream on the blocking client. ``receive(wait_s)`` returns the next answer or
     raises (an error answer, a timeout, a lost broker)."""
 
     def __init__(self, receive: Callable[[float], Any], end: End, first_wait_s: float,
                  gap_s: float) -> None:
+        super().__init__(end)
         self._receive = receive
-        self._end = end
         self._wait_s = first_wait_s
         self._gap_s = gap_s
-        self._done = False
 
     def __iter__(self) -> "Stream":
         return self
@@ -87,15 +104,6 @@ class Stream(Iterator[StreamResponse]):
             self._finish(cancel=False)
         return response
 
-    def _finish(self, cancel: bool) -> None:
-        if not self._done:
-            self._done = True
-            self._end(cancel)
-
-    def close(self) -> None:
-        """Leave the stream: an unfinished request is cancelled at the broker."""
-        self._finish(cancel=True)
-
     def __enter__(self) -> "Stream":
         return self
 
@@ -109,15 +117,14 @@ class Stream(Iterator[StreamResponse]):
             pass
 
 
-class AsyncStream(AsyncIterator[StreamResponse]):
+class AsyncStream(_Ending, AsyncIterator[StreamResponse]):
     """A stream on the asyncio client: its answers arrive in ``queue`` (an exception
     instance is raised out of the iteration). Cancelling a task awaiting it cancels
     the request too."""
 
     def __init__(self, queue: "asyncio.Queue[Any]", end: End) -> None:
+        super().__init__(end)
         self._queue = queue
-        self._end = end
-        self._done = False
 
     def __aiter__(self) -> "AsyncStream":
         return self
@@ -137,15 +144,6 @@ class AsyncStream(AsyncIterator[StreamResponse]):
         if response.final:
             self._finish(cancel=False)
         return response
-
-    def _finish(self, cancel: bool) -> None:
-        if not self._done:
-            self._done = True
-            self._end(cancel)
-
-    def close(self) -> None:
-        """Leave the stream now (no await needed): an unfinished request is cancelled."""
-        self._finish(cancel=True)
 
     async def aclose(self) -> None:
         self.close()

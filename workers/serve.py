@@ -14,7 +14,7 @@ from zeroserve.broker import options
 from zeroserve.broker.runtime import BrokerLock, RuntimeDirError, ServerLock, cache_dir, \
     ensure_runtime_dir, hostname, runtime_dir
 from zeroserve.workers import affinity
-from zeroserve.workers.supervisor import Child, Supervisor, count_gpus, ensure_examples, \
+from zeroserve.workers.supervisor import Child, Supervisor, visible_gpus, ensure_examples, \
     wait_http_ready
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,8 @@ def _run(args: argparse.Namespace) -> int:
                      "load every model folder)")
         return 2
     model_dir = Path(args.model_dir) if args.model_dir else ensure_examples(cache_dir())
-    gpus = count_gpus()
+    devices = visible_gpus()
+    gpus = len(devices)
     n = args.workers or max(gpus, 1)
     # one core stays with the gateway and the broker: torch's spinning threads on every
     # core cut mlp's HTTP throughput by a third on a 2-core host (measured)
@@ -160,7 +161,7 @@ def _run(args: argparse.Namespace) -> int:
                       own_registry)]
     pins = pinning(args.pin_workers, n, threads, gpus)
     for i in range(n):
-        env = {**own_registry, **({"CUDA_VISIBLE_DEVICES": str(i)} if i < gpus else {})}
+        env = {**own_registry, **({"CUDA_VISIBLE_DEVICES": devices[i]} if i < gpus else {})}
         argv = _base(args, "worker") + ["--index", str(i), "--threads", str(threads)]
         if pins is not None:
             argv += ["--cpus", affinity.format_cpus(pins[i])]

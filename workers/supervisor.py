@@ -24,12 +24,21 @@ logger = logging.getLogger(__name__)
 ROLES = ("gateway", "broker", "worker")   # the stop order (child names start with these)
 
 
-def count_gpus() -> int:
-    """GPUs visible to this host, without importing torch."""
+def visible_gpus() -> list[str]:
+    """The CUDA devices this server may use, as ``CUDA_VISIBLE_DEVICES`` entries, without
+    importing torch: the host's own restriction where it has one (a systemd unit's, a
+    container runtime's, a scheduler's), read as CUDA reads it (up to the first entry
+    that is not a device: ``-1`` or an empty one hides the rest), else every GPU."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    return len([p for p in Path("/dev").glob("nvidia[0-9]*")])
+    if visible is None:
+        return [str(i) for i in range(len(list(Path("/dev").glob("nvidia[0-9]*"))))]
+    devices: list[str] = []
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        devices.append(entry)
+    return devices
 
 
 def ensure_examples(cache: Path) -> Path:
@@ -117,6 +126,8 @@ class Supervisor:
                 child.restarts += 1
                 child.next_start = 0.0
                 child.start()
+                logger.info("%s restarted (%d times since the server started)",
+                            child.name, child.restarts)
                 continue
             due = child.next_start if due is None else min(due, child.next_start)
         return due

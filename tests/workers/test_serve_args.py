@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from zeroserve.broker import options
-from zeroserve.workers import serve
+from zeroserve.workers import serve, supervisor
 
 
 def _child_args(serve_argv: list[str], command: str) -> argparse.Namespace:
@@ -54,3 +54,16 @@ def test_what_serve_decides_is_its_own() -> None:
         ["serve", "--runtime-dir", "/tmp/zs-rt", "--threads", "3"]), "worker")
     assert argv[3:5] == ["--runtime-dir", "/tmp/zs-rt"]
     assert "--threads" not in argv   # serve computes each worker's threads itself
+
+
+@pytest.mark.parametrize("visible, devices", [
+    ("3,5", ["3", "5"]),                       # a host's restriction is kept, not renumbered
+    (" GPU-8f2a , MIG-1c0d", ["GPU-8f2a", "MIG-1c0d"]),
+    ("2,-1,4", ["2"]),                         # CUDA reads up to the first non-device
+    ("", []),
+    ("-1", []),
+])
+def test_workers_take_the_gpus_the_host_left_visible(
+        monkeypatch: pytest.MonkeyPatch, visible: str, devices: list[str]) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert supervisor.visible_gpus() == devices

@@ -39,6 +39,16 @@ def unknown_model(name: object) -> str:
     return f"Request for unknown model: '{name}' is not found"
 
 
+def is_unknown_model(message: str) -> bool:
+    """Whether ``message`` is :func:`unknown_model`'s (not :func:`unknown_version`'s):
+    Triton finds the first before any model is looked up (INVALID_ARG, its
+    FindModelIdentifier), the second in the model's versions (NOT_FOUND)."""
+    return message.startswith(_UNKNOWN) and "' is not found" in message
+
+
+_UNKNOWN = "Request for unknown model: '"
+
+
 def unknown_version(name: object, version: int) -> str:
     return f"Request for unknown model: '{name}' version {version} is not found"
 

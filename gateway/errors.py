@@ -7,10 +7,15 @@ Errors come three ways: the broker's typed :class:`~zeroserve.broker.protocol.Er
 ``simple.SimpleError``, ``logsettings.SettingsError``, ``shm.ShmError``; each is a
 ValueError, and one that carries a ``code`` attribute takes that code's row). Routes
 raise them; HTTP answers through Starlette's ``exception_handlers``
-(:func:`http_handlers`), gRPC through :func:`answer` in ``gateway/grpc/status.py``.
+(:func:`http_handlers`), gRPC through :func:`answer` in ``gateway/grpc/server.py``.
 
 gRPC codes follow Triton's mapping of its own errors (invalid argument, not found,
-unavailable, internal, ...). Two are a choice, for gRPC clients' retry rules:
+unavailable, internal, ...; server src/grpc/grpc_utils.cc). A model name the server
+does not know is INVALID_ARGUMENT over gRPC, as Triton's (core
+model_repository_manager.cc FindModelIdentifier answers INVALID_ARG before any
+lookup); a known model's missing version stays NOT_FOUND. HTTP keeps 404 for both.
+
+Two are a choice, for gRPC clients' retry rules:
 a full queue (``overloaded``) is UNAVAILABLE, transient and server-wide, which is what
 Triton answers when its queue is full and what gRPC retry policies retry; a tenant
 over its quota is RESOURCE_EXHAUSTED, gRPC's code for "a per-user quota", which a
@@ -27,6 +32,7 @@ from typing import Any, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
+from zeroserve.broker import wording
 from zeroserve.broker.client import InferError
 from zeroserve.broker.logsettings import SettingsError
 from zeroserve.broker.protocol import ErrorCode
@@ -74,6 +80,7 @@ BY_CODE: dict[ErrorCode, Status] = {
 BAD_INPUT = BY_CODE[ErrorCode.BAD_INPUT]
 TOO_LARGE = BY_CODE[ErrorCode.TOO_LARGE]
 INTERNAL = BY_CODE[ErrorCode.INTERNAL]
+UNKNOWN_MODEL = Status(404, "INVALID_ARGUMENT")
 # HTTP statuses by code, for the routes that answer one without raising
 STATUS = {code: status.http for code, status in BY_CODE.items()}
 
@@ -97,6 +104,8 @@ class Answer:
 
 def infer_answer(err: InferError) -> Answer:
     status = BY_CODE.get(err.code, INTERNAL)
+    if err.code is ErrorCode.NOT_FOUND and wording.is_unknown_model(err.message):
+        status = UNKNOWN_MODEL
     if err.retry_after_s is not None:   # rounded up: retrying earlier is refused again
         return Answer(status, err.message, max(1, math.ceil(err.retry_after_s)))
     if err.code is ErrorCode.UNAUTHORIZED:

@@ -271,13 +271,16 @@ def test_a_stream_of_requests_is_answered_by_id(gc: tg.InferenceServerClient,
 # -- errors: codes and Triton's messages --------------------------------------------
 
 @pytest.mark.parametrize("call, code, message", [
-    (lambda c: c.infer("nope", [linear_input()]), "NOT_FOUND", wording.unknown_model("nope")),
+    (lambda c: c.infer("nope", [linear_input()]), "INVALID_ARGUMENT",
+     wording.unknown_model("nope")),
     (lambda c: c.infer("linear", [linear_input()], model_version="7"), "NOT_FOUND",
      wording.unknown_version("linear", 7)),
     (lambda c: c.infer("linear", [linear_input()], model_version="0"), "INVALID_ARGUMENT",
      wording.invalid_version("0")),
-    (lambda c: c.get_model_metadata("nope"), "NOT_FOUND", wording.unknown_model("nope")),
-    (lambda c: c.get_model_config("nope"), "NOT_FOUND", wording.unknown_model("nope")),
+    (lambda c: c.get_model_metadata("nope"), "INVALID_ARGUMENT", wording.unknown_model("nope")),
+    (lambda c: c.get_model_config("nope"), "INVALID_ARGUMENT", wording.unknown_model("nope")),
+    (lambda c: c.get_inference_statistics("nope"), "INVALID_ARGUMENT",
+     wording.unknown_model("nope")),
     (lambda c: c.infer("linear", [tg.InferInput("wrong", [1, 4], "FP32").set_data_from_numpy(
         X[:1])]), "INVALID_ARGUMENT", "unexpected inference input 'wrong' for model 'linear'"),
     (lambda c: c.infer("linear", [tg.InferInput("input", [1, 5], "FP32").set_data_from_numpy(

@@ -31,6 +31,7 @@ from zeroserve.broker.process import Notifier, notify
 from zeroserve.gateway import tracing
 from zeroserve.gateway.app import Gateway, Settings, create_app
 from zeroserve.gateway.fastpath import InferFastPath
+from zeroserve.gateway.http1 import InferHttpProtocol
 from zeroserve.gateway.tenantgate import networks
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
                               curve_keys=keys, trace_config=tuple(args.trace_config or ()),
                               shared_port=args.reuse_port))
     config = uvicorn.Config(InferFastPath(app), host=args.http_host, port=args.http_port,
-                            loop="uvloop", http="httptools", access_log=False,
+                            loop="uvloop", http=InferHttpProtocol, access_log=False,
                             log_level=args.log_level, log_config=None,
                             timeout_graceful_shutdown=int(args.shutdown_timeout_s))
     logger.info("gateway on http://%s:%d, broker %s", args.http_host, args.http_port, frontend)

@@ -1,0 +1,95 @@
+"""gateway/http1.py: an infer route's answer leaves in one write, other routes' heads at once.
+
+A real uvicorn server on loopback runs the gateway's protocol class; the app sends its
+head, waits, then sends its body, so a head written on its own reaches the client a
+pause before the body and one written with the body arrives with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+import uvicorn
+
+from tests.conftest import free_port, wait_for
+from zeroserve.gateway.http1 import InferHttpProtocol
+
+PAUSE_S = 0.3
+BODY = b'{"ok":true}'
+
+
+async def app(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", b"%d" % len(BODY))]})
+    await asyncio.sleep(PAUSE_S)  # noqa: sleep-ok - the gap between head and body under test
+    await send({"type": "http.response.body", "body": BODY})
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), loop="uvloop",
+                            http=InferHttpProtocol, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 10, "uvicorn to start")
+        yield config.port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def first_read(port: int, method: str, path: str, body: bytes = b"") -> tuple[bytes, bytes]:
+    """What the first read of the answer holds, and the whole answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+                     f"Connection: close\r\n\r\n".encode() + body)
+        first = sock.recv(65536)
+        rest = first
+        deadline = time.monotonic() + 10
+        while not rest.endswith(BODY) and time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+        return first, rest
+
+
+@pytest.mark.parametrize("path", ["/v2/models/m/infer", "/v2/models/m/versions/2/infer"])
+def test_infer_answer_leaves_in_one_write(port: int, path: str) -> None:
+    first, whole = first_read(port, "POST", path, b"{}")
+    assert first.startswith(b"HTTP/1.1 200 ") and first.endswith(BODY)
+    assert first == whole
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v2/models/m/generate_stream"),
+                                          ("GET", "/v2/models/m/infer")])
+def test_other_routes_send_their_head_at_once(port: int, method: str, path: str) -> None:
+    first, whole = first_read(port, method, path)
+    assert first.startswith(b"HTTP/1.1 200 ") and first.endswith(b"\r\n\r\n")
+    assert whole.endswith(BODY)
+
+
+def test_expect_continue_then_one_write(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                     b"Expect: 100-continue\r\nConnection: close\r\n\r\n")
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += sock.recv(65536)
+        assert got.startswith(b"HTTP/1.1 100 ")
+        sock.sendall(b"{}")
+        answer = got.split(b"\r\n\r\n", 1)[1] or sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(BODY)

@@ -79,3 +79,25 @@ def test_a_broker_that_cannot_say_keeps_the_last_answer_or_lets_nothing_through(
         asyncio.run(TenantGate(control, "", []).enabled())
     answers[0] = InferError(ErrorCode.BAD_INPUT, "unknown control verb 'access'")
     assert asyncio.run(TenantGate(control, "", []).enabled()) is False
+
+
+def test_callers_that_find_the_answer_old_share_one_question() -> None:
+    asked: list[asyncio.Future[Any]] = []
+
+    async def control(verb: str, **args: Any) -> Any:
+        asked.append(asyncio.get_running_loop().create_future())
+        return await asked[-1]
+
+    async def go() -> list[Any]:
+        g = TenantGate(control, "", [])
+        callers = [asyncio.ensure_future(g.enabled()) for _ in range(64)]
+        while not asked:
+            await asyncio.sleep(0)
+        callers[0].cancel()   # one caller leaves: the others keep their question
+        for _ in range(5):
+            await asyncio.sleep(0)
+        asked[0].set_result({"tenants": True})
+        got = await asyncio.gather(*callers[1:])
+        return [len(asked), got, await g.enabled(), len(asked)]
+
+    assert asyncio.run(go()) == [1, [True] * 63, True, 1]

@@ -70,9 +70,10 @@ def wanted_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     (ASGI servers lowercase them already)."""
     out: dict[str, str] = {}
     for name, value in raw:
-        key = name.decode("latin-1")
-        if name in WANTED and key not in out:
-            out[key] = value.decode("latin-1")
+        if name in WANTED:
+            key = name.decode("latin-1")
+            if key not in out:
+                out[key] = value.decode("latin-1")
     return out
 
 

@@ -90,8 +90,23 @@ def _streaming(method: str, fn: Callable[[Any, Any], AsyncIterator[Any]]) -> Any
     return handle
 
 
-def _handler(service: Any, descriptor: Any, module: Any) -> grpc.GenericRpcHandler:
-    methods = {}
+def _server_streaming(method: str, fn: Callable[[Any, Any], AsyncIterator[Any]]) -> Any:
+    async def handle(request: Any, context: Any) -> AsyncIterator[Any]:
+        if isinstance(request, Malformed):
+            GRPC_REQUESTS.labels(method, "INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            async for answer in fn(request, context):
+                yield answer
+        except Exception as exc:   # noqa: BLE001 - a broken stream ends with its status
+            await _abort(context, method, exc)
+        GRPC_REQUESTS.labels(method, "OK").inc()
+    return handle
+
+
+def _handler(service: Any, descriptor: Any, module: Any,
+             extra: dict[str, grpc.RpcMethodHandler] | None = None) -> grpc.GenericRpcHandler:
+    methods = dict(extra or {})
     for m in descriptor.methods:
         req = getattr(module, m.input_type.name)
         resp = getattr(module, m.output_type.name)
@@ -124,11 +139,18 @@ class GrpcServer:
                    # off: a second server on a taken port must fail, not share it
                    ("grpc.so_reuseport", 1 if self.reuse_port else 0)]
         server = grpc.aio.server(options=options)
+        health = HealthService(self.gateway)
+        # grpc's health protocol has Watch; Triton's health.proto (vendored as it is)
+        # declares only Check, so Watch is added here with the same messages
+        watch = grpc.unary_stream_rpc_method_handler(
+            _server_streaming("Watch", health.Watch),
+            request_deserializer=_parser(health_pb2.HealthCheckRequest),
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
         server.add_generic_rpc_handlers((
             _handler(InferenceService(self.gateway),
                      pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], pb),
-            _handler(HealthService(self.gateway),
-                     health_pb2.DESCRIPTOR.services_by_name["Health"], health_pb2)))
+            _handler(health, health_pb2.DESCRIPTOR.services_by_name["Health"], health_pb2,
+                     {"Watch": watch})))
         try:
             self.port = server.add_insecure_port(self.address)
         except RuntimeError as exc:

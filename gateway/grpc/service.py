@@ -5,8 +5,9 @@ for what changes state, the caller's key for what a tenant may see."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from zeroserve.broker import wording
 from zeroserve.broker.client import InferError
@@ -28,7 +29,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
-# what Triton answers for tracing that is off (the trace extension owns the real ones)
+WATCH_POLL_S = 1.0   # a Watch sees a change within this; a probe's period is seconds
+
+
 def peer_host(context: Any) -> str:
     """The client's address as the admin rule reads it: ``ipv4:127.0.0.1:5000`` ->
     127.0.0.1, ``ipv6:[::1]:5000`` -> ::1 (a unix socket is local too)."""
@@ -218,18 +221,41 @@ class InferenceService(Inference):
 
 
 class HealthService:
-    """``grpc.health.v1.Health/Check`` for Kubernetes' gRPC probes: service "" or
+    """``grpc.health.v1.Health`` for Kubernetes' gRPC probes: service "" or
     ``inference.GRPCInferenceService`` is SERVING when the server is ready (HTTP's
-    rule), ``live`` whenever this process answers; anything else is NOT_FOUND."""
+    rule), ``live`` whenever this process answers. Check answers an unknown name
+    NOT_FOUND; Watch (grpc's health protocol, which Triton's ``health.proto`` leaves
+    out) streams the status now and then each change, SERVICE_UNKNOWN for an unknown
+    name, until the client ends the call."""
 
-    def __init__(self, gateway: "Gateway") -> None:
+    def __init__(self, gateway: "Gateway", watch_poll_s: float = WATCH_POLL_S) -> None:
         self.gw = gateway
+        self.watch_poll_s = watch_poll_s
+
+    async def _status(self, service: str) -> int:
+        status = health_pb2.HealthCheckResponse
+        if service == "live":
+            return int(status.SERVING)
+        if service not in ("", SERVICE, "ready"):
+            return int(status.SERVICE_UNKNOWN)
+        ready = await self.gw.not_ready() is None
+        return int(status.SERVING if ready else status.NOT_SERVING)
 
     async def Check(self, request: Any, context: Any) -> Any:
-        status = health_pb2.HealthCheckResponse
-        if request.service == "live":
-            return status(status=status.SERVING)
-        if request.service not in ("", SERVICE, "ready"):
+        got = await self._status(request.service)
+        if got == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
             raise InferError(ErrorCode.NOT_FOUND, f"unknown service {request.service!r}")
-        ready = await self.gw.not_ready() is None
-        return status(status=status.SERVING if ready else status.NOT_SERVING)
+        return health_pb2.HealthCheckResponse(status=got)
+
+    async def Watch(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        # readiness has no change event to wait on: it is asked again every
+        # watch_poll_s, and only a change is sent
+        last = None
+        while True:
+            got = await self._status(request.service)
+            if got != last:
+                yield health_pb2.HealthCheckResponse(status=got)
+                last = got
+            if self.gw.draining:   # said NOT_SERVING; ending lets the gRPC drain finish
+                return
+            await asyncio.sleep(self.watch_poll_s)

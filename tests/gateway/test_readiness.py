@@ -9,15 +9,18 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 from pathlib import Path
 from typing import Iterator
 
+import grpc
 import pytest
 import tritonclient.http as triton
 import tritonclient.http.aio as triton_aio
 
 from zeroserve.broker.client import Client
+from zeroserve.models.proto import health_pb2
 from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for, write_model
 
 pytestmark = pytest.mark.timeout(180)
@@ -180,5 +183,41 @@ def test_readiness_any_is_ready_with_one_model(repo) -> None:
         release.touch()
         wait_for(lambda: client.is_model_ready("slow"), 60, "slow to load")
         client.close()
+    finally:
+        srv.stop()
+
+
+def test_grpc_health_watch_follows_readiness(repo) -> None:
+    """grpc.health.v1's Watch streams the status now and then each change: NOT_SERVING
+    while the slow model loads, SERVING once it has; an unknown service is
+    SERVICE_UNKNOWN on the stream (Check answers it NOT_FOUND)."""
+    root, release = repo
+    srv = Server(root)
+    status = health_pb2.HealthCheckResponse
+    try:
+        wait_for(lambda: linear_loaded(srv), 60, "linear loaded")
+        with grpc.insecure_channel(srv.grpc_url) as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            watch = channel.unary_stream(
+                "/grpc.health.v1.Health/Watch",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=status.FromString)
+            ready = watch(health_pb2.HealthCheckRequest(service=""), timeout=90)
+            assert next(ready).status == status.NOT_SERVING
+            release.touch()
+            assert next(ready).status == status.SERVING   # the change, within the timeout
+            ready.cancel()
+            for service, first in (("nothing", status.SERVICE_UNKNOWN),
+                                   ("live", status.SERVING)):
+                stream = watch(health_pb2.HealthCheckRequest(service=service), timeout=30)
+                assert next(stream).status == first
+                stream.cancel()
+            # a draining gateway says NOT_SERVING and ends the watch, so that its gRPC
+            # drain does not wait out the grace period for a stream that never ends
+            stream = watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+            assert next(stream).status == status.SERVING
+            for pid in srv.pids("gateway"):
+                os.kill(pid, signal.SIGTERM)
+            assert [m.status for m in stream] == [status.NOT_SERVING]
     finally:
         srv.stop()

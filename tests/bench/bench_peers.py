@@ -173,7 +173,8 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, list[dict[str, 
         try:
             roles = {r: (lambda r=r: server.pids(r)) for r in ("gateway", "broker", "worker")}
             results[zeroserve_name(n)] = [
-                bench_level(["-m", model, "--url", server.url], c, w, d, roles) for c in levels]
+                bench_level(["-m", model, "--url", server.url, "--in-process"], c, w, d, roles)
+                for c in levels]
         finally:
             server.stop()
     if args.torchserve_venv:
@@ -228,7 +229,39 @@ def table(model: str, results: dict[str, list[dict[str, Any]]]) -> str:
     for n in names:
         lines.append(f"  {n}: " + "; ".join(f"C={int(r['load'])}: {cpu_cell(r)}"
                                             for r in results[n]))
+    lines += outside_lines(results, ours)
     return "\n".join(lines)
+
+
+def model_ms(row: dict[str, Any]) -> float | None:
+    """The in-process model's time a request at the batch size the server formed."""
+    if row.get("in_process_ms") is None:
+        return None
+    return float(row["in_process_ms"]) / max(1, int(row.get("in_process_batch") or 1))
+
+
+def outside_lines(results: dict[str, list[dict[str, Any]]], ours: list[str]) -> list[str]:
+    """Every server process's CPU a request less the model's own time (zeroserve's
+    in-process figure at its batch sizes: TorchServe, batching up to 32, is charged the
+    same model time, which flatters it where its batches are larger)."""
+    lines = ["CPU ms per request outside the model (all processes less the in-process "
+             "model time at zeroserve's batch size):"]
+    for i, row in enumerate(results[ours[0]]):
+        model = model_ms(row)
+        if model is None:
+            continue
+        cells = {}
+        for n in [*ours, "TorchServe"]:
+            if n in results:
+                used = [v for v in results[n][i]["cpu_ms_per_request"].values() if v is not None]
+                cells[n] = sum(used) - model
+        text = ", ".join(f"{n} {v:.3f}" for n, v in cells.items())
+        if "TorchServe" in cells and cells["TorchServe"] > 0:
+            text += "".join(f", {n} / TorchServe {cells[n] / cells['TorchServe']:.2f}x"
+                            for n in ours)
+        lines.append(f"  C={int(row['load'])} (model {model:.3f} ms at batch "
+                     f"{row['in_process_batch']}): {text}")
+    return lines
 
 
 def main() -> int:

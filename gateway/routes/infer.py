@@ -16,9 +16,10 @@ inside the gateway is answered 504 here without reaching the broker. A request t
 arrives while the gateway is behind is shed with 503 before its body is decoded (see
 :mod:`zeroserve.gateway.door`).
 
-A request whose HTTP client went away is withdrawn: once the body is read, a task
-waits for ``http.disconnect`` and cancels the handler, and cancelling the client
-call sends the broker a CANCEL, so the queued request leaves the queue.
+A request whose HTTP client went away is withdrawn: once it has waited for the broker
+a while, a task waits for ``http.disconnect`` and cancels the handler, and cancelling
+the client call sends the broker a CANCEL, so the queued request leaves the queue
+(gateway/leaving.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from zeroserve.gateway.door import RETRY_AFTER_S, SHED_DEADLINE
 from zeroserve.gateway import errors
 from zeroserve.gateway.errors import STATUS, BadRequest, BodyTooLarge
 from zeroserve.gateway.tracing import Trace
+from zeroserve.gateway.leaving import Leaving
 from zeroserve.gateway.http import bounded_int, compress, decompress, encoding_of, \
     parse_version
 
@@ -121,6 +123,7 @@ class InferEndpoint:
 
     def __init__(self, gateway: "Gateway") -> None:
         self.gw = gateway
+        self.leaving = Leaving(WATCH_AFTER_S)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         door = self.gw.door
@@ -226,23 +229,8 @@ class InferEndpoint:
         """The broker's reply (and its tensors, classified where asked), or its error;
         Disconnected when the client leaves meanwhile (the request is withdrawn)."""
         task = asyncio.current_task()
-        gone = False
-        watcher: "asyncio.Future[Any] | None" = None
-
-        def on_message(watched: "asyncio.Future[Any]") -> None:
-            nonlocal gone
-            if watched.cancelled() or watched.exception() is not None or task is None:
-                return
-            if watched.result().get("type") == "http.disconnect":
-                gone = True
-                task.cancel()
-
-        def watch() -> None:
-            nonlocal watcher
-            watcher = asyncio.ensure_future(receive())
-            watcher.add_done_callback(on_message)
-
-        later = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
+        assert task is not None   # uvicorn runs each request in a task of its own
+        waiting = self.leaving.add(task, receive)
         try:
             reply = await self.gw.client.infer_tensors(
                 name, req.tensors, version=version, priority=priority, timeout_ms=timeout_ms,
@@ -255,15 +243,12 @@ class InferEndpoint:
         except InferError as exc:
             return exc
         except asyncio.CancelledError:
-            if gone and task is not None:
+            if waiting.gone:
                 task.uncancel()
                 raise Disconnected() from None
             raise
         finally:
-            later.cancel()
-            if watcher is not None:
-                watcher.remove_done_callback(on_message)
-                watcher.cancel()
+            self.leaving.remove(waiting)
 
     async def _answer(self, send: Send, req: v2.V2Request, reply: p.InferReply,
                       tensors: list[p.Tensor], accept: str | None) -> int:

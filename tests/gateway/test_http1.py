@@ -19,7 +19,7 @@ import uvicorn
 from tests.conftest import free_port, wait_for
 from zeroserve.gateway.http1 import InferHttpProtocol
 
-PAUSE_S = 0.3
+PAUSE_S = 1.0   # a reader stalled longer than this on a loaded host would see both
 BODY = b'{"ok":true}'
 
 

@@ -147,10 +147,16 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", type=int, default=2048,
                    help="inference requests one gateway process holds at most; past it, "
                         "503 at the door (0: no bound)")
+
+
+def _trace_opt(p: argparse.ArgumentParser) -> None:
+    """The gateway's and the workers' (which emit the queue and batch spans)."""
     p.add_argument("--trace-config", action="append", default=None, metavar="SETTING",
                    help="Triton's trace setting, repeatable: rate=N, level=TIMESTAMPS|"
-                        "TENSORS, count=N, mode=triton, triton,file=PATH, "
-                        "triton,log-frequency=N (tracing is off without level)")
+                        "TENSORS, count=N, mode=triton|opentelemetry, triton,file=PATH, "
+                        "triton,log-frequency=N, opentelemetry,url=HOST:PORT/PATH, "
+                        "opentelemetry,resource=KEY=VALUE, opentelemetry,bsp_...=N "
+                        "(tracing is off without level)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -162,6 +168,7 @@ def parser() -> argparse.ArgumentParser:
     _broker_opts(p)
     _worker_opts(p)
     _gateway_opts(p)
+    _trace_opt(p)
     _curve_opts(p, "server")
     p.add_argument("--workers", type=int, default=0,
                    help="worker processes (default: one per GPU, else 1)")
@@ -181,6 +188,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run one worker")
     _common(p)
     _worker_opts(p)
+    _trace_opt(p)
     _curve_opts(p, "client")
     p.add_argument("--index", type=int, default=0, help="GPU index or CPU worker number")
     p.add_argument("--worker-id", default=None, help="default: <host>/<index>")
@@ -190,6 +198,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gateway", help="run the HTTP gateway")
     _common(p)
     _gateway_opts(p)
+    _trace_opt(p)
     _curve_opts(p, "client")
 
     for verb, text in (("status", "workers, their models and queues"),

@@ -185,6 +185,18 @@ class BatchItem:
 
 
 @dataclass(frozen=True)
+class BatchTrace:
+    """A batch holding traced requests: each one's item index, wire context (as
+    ``InferRequest.trace``) and arrival, and when the batch left, on the broker's clock
+    (``boot``: broker/tracing.py), so a worker in opentelemetry mode can emit their queue
+    spans and the batch's span (workers/spans.py)."""
+
+    boot: str
+    sent_ns: int
+    items: Sequence[tuple[int, dict[str, str], int]]
+
+
+@dataclass(frozen=True)
 class Batch:
     """broker -> worker: requests of one model version to run together."""
 
@@ -193,7 +205,8 @@ class Batch:
     version: int
     items: Sequence[BatchItem]
     timeout_ms: float = 0.0
-    trace: bool = False     # an item is traced: the result carries the worker's stamps
+    # an item is traced: the result carries the worker's stamps
+    trace: BatchTrace | None = None
 
 
 @dataclass(frozen=True)
@@ -854,8 +867,10 @@ def encode_batch(batch: Batch) -> list[Buffer]:
         bufs.extend(item_bufs)
     header = {"id": batch.batch_id, "model": batch.model, "version": batch.version,
               "items": items, "timeout_ms": float(batch.timeout_ms)}
-    if batch.trace:
-        header["trace"] = True
+    if batch.trace is not None:
+        t = batch.trace
+        header["trace"] = {"boot": t.boot, "sent_ns": t.sent_ns,
+                           "items": [[i, ctx, arrival] for i, ctx, arrival in t.items]}
     return _pack(Kind.BATCH, header) + bufs
 
 
@@ -874,7 +889,21 @@ def decode_batch(header: dict[str, Any], frames: Sequence[Buffer]) -> Batch:
     return Batch(_field(header, "id", int), _field(header, "model", str),
                  _field(header, "version", int), items,
                  float(_field(header, "timeout_ms", (int, float), 0.0)),
-                 _field(header, "trace", bool, False))
+                 _batch_trace(header.get("trace"), len(items)))
+
+
+def _batch_trace(raw: Any, n_items: int) -> BatchTrace | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ProtocolError("a batch's 'trace' must be a map")
+    items = []
+    for entry in _field(raw, "items", list):
+        if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int
+                and 0 <= entry[0] < n_items and type(entry[2]) is int):
+            raise ProtocolError("each traced item must be [index, context, arrival_ns]")
+        items.append((entry[0], _trace_context({"trace": entry[1]}) or {}, entry[2]))
+    return BatchTrace(_field(raw, "boot", str), _field(raw, "sent_ns", int), items)
 
 
 def encode_result(result: BatchResult) -> list[Buffer]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from zeroserve.broker.runtime import hostname
+from zeroserve.broker.traceconfig import TraceConfig, TraceConfigError
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 MAX_TRACESTATE = 512
@@ -146,3 +147,18 @@ def tensor_data(values: Any) -> str:
     """A tensor's elements as Triton's TENSORS records write them: comma-separated."""
     flat = values.reshape(-1).tolist() if hasattr(values, "reshape") else list(values)
     return ",".join(repr(v) if isinstance(v, bytes) else str(v) for v in flat)
+
+
+def require_otel(config: TraceConfig) -> None:
+    """In opentelemetry mode, the SDK is importable; else a TraceConfigError that says
+    how to install it (said at start, not at the first traced request)."""
+    if config.mode != "opentelemetry":
+        return
+    try:
+        from zeroserve.broker import otel  # noqa: F401 (the optional SDK, on demand)
+    except ImportError as exc:
+        if not (exc.name or "").startswith("opentelemetry"):
+            raise
+        raise TraceConfigError(
+            "--trace-config mode=opentelemetry needs OpenTelemetry's SDK and its OTLP/HTTP "
+            f"exporter: pip install 'zeroserve[otel]' ({exc.name} is missing)") from None

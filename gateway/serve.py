@@ -26,7 +26,7 @@ from typing import Any
 
 import uvicorn
 
-from zeroserve.broker import __version__, curve, options
+from zeroserve.broker import __version__, curve, options, traceconfig, tracing as btracing
 from zeroserve.broker.process import Notifier, notify
 from zeroserve.gateway import tracing
 from zeroserve.gateway.app import Gateway, Settings, create_app
@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         tracing.parse_config(args.trace_config or ())
-    except tracing.TraceSettingError as exc:
+        btracing.require_otel(traceconfig.parse_trace_config(args.trace_config or ()))
+    except (tracing.TraceSettingError, traceconfig.TraceConfigError) as exc:
         logger.error("%s", exc)
         return 2
     app = create_app(Settings(frontend=frontend, control=options.endpoints(args).control,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import random
 import secrets
 import time
 from dataclasses import dataclass, replace
@@ -35,13 +36,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import orjson
 
-from zeroserve.broker import protocol as p, tracing
+from zeroserve.broker import protocol as p, traceconfig, tracing
 from zeroserve.broker.tracing import TraceContextError
 
 logger = logging.getLogger(__name__)
 
 LEVELS = ("TIMESTAMPS", "TENSORS")
-MODES = ("triton",)
 FIELDS = {"trace_level": "level", "trace_rate": "rate", "trace_count": "count",
           "log_frequency": "log_frequency", "trace_file": "file"}
 U32 = (1 << 32) - 1
@@ -58,6 +58,16 @@ class Setting:
     count: int = -1
     log_frequency: int = 0
     file: str = ""
+    # opentelemetry mode: a ratio from OTEL_TRACES_SAMPLER_ARG (None: 1/rate), and
+    # whether the caller's sampled flag decides (OTEL_TRACES_SAMPLER's parentbased_*)
+    ratio: float | None = None
+    parent_based: bool = True
+
+    def chance(self) -> float:
+        """The ratio of requests without a deciding parent traced in opentelemetry mode."""
+        if self.ratio is not None:
+            return self.ratio
+        return 1.0 / self.rate if self.rate else 0.0
 
 
 def _number(name: str, value: Any, low: int, high: int) -> int:
@@ -104,34 +114,57 @@ def parse_field(name: str, value: Any) -> Any:
 
 
 def parse_config(entries: Iterable[str]) -> tuple[Setting, str]:
-    """Triton's ``--trace-config`` entries: ``rate=N``, ``level=L`` (repeatable),
-    ``count=N``, ``mode=triton``, ``triton,file=PATH``, ``triton,log-frequency=N``."""
-    setting, mode, levels = Setting(), "triton", list[str]()
-    for entry in entries:
-        scope, _, rest = entry.rpartition(",") if "," in entry else ("", "", entry)
-        key, sep, value = rest.partition("=")
-        key = key.strip().replace("_", "-")
-        if not sep:
-            raise TraceSettingError(f"--trace-config {entry!r}: expected [mode,]setting=value")
-        if scope not in ("", "triton"):
-            raise TraceSettingError(f"--trace-config {entry!r}: trace mode {scope!r} is not "
-                                    "supported (triton is)")
-        if key == "mode":
-            if value not in MODES:
-                raise TraceSettingError(f"--trace-config {entry!r}: mode must be triton")
-            mode = value
-        elif key == "level":
+    """Triton's ``--trace-config`` entries as the front end reads them (broker/tracing.py
+    parses them): ``rate=N``, ``level=L`` (repeatable), ``count=N``, ``mode=M``,
+    ``triton,file=PATH``, ``triton,log-frequency=N``; in opentelemetry mode the
+    ``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG`` environment variables start
+    the sampler where ``rate`` is not given."""
+    try:
+        config = traceconfig.parse_trace_config(entries)
+    except traceconfig.TraceConfigError as exc:
+        raise TraceSettingError(str(exc)) from None
+    setting, levels = Setting(), list[str]()
+    for key, value in config.front:
+        if key == "level":
             levels.append(value)
-        elif key in ("rate", "count", "log-frequency"):
-            field = {"rate": "trace_rate", "count": "trace_count"}.get(key, "log_frequency")
-            setting = replace(setting, **{FIELDS[field]: parse_field(field, value)})
         elif key == "file":
             setting = replace(setting, file=value)
         else:
-            raise TraceSettingError(f"--trace-config {entry!r}: unknown setting {key!r}")
+            field = {"rate": "trace_rate", "count": "trace_count"}.get(key, "log_frequency")
+            setting = replace(setting, **{FIELDS[field]: parse_field(field, value)})
     if levels:
         setting = replace(setting, level=_levels(levels))
-    return setting, mode
+    if config.mode == "opentelemetry":
+        setting = _env_sampler(setting, any(k == "rate" for k, _ in config.front),
+                               os.environ)
+    return setting, config.mode
+
+
+# OTEL_TRACES_SAMPLER's values: (the caller's sampled flag decides, ratio or None: the arg)
+_SAMPLERS = {"parentbased_traceidratio": (True, None), "traceidratio": (False, None),
+             "parentbased_always_on": (True, 1.0), "always_on": (False, 1.0),
+             "parentbased_always_off": (True, 0.0), "always_off": (False, 0.0)}
+
+
+def _env_sampler(setting: Setting, rate_given: bool, environ: Mapping[str, str]) -> Setting:
+    name = environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    arg = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    if name and name not in _SAMPLERS:
+        raise TraceSettingError(f"OTEL_TRACES_SAMPLER={name!r}: one of {', '.join(_SAMPLERS)}")
+    parent_based, ratio = _SAMPLERS.get(name, (True, None))
+    if ratio is None and arg:
+        try:
+            ratio = float(arg)
+        except ValueError:
+            ratio = -1.0
+        if not 0.0 <= ratio <= 1.0:
+            raise TraceSettingError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: a ratio in [0, 1]")
+    if ratio is None and name:
+        ratio = 1.0   # the SDK's default arg for a ratio sampler
+    setting = replace(setting, parent_based=parent_based)
+    if ratio is None or rate_given:   # the flag wins over the environment
+        return setting
+    return replace(setting, ratio=ratio, rate=round(1 / ratio) if ratio else 0)
 
 
 class _Files:
@@ -165,8 +198,11 @@ class _Sampler:
     """One setting's state, as Triton keeps it per setting object: requests seen, traces
     left, records not yet written."""
 
-    def __init__(self, setting: Setting, file: str, files: _Files) -> None:
+    def __init__(self, setting: Setting, file: str, files: _Files, by_ratio: bool) -> None:
         self.setting, self.file, self.files = setting, file, files
+        # opentelemetry mode: requests without a deciding parent traced by chance (the
+        # ratio of OpenTelemetry's samplers), not every rate-th one (Triton's)
+        self.chance = setting.chance() if by_ratio else None
         self.seen = 0
         self.left = setting.count
         self.pending: list[bytes] = []
@@ -175,14 +211,18 @@ class _Sampler:
         s = self.setting
         if not s.level or self.left == 0:
             return False
-        if parent is None:   # no caller context: the rate decides
+        if parent is not None and s.parent_based:
+            if not parent:
+                return False
+        elif self.chance is not None:
+            if self.chance < 1.0 and random.random() >= self.chance:
+                return False
+        else:   # no caller context: the rate decides
             if s.rate == 0:
                 return False
             self.seen += 1
             if self.seen % s.rate:
                 return False
-        elif not parent:
-            return False
         if self.left > 0:
             self.left -= 1
         return True
@@ -214,7 +254,7 @@ class TraceSettings:
 
     def _sampler(self, setting: Setting) -> _Sampler:
         return _Sampler(setting, setting.file + self.file_suffix if setting.file else "",
-                        self._files)
+                        self._files, self.mode == "opentelemetry")
 
     def effective(self, model: str | None) -> Setting:
         own = self._models.get(model or "")
@@ -244,6 +284,8 @@ class TraceSettings:
                                     f"{', '.join(FIELDS)}")
         parsed = {FIELDS[k]: None if v is None else parse_field(k, v)
                   for k, v in changes.items()}
+        if "rate" in parsed:   # a rate set or cleared replaces OTEL_TRACES_SAMPLER_ARG's
+            parsed["ratio"] = None
         if model:
             own = dict(self._models.get(model, {}))
             for key, value in parsed.items():
@@ -251,6 +293,8 @@ class TraceSettings:
                     own.pop(key, None)
                 else:
                     own[key] = value
+            if "rate" in own:   # its own rate, not the global OTEL_TRACES_SAMPLER_ARG
+                own["ratio"] = None
             self._retire(model)
             if own:
                 self._models[model] = own
@@ -304,6 +348,7 @@ class Trace:
     sampler: _Sampler
     stamps: dict[str, int]
     caller: bool               # the caller sent the traceparent
+    span: Any = None           # opentelemetry mode: the gateway's span (broker/otel.py)
 
     def stamp(self, name: str) -> None:
         self.stamps[name] = time.monotonic_ns()
@@ -314,10 +359,12 @@ class Trace:
 
 
 class Tracer:
-    """The gateway process's tracing: settings, sampling, records."""
+    """The gateway process's tracing: settings, sampling, and Triton's records or (in
+    opentelemetry mode, ``spans``: a broker/otel.py Exporter) the gateway's spans."""
 
-    def __init__(self, settings: TraceSettings) -> None:
+    def __init__(self, settings: TraceSettings, spans: Any = None) -> None:
         self.settings = settings
+        self.spans = spans
         self._ids = itertools.count(1)
 
     @property
@@ -338,21 +385,33 @@ class Tracer:
                 logger.debug("ignoring the caller's trace context: %s", exc)
         if not sampler.take(parent):
             return None
-        if ctx is None:
+        now_ns = time.monotonic_ns()
+        span = None
+        if self.spans is not None:   # the gateway's span, child of the caller's
+            span = self.spans.start(
+                "gateway", ctx, now_ns + _otel().epoch_offset_ns(), _otel().SpanKind.SERVER,
+                {"zeroserve.model": model,
+                 "zeroserve.protocol": "http" if first_stamp.startswith("HTTP") else "grpc"})
+            ctx = _otel().wire_context(span, (ctx or {}).get("tracestate", ""))
+        elif ctx is None:
             ctx = {"traceparent": f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"}
-        return Trace(next(self._ids), model, ctx, sampler,
-                     {first_stamp: time.monotonic_ns()}, parent is not None)
+        return Trace(next(self._ids), model, ctx, sampler, {first_stamp: now_ns},
+                     parent is not None, span)
 
     def finish(self, trace: Trace, reply: p.InferReply | None, sent_ns: int,
                received_ns: int, request_id: str = "",
-               inputs: Sequence[p.Tensor] = (), outputs: Sequence[p.Tensor] = ()) -> None:
-        """Write the request's records (with the broker's and worker's stamps of
-        ``reply``, when it succeeded)."""
+               inputs: Sequence[p.Tensor] = (), outputs: Sequence[p.Tensor] = (),
+               error: str = "") -> None:
+        """Write the request's records, or end its span (with the broker's and worker's
+        stamps of ``reply``, when it succeeded)."""
         stamps = dict(trace.stamps)
         version = 0
         if reply is not None:
             stamps.update(tracing.core_stamps(reply.trace, sent_ns, received_ns))
             version = reply.version
+        if trace.span is not None:
+            _end_span(trace.span, stamps, version, request_id, error)
+            return
         tensors = []
         if trace.tensors:
             tensors = [("TENSOR_QUEUE_INPUT", *_tensor(t)) for t in inputs] + \
@@ -362,6 +421,33 @@ class Tracer:
 
     def close(self) -> None:
         self.settings.close()
+        if self.spans is not None:
+            self.spans.close()
+
+
+def _otel() -> Any:
+    """broker/otel.py, imported once opentelemetry mode is on (the SDK is optional)."""
+    from zeroserve.broker import otel
+
+    return otel
+
+
+def _end_span(span: Any, stamps: Mapping[str, int], version: int, request_id: str,
+              error: str) -> None:
+    """The gateway's span ends at its last stamp, each stamp (Triton's names, the
+    broker's and worker's included) an event on it."""
+    otel = _otel()
+    offset = otel.epoch_offset_ns()
+    ordered = sorted(stamps.items(), key=lambda kv: kv[1])
+    for name, value in ordered:
+        span.add_event(name, timestamp=value + offset)
+    if version:
+        span.set_attribute("zeroserve.model.version", version)
+    if request_id:
+        span.set_attribute("zeroserve.request_id", request_id)
+    if error:
+        span.set_status(otel.Status(otel.StatusCode.ERROR, error))
+    span.end(end_time=max(ordered[-1][1], time.monotonic_ns()) + offset)
 
 
 def _tensor(t: p.Tensor) -> tuple[str, str, list[int], str]:
@@ -373,4 +459,9 @@ def _tensor(t: p.Tensor) -> tuple[str, str, list[int], str]:
 
 def for_gateway(entries: Iterable[str] | None, reuse_port: bool) -> Tracer:
     setting, mode = parse_config(entries or ())
-    return Tracer(TraceSettings(setting, mode, f".{os.getpid()}" if reuse_port else ""))
+    settings = TraceSettings(setting, mode, f".{os.getpid()}" if reuse_port else "")
+    if mode != "opentelemetry":
+        return Tracer(settings)
+    config = traceconfig.parse_trace_config(entries or ())
+    tracing.require_otel(config)
+    return Tracer(settings, _otel().Exporter(config.otel, "gateway", follow_parent=False))

@@ -241,4 +241,4 @@ def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
               for name, a, b in zip(("input", "infer", "output"), marks, marks[1:])}
     return p.BatchResult(batch.batch_id, replies, (marks[-1] - start) * 1000.0,
                          phases_ms=phases,
-                         trace=tracing.worker_stamps(marks) if batch.trace else None)
+                         trace=tracing.worker_stamps(marks) if batch.trace is not None else None)

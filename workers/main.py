@@ -6,10 +6,11 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any, Sequence
 
 import torch
 
-from zeroserve.broker import curve, options
+from zeroserve.broker import curve, options, traceconfig, tracing
 from zeroserve.broker.runtime import hostname
 from zeroserve.workers import affinity
 from zeroserve.workers.worker import Worker
@@ -32,18 +33,39 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, OSError) as exc:
             logger.error("--cpus %s: %s", args.cpus, exc)
             return 2
+    try:
+        spans = _spans(args.trace_config or (), worker_id)
+    except traceconfig.TraceConfigError as exc:
+        logger.error("%s", exc)
+        return 2
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     worker = Worker(endpoint, worker_id, credits=args.credits, device=args.device,
                     memory_tolerance_bytes=getattr(args, "memory_tolerance_bytes", 64 << 20),
                     memory_budget_bytes=getattr(args, "memory_budget", 0),
                     memory_headroom_bytes=getattr(args, "memory_headroom", None),
-                    curve_keys=keys)
+                    curve_keys=keys, spans=spans)
     worker.install_signal_handlers()
     logger.info("worker %s on %s, %d torch threads, cores %s, broker %s (pid %d)", worker_id,
                 worker.device, torch.get_num_threads(),
                 affinity.format_cpus(list(os.sched_getaffinity(0))), endpoint, os.getpid())
-    return worker.run()
+    try:
+        return worker.run()
+    finally:
+        if spans is not None:
+            spans.close()   # what the exporter holds still goes out
+
+
+def _spans(entries: Sequence[str], worker_id: str) -> Any:
+    """In opentelemetry mode, what emits this worker's queue and batch spans."""
+    config = traceconfig.parse_trace_config(entries)
+    if config.mode != "opentelemetry":
+        return None
+    tracing.require_otel(config)
+    from zeroserve.broker import otel
+    from zeroserve.workers.spans import BatchSpans
+
+    return BatchSpans(otel.Exporter(config.otel, "worker", follow_parent=True), worker_id)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,9 +59,11 @@ class Worker:
                  memory_tolerance_bytes: int = DEFAULT_MEMORY_TOLERANCE_BYTES,
                  memory_budget_bytes: int = 0, memory_headroom_bytes: int | None = None,
                  ctx: zmq.Context[Any] | None = None,
-                 curve_keys: curve.ClientKeys | None = None) -> None:
+                 curve_keys: curve.ClientKeys | None = None,
+                 spans: Any = None) -> None:
         self.endpoint = endpoint
         self.curve_keys = curve_keys  # for a broker on tcp:// with CurveZMQ
+        self.spans = spans   # opentelemetry mode: a workers/spans.py BatchSpans
         self.worker_id = worker_id
         self.credits = credits
         self.heartbeat_s = heartbeat_s
@@ -359,6 +361,7 @@ class Worker:
     def _compute_loop(self) -> None:
         while (job := self._jobs.get()) is not _STOP:
             batch, start_by = job
+            taken_ns = time.monotonic_ns()
             loaded = self.models.get((batch.model, batch.version))
             if time.monotonic() >= start_by:
                 self.m_expired.inc(len(batch.items))
@@ -379,8 +382,19 @@ class Worker:
             if self._stops:
                 with self._stops_lock:
                     self._stops.pop(batch.batch_id, None)
+            done_ns = time.monotonic_ns()
             self._send_result(p.encode_result(result))
+            if self.spans is not None and batch.trace is not None:   # after the answer
+                self._emit_spans(batch, result, taken_ns, done_ns)
             del loaded, result  # hold no version between batches: unloads free it
+
+    def _emit_spans(self, batch: p.Batch, result: p.BatchResult, taken_ns: int,
+                    done_ns: int) -> None:
+        try:
+            self.spans.emit(batch, result, taken_ns, done_ns)
+        except Exception as exc:  # tracing must never stop the compute thread
+            self._bad_log.log(logging.WARNING, "batch %d's spans not emitted: %s",
+                              batch.batch_id, exc)
 
     def _stopped(self, batch_id: int) -> frozenset[str]:
         with self._stops_lock:

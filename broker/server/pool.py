@@ -227,7 +227,8 @@ class WorkerPool:
     # -- batches ------------------------------------------------------------
     def send_batch(self, worker: WorkerState, model: str, version: int,
                    entries: list[Entry], items: list[p.BatchItem], reason: str, now: float,
-                   exec_s: float, stream: bool = False, trace: bool = False
+                   exec_s: float, stream: bool = False,
+                   trace: p.BatchTrace | None = None
                    ) -> Inflight | None:
         """Send a batch; None (and the worker is unreachable) if the send failed."""
         batch_id = next(self._batch_ids)

@@ -481,9 +481,9 @@ class RequestPath(StreamPath):
         items = [p.BatchItem(str(i), e.payload.request.tensors, e.payload.request.outputs)
                  for i, e in enumerate(entries)]  # open entries: their requests are held
         exec_s = model.config.dynamic_batching.max_execution_ms / 1000.0
-        traced = any(e.payload.request.trace is not None for e in entries)
         rec = self.pool.send_batch(worker, model.config.name, version, entries, items, reason,
-                                   now, exec_s, model.config.decoupled, traced)
+                                   now, exec_s, model.config.decoupled,
+                                   _batch_trace(entries, now))
         if rec is None:
             self.worker_lost(self.pool.remove(worker, Loss.UNREACHABLE), Loss.UNREACHABLE,
                              worker.worker_id, now)
@@ -597,3 +597,12 @@ class RequestPath(StreamPath):
                                       f"version {entry.version} of model {name!r} was retired")
             else:
                 entry.version = None
+
+
+def _batch_trace(entries: list[Entry], now: float) -> p.BatchTrace | None:
+    """The traced requests of a batch; None (the common case) when none is."""
+    traced = [(i, e.payload.request.trace, tracing.ns(e.arrival_s))
+              for i, e in enumerate(entries) if e.payload.request.trace is not None]
+    if not traced:
+        return None
+    return p.BatchTrace(tracing.boot_id(), tracing.ns(now), traced)

@@ -122,7 +122,8 @@ class Inference:
                     trace=trace.context if trace is not None else None)
             except InferError as exc:
                 if trace is not None:
-                    gw.tracer.finish(trace, None, sent_ns, time.monotonic_ns(), req.id or "")
+                    gw.tracer.finish(trace, None, sent_ns, time.monotonic_ns(), req.id or "",
+                                     error=exc.message)
                 raise tritons(exc, req.id, wording.DECOUPLED_GRPC) from None
             if trace is None:
                 return await self._encode(req, reply.model, reply.version, reply.tensors,

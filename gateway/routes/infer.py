@@ -213,13 +213,13 @@ class InferEndpoint:
             status = await send_error(send, answer.status.http,
                                       wording.with_request_id(got.message, req.id),
                                       answer.http_headers())
-            reply, outputs = None, []
+            reply, outputs, error = None, [], got.message
         else:
             status = await self._answer(send, req, *got, headers.get("accept-encoding"))
-            reply, outputs = got
+            (reply, outputs), error = got, ""
         trace.stamp("HTTP_SEND_END")
         self.gw.tracer.finish(trace, reply, sent_ns, received_ns, req.id or "",
-                              req.tensors, outputs)
+                              req.tensors, outputs, error)
         return status
 
     async def _forward(self, receive: Receive, name: str, req: v2.V2Request,

@@ -4,12 +4,14 @@ broker/tracing.py), and what an untraced request costs on the wire: nothing."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from zeroserve.broker import protocol as p, tracing
+from zeroserve.broker import protocol as p, traceconfig, tracing
 from zeroserve.gateway.tracing import Setting, TraceSettingError, TraceSettings, Tracer, \
     parse_config
 
@@ -24,8 +26,11 @@ def test_trace_config_reads_tritons_entries() -> None:
     assert setting == Setting(("TIMESTAMPS", "TENSORS"), 100, 5, 50, "/tmp/t.json")
     assert parse_config([]) == (Setting(), "triton")   # OFF, every 1000th, no cap
     for bad, why in [(["rate=fast"], "Unable to parse"), (["shade=1"], "unknown setting"),
-                     (["opentelemetry,url=x"], "not supported"), (["rate"], "setting=value"),
-                     (["mode=opentelemetry"], "must be triton"), (["level=LOUD"], "unknown")]:
+                     (["jaeger,url=x"], "not supported"), (["rate"], "setting=value"),
+                     (["mode=zipkin"], "must be one of"), (["level=LOUD"], "unknown"),
+                     (["opentelemetry,colour=1"], "unknown opentelemetry setting"),
+                     (["opentelemetry,bsp_schedule_delay=soon"], "positive integer"),
+                     (["opentelemetry,resource=nameless"], "KEY=VALUE")]:
         with pytest.raises(TraceSettingError, match=why):
             parse_config(bad)
 
@@ -140,3 +145,68 @@ def test_an_untraced_request_carries_nothing_on_the_wire() -> None:
     header["trace"] = {"traceparent": 5}
     with pytest.raises(p.ProtocolError, match="trace"):
         p.decode_request(header, frames)
+
+
+def test_opentelemetry_mode_without_the_sdk_says_how_to_install_it() -> None:
+    # a process where the SDK cannot be imported, as on an install without the extra
+    code = ("import sys; sys.modules['opentelemetry'] = None\n"
+            "from zeroserve.broker import traceconfig, tracing\n"
+            "tracing.require_otel(traceconfig.parse_trace_config(['mode=triton']))\n"
+            "try:\n"
+            "    tracing.require_otel(traceconfig.parse_trace_config(['mode=opentelemetry']))\n"
+            "except traceconfig.TraceConfigError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert "pip install 'zeroserve[otel]'" in out.stdout, out.stdout + out.stderr
+
+
+def test_opentelemetry_settings_and_the_otel_environment(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    config = traceconfig.parse_trace_config([
+        "mode=opentelemetry", "opentelemetry,url=collector:4318/v1/traces",
+        "opentelemetry,resource=a=b=c", "opentelemetry,resource=team=ml",
+        "opentelemetry,bsp_schedule_delay=50", "triton,file=/tmp/t,with,commas"])
+    assert config.mode == "opentelemetry" and config.front == (("file", "/tmp/t,with,commas"),)
+    assert config.otel == traceconfig.OtelConfig(
+        "http://collector:4318/v1/traces", (("a", "b=c"), ("team", "ml")), None, 50, None)
+    otel = ["mode=opentelemetry", "level=TIMESTAMPS"]
+    env = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"}
+    _sampler_env(monkeypatch, env)
+    setting, _ = parse_config(otel)
+    assert (setting.ratio, setting.rate, setting.parent_based) == (0.25, 4, True)
+    assert parse_config([*otel, "rate=10"])[0].chance() == 0.1   # the flag wins
+    assert parse_config(["level=TIMESTAMPS"])[0].ratio is None    # triton mode: no
+    # a run-time rate replaces the environment's ratio, for the global setting and a model
+    s = TraceSettings(setting, "opentelemetry")
+    s.update("m", {"trace_rate": "2"})
+    assert s.effective("m").chance() == 0.5 and s.effective(None).chance() == 0.25
+    s.update(None, {"trace_rate": "5"})
+    assert s.effective(None).chance() == 0.2 and s.get()["trace_rate"] == "5"
+    _sampler_env(monkeypatch, {"OTEL_TRACES_SAMPLER": "always_off"})
+    setting, _ = parse_config(otel)
+    assert (setting.chance(), setting.parent_based) == (0.0, False)
+    for bad in [{"OTEL_TRACES_SAMPLER": "jaeger_remote"}, {"OTEL_TRACES_SAMPLER_ARG": "2"}]:
+        _sampler_env(monkeypatch, bad)
+        with pytest.raises(TraceSettingError, match="OTEL_TRACES_SAMPLER"):
+            parse_config(otel)
+
+
+def _sampler_env(mp: pytest.MonkeyPatch, values: dict[str, str]) -> None:
+    for key in ("OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"):
+        mp.delenv(key, raising=False)
+    for key, value in values.items():
+        mp.setenv(key, value)
+
+
+def test_a_traced_batch_carries_each_traced_items_context_and_arrival() -> None:
+    x = p.from_numpy("input", np.ones((1, 4), np.float32))
+    bt = p.BatchTrace("boot", 900, [(1, {"traceparent": TP}, 500)])
+    batch = p.Batch(1, "m", 1, [p.BatchItem("0", [x]), p.BatchItem("1", [x])], trace=bt)
+    _, header, frames = p.unpack(p.encode_batch(batch))
+    assert p.decode_batch(header, frames).trace == bt
+    for bad in [True, {"boot": "b", "sent_ns": 1, "items": [[2, {"traceparent": TP}, 5]]},
+                {"boot": "b", "sent_ns": 1, "items": [[0, {"traceparent": 5}, 5]]},
+                {"boot": "b", "items": []}]:
+        with pytest.raises(p.ProtocolError):
+            p.decode_batch({**header, "trace": bad}, frames)

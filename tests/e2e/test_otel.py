@@ -1,0 +1,315 @@
+"""OpenTelemetry mode through real processes: ``zeroserve serve --trace-config
+mode=opentelemetry`` exporting over OTLP/HTTP to a real receiver in this test (an HTTP
+server on loopback that decodes each ``ExportTraceServiceRequest`` with
+opentelemetry-proto). Requests over HTTP, gRPC and the direct client with a
+``traceparent`` give the gateway's span (a child of the caller's), the queue span
+(a child of the gateway's, or of a direct caller's) and a batch span linking every
+request it held; sampling at 0 and at a rate, an unsampled caller, and the settings
+changed at run time through tritonclient."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import secrets
+import shutil
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from tests.conftest import Server, free_port, linear_config, short_tmpdir, wait_for, \
+    write_model
+from zeroserve.broker.client import AsyncClient, Client
+
+trace_service = pytest.importorskip(
+    "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
+    reason="opentelemetry-proto is not installed (pip install 'zeroserve[otel]')")
+
+pytestmark = pytest.mark.timeout(180)
+
+X = np.ones((1, 4), np.float32)
+SERVER, INTERNAL = 2, 1   # the proto's Span.SpanKind values
+SKEW_NS = 200_000   # how far two processes' wall-clock conversions may disagree
+
+
+@dataclass(frozen=True)
+class Span:
+    name: str
+    trace_id: str
+    span_id: str
+    parent: str
+    kind: int
+    links: tuple[tuple[str, str], ...]   # (trace id, span id)
+    attributes: dict[str, Any]
+    events: tuple[str, ...]
+    start_ns: int
+    end_ns: int
+    resource: dict[str, Any]
+
+
+def _value(v: Any) -> Any:
+    return getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
+
+
+class Receiver:
+    """An OTLP/HTTP trace receiver: every span posted to /v1/traces, decoded."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                ok = self.path == "/v1/traces" and \
+                    self.headers.get("Content-Type") == "application/x-protobuf"
+                if ok:
+                    request = trace_service.ExportTraceServiceRequest()
+                    request.ParseFromString(body)
+                    receiver.add(request)
+                answer = trace_service.ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200 if ok else 404)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.port = free_port()
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def add(self, request: Any) -> None:
+        got = []
+        for rs in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    got.append(Span(
+                        s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
+                        s.kind, tuple((ln.trace_id.hex(), ln.span_id.hex()) for ln in s.links),
+                        {a.key: _value(a.value) for a in s.attributes},
+                        tuple(e.name for e in s.events), s.start_time_unix_nano,
+                        s.end_time_unix_nano, resource))
+        with self.lock:
+            self.spans.extend(got)
+
+    def of_trace(self, trace_id: str) -> list[Span]:
+        with self.lock:
+            return [s for s in self.spans if s.trace_id == trace_id]
+
+    def batches_linking(self, trace_id: str) -> list[Span]:
+        with self.lock:
+            return [s for s in self.spans if s.name == "batch"
+                    and any(t == trace_id for t, _ in s.links)]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+def caller(sampled: bool = True) -> tuple[str, str, str]:
+    """A caller's (traceparent, trace id, span id)."""
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}", trace_id, span_id
+
+
+class World:
+    def __init__(self) -> None:
+        self.receiver = Receiver()
+        self.repo = short_tmpdir("zsrepo")
+        # requests that arrive within 100 ms of each other share a batch
+        write_model(self.repo, "linear", 1, "nn.Linear(4, 3)", linear_config(
+            "linear", dynamic_batching={"max_queue_delay_ms": 100}))
+        self.server = Server(self.repo, extra=[
+            "--trace-config", "mode=opentelemetry", "--trace-config",
+            f"opentelemetry,url=127.0.0.1:{self.receiver.port}/v1/traces",
+            "--trace-config", "opentelemetry,resource=deployment.environment=test",
+            "--trace-config", "opentelemetry,bsp_schedule_delay=50"],
+            env={"OTEL_SERVICE_NAME": "zs-under-test"}).wait_ready()
+        self.triton = httpclient.InferenceServerClient(f"127.0.0.1:{self.server.port}")
+
+    def http_infer(self, headers: dict[str, str] | None = None) -> None:
+        x = httpclient.InferInput("input", [1, 4], "FP32")
+        x.set_data_from_numpy(X)
+        self.triton.infer("linear", [x], headers=headers or {})
+
+    def spans_of(self, trace_id: str, names: set[str]) -> dict[str, Span]:
+        """The spans named ``names`` of one trace, once all have come (one each)."""
+        def arrived() -> dict[str, Span] | None:
+            got = {s.name: s for s in self.receiver.of_trace(trace_id)}
+            return got if names <= got.keys() else None
+        found: dict[str, Span] = wait_for(arrived, 20, f"spans {sorted(names)} of {trace_id}")
+        assert len(self.receiver.of_trace(trace_id)) == len(names), \
+            self.receiver.of_trace(trace_id)
+        return found
+
+    def batch_of(self, trace_id: str, queue: Span) -> Span:
+        (batch,) = wait_for(lambda: self.receiver.batches_linking(trace_id), 20,
+                            f"the batch span linking {trace_id}")
+        assert (trace_id, queue.span_id) in batch.links
+        return batch
+
+    def close(self) -> None:
+        self.triton.close()
+        self.server.stop()
+        self.receiver.close()
+        shutil.rmtree(self.repo, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[World]:
+    w = World()
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def traced(world: World) -> Iterator[World]:
+    """Every request traced unless its caller says no."""
+    world.triton.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"],
+                                                 "trace_rate": "1", "trace_count": "-1"})
+    yield world
+    world.triton.update_trace_settings(settings={"trace_level": ["OFF"], "trace_rate": None})
+
+
+def check_request(world: World, trace_id: str, caller_span: str, protocol: str) -> None:
+    """The gateway's span under the caller's, the queue span under it, a batch linking."""
+    spans = world.spans_of(trace_id, {"gateway", "queue"})
+    gateway, queue = spans["gateway"], spans["queue"]
+    assert (gateway.parent, gateway.kind) == (caller_span, SERVER)
+    assert gateway.attributes["zeroserve.model"] == "linear"
+    assert gateway.attributes["zeroserve.protocol"] == protocol
+    assert gateway.attributes["zeroserve.model.version"] == 1
+    first = "HTTP_RECV_START" if protocol == "http" else "GRPC_WAITREAD_END"
+    assert gateway.events[0] == first and "COMPUTE_START" in gateway.events
+    assert (queue.parent, queue.kind) == (gateway.span_id, INTERNAL)
+    # across processes, each turned its monotonic stamps into wall-clock time itself
+    assert gateway.start_ns <= queue.start_ns + SKEW_NS
+    assert queue.start_ns < queue.end_ns <= gateway.end_ns + SKEW_NS
+    batch = world.batch_of(trace_id, queue)
+    assert queue.end_ns <= batch.start_ns + SKEW_NS
+    assert batch.start_ns < batch.end_ns <= gateway.end_ns + SKEW_NS
+    assert batch.parent == "" and batch.trace_id != trace_id   # a root of its own
+    assert gateway.resource["service.name"] == "zs-under-test"   # OTEL_SERVICE_NAME
+    assert gateway.resource["deployment.environment"] == "test"
+    assert (gateway.resource["zeroserve.component"], batch.resource["zeroserve.component"]) \
+        == ("gateway", "worker")
+
+
+def test_settings_show_the_mode_and_change_at_run_time(world: World) -> None:
+    t = world.triton
+    assert t.get_trace_settings()["trace_mode"] == "opentelemetry"
+    assert t.get_trace_settings()["trace_level"] == ["OFF"]
+    tp, trace_id, _ = caller()
+    world.http_infer({"traceparent": tp})   # OFF: nothing, even for a sampled caller
+    t.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+    try:
+        marker, marker_id, span = caller()
+        world.http_infer({"traceparent": marker})
+        world.spans_of(marker_id, {"gateway", "queue"})
+        world.batch_of(marker_id, world.spans_of(marker_id, {"gateway", "queue"})["queue"])
+        assert world.receiver.of_trace(trace_id) == []
+        assert not world.receiver.batches_linking(trace_id)
+        # a model's own setting: OFF for it alone
+        t.update_trace_settings("linear", {"trace_level": ["OFF"]})
+        tp, trace_id, _ = caller()
+        world.http_infer({"traceparent": tp})
+        t.update_trace_settings("linear", {"trace_level": None})
+        marker, marker_id, span = caller()
+        world.http_infer({"traceparent": marker})
+        world.batch_of(marker_id, world.spans_of(marker_id, {"gateway", "queue"})["queue"])
+        assert world.receiver.of_trace(trace_id) == []
+    finally:
+        t.update_trace_settings(settings={"trace_level": ["OFF"], "trace_rate": None})
+
+
+def test_an_http_request_gives_the_gateway_queue_and_batch_spans(traced: World) -> None:
+    tp, trace_id, span_id = caller()
+    traced.http_infer({"traceparent": tp, "tracestate": "vendor=1"})
+    check_request(traced, trace_id, span_id, "http")
+
+
+def test_a_grpc_request_gives_the_same_spans(traced: World) -> None:
+    client = grpcclient.InferenceServerClient(traced.server.grpc_url)
+    try:
+        x = grpcclient.InferInput("input", [1, 4], "FP32")
+        x.set_data_from_numpy(X)
+        tp, trace_id, span_id = caller()
+        client.infer("linear", [x], headers={"traceparent": tp})
+    finally:
+        client.close()
+    check_request(traced, trace_id, span_id, "grpc")
+
+
+def test_a_direct_clients_context_is_the_queue_spans_parent(traced: World) -> None:
+    tp, trace_id, span_id = caller()
+    with Client(traced.server.frontend) as c:
+        c.infer("linear", {"input": X}, traceparent=tp)
+    queue = traced.spans_of(trace_id, {"queue"})["queue"]   # no gateway on its way
+    assert queue.parent == span_id
+    traced.batch_of(trace_id, queue)
+
+
+def test_a_batch_span_links_every_request_it_held(traced: World) -> None:
+    callers = [caller() for _ in range(4)]
+
+    async def send() -> None:
+        async with AsyncClient(traced.server.frontend) as c:
+            assert await c.wait_connected(10)
+            await asyncio.gather(*(c.infer("linear", {"input": X}, traceparent=tp)
+                                   for tp, _, _ in callers))
+    asyncio.run(send())
+    queues = {trace_id: traced.spans_of(trace_id, {"queue"})["queue"]
+              for _, trace_id, _ in callers}
+    batches = {s.span_id: s for trace_id, q in queues.items()
+               for s in [traced.batch_of(trace_id, q)]}
+    for batch in batches.values():   # each batch links each request it ran, once
+        assert len(batch.links) == len(set(batch.links)) == \
+            batch.attributes["zeroserve.batch.requests"]
+    assert sum(len(b.links) for b in batches.values()) == len(callers)
+    assert max(len(b.links) for b in batches.values()) > 1, "no batch held several"
+
+
+def test_sampling_at_zero_at_a_rate_and_an_unsampled_caller(traced: World) -> None:
+    t = traced.triton
+    before = {s.trace_id for s in traced.receiver.spans}
+    unsampled, unsampled_id, _ = caller(sampled=False)
+    t.update_trace_settings(settings={"trace_rate": "0"})
+    for _ in range(5):
+        traced.http_infer()                                # ratio 0: never on its own
+    traced.http_infer({"traceparent": unsampled})        # the caller said no
+    with Client(traced.server.frontend) as c:            # nor from the direct client
+        c.infer("linear", {"input": X}, traceparent=unsampled)
+    marker, marker_id, _ = caller()
+    traced.http_infer({"traceparent": marker})           # the caller said yes
+    traced.batch_of(marker_id, traced.spans_of(marker_id, {"gateway", "queue"})["queue"])
+    new = {s.trace_id for s in traced.receiver.spans if s.name != "batch"} - before
+    assert new == {marker_id}
+    assert not traced.receiver.batches_linking(unsampled_id)
+    # a ratio of 1/2: about half of 60 requests without a context
+    t.update_trace_settings(settings={"trace_rate": "2"})
+    before = {s.trace_id for s in traced.receiver.spans}
+    for _ in range(60):
+        traced.http_infer()
+    marker, marker_id, _ = caller()
+    traced.http_infer({"traceparent": marker})
+    traced.spans_of(marker_id, {"gateway", "queue"})
+    with traced.receiver.lock:
+        roots = {s.trace_id for s in traced.receiver.spans
+                 if s.name == "gateway" and s.parent == ""} - before
+    assert 10 <= len(roots) <= 50, len(roots)   # binomial(60, 1/2): outside is < 1e-6
+    assert t.get_trace_settings()["trace_rate"] == "2"

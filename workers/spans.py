@@ -1,0 +1,61 @@
+"""A worker's spans in opentelemetry mode: each traced request's queue span and one
+span per batch that links them all.
+
+The worker emits them because it is the one process that sees a batch whole, once:
+the broker stays free of the SDK (it only adds its stamps to a traced batch,
+``protocol.BatchTrace``), and the front ends see one request each. A request's queue
+span is a child of its wire context (the gateway's span, or a direct client's own) and
+runs from the broker's receipt to the batch's departure, on the broker's clock (moved
+onto this one when the broker runs on another host: the batch left when it was
+taken up here). The batch span is a root of its own trace, as a batch serves several, with a
+link to each queue span. The callers decided the sampling: a request whose context is
+unsampled gets no span, and a batch none of whose requests is sampled gets none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroserve.broker import otel, protocol as p, tracing
+
+
+class BatchSpans:
+    def __init__(self, exporter: otel.Exporter, worker_id: str) -> None:
+        self.exporter = exporter
+        self.worker_id = worker_id
+
+    def emit(self, batch: p.Batch, result: p.BatchResult, start_ns: int, end_ns: int
+             ) -> None:
+        """The spans of ``batch``, taken up at ``start_ns`` and done at ``end_ns`` (this
+        host's monotonic clock)."""
+        bt = batch.trace
+        if bt is None:
+            return
+        offset = otel.epoch_offset_ns()
+        shift = offset + (0 if bt.boot == tracing.boot_id() else start_ns - bt.sent_ns)
+        model = {"zeroserve.model": batch.model, "zeroserve.model.version": batch.version,
+                 "zeroserve.batch.id": batch.batch_id}
+        links = []
+        for index, context, arrival_ns in bt.items:
+            span = self.exporter.start("queue", context, arrival_ns + shift, attributes=model)
+            if span.is_recording():
+                links.append(otel.Link(span.get_span_context(),
+                                       {"zeroserve.batch.item": index}))
+            span.end(end_time=bt.sent_ns + shift)
+        if not links:
+            return
+        attrs: dict[str, Any] = {**model, "zeroserve.batch.requests": len(batch.items),
+                                 "zeroserve.worker": self.worker_id}
+        stamps: dict[str, int] = result.trace["ns"] if result.trace is not None else {}
+        # run: from COMPUTE_START to COMPUTE_END, its stamps as events; else (expired,
+        # not loaded, the model raised) from its taking up to its answer
+        span = self.exporter.start("batch", None, stamps.get("COMPUTE_START", start_ns)
+                                   + offset, attributes=attrs, links=links)
+        for name, value in stamps.items():
+            span.add_event(name, timestamp=value + offset)
+        if result.error is not None:
+            span.set_status(otel.Status(otel.StatusCode.ERROR, result.error))
+        span.end(end_time=stamps.get("COMPUTE_END", end_ns) + offset)
+
+    def close(self) -> None:
+        self.exporter.close()

@@ -14,7 +14,10 @@ request, an unsampled one does not); without one, every ``trace_rate``-th reques
 traced (0: none). ``trace_count`` caps both (-1: no cap). A traced request carries its
 context to the broker and the worker (a fresh one when the caller sent none) and comes
 back with their timestamps (broker/tracing.py), which :meth:`Tracer.finish` puts in
-its record with the front end's own.
+its record with the front end's own. In opentelemetry mode the rate is a ratio instead
+(1/``trace_rate`` of the requests, by chance, or ``OTEL_TRACES_SAMPLER_ARG``'s), and a
+traced request is the gateway's span (gateway/spans.py), whose context goes on the wire in
+place of the caller's, so the workers' queue spans are its children (workers/spans.py).
 
 Records are written as Triton does: with ``log_frequency`` N, every N traces to
 ``<trace_file>.<index>`` (index from 0); with 0, to ``<trace_file>`` when the setting is
@@ -32,12 +35,15 @@ import random
 import secrets
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import orjson
 
 from zeroserve.broker import protocol as p, traceconfig, tracing
 from zeroserve.broker.tracing import TraceContextError
+
+if TYPE_CHECKING:
+    from zeroserve.gateway.spans import GatewaySpans
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +120,7 @@ def parse_field(name: str, value: Any) -> Any:
 
 
 def parse_config(entries: Iterable[str]) -> tuple[Setting, str]:
-    """Triton's ``--trace-config`` entries as the front end reads them (broker/tracing.py
+    """Triton's ``--trace-config`` entries as the front end reads them (broker/traceconfig.py
     parses them): ``rate=N``, ``level=L`` (repeatable), ``count=N``, ``mode=M``,
     ``triton,file=PATH``, ``triton,log-frequency=N``; in opentelemetry mode the
     ``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG`` environment variables start
@@ -348,7 +354,7 @@ class Trace:
     sampler: _Sampler
     stamps: dict[str, int]
     caller: bool               # the caller sent the traceparent
-    span: Any = None           # opentelemetry mode: the gateway's span (broker/otel.py)
+    span: Any = None           # opentelemetry mode: the gateway's span (gateway/spans.py)
 
     def stamp(self, name: str) -> None:
         self.stamps[name] = time.monotonic_ns()
@@ -360,9 +366,9 @@ class Trace:
 
 class Tracer:
     """The gateway process's tracing: settings, sampling, and Triton's records or (in
-    opentelemetry mode, ``spans``: a broker/otel.py Exporter) the gateway's spans."""
+    opentelemetry mode, ``spans``) the gateway's spans."""
 
-    def __init__(self, settings: TraceSettings, spans: Any = None) -> None:
+    def __init__(self, settings: TraceSettings, spans: GatewaySpans | None = None) -> None:
         self.settings = settings
         self.spans = spans
         self._ids = itertools.count(1)
@@ -388,11 +394,8 @@ class Tracer:
         now_ns = time.monotonic_ns()
         span = None
         if self.spans is not None:   # the gateway's span, child of the caller's
-            span = self.spans.start(
-                "gateway", ctx, now_ns + _otel().epoch_offset_ns(), _otel().SpanKind.SERVER,
-                {"zeroserve.model": model,
-                 "zeroserve.protocol": "http" if first_stamp.startswith("HTTP") else "grpc"})
-            ctx = _otel().wire_context(span, (ctx or {}).get("tracestate", ""))
+            span, ctx = self.spans.start(
+                model, ctx, now_ns, "http" if first_stamp.startswith("HTTP") else "grpc")
         elif ctx is None:
             ctx = {"traceparent": f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"}
         return Trace(next(self._ids), model, ctx, sampler, {first_stamp: now_ns},
@@ -409,8 +412,8 @@ class Tracer:
         if reply is not None:
             stamps.update(tracing.core_stamps(reply.trace, sent_ns, received_ns))
             version = reply.version
-        if trace.span is not None:
-            _end_span(trace.span, stamps, version, request_id, error)
+        if self.spans is not None and trace.span is not None:
+            self.spans.end(trace.span, stamps, version, request_id, error)
             return
         tensors = []
         if trace.tensors:
@@ -423,31 +426,6 @@ class Tracer:
         self.settings.close()
         if self.spans is not None:
             self.spans.close()
-
-
-def _otel() -> Any:
-    """broker/otel.py, imported once opentelemetry mode is on (the SDK is optional)."""
-    from zeroserve.broker import otel
-
-    return otel
-
-
-def _end_span(span: Any, stamps: Mapping[str, int], version: int, request_id: str,
-              error: str) -> None:
-    """The gateway's span ends at its last stamp, each stamp (Triton's names, the
-    broker's and worker's included) an event on it."""
-    otel = _otel()
-    offset = otel.epoch_offset_ns()
-    ordered = sorted(stamps.items(), key=lambda kv: kv[1])
-    for name, value in ordered:
-        span.add_event(name, timestamp=value + offset)
-    if version:
-        span.set_attribute("zeroserve.model.version", version)
-    if request_id:
-        span.set_attribute("zeroserve.request_id", request_id)
-    if error:
-        span.set_status(otel.Status(otel.StatusCode.ERROR, error))
-    span.end(end_time=max(ordered[-1][1], time.monotonic_ns()) + offset)
 
 
 def _tensor(t: p.Tensor) -> tuple[str, str, list[int], str]:
@@ -464,4 +442,6 @@ def for_gateway(entries: Iterable[str] | None, reuse_port: bool) -> Tracer:
         return Tracer(settings)
     config = traceconfig.parse_trace_config(entries or ())
     tracing.require_otel(config)
-    return Tracer(settings, _otel().Exporter(config.otel, "gateway", follow_parent=False))
+    from zeroserve.gateway.spans import GatewaySpans   # the optional SDK, in this mode only
+
+    return Tracer(settings, GatewaySpans(config.otel))

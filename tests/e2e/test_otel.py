@@ -10,115 +10,27 @@ changed at run time through tritonclient."""
 from __future__ import annotations
 
 import asyncio
-import gzip
 import secrets
 import shutil
-import threading
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests.conftest import Server, free_port, linear_config, short_tmpdir, wait_for, \
-    write_model
+from tests.conftest import Server, linear_config, short_tmpdir, wait_for, write_model
 from zeroserve.broker.client import AsyncClient, Client
 
-trace_service = pytest.importorskip(
-    "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
-    reason="opentelemetry-proto is not installed (pip install 'zeroserve[otel]')")
+pytest.importorskip("opentelemetry.proto", reason="opentelemetry-proto is not installed "
+                    "(pip install 'zeroserve[otel]')")
+from tests.otlp import Receiver, Span  # noqa: E402 (after the skip: it imports the proto)
 
 pytestmark = pytest.mark.timeout(180)
 
 X = np.ones((1, 4), np.float32)
 SERVER, INTERNAL = 2, 1   # the proto's Span.SpanKind values
 SKEW_NS = 200_000   # how far two processes' wall-clock conversions may disagree
-
-
-@dataclass(frozen=True)
-class Span:
-    name: str
-    trace_id: str
-    span_id: str
-    parent: str
-    kind: int
-    links: tuple[tuple[str, str], ...]   # (trace id, span id)
-    attributes: dict[str, Any]
-    events: tuple[str, ...]
-    start_ns: int
-    end_ns: int
-    resource: dict[str, Any]
-
-
-def _value(v: Any) -> Any:
-    return getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
-
-
-class Receiver:
-    """An OTLP/HTTP trace receiver: every span posted to /v1/traces, decoded."""
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                ok = self.path == "/v1/traces" and \
-                    self.headers.get("Content-Type") == "application/x-protobuf"
-                if ok:
-                    request = trace_service.ExportTraceServiceRequest()
-                    request.ParseFromString(body)
-                    receiver.add(request)
-                answer = trace_service.ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200 if ok else 404)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.port = free_port()
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def add(self, request: Any) -> None:
-        got = []
-        for rs in request.resource_spans:
-            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    got.append(Span(
-                        s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                        s.kind, tuple((ln.trace_id.hex(), ln.span_id.hex()) for ln in s.links),
-                        {a.key: _value(a.value) for a in s.attributes},
-                        tuple(e.name for e in s.events), s.start_time_unix_nano,
-                        s.end_time_unix_nano, resource))
-        with self.lock:
-            self.spans.extend(got)
-
-    def of_trace(self, trace_id: str) -> list[Span]:
-        with self.lock:
-            return [s for s in self.spans if s.trace_id == trace_id]
-
-    def batches_linking(self, trace_id: str) -> list[Span]:
-        with self.lock:
-            return [s for s in self.spans if s.name == "batch"
-                    and any(t == trace_id for t, _ in s.links)]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
 
 
 def caller(sampled: bool = True) -> tuple[str, str, str]:

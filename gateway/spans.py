@@ -1,0 +1,46 @@
+"""The gateway's spans in opentelemetry mode (imported only in that mode: it needs the
+optional SDK through broker/otel.py): one SERVER span a traced request, a child of the
+caller's context, whose own context goes on the wire so the worker's queue span is its
+child (workers/spans.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+from zeroserve.broker import otel
+from zeroserve.broker.traceconfig import OtelConfig
+
+
+class GatewaySpans:
+    def __init__(self, config: OtelConfig) -> None:
+        # the gateway samples before it starts a span: every span it starts is recorded
+        self.exporter = otel.Exporter(config, "gateway", follow_parent=False)
+
+    def start(self, model: str, caller: Mapping[str, str] | None, start_ns: int,
+              protocol: str) -> tuple[otel.Span, dict[str, str]]:
+        """The span of a request read from ``start_ns`` (monotonic), and the wire context
+        that makes it the parent of what follows (the caller's tracestate kept)."""
+        span = self.exporter.start(
+            "gateway", caller, start_ns + otel.epoch_offset_ns(), otel.SpanKind.SERVER,
+            {"zeroserve.model": model, "zeroserve.protocol": protocol})
+        return span, otel.wire_context(span, (caller or {}).get("tracestate", ""))
+
+    def end(self, span: otel.Span, stamps: Mapping[str, int], version: int,
+            request_id: str, error: str) -> None:
+        """The span ends at its last stamp, each stamp (Triton's names, the broker's and
+        worker's among them) an event on it."""
+        offset = otel.epoch_offset_ns()
+        ordered = sorted(stamps.items(), key=lambda kv: kv[1])
+        for name, value in ordered:
+            span.add_event(name, timestamp=value + offset)
+        if version:
+            span.set_attribute("zeroserve.model.version", version)
+        if request_id:
+            span.set_attribute("zeroserve.request_id", request_id)
+        if error:
+            span.set_status(otel.Status(otel.StatusCode.ERROR, error))
+        span.end(end_time=max(ordered[-1][1], time.monotonic_ns()) + offset)
+
+    def close(self) -> None:
+        self.exporter.close()

@@ -254,15 +254,19 @@ class Client:
     def stream(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
                version: int | None = None, priority: int = 0, timeout_ms: float | None = None,
                outputs: Sequence[str] | None = None, tenant: str = "",
-               api_key: str | None = None) -> Stream:
+               api_key: str | None = None, traceparent: str = "",
+               tracestate: str = "") -> Stream:
         """A request whose responses come as a stream (a decoupled model's), iterated as
         :class:`StreamResponse` objects (see :mod:`zeroserve.broker.streamclient`).
         ``timeout_ms`` bounds the first response; each later one may take up to the
-        client's ``timeout_s``. Other calls on this client may be made meanwhile."""
+        client's ``timeout_s``. Other calls on this client may be made meanwhile.
+        ``traceparent`` (W3C, with ``tracestate``) reaches the worker, whose spans it
+        parents in opentelemetry mode (a stream has no Triton-mode record)."""
         rid = str(next(self._ids))
+        trace = tracing.context(traceparent, tracestate) if traceparent else None
         req = p.InferRequest(rid, model, _tensors(inputs), version, priority, timeout_ms or 0.0,
                              tenant, outputs, self.api_key if api_key is None else api_key,
-                             stream=True)
+                             stream=True, trace=trace)
         first_wait_s = timeout_ms / 1000.0 + 5.0 if timeout_ms else self.timeout_s
         self._send_request(p.encode_request(req), first_wait_s)
         self._inbox[rid] = collections.deque()
@@ -435,11 +439,16 @@ class AsyncClient:
     def stream(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
                version: int | None = None, priority: int = 0, timeout_ms: float | None = None,
                outputs: Sequence[str] | None = None, tenant: str = "",
-               api_key: str | None = None) -> AsyncStream:
+               api_key: str | None = None, traceparent: str = "", tracestate: str = "",
+               trace: dict[str, str] | None = None) -> AsyncStream:
         """A request whose responses come as a stream, iterated with ``async for`` as
         :class:`StreamResponse` objects (see :mod:`zeroserve.broker.streamclient`);
         errors, the broker's refusal included, are raised out of the iteration.
-        ``timeout_ms`` (the broker's deadline) bounds the first response."""
+        ``timeout_ms`` (the broker's deadline) bounds the first response. ``traceparent``
+        as for :meth:`Client.stream`; ``trace`` is the wire's trace context instead
+        (:func:`zeroserve.broker.tracing.context`)."""
+        if traceparent:
+            trace = tracing.context(traceparent, tracestate)
         assert self._loop is not None, "call start() first"
         rid = str(next(self._ids))
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -450,7 +459,7 @@ class AsyncClient:
             tensors = list(inputs) if not isinstance(inputs, Mapping) else _tensors(inputs)
             req = p.InferRequest(rid, model, tensors, version, priority, timeout_ms or 0.0,
                                  tenant, outputs, self.api_key if api_key is None else api_key,
-                                 stream=True)
+                                 stream=True, trace=trace)
             if not self._submit(req, rid):
                 queue.put_nowait(InferError(*_FULL))
         return AsyncStream(queue, lambda cancel: self._end_stream(rid, cancel))

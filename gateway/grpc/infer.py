@@ -182,14 +182,18 @@ class Inference:
             return
         gw.door.in_flight += 1
         req = None
+        metadata = metadata_of(context)
+        trace = gw.tracer.begin_stream(request.model_name, metadata.get("traceparent"),
+                                       metadata.get("tracestate"), "GRPC_WAITREAD_END")
+        error = "cancelled"   # unless it ends otherwise
         try:
-            metadata = metadata_of(context)
             req, timeout_ms = await self._admit(request, context, metadata)
             empty_final = bool(req.parameters.get(EMPTY_FINAL))
             api_key = api_key_of(metadata)
             async with gw.client.stream(req.model, req.tensors, version=req.version,
                                         priority=req.priority, timeout_ms=timeout_ms,
-                                        outputs=req.output_names, api_key=api_key) as stream:
+                                        outputs=req.output_names, api_key=api_key,
+                                        trace=trace.context if trace else None) as stream:
                 async for part in stream:
                     if not part.tensors and part.final and not empty_final:
                         continue
@@ -197,14 +201,18 @@ class Inference:
                                               part.stats, api_key)
                     resp.parameters[FINAL].bool_param = part.final
                     await answers.put(pb.ModelStreamInferResponse(infer_response=resp))
+            error = ""
         except asyncio.CancelledError:
             raise
         except Exception as exc:   # noqa: BLE001 - each request's error is its answer
             if isinstance(exc, InferError):
                 exc = tritons(exc, req.id if req is not None else request.id, "")
+            error = str(exc)
             await answers.put(error_answer(request, exc))
         finally:
             gw.door.in_flight -= 1
+            if trace is not None:
+                gw.tracer.finish_stream(trace, error)
 
 
 def tritons(exc: InferError, request_id: str, decoupled: str) -> InferError:

@@ -32,6 +32,7 @@ from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.door import RETRY_AFTER_S
 from zeroserve.gateway.errors import BadRequest
 from zeroserve.gateway.http import bounded_int, error_response, path_version, read_body
+from zeroserve.gateway.tracing import Trace, Tracer
 
 if TYPE_CHECKING:
     from zeroserve.gateway.app import Gateway
@@ -51,12 +52,24 @@ class GenerateRoutes:
                              methods=["POST"]))
         return out
 
-    async def _start(self, request: Request) -> AsyncStream | Response:
+    async def _start(self, request: Request) -> tuple[AsyncStream, Trace | None] | Response:
         accepted = time.monotonic() - self.gw.door.current_lag_s()
         why = self.gw.door.refuse()
         if why is not None:
             return error_response(503, why, {"Retry-After": str(RETRY_AFTER_S)})
         name, version = request.path_params["name"], path_version(request)
+        trace = self.gw.tracer.begin_stream(name, request.headers.get("traceparent"),
+                                            request.headers.get("tracestate"),
+                                            "HTTP_RECV_START")
+        try:
+            return await self._send(request, name, version, accepted, trace), trace
+        except BaseException as exc:
+            if trace is not None:
+                self.gw.tracer.finish_stream(trace, str(exc))
+            raise
+
+    async def _send(self, request: Request, name: str, version: int | None, accepted: float,
+                    trace: Trace | None) -> AsyncStream:
         body = await read_body(request, self.gw.settings.max_body_bytes)
         try:
             doc = orjson.loads(body)
@@ -76,49 +89,69 @@ class GenerateRoutes:
                                  "before the request reached the broker")
         return self.gw.client.stream(name, tensors, version=version, priority=priority,
                                      timeout_ms=timeout_ms,
-                                     api_key=api_key_of(request.headers))
+                                     api_key=api_key_of(request.headers),
+                                     trace=trace.context if trace is not None else None)
 
     async def generate(self, request: Request) -> Response:
-        stream = await self._start(request)
-        if isinstance(stream, Response):
-            return stream
+        started = await self._start(request)
+        if isinstance(started, Response):
+            return started
+        stream, trace = started
         last: StreamResponse | None = None
-        async with stream:
-            async for response in stream:
-                if response.tensors or last is None:
-                    last = response
+        error = ""
+        try:
+            async with stream:
+                async for response in stream:
+                    if response.tensors or last is None:
+                        last = response
+        except BaseException as exc:
+            error = str(exc)
+            raise
+        finally:
+            if trace is not None:
+                self.gw.tracer.finish_stream(trace, error)
         assert last is not None   # a stream ends with a final response or raises
         return Response(generate.response_body(last.model, last.version, last.tensors),
                         media_type="application/json")
 
     async def generate_stream(self, request: Request) -> Response:
-        stream = await self._start(request)
-        if isinstance(stream, Response):
-            return stream
+        started = await self._start(request)
+        if isinstance(started, Response):
+            return started
+        stream, trace = started
         try:
             first = await stream.__anext__()   # an error now is a plain JSON answer
-        except BaseException:
+        except BaseException as exc:
             stream.close()
+            if trace is not None:
+                self.gw.tracer.finish_stream(trace, str(exc))
             raise
-        return StreamingResponse(_events(stream, first), media_type=SSE,
-                                 headers={"Cache-Control": "no-cache",
-                                          "X-Accel-Buffering": "no"})
+        return StreamingResponse(_events(stream, first, self.gw.tracer, trace),
+                                 media_type=SSE, headers={"Cache-Control": "no-cache",
+                                                          "X-Accel-Buffering": "no"})
 
 
-async def _events(stream: AsyncStream, first: StreamResponse) -> AsyncIterator[bytes]:
+async def _events(stream: AsyncStream, first: StreamResponse, tracer: Tracer,
+                  trace: Trace | None) -> AsyncIterator[bytes]:
     """Each response as an event; an error after the first as an error event. Closing
     the stream (the client left: Starlette cancels this generator) cancels the request."""
     response: StreamResponse | None = first
+    error = "the client went away"   # unless the stream ends otherwise
     try:
         while response is not None:
             if response.tensors or not response.final:
                 yield generate.event(generate.response_body(response.model, response.version,
                                                             response.tensors))
             response = None if response.final else await stream.__anext__()
+        error = ""
     except InferError as exc:
+        error = exc.message
         yield generate.event(orjson.dumps({"error": exc.message}))
     except ValueError as exc:   # an output JSON cannot carry (BF16)
+        error = str(exc)
         yield generate.event(orjson.dumps({"error": str(exc)}))
     finally:
         stream.close()
+        if trace is not None:
+            tracer.finish_stream(trace, error)
 

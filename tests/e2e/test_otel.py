@@ -10,16 +10,18 @@ changed at run time through tritonclient."""
 from __future__ import annotations
 
 import asyncio
+import json
+import queue
 import secrets
 import shutil
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests.conftest import Server, linear_config, short_tmpdir, wait_for, write_model
+from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for, write_model
 from zeroserve.broker.client import AsyncClient, Client
 
 pytest.importorskip("opentelemetry.proto", reason="opentelemetry-proto is not installed "
@@ -39,6 +41,23 @@ def caller(sampled: bool = True) -> tuple[str, str, str]:
     return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}", trace_id, span_id
 
 
+# a decoupled model: input [[n, ...]] answers n responses of [[k, k, k]]
+COUNTER = '''
+import torch
+
+
+class Model:
+    def load(self, version_dir, device):
+        pass
+
+    def predict(self, inputs, rows):
+        counts = [int(inputs["input"][r][0, 0]) for r in rows]
+        for k in range(1, max(counts) + 1):
+            yield {i: ({"output": torch.full((1, 3), float(k))}, k == n)
+                   for i, n in enumerate(counts) if k <= n}
+'''
+
+
 class World:
     def __init__(self) -> None:
         self.receiver = Receiver()
@@ -46,6 +65,11 @@ class World:
         # requests that arrive within 100 ms of each other share a batch
         write_model(self.repo, "linear", 1, "nn.Linear(4, 3)", linear_config(
             "linear", dynamic_batching={"max_queue_delay_ms": 100}))
+        (self.repo / "counter" / "1").mkdir(parents=True)
+        (self.repo / "counter" / "1" / "model.py").write_text(COUNTER)
+        (self.repo / "counter" / "config.json").write_text(json.dumps({
+            **linear_config("counter"), "platform": "python",
+            "model_transaction_policy": {"decoupled": True}, "warmup": {"batch_sizes": []}}))
         self.server = Server(self.repo, extra=[
             "--trace-config", "mode=opentelemetry", "--trace-config",
             f"opentelemetry,url=127.0.0.1:{self.receiver.port}/v1/traces",
@@ -106,8 +130,9 @@ def check_request(world: World, trace_id: str, caller_span: str, protocol: str) 
     assert gateway.attributes["zeroserve.model"] == "linear"
     assert gateway.attributes["zeroserve.protocol"] == protocol
     assert gateway.attributes["zeroserve.model.version"] == 1
-    first = "HTTP_RECV_START" if protocol == "http" else "GRPC_WAITREAD_END"
-    assert gateway.events[0] == first and "COMPUTE_START" in gateway.events
+    assert gateway.events == (("HTTP_RECV_START", "HTTP_RECV_END", "HTTP_SEND_START",
+                               "HTTP_SEND_END") if protocol == "http" else
+                              ("GRPC_WAITREAD_END", "GRPC_SEND_START", "GRPC_SEND_END"))
     assert (queue.parent, queue.kind) == (gateway.span_id, INTERNAL)
     # across processes, each turned its monotonic stamps into wall-clock time itself
     assert gateway.start_ns <= queue.start_ns + SKEW_NS
@@ -225,3 +250,50 @@ def test_sampling_at_zero_at_a_rate_and_an_unsampled_caller(traced: World) -> No
                  if s.name == "gateway" and s.parent == ""} - before
     assert 10 <= len(roots) <= 50, len(roots)   # binomial(60, 1/2): outside is < 1e-6
     assert t.get_trace_settings()["trace_rate"] == "2"
+
+
+def check_stream(world: World, trace_id: str, caller_span: str, gateway: bool) -> None:
+    """A stream's spans: the gateway's (when it came through one) under the caller's,
+    its queue span under that, and the batch that ran it linking the queue span."""
+    spans = world.spans_of(trace_id, {"gateway", "queue"} if gateway else {"queue"})
+    queue_span = spans["queue"]
+    parent = caller_span
+    if gateway:
+        assert (spans["gateway"].parent, spans["gateway"].kind) == (caller_span, SERVER)
+        assert spans["gateway"].attributes["zeroserve.model"] == "counter"
+        parent = spans["gateway"].span_id
+    assert queue_span.parent == parent
+    batch = world.batch_of(trace_id, queue_span)
+    assert batch.attributes["zeroserve.model"] == "counter"
+    if gateway:   # the stream's span lasts until its last response was sent
+        assert batch.end_ns <= spans["gateway"].end_ns + SKEW_NS
+
+
+def test_streams_are_traced_over_http_grpc_and_the_direct_client(traced: World) -> None:
+    three = np.array([[3, 0, 0, 0]], np.float32)
+    tp, trace_id, span_id = caller()
+    status, _, body = http("POST", traced.server.url + "/v2/models/counter/generate_stream",
+                           json.dumps({"input": [3, 0, 0, 0]}).encode(),
+                           {"traceparent": tp})
+    assert status == 200 and body.count(b"data: ") == 3
+    check_stream(traced, trace_id, span_id, gateway=True)
+
+    tp, trace_id, span_id = caller()
+    answers: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(traced.server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: answers.put(error),
+                            headers={"traceparent": tp})
+        x = grpcclient.InferInput("input", [1, 4], "FP32")
+        x.set_data_from_numpy(three)
+        client.async_stream_infer("counter", [x])
+        assert [answers.get(timeout=30) for _ in range(3)] == [None] * 3
+    finally:
+        client.stop_stream()
+        client.close()
+    check_stream(traced, trace_id, span_id, gateway=True)
+
+    tp, trace_id, span_id = caller()
+    with Client(traced.server.frontend) as c:
+        assert len(list(c.stream("counter", {"input": three}, traceparent=tp))) == 3
+    check_stream(traced, trace_id, span_id, gateway=False)

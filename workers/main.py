@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -14,6 +14,9 @@ from zeroserve.broker import curve, options, traceconfig, tracing
 from zeroserve.broker.runtime import hostname
 from zeroserve.workers import affinity
 from zeroserve.workers.worker import Worker
+
+if TYPE_CHECKING:
+    from zeroserve.workers.spans import BatchSpans
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +59,14 @@ def run(args: argparse.Namespace) -> int:
             spans.close()   # what the exporter holds still goes out
 
 
-def _spans(entries: Sequence[str], worker_id: str) -> Any:
+def _spans(entries: Sequence[str], worker_id: str) -> BatchSpans | None:
     """In opentelemetry mode, what emits this worker's queue and batch spans."""
     config = traceconfig.parse_trace_config(entries)
     if config.mode != "opentelemetry":
         return None
     tracing.require_otel(config)
     from zeroserve.broker import otel
-    from zeroserve.workers.spans import BatchSpans
+    from zeroserve.workers.spans import BatchSpans   # the optional SDK, in this mode only
 
     return BatchSpans(otel.Exporter(config.otel, "worker", follow_parent=True), worker_id)
 

@@ -6,8 +6,8 @@ the broker stays free of the SDK (it only adds its stamps to a traced batch,
 ``protocol.BatchTrace``), and the front ends see one request each. A request's queue
 span is a child of its wire context (the gateway's span, or a direct client's own) and
 runs from the broker's receipt to the batch's departure, on the broker's clock (moved
-onto this one when the broker runs on another host: the batch left when it was
-taken up here). The batch span is a root of its own trace, as a batch serves several, with a
+onto this one when the broker runs on another host: the batch left when it was taken
+up here). The batch span is a root of its own trace, as a batch serves several, with a
 link to each queue span. The callers decided the sampling: a request whose context is
 unsampled gets no span, and a batch none of whose requests is sampled gets none.
 """
@@ -47,12 +47,13 @@ class BatchSpans:
         attrs: dict[str, Any] = {**model, "zeroserve.batch.requests": len(batch.items),
                                  "zeroserve.worker": self.worker_id}
         stamps: dict[str, int] = result.trace["ns"] if result.trace is not None else {}
-        # run: from COMPUTE_START to COMPUTE_END, its stamps as events; else (expired,
-        # not loaded, the model raised) from its taking up to its answer
+        # run: from COMPUTE_START to COMPUTE_END, the stamps between as events; else
+        # (expired, not loaded, the model raised) from its taking up to its answer
         span = self.exporter.start("batch", None, stamps.get("COMPUTE_START", start_ns)
                                    + offset, attributes=attrs, links=links)
-        for name, value in stamps.items():
-            span.add_event(name, timestamp=value + offset)
+        for name in ("COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START"):
+            if name in stamps:
+                span.add_event(name, timestamp=stamps[name] + offset)
         if result.error is not None:
             span.set_status(otel.Status(otel.StatusCode.ERROR, result.error))
         span.end(end_time=stamps.get("COMPUTE_END", end_ns) + offset)

@@ -132,6 +132,10 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-max-message-bytes", type=int, default=2**31 - 1,
                    help="largest gRPC message the gateway takes (default INT32_MAX, as "
                         "Triton)")
+    p.add_argument("--grpc-response-compression", choices=["none", "gzip", "deflate"],
+                   default="none",
+                   help="compress gRPC answers with this where the client accepts it "
+                        "(default none, as Triton's --grpc-infer-response-compression-level)")
     p.add_argument("--readiness", choices=["strict", "any"], default="strict",
                    help="ready when every model serves (strict) or one does (any, weaker)")
     p.add_argument("--server-name", default="zeroserve", help="name in GET /v2")

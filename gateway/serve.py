@@ -46,6 +46,7 @@ class GrpcListen:
     port: int
     max_message_bytes: int
     reuse_port: bool
+    response_compression: str = "none"
 
 
 class GatewayServer(uvicorn.Server):
@@ -76,7 +77,7 @@ class GatewayServer(uvicorn.Server):
         client (gRPC is imported only here: nothing of it exists before)."""
         from zeroserve.gateway.grpc.server import GrpcBindError, GrpcServer
         server = GrpcServer(self.gateway, listen.host, listen.port, listen.max_message_bytes,
-                            listen.reuse_port)
+                            listen.reuse_port, listen.response_compression)
         try:
             port = await server.start()
         except GrpcBindError as exc:
@@ -195,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     listen = None
     if args.grpc_port:
         listen = GrpcListen(args.grpc_host or args.http_host, args.grpc_port,
-                            args.grpc_max_message_bytes, args.reuse_port)
+                            args.grpc_max_message_bytes, args.reuse_port,
+                            args.grpc_response_compression)
     server = GatewayServer(config, app.state.gateway, listen)
     server.run(sockets=sockets)
     return 2 if server.failed else 0

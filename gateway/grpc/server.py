@@ -6,7 +6,9 @@ generated ``_pb2_grpc`` module), each wrapped once: a message that does not pars
 INVALID_ARGUMENT naming the message, an error of the table (gateway/errors.py) is its
 gRPC code with its message, anything else is logged and INTERNAL. Message limits are
 Triton's (INT32_MAX) unless ``--grpc-max-message-bytes`` says less; a bigger message is
-refused by gRPC itself with RESOURCE_EXHAUSTED, and the server goes on serving.
+refused by gRPC itself with RESOURCE_EXHAUSTED, and the server goes on serving. Answers
+are compressed only with ``--grpc-response-compression`` (requests are taken compressed
+either way).
 
 Nothing of grpcio is created before :meth:`GrpcServer.start`, which runs in the
 serving process's own loop: gRPC's core must not exist before a fork, and the serve
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 INT32_MAX = 2**31 - 1
+COMPRESSION = {"none": grpc.Compression.NoCompression, "gzip": grpc.Compression.Gzip,
+               "deflate": grpc.Compression.Deflate}
 
 
 class GrpcBindError(RuntimeError):
@@ -124,8 +128,10 @@ def _handler(service: Any, descriptor: Any, module: Any,
 
 class GrpcServer:
     def __init__(self, gateway: "Gateway", host: str, port: int,
-                 max_message_bytes: int = INT32_MAX, reuse_port: bool = False) -> None:
+                 max_message_bytes: int = INT32_MAX, reuse_port: bool = False,
+                 response_compression: str = "none") -> None:
         self.gateway = gateway
+        self.response_compression = response_compression
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.max_message_bytes = min(max_message_bytes, INT32_MAX)
         self.reuse_port = reuse_port
@@ -138,7 +144,10 @@ class GrpcServer:
                    ("grpc.max_send_message_length", INT32_MAX),
                    # off: a second server on a taken port must fail, not share it
                    ("grpc.so_reuseport", 1 if self.reuse_port else 0)]
-        server = grpc.aio.server(options=options)
+        # gRPC's core compresses an answer only where the call's grpc-accept-encoding
+        # names the algorithm, and sends it plain otherwise
+        server = grpc.aio.server(options=options,
+                                 compression=COMPRESSION[self.response_compression])
         health = HealthService(self.gateway)
         # grpc's health protocol has Watch; Triton's health.proto (vendored as it is)
         # declares only Check, so Watch is added here with the same messages

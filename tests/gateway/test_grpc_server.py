@@ -1,7 +1,7 @@
 """Triton's gRPC service against a server of this module's own (explicit model control,
-system shared memory on, a small gRPC message limit, a slow model): shared memory,
-repository load and unload, cancellation and deadlines, oversized messages; a tenants
-file; a taken port."""
+system shared memory on, a small gRPC message limit, gzip answers, a slow model): shared
+memory, repository load and unload, cancellation and deadlines, oversized messages,
+compressed answers; a tenants file; a taken port."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import asyncio
 import json
 import re
 import shutil
+import socket
 import subprocess
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -45,6 +47,74 @@ class Model:
 '''
 
 
+ZEROS = 1 << 16   # values per row of the zeros model's output: 256 KiB of FP32
+
+ZEROS_MODEL = f'''
+import torch
+
+
+class Model:
+    """{ZEROS} zeros a row: an answer that compresses to almost nothing."""
+
+    def load(self, version_dir, device):
+        pass
+
+    def predict(self, inputs):
+        return {{"output": torch.zeros((len(inputs["input"]), {ZEROS}))}}
+'''
+
+
+def write_zeros(repo) -> None:
+    (repo / "zeros" / "1").mkdir(parents=True)
+    (repo / "zeros" / "1" / "model.py").write_text(ZEROS_MODEL)
+    (repo / "zeros" / "config.json").write_text(json.dumps({
+        "name": "zeros", "platform": "python", "max_batch_size": 8,
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [4]}],
+        "outputs": [{"name": "output", "datatype": "FP32", "shape": [ZEROS]}]}))
+
+
+class Relay:
+    """A TCP relay in front of the gRPC port that counts the bytes the server sends."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.from_server = 0
+        self.threads: list[threading.Thread] = []
+        self._spawn(self._accept)
+
+    def _spawn(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:   # closed
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            self._spawn(self._pump, client, server, False)
+            self._spawn(self._pump, server, client, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, counted: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if counted:
+                    self.from_server += len(data)
+                dst.sendall(data)
+        except OSError:   # the other direction ended the connection
+            pass
+        finally:
+            src.close()
+            dst.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
 def write_slow(repo) -> None:
     (repo / "slow" / "1").mkdir(parents=True)
     (repo / "slow" / "1" / "model.py").write_text(SLOW)
@@ -60,9 +130,12 @@ def srv() -> Iterator[Server]:
     for name in ("linear", "other"):
         write_model(repo, name, 1, "nn.Linear(4, 3)", linear_config(name))
     write_slow(repo)
+    write_zeros(repo)
     server = Server(repo, extra=["--model-control-mode", "explicit", "--load-model", "linear",
-                                 "--load-model", "slow", "--allow-shared-memory",
-                                 "--grpc-max-message-bytes", str(MAX_MESSAGE)])
+                                 "--load-model", "slow", "--load-model", "zeros",
+                                 "--allow-shared-memory",
+                                 "--grpc-max-message-bytes", str(MAX_MESSAGE),
+                                 "--grpc-response-compression", "gzip"])
     try:
         yield server.wait_ready()
     finally:
@@ -123,6 +196,22 @@ def test_system_shared_memory_in_and_out(gc: tg.InferenceServerClient) -> None:
         for h in handles.values():
             shm.destroy_shared_memory_region(h)
     assert gc.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
+
+
+def test_answers_are_compressed_with_the_servers_algorithm(srv: Server) -> None:
+    """--grpc-response-compression gzip: 2 rows of zeros (512 KiB of FP32) reach
+    tritonclient, unchanged, in a few KiB on the wire."""
+    relay = Relay(srv.grpc_port)
+    client = tg.InferenceServerClient(f"127.0.0.1:{relay.port}")
+    try:
+        got = client.infer("zeros", [linear_input()]).as_numpy("output")
+        assert got.shape == (2, ZEROS) and not got.any()
+        plain = got.nbytes
+    finally:
+        client.close()
+        relay.close()
+    wait_for(lambda: relay.from_server > 0, 10, "the relay to count the answer")
+    assert relay.from_server < plain / 20, (relay.from_server, plain)
 
 
 def test_cuda_shared_memory_without_a_gpu(gc: tg.InferenceServerClient) -> None:

@@ -331,15 +331,16 @@ class RequestPath(StreamPath):
         self.stats.batch_done(rec.model, rec.version, rec.samples, result.phases_ms,
                               result.compute_ms)
         bundles: dict[bytes, list[p.InferReply]] = {}
+        totals_s: list[float] = []   # the metrics and statistics take the batch's at once
+        queued_s = 0.0
         for rep in result.replies:
             entry = rec.entries.get(rep.request_id)
-            if entry is None or not self.is_open(entry.key):
+            if entry is None or entry.key not in self._open:
                 continue
             pl: Payload = entry.payload
             queue_s = rec.sent_s - entry.arrival_s
-            self.metrics.request_done(rec.model, rec.version, queue_s, now - entry.arrival_s)
-            self.stats.request_done(rec.model, rec.version, queue_s, now - entry.arrival_s,
-                                    result.phases_ms, result.compute_ms)
+            totals_s.append(now - entry.arrival_s)
+            queued_s += queue_s
             stats = {"queue_ms": queue_s * 1000.0, "compute_ms": result.compute_ms,
                      "batch_size": rec.samples, **pl.notes}
             trace = None
@@ -357,6 +358,10 @@ class RequestPath(StreamPath):
             pl.release()
         for client, replies in bundles.items():
             self._send_replies(client, replies)
+        if totals_s:
+            self.metrics.requests_done(rec.model, rec.version, totals_s)
+            self.stats.request_done(rec.model, rec.version, queued_s, sum(totals_s),
+                                    result.phases_ms, result.compute_ms, len(totals_s))
         self._fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
 
     def _send_replies(self, client: bytes, replies: list[p.InferReply]) -> None:

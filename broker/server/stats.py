@@ -97,12 +97,14 @@ class ModelStatistics:
             row[k].add(s)
 
     def request_done(self, model: str, version: int, queue_s: float, total_s: float,
-                     phases_ms: dict[str, float], compute_ms: float) -> None:
+                     phases_ms: dict[str, float], compute_ms: float, count: int = 1) -> None:
+        """``count`` requests of one batch answered, ``queue_s`` and ``total_s`` the sums of
+        their times (each request counts its batch's whole phase times)."""
         st = self._of(model, version)
-        st.success.add(total_s)
-        st.queue.add(queue_s)
+        st.success.add(total_s, count)
+        st.queue.add(queue_s, count)
         for k, s in phase_seconds(phases_ms, compute_ms).items():
-            st.compute[k].add(s)
+            st.compute[k].add(s * count, count)
 
     def request_failed(self, model: str, version: int | None, total_s: float) -> None:
         self._of(model, version).fail.add(total_s)

@@ -122,7 +122,7 @@ class StreamPath:
             if not self._close(entry.key):
                 return
             queue_s, total_s = rec.sent_s - entry.arrival_s, now - entry.arrival_s
-            self.metrics.request_done(rec.model, rec.version, queue_s, total_s)
+            self.metrics.requests_done(rec.model, rec.version, (total_s,))
             self.metrics.stream_ended(rec.model, "ok")
             self.stats.request_done(rec.model, rec.version, queue_s, total_s, {}, 0.0)
             stats = {"queue_ms": queue_s * 1000.0, "batch_size": rec.samples,

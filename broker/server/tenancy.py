@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.control import ControlError
-from zeroserve.broker.server.metrics import Children
+from zeroserve.broker.server.metrics import Children, LoopCounter, LoopHistogram
 from zeroserve.broker.server.tenants import ANONYMOUS, DEFAULT_QOS, UNKNOWN, Tenant, \
     TenantsError, TenantSet, TokenBucket, load
 
@@ -90,14 +90,13 @@ class Tenancy:
         self._state: dict[str, _State] = {}
         self._open: dict[Hashable, str] = {}        # admitted request key -> tenant
         ns = "zeroserve"
-        self.m_requests = Counter("tenant_requests", "Requests admitted, by tenant",
-                                  ["tenant"], namespace=ns, registry=registry)
+        self.m_requests = LoopCounter("tenant_requests", "Requests admitted, by tenant",
+                                      ["tenant"], registry)
         self.m_rejected = Counter("tenant_rejections", "Requests refused or dropped, by "
                                   "tenant and reason", ["tenant", "reason"], namespace=ns,
                                   registry=registry)
-        self.m_queue = Histogram("tenant_queue_seconds", "Time queued before dispatch, by "
-                                 "tenant", ["tenant"], namespace=ns, registry=registry,
-                                 buckets=_BUCKETS)
+        self.m_queue = LoopHistogram("tenant_queue_seconds", "Time queued before dispatch, "
+                                     "by tenant", ["tenant"], registry, _BUCKETS)
         self._child = Children()
         if path is not None:
             self._install(load(path))   # a bad file at startup: TenantsError to the caller
@@ -201,7 +200,7 @@ class Tenancy:
         st.inflight += 1
         st.count(now)
         self._open[key] = t.name
-        self._child(self.m_requests, t.name).inc()
+        self.m_requests.inc((t.name,))
         return Grant(dataclasses.replace(req, priority=priority, timeout_ms=timeout_ms),
                      t.name, t.weight, t.qos.rank, notes)
 
@@ -232,7 +231,7 @@ class Tenancy:
             st.rejected[code.value] = st.rejected.get(code.value, 0) + 1
 
     def queued(self, tenant: str, queue_s: float) -> None:
-        self._child(self.m_queue, self._label(tenant)).observe(queue_s)
+        self.m_queue.labels(self._label(tenant)).observe(queue_s)
 
     def _label(self, tenant: str) -> str:
         if not self.enabled:

@@ -141,3 +141,20 @@ def test_wait_estimate_of_a_tenant_under_its_share_ignores_the_flood() -> None:
     assert s.estimate_wait("m", 1, one, 1, "flood", 1.0, 1) == 1.01
     serve(s, 101)
     assert s.estimate_wait("m", 1, one, 1, "polite", 1.0, 1) == 0.0
+
+
+def test_a_heap_is_read_in_order_lazily_and_left_as_it_was() -> None:
+    import heapq
+    import random
+
+    from zeroserve.broker.server.fairqueue import in_order
+    rng = random.Random(7)
+    for n in (0, 1, 2, 3, 10, 257):
+        heap = [(rng.choice([1.0, 2.0, math.inf]), i, None) for i in range(n)]
+        rng.shuffle(heap)
+        heapq.heapify(heap)
+        before = list(heap)
+        assert list(in_order(heap)) == sorted(heap)   # type: ignore[arg-type]
+        assert heap == before
+        got = in_order(heap)   # type: ignore[arg-type]
+        assert [next(got) for _ in range(min(n, 3))] == sorted(heap)[:3]

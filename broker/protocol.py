@@ -683,14 +683,22 @@ def _decode_tensors(raw: Any, frames: Sequence[Buffer]) -> list[Tensor]:
         raise ProtocolError(f"{len(metas)} tensors declared but {len(frames)} frames sent")
     tensors = []
     for meta, frame in zip(metas, frames):
-        buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
-        expected = meta.nbytes()
-        if expected is not None and buf.nbytes != expected:
-            raise ProtocolError(
-                f"tensor {meta.name!r}: {buf.nbytes} bytes for shape {list(meta.shape)} "
-                f"{meta.datatype} (expected {expected})")
+        # a zmq.Frame (what a socket gives) has its buffer; bytes and views are their own
+        buf = memoryview(frame) if type(frame) in _PLAIN else frame.buffer \
+            if hasattr(frame, "buffer") else memoryview(frame)
+        expected = ITEM_BYTES.get(meta.datatype)   # None: BYTES, whose length varies
+        if expected is not None:
+            for d in meta.shape:
+                expected *= d
+            if buf.nbytes != expected:
+                raise ProtocolError(
+                    f"tensor {meta.name!r}: {buf.nbytes} bytes for shape {list(meta.shape)} "
+                    f"{meta.datatype} (expected {expected})")
         tensors.append(Tensor(meta, buf))
     return tensors
+
+
+_PLAIN = (bytes, memoryview, bytearray)
 
 
 # ---------------------------------------------------------------------------

@@ -49,10 +49,10 @@ WORKER_TRACE = {"boot": "sim", "ns": {"COMPUTE_START": 1, "COMPUTE_INPUT_END": 2
 
 class Bench:
     def __init__(self, workers: int, bundle: int, timeout_ms: float = 0.0,
-                 traced: float = 0.0) -> None:
+                 traced: float = 0.0, config: dict[str, Any] | None = None) -> None:
         self.timeout_ms = timeout_ms
         self.every = round(1 / traced) if traced else 0
-        self.repo = write_repo({"tiny": {"max_batch_size": max(16, bundle)}})
+        self.repo = write_repo({"tiny": {"max_batch_size": max(16, bundle), **(config or {})}})
         self.to_worker: list[tuple[bytes, list[Any]]] = []
         self.loads: list[tuple[bytes, p.LoadModel]] = []
         self.replies = 0
@@ -207,6 +207,11 @@ def main() -> None:
     ap.add_argument("--traced", type=float, default=0.0,
                     help="fraction of requests traced (0.01: every 100th; 1: all)")
     args = ap.parse_args()
+    try:
+        from zeroserve.broker.process import tune_gc
+        tune_gc()   # as the broker's process does (options.run_component)
+    except ImportError:
+        pass   # a --before commit older than it
     if args.before:
         side_by_side(args)
         return

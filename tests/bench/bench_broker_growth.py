@@ -47,7 +47,11 @@ class QueuedBench(Bench):
 
     def __init__(self, queued: int) -> None:
         super().__init__(1, BATCH, timeout_ms=600_000.0,
-                         config={"dynamic_batching": {"max_queue_size": queued + 4 * BATCH}})
+                         config={"dynamic_batching": {
+                             "max_queue_size": queued + 4 * BATCH,
+                             # making 10,000 requests takes seconds here; with the default
+                             # (1 s) they would all be served oldest first, by the aging rule
+                             "aging_ms": 600_000}})
         self.held: list[tuple[bytes, list[Any]]] = []   # batches at the worker, oldest first
         # queued while the worker is drained, so no batch sits at it longer than the stall
         # rule allows (a second) while 10,000 requests are made; then two batches go out

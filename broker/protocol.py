@@ -814,12 +814,29 @@ def request_id_of(header: dict[str, Any]) -> str | None:
 
 
 def reply_header(rep: InferReply) -> tuple[dict[str, Any], list[Buffer]]:
-    metas, bufs = _encode_tensors(rep.tensors)
-    header = {"id": rep.request_id, "model": rep.model, "version": rep.version,
-              "tensors": metas, "stats": rep.stats}
-    if rep.trace is not None:
-        header["trace"] = rep.trace
+    return reply_part(rep.request_id, rep.model, rep.version, rep.tensors, rep.stats,
+                      rep.trace)
+
+
+def reply_part(request_id: str, model: str, version: int, tensors: Sequence[Tensor],
+               stats: dict[str, float], trace: dict[str, Any] | None = None
+               ) -> tuple[dict[str, Any], list[Buffer]]:
+    """An InferReply's header and frames without the InferReply, for
+    :func:`encode_reply_parts`: the broker makes one for every request it answers."""
+    metas, bufs = _encode_tensors(tensors)
+    header = {"id": request_id, "model": model, "version": version, "tensors": metas,
+              "stats": stats}
+    if trace is not None:
+        header["trace"] = trace
     return header, bufs
+
+
+def encode_reply_parts(parts: Sequence[tuple[dict[str, Any], list[Buffer]]]) -> list[Buffer]:
+    """One reply as REPLY, several (to one client that speaks version 2) as REPLIES."""
+    if len(parts) == 1:
+        header, bufs = parts[0]
+        return _pack(Kind.REPLY, header) + bufs
+    return bundle(Kind.REPLIES, "replies", parts)
 
 
 def encode_reply(rep: InferReply) -> list[Buffer]:

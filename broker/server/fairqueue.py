@@ -39,7 +39,9 @@ class FairLevel:
         self.weights: dict[str, float] = {}
 
     def _live(self, tenant: str) -> list[tuple[float, int, Entry]]:
-        heap = self.heaps.get(tenant, [])
+        heap = self.heaps.get(tenant)
+        if heap is None:
+            return []
         while heap and heap[0][2].state != QUEUED:
             heapq.heappop(heap)
         return heap

@@ -213,8 +213,13 @@ class BrokerMetrics:
     def stream_ended(self, model: str, status: str) -> None:
         self._child(self.streams, model, status).inc()
 
-    def queued(self, model: str, priority: int, queue_s: float) -> None:
-        self.queue.labels(model, str(priority)).observe(queue_s)
+    def queued(self, model: str, waits: Sequence[tuple[int, float]]) -> None:
+        """A batch's requests left the queue: (priority, seconds queued) of each."""
+        last, observe = None, None
+        for priority, queue_s in waits:
+            if priority != last or observe is None:
+                last, observe = priority, self.queue.labels(model, str(priority)).observe
+            observe(queue_s)
 
     def batch_sent(self, model: str, reason: str, samples: int) -> None:
         self.batches.inc((model, reason))

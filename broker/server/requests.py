@@ -198,7 +198,10 @@ class RequestPath(StreamPath):
         entry.payload.notes = grant.notes
         entry.payload.bundled = bundled
         self._open[key] = req.model
-        self._by_client.setdefault(client, set()).add(req.request_id)
+        ids = self._by_client.get(client)
+        if ids is None:
+            ids = self._by_client[client] = set()
+        ids.add(req.request_id)
         self._queue(entry)
 
     def _entry(self, client: bytes, req: p.InferRequest, model: CatalogModel, samples: int,
@@ -255,10 +258,11 @@ class RequestPath(StreamPath):
                 self.latency.observe(msg.model, worker.worker_id, b, t)
 
     def _note_priority(self, model: str, priority: int, now: float) -> None:
-        last, mixed_until = self._priorities.get(model, (priority, -math.inf))
-        if priority != last:
-            mixed_until = now + MIXED_PRIORITIES_S
-        self._priorities[model] = (priority, mixed_until)
+        seen = self._priorities.get(model)
+        if seen is None:
+            self._priorities[model] = (priority, -math.inf)
+        elif priority != seen[0]:
+            self._priorities[model] = (priority, now + MIXED_PRIORITIES_S)
 
     def _mixed(self, model: str, now: float) -> bool:
         return self._priorities.get(model, (0, -math.inf))[1] > now
@@ -330,7 +334,7 @@ class RequestPath(StreamPath):
         self.metrics.batch_done(rec.model, rec.samples, compute_s, result.phases_ms)
         self.stats.batch_done(rec.model, rec.version, rec.samples, result.phases_ms,
                               result.compute_ms)
-        bundles: dict[bytes, list[p.InferReply]] = {}
+        bundles: dict[bytes, list[tuple[dict[str, Any], list[Any]]]] = {}
         totals_s: list[float] = []   # the metrics and statistics take the batch's at once
         queued_s = 0.0
         for rep in result.replies:
@@ -346,13 +350,17 @@ class RequestPath(StreamPath):
             trace = None
             if pl.request is not None and pl.request.trace is not None:
                 trace = tracing.broker_stamps(entry.arrival_s, rec.sent_s, now, result.trace)
-            reply = p.InferReply(pl.request_id, rec.model, rec.version, rep.tensors, stats,
-                                 trace)
-            frames = None if pl.bundled else p.encode_reply(reply)
+            part = p.reply_part(pl.request_id, rec.model, rec.version, rep.tensors, stats,
+                                trace)
+            frames = None if pl.bundled else p.encode_reply_parts([part])
             del rec.entries[rep.request_id]   # from here on nothing can fail before it leaves
             self._close(entry.key)
             if frames is None:
-                bundles.setdefault(pl.client, []).append(reply)
+                got = bundles.get(pl.client)
+                if got is None:
+                    bundles[pl.client] = [part]
+                else:
+                    got.append(part)
             else:
                 self._reply(pl.client, frames)
             pl.release()
@@ -364,13 +372,12 @@ class RequestPath(StreamPath):
                                     result.phases_ms, result.compute_ms, len(totals_s))
         self._fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
 
-    def _send_replies(self, client: bytes, replies: list[p.InferReply]) -> None:
+    def _send_replies(self, client: bytes, parts: list[tuple[dict[str, Any], list[Any]]]
+                      ) -> None:
         """A batch's replies to one client in as few messages as the protocol allows: a
         message sent costs the broker more than the bytes in it."""
-        for i in range(0, len(replies), p.MAX_BUNDLE):
-            chunk = replies[i:i + p.MAX_BUNDLE]
-            self._reply(client, p.encode_reply(chunk[0]) if len(chunk) == 1
-                        else p.encode_replies(chunk))
+        for i in range(0, len(parts), p.MAX_BUNDLE):
+            self._reply(client, p.encode_reply_parts(parts[i:i + p.MAX_BUNDLE]))
 
     # -- workers lost ---------------------------------------------------------
     def worker_lost(self, lost: list[Inflight], loss: Loss, worker_id: str, now: float) -> None:
@@ -498,9 +505,8 @@ class RequestPath(StreamPath):
         if rec.stream:
             self.streams_started(rec)
         self.metrics.batch_sent(model.config.name, reason, rec.samples)
-        for entry in entries:
-            self.metrics.queued(model.config.name, entry.priority, now - entry.arrival_s)
-            self.tenancy.queued(entry.tenant, now - entry.arrival_s)
+        self.metrics.queued(model.config.name, [(e.priority, now - e.arrival_s) for e in entries])
+        self.tenancy.queued([(e.tenant, now - e.arrival_s) for e in entries])
 
     def _soonest_free(self, workers: list[WorkerState], now: float) -> float:
         """When the first of ``workers`` is predicted to be done with what it has."""

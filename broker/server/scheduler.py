@@ -110,7 +110,10 @@ class _Queue:
             level = self.levels[e.priority] = _Level()
         level.push(e)
         self.fifo.append(e)
-        self.arrivals.setdefault((e.shed_rank, e.priority), deque()).append(e)
+        arrivals = self.arrivals.get((e.shed_rank, e.priority))
+        if arrivals is None:
+            arrivals = self.arrivals[(e.shed_rank, e.priority)] = deque()
+        arrivals.append(e)
         self.level_samples[e.priority] = self.level_samples.get(e.priority, 0) + e.samples
         self.count += 1
         self.samples += e.samples

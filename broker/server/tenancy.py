@@ -16,7 +16,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -230,8 +230,13 @@ class Tenancy:
         if st is not None:
             st.rejected[code.value] = st.rejected.get(code.value, 0) + 1
 
-    def queued(self, tenant: str, queue_s: float) -> None:
-        self.m_queue.labels(self._label(tenant)).observe(queue_s)
+    def queued(self, waits: Sequence[tuple[str, float]]) -> None:
+        """A batch's requests left the queue: (tenant, seconds queued) of each."""
+        last, observe = None, None
+        for tenant, queue_s in waits:
+            if tenant != last or observe is None:
+                last, observe = tenant, self.m_queue.labels(self._label(tenant)).observe
+            observe(queue_s)
 
     def _label(self, tenant: str) -> str:
         if not self.enabled:

@@ -125,7 +125,7 @@ def broker_series() -> set[str]:
     from zeroserve.broker.server.metrics import BrokerMetrics
 
     m = BrokerMetrics()
-    m.queued("mlp", 1, 0.004)
+    m.queued("mlp", [(1, 0.004)])
     text = generate_latest(m.registry).decode()
     return {line.split("{")[0].split()[0] for line in text.splitlines()
             if line and not line.startswith("#")}

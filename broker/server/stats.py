@@ -92,7 +92,9 @@ class ModelStatistics:
         st.execution_count += 1
         st.inference_count += samples
         st.last_inference_ms = int(self._wall() * 1000)
-        row = st.batches.setdefault(samples, {k: Stat() for k in PHASES})
+        row = st.batches.get(samples)
+        if row is None:
+            row = st.batches[samples] = {k: Stat() for k in PHASES}
         for k, s in phase_seconds(phases_ms, compute_ms).items():
             row[k].add(s)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 from prometheus_client.metrics import MetricWrapperBase
-from prometheus_client.utils import floatToGoString
+from prometheus_client import utils as prometheus_utils
 
 from zeroserve.broker.protocol import ErrorCode
 
@@ -37,6 +37,10 @@ class Children:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+
+# how prometheus_client writes a bucket's bound (untyped there)
+_go_float = cast(Callable[[float], str], prometheus_utils.floatToGoString)
 
 
 class LoopCounter:
@@ -106,7 +110,7 @@ class LoopHistogram:
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        les = [_go_float(b) for b in self.bounds] + ["+Inf"]
         for labels, series in self.series.items():
             cumulative, buckets = 0, []
             for le, n in zip(les, series.counts):

@@ -67,6 +67,14 @@ def _single(loaded: LoadedModel, item: p.BatchItem) -> tuple[list[Any], list[int
     return inputs, [rows]
 
 
+def rows(loaded: LoadedModel, items: Sequence[p.BatchItem]) -> int:
+    """A batch's rows along dim 0 (its requests, for a model that does not batch)."""
+    if loaded.config.max_batch_size <= 0:
+        return len(items)
+    return sum(item.tensors[0].meta.shape[0] if item.tensors and item.tensors[0].meta.shape
+               else 1 for item in items)
+
+
 def assemble(loaded: LoadedModel, items: Sequence[p.BatchItem],
              pin: bool = False) -> tuple[list[Any], list[int]]:
     """One tensor per declared input, the items concatenated along dim 0 in one copy

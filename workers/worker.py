@@ -1,29 +1,39 @@
 """The worker process: one per GPU (or N on a CPU host).
 
 Threads, so heartbeats flow while a batch runs:
-  * the main thread reads the DEALER to the broker (a zmq.Poller on its descriptor),
-    heartbeats, decodes batches and hands them to the compute thread;
-  * the compute thread runs batches in order and sends each result on the same
-    DEALER itself: a hop back through the main thread cost a thread wake-up and two
-    inproc messages per batch. The socket is shared under a lock (a full memory
-    barrier, which is what ZeroMQ asks of a socket used by more than one thread); the
-    main thread polls its descriptor, never the socket, so it holds the lock only
-    while it receives or sends;
+  * the compute thread reads the DEALER to the broker while it is idle and runs each
+    batch it reads at once, in the thread that received it, then sends the result: at
+    one request at a time a hand-off to another thread cost a wake-up and the GIL's
+    passing on every batch (mlp, direct C=1: see the commit that made it so). Every
+    other message it reads goes to the main thread;
+  * the main thread heartbeats, keeps the timers (broker expiry, drain, watchdog) and
+    handles everything but batches. It reads the DEALER itself while a batch runs that
+    streams (its STOPs must be read meanwhile), or that may run past TAKEOVER_S (its
+    version's last batch says so, or it is the first), or that has run past it (found
+    within a heartbeat): so a long or hung batch never leaves the broker unheard (its
+    restart order is read), and what comes behind it is read on arrival, where
+    deadlines count from. Batches it reads queue for the compute thread;
   * the loader thread loads and warms up versions, so the old version keeps
     serving while a new one loads; its answers go through an inproc PUSH socket
     that the main thread forwards (loads are rare; their ordering before READY=1
     stays the main thread's).
-torch releases the GIL inside its kernels, so the threads overlap.
+The socket is shared under a lock (a full memory barrier, which is what ZeroMQ asks of
+a socket used by more than one thread). Its descriptor is edge-triggered: a call on the
+socket can consume the edge another thread waits on, so after each send the sender wakes
+whichever thread reads if a message is waiting. torch releases the GIL inside its
+kernels, so the threads overlap.
 """
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import math
 import os
 import queue
 import secrets
+import select
 import signal
 import socket
 import threading
@@ -46,10 +56,29 @@ from zeroserve.workers.memory import rss_bytes
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+# A batch that may run this long has the main thread read the broker's socket meanwhile;
+# shorter ones (mlp's, about 0.1-0.5 ms at batch 1) keep the wake-up it costs off them.
+TAKEOVER_S = 0.05
+Job = tuple[p.Batch, float]   # a batch and the deadline by which it must start
 # How far memory may stay above its pre-load level after an unload before the worker is
 # recycled; tests/workers/test_memory.py measures the real drift of mlp cycles (a few MB).
 DEFAULT_MEMORY_TOLERANCE_BYTES = 64 << 20
 RECYCLE_EXIT_CODE = 75
+
+
+def _pipe() -> tuple[socket.socket, socket.socket]:
+    """A wake-up: a thread polls the read end beside the broker's socket."""
+    r, w = socket.socketpair()
+    r.setblocking(False)
+    w.setblocking(False)
+    return r, w
+
+
+def _drain(r: socket.socket) -> None:
+    try:
+        r.recv(512)
+    except BlockingIOError:
+        pass
 
 
 class Worker:
@@ -73,7 +102,15 @@ class Worker:
         # written by the loader thread, read by the others: iterate only under the lock
         self.models: dict[tuple[str, int], LoadedModel] = {}
         self._models_lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # batches the main thread read while the compute thread ran one, for it to run next
+        self._jobs: collections.deque[Job] = collections.deque()
+        # what the compute thread read that is not a batch, for the main thread, in order
+        self._inbox: collections.deque[list[Any]] = collections.deque()
+        self._busy_since: float | None = None   # the compute thread's batch began then
+        self._handed = False      # it runs a stream or a long batch: the main thread reads
+        self._last_run: dict[tuple[str, int], tuple[float, int]] = {}  # seconds, rows
+        self._main_reads = False  # the main thread polls the socket now
+        self._closing = False
         self._sock_lock = threading.RLock()   # every call on self.sock holds it
         self._loads: queue.Queue[Any] = queue.Queue()
         # stream batches received and not finished -> their items the broker answered
@@ -123,19 +160,20 @@ class Worker:
         # before the broker could refuse it); reconnects of this process keep it
         self.sock = sockets.dealer(self.ctx, self.endpoint, hwm=0, keys=self.curve_keys,
                                    identity=self._identity)
-        # its descriptor, not the socket: polling a socket is a call on it, and the
-        # compute thread may be sending on it meanwhile (edge-triggered: see _readable)
-        self._sock_fd = self.sock.getsockopt(zmq.FD)
-        self.poller.register(self._sock_fd, zmq.POLLIN)
+        # its descriptor, not the socket: polling a socket is a call on it, and another
+        # thread may be using it meanwhile (edge-triggered: see _kick)
+        self._sock_fd = int(self.sock.getsockopt(zmq.FD))
         self._send_ready()
 
     def _reconnect(self) -> None:
         with self._sock_lock:
-            self.poller.unregister(self._sock_fd)
+            self._poll_socket(False)
             self.sock.close(linger=0)
             self._connect()
+        self._wake(self._cwake_w)   # it polls the old descriptor
 
     def _send(self, frames: list[Any]) -> None:
+        """From the main thread."""
         with self._sock_lock:
             try:  # unbounded queue: only a socket with no connection at all would block
                 self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -143,21 +181,31 @@ class Worker:
                 self._bad_log.log(logging.WARNING, "no connection to the broker at %s (with "
                                   "CurveZMQ: was our key refused? see the broker's log); "
                                   "retrying", self.endpoint)
+            self._kick(self._cwake_w)
 
     def _send_result(self, frames: list[Any]) -> None:
-        """From the compute thread. A send processes the socket's pending commands and
-        may consume the edge of its descriptor that the main thread waits on: if a
-        message is waiting, wake the main thread so that it is not left unread."""
+        """From the compute thread."""
         try:
             with self._sock_lock:
                 self.sock.send_multipart(frames, copy=False)
-                waiting = self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
-            if waiting:
-                self._wake_w.send(b"\0")
-        except BlockingIOError:
-            pass  # a wake-up is pending already
+                if self._main_reads:
+                    self._kick(self._wake_w)
         except (zmq.ZMQError, OSError) as exc:  # the main thread closed it: we are exiting
             logger.debug("result not sent: %s", exc)
+
+    def _kick(self, wake: socket.socket) -> None:
+        """Under the lock, after a call on the socket: the call processed its pending
+        commands and may have consumed the edge of its descriptor that another thread
+        polls; if a message is waiting, wake that thread so that it is not left unread."""
+        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._wake(wake)
+
+    @staticmethod
+    def _wake(wake: socket.socket) -> None:
+        try:
+            wake.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is pending already, or we are exiting
 
     def _readable(self) -> bool:
         with self._sock_lock:
@@ -168,6 +216,16 @@ class Worker:
             if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return None
             return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+
+    def _poll_socket(self, on: bool) -> None:
+        """Whether the main thread's poller waits on the socket (the compute thread's
+        does whenever it is idle)."""
+        if on != self._main_reads:
+            if on:
+                self.poller.register(self._sock_fd, zmq.POLLIN)
+            else:
+                self.poller.unregister(self._sock_fd)
+            self._main_reads = on
 
     def _loaded(self) -> list[tuple[tuple[str, int], LoadedModel]]:
         with self._models_lock:
@@ -193,18 +251,17 @@ class Worker:
     def run(self) -> int:
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(f"inproc://results-{id(self)}")
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._wake_r, self._wake_w = _pipe()
+        self._cwake_r, self._cwake_w = _pipe()   # the compute thread's
         self.poller = zmq.Poller()
         self.poller.register(self.results, zmq.POLLIN)
         # by descriptor: zmq.Poller answers a plain socket's events under its fileno
         self.poller.register(self._wake_r.fileno(), zmq.POLLIN)
-        threads = [threading.Thread(target=self._compute_loop, name="compute", daemon=True),
-                   threading.Thread(target=self._loader_loop, name="loader", daemon=True)]
-        for t in threads:
-            t.start()
         self._connect()
+        compute = threading.Thread(target=self._compute_loop, name="compute", daemon=True)
+        for t in (compute, threading.Thread(target=self._loader_loop, name="loader",
+                                            daemon=True)):
+            t.start()
         next_beat = 0.0
         while self._exit is None:
             now = time.monotonic()
@@ -212,67 +269,77 @@ class Worker:
                 if self._retry_ready_s == math.inf:   # refused, it is nobody's worker yet
                     self._heartbeat()
                 next_beat = now + self.heartbeat_s
-            if now >= self._retry_ready_s:
-                self._retry_ready_s = math.inf
-                self._send_ready()
-            self.notifier.watchdog(now)
-            self._notify_ready_once()
-            if now - self._last_heard > self.broker_expiry_s:
-                if self.stopping:
-                    logger.warning("broker silent while draining; exiting")
-                    break
-                logger.warning("broker silent for %.1fs; reconnecting", now - self._last_heard)
-                self._reconnect()
-            if self.stopping and self._broker_stopped:
-                logger.info("stopping; the broker is gone, nothing of its runs here")
+            if not self._tick(now):
                 break
-            if self.stopping and not self._draining:
-                # the broker decides when we go: alone, we drain and our work moves to
-                # others; if it stops too, it keeps us until its queue is done
-                self._draining = True
-                self._stop_deadline = now + self.drain_timeout_s
-                logger.info("draining before exit")
-                self.notifier.stopping()
-                self._send(self._leave())
-            if now >= self._stop_deadline:
-                logger.warning("drain did not finish within %.0fs; exiting", self.drain_timeout_s)
-                break
-            wait_ms = 0 if self._readable() else max(
-                1, int((next_beat - time.monotonic()) * 1000))
+            busy = self._busy_since
+            reads = self._handed or (busy is not None and now - busy >= TAKEOVER_S)
+            self._poll_socket(reads)
+            wake_s = next_beat if reads or busy is None else min(next_beat, busy + TAKEOVER_S)
+            wait_ms = 0 if self._inbox or (reads and self._readable()) else max(
+                1, int((wake_s - time.monotonic()) * 1000))
             events = dict(self.poller.poll(wait_ms))
             if self._wake_r.fileno() in events:
-                try:
-                    self._wake_r.recv(512)
-                except BlockingIOError:
-                    pass
+                _drain(self._wake_r)
             if self.results in events:
                 while self.results.poll(0):
                     self._send(self.results.recv_multipart(copy=False))
-            while self._exit is None and (frames := self._recv()) is not None:
+            self._handle_inbox()
+            while reads and self._exit is None and (frames := self._recv()) is not None:
+                self._handle_inbox()   # what the compute thread read first comes first
                 self.on_message(frames)
-        self._jobs.put(_STOP)
+        self._closing = True
+        self._wake(self._cwake_w)
         self._loads.put(_STOP)
+        compute.join(1.0)   # not longer: it may be stuck inside the model
         with self._sock_lock:
             self.sock.close(linger=0)
         self.results.close(linger=0)
-        self._wake_r.close()
-        self._wake_w.close()
+        for end in (self._wake_r, self._wake_w) + (
+                () if compute.is_alive() else (self._cwake_r, self._cwake_w)):
+            end.close()
         return self._exit or 0
+
+    def _tick(self, now: float) -> bool:
+        """The main thread's timers; False when it must exit."""
+        if now >= self._retry_ready_s:
+            self._retry_ready_s = math.inf
+            self._send_ready()
+        self.notifier.watchdog(now)
+        self._notify_ready_once()
+        if now - self._last_heard > self.broker_expiry_s:
+            if self.stopping:
+                logger.warning("broker silent while draining; exiting")
+                return False
+            logger.warning("broker silent for %.1fs; reconnecting", now - self._last_heard)
+            self._reconnect()
+        if self.stopping and self._broker_stopped:
+            logger.info("stopping; the broker is gone, nothing of its runs here")
+            return False
+        if self.stopping and not self._draining:
+            # the broker decides when we go: alone, we drain and our work moves to
+            # others; if it stops too, it keeps us until its queue is done
+            self._draining = True
+            self._stop_deadline = now + self.drain_timeout_s
+            logger.info("draining before exit")
+            self.notifier.stopping()
+            self._send(self._leave())
+        if now >= self._stop_deadline:
+            logger.warning("drain did not finish within %.0fs; exiting", self.drain_timeout_s)
+            return False
+        return True
+
+    def _handle_inbox(self) -> None:
+        while self._exit is None and self._inbox:
+            self.on_message(self._inbox.popleft())
 
     def on_message(self, frames: list[Any]) -> None:
         self._last_heard = time.monotonic()
         try:
             kind, header, bufs = p.unpack(frames)
             if kind is p.Kind.BATCH:
-                batch = p.decode_batch(header, bufs)
-                # the budget is relative; turn it into our own clock's deadline on receipt
-                start_by = self._last_heard + batch.timeout_ms / 1000.0 \
-                    if batch.timeout_ms > 0 else float("inf")
-                loaded = self.models.get((batch.model, batch.version))
-                if loaded is not None and loaded.config.decoupled:
-                    with self._stops_lock:
-                        self._stops[batch.batch_id] = set()
-                self._jobs.put((batch, start_by))
+                self._jobs.append(self._job(header, bufs, self._last_heard))
+                if self._busy_since is None:   # it finished meanwhile and may be asleep
+                    self._wake(self._cwake_w)
             elif kind is p.Kind.STOP:
                 stop = p.decode(p.Stop, header)
                 with self._stops_lock:
@@ -291,6 +358,17 @@ class Worker:
         except (p.ProtocolError, KeyError, ValueError, TypeError) as exc:
             self._bad_log.log(logging.WARNING, "dropped a malformed message from the broker: %s",
                               str(exc)[:300])
+
+    def _job(self, header: dict[str, Any], bufs: Any, received_s: float) -> Job:
+        batch = p.decode_batch(header, bufs)
+        # the budget is relative; turn it into our own clock's deadline on receipt
+        start_by = received_s + batch.timeout_ms / 1000.0 \
+            if batch.timeout_ms > 0 else float("inf")
+        loaded = self.models.get((batch.model, batch.version))
+        if loaded is not None and loaded.config.decoupled:
+            with self._stops_lock:
+                self._stops[batch.batch_id] = set()
+        return batch, start_by
 
     def _on_log_settings(self, msg: p.LogSettings) -> None:
         try:
@@ -359,34 +437,86 @@ class Worker:
 
     # -- threads ------------------------------------------------------------
     def _compute_loop(self) -> None:
-        while (job := self._jobs.get()) is not _STOP:
-            batch, start_by = job
-            taken_ns = time.monotonic_ns()
-            loaded = self.models.get((batch.model, batch.version))
-            if time.monotonic() >= start_by:
-                self.m_expired.inc(len(batch.items))
-                result = p.BatchResult(batch.batch_id, [], 0.0, expired=True,
-                                       error="deadline exceeded before the batch could start")
-            elif loaded is None:
-                result = p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=(
-                    f"model {batch.model}/{batch.version} is not loaded on "
-                    f"worker {self.worker_id}"))
-            elif loaded.config.decoupled:
+        poller = select.poll()
+        poller.register(self._cwake_r.fileno(), select.POLLIN)
+        polled = -1
+        while not self._closing:
+            try:
+                job = self._jobs.popleft() if self._jobs else self._read_batch()
+            except (zmq.ZMQError, OSError) as exc:  # the main thread closed it: we are exiting
+                logger.debug("compute thread stops reading: %s", exc)
+                return
+            if job is not None:
+                self._run(job)
+                continue
+            if polled != self._sock_fd:   # a reconnect made a new socket
+                if polled >= 0:
+                    poller.unregister(polled)
+                polled = self._sock_fd
+                poller.register(polled, select.POLLIN)
+            # bounded: a missed edge costs at most a second, never a hang
+            if any(fd == self._cwake_r.fileno() for fd, _ in poller.poll(1000)):
+                _drain(self._cwake_r)
+
+    def _read_batch(self) -> Job | None:
+        """A batch from the socket if one is waiting; any other message goes to the main
+        thread (in order, and while the lock is held, so before anything it reads)."""
+        while True:
+            with self._sock_lock:
+                if self._closing or not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return None
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                if bytes(frames[0]) != p.Kind.BATCH.value or len(frames) < 2:
+                    self._inbox.append(frames)
+                    self._wake(self._wake_w)
+                    continue
+            self._last_heard = received_s = time.monotonic()
+            try:
+                kind, header, bufs = p.unpack(frames)
+                return self._job(header, bufs, received_s)
+            except (p.ProtocolError, KeyError, ValueError, TypeError) as exc:
+                self._bad_log.log(logging.WARNING, "dropped a malformed batch from the "
+                                  "broker: %s", str(exc)[:300])
+
+    def _run(self, job: Job) -> None:
+        batch, start_by = job
+        taken_ns = time.monotonic_ns()
+        self._busy_since = time.monotonic()
+        loaded = self.models.get((batch.model, batch.version))
+        if self._busy_since >= start_by:
+            self.m_expired.inc(len(batch.items))
+            result = p.BatchResult(batch.batch_id, [], 0.0, expired=True,
+                                   error="deadline exceeded before the batch could start")
+        elif loaded is None:
+            result = p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=(
+                f"model {batch.model}/{batch.version} is not loaded on "
+                f"worker {self.worker_id}"))
+        else:
+            rows = batching.rows(loaded, batch.items)
+            if loaded.config.decoupled or self._long(batch, rows):
+                # the main thread reads meanwhile: at once, so that what the broker sends
+                # behind it (a stream's STOPs, the next batches with their deadlines)
+                # is read when it comes
+                self._handed = True
+                self._wake(self._wake_w)
+            if loaded.config.decoupled:
                 result = streaming.run_stream(
                     loaded, batch, lambda part: self._send_result(p.encode_partial(part)),
-                    lambda: self._stopped(batch.batch_id))  # noqa: B023 (called within)
-                self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
+                    lambda: self._stopped(batch.batch_id))
             else:
                 result = batching.run(loaded, batch)
-                self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
-            if self._stops:
-                with self._stops_lock:
-                    self._stops.pop(batch.batch_id, None)
-            done_ns = time.monotonic_ns()
-            self._send_result(p.encode_result(result))
-            if self.spans is not None and batch.trace is not None:   # after the answer
-                self._emit_spans(batch, result, taken_ns, done_ns)
-            del loaded, result  # hold no version between batches: unloads free it
+                self._last_run[(batch.model, batch.version)] = (result.compute_ms / 1e3, rows)
+            self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
+        if self._stops:
+            with self._stops_lock:
+                self._stops.pop(batch.batch_id, None)
+        done_ns = time.monotonic_ns()
+        self._send_result(p.encode_result(result))
+        self._handed = False
+        self._busy_since = None
+        if self.spans is not None and batch.trace is not None:   # after the answer
+            self._emit_spans(batch, result, taken_ns, done_ns)
+        del loaded, result  # hold no version between batches: unloads free it
 
     def _emit_spans(self, batch: p.Batch, result: p.BatchResult, taken_ns: int,
                     done_ns: int) -> None:
@@ -395,6 +525,16 @@ class Worker:
         except Exception as exc:  # tracing must never stop the compute thread
             self._bad_log.log(logging.WARNING, "batch %d's spans not emitted: %s",
                               batch.batch_id, exc)
+
+    def _long(self, batch: p.Batch, rows: int) -> bool:
+        """Whether a batch may run past TAKEOVER_S: its version has not run here yet, or
+        its last batch, scaled to this one's rows, took more than half of it. One that
+        runs long all the same is found by the main thread within a heartbeat."""
+        last = self._last_run.get((batch.model, batch.version))
+        if last is None:
+            return True
+        seconds, last_rows = last
+        return seconds * rows / max(1, last_rows) > TAKEOVER_S / 2
 
     def _stopped(self, batch_id: int) -> frozenset[str]:
         with self._stops_lock:
@@ -439,6 +579,7 @@ class Worker:
                              memory=loaded.plan)
 
     def unload_version(self, name: str, version: int) -> None:
+        self._last_run.pop((name, version), None)
         with self._models_lock:
             loaded = self.models.pop((name, version), None)
             later = [m.memory_bytes for m in self.models.values()

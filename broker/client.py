@@ -356,8 +356,9 @@ class AsyncClient:
     Requests made in the same turn of the event loop leave in one REQUESTS message
     once the broker's PONG says it speaks protocol version 2 (and their replies come
     back bundled the same way): each message costs both ends a system call and its
-    Python handling, whatever it holds. A turn that makes more than FLUSH_AT sends
-    every FLUSH_AT at once, so the broker and the worker start on them while this
+    Python handling, whatever it holds. One made while nothing else is in flight leaves
+    at once, as there is nothing to bundle it with. A turn that makes more than FLUSH_AT
+    sends every FLUSH_AT at once, so the broker and the worker start on them while this
     process goes on with the rest.
 
     ``broker_timeout_s`` bounds how long the broker may stay silent (it answers a
@@ -497,7 +498,10 @@ class AsyncClient:
     def _submit(self, msg: list[Any] | p.InferRequest, rid: str) -> bool:
         """Send now, or with this turn's bundle; False if the socket would block."""
         assert self._loop is not None
-        if isinstance(msg, p.InferRequest) and self._bundles:
+        # alone in flight, a request leaves now: waiting for the turn's end to bundle it
+        # with nothing cost it a turn of the event loop (mlp, direct C=1)
+        if isinstance(msg, p.InferRequest) and self._bundles and (
+                self._outbox or len(self._pending) + len(self._streams) > 1):
             self._outbox[rid] = msg
             if len(self._outbox) >= FLUSH_AT:
                 self._flush()

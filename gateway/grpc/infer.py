@@ -142,12 +142,23 @@ class Inference:
     async def ModelStreamInfer(self, requests: AsyncIterator[Any],
                                context: Any) -> AsyncIterator[Any]:
         answers: asyncio.Queue[Any] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
+        running: set[asyncio.Task[None]] = set()   # to cancel them when the call ends
+        started = 0
+
+        async def one(request: Any) -> None:
+            try:
+                await self._stream_one(request, context, answers)
+            finally:
+                # behind its last answer: the loop below learns here that it ended, also
+                # when it ended answering nothing (an empty final response not asked for)
+                answers.put_nowait(_ENDED)
 
         async def read() -> None:
+            nonlocal started
             try:
                 async for request in requests:
-                    task = asyncio.ensure_future(self._stream_one(request, context, answers))
+                    started += 1
+                    task = asyncio.ensure_future(one(request))
                     running.add(task)
                     task.add_done_callback(running.discard)
             except Exception as exc:   # noqa: BLE001 - reading the call failed: end it
@@ -158,14 +169,20 @@ class Inference:
         reader = asyncio.ensure_future(read())
         try:
             closed = False
-            while not closed or running:
+            ended = 0
+            # a request's task counts until its _ENDED is read, not until it leaves
+            # ``running`` (its done callback runs later): waiting on the queue for a task
+            # that has ended would hold the call open for ever
+            while not closed or ended < started:
                 got = await answers.get()
                 if got is None:
                     closed = True
-                    continue
-                if isinstance(got, BaseException):   # the reader failed (a bad message)
+                elif got is _ENDED:
+                    ended += 1
+                elif isinstance(got, BaseException):   # the reader failed (a bad message)
                     raise got
-                yield got
+                else:
+                    yield got
             await reader
         finally:   # the call ended or was cancelled: withdraw what is still queued
             reader.cancel()
@@ -213,6 +230,9 @@ class Inference:
             gw.door.in_flight -= 1
             if trace is not None:
                 gw.tracer.finish_stream(trace, error)
+
+
+_ENDED = object()   # a stream request's task has put its last answer
 
 
 def tritons(exc: InferError, request_id: str, decoupled: str) -> InferError:

@@ -7,9 +7,11 @@ the client closes stops its generation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
 import shutil
+import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -51,6 +53,22 @@ class Model:
             yield step
 '''
 
+# one response, then a pause before the generator ends: its final part (empty, not asked
+# for) arrives after the client has seen everything it will see
+LINGERING = '''
+import time
+import torch
+
+
+class Model:
+    def load(self, version_dir, device):
+        pass
+
+    def predict(self, inputs, rows):
+        yield {i: ({"output": torch.full((1, 3), 1.0)}, False) for i in range(len(rows))}
+        time.sleep(0.5)  # noqa: sleep-ok (the pause under test)
+'''
+
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[Server]:
@@ -59,6 +77,11 @@ def srv() -> Iterator[Server]:
     (repo / "counter" / "1" / "model.py").write_text(COUNTER)
     (repo / "counter" / "config.json").write_text(json.dumps({
         **linear_config("counter", mbs=8, n_in=2), "platform": "python",
+        "model_transaction_policy": {"decoupled": True}, "warmup": {"batch_sizes": []}}))
+    (repo / "lingering" / "1").mkdir(parents=True)
+    (repo / "lingering" / "1" / "model.py").write_text(LINGERING)
+    (repo / "lingering" / "config.json").write_text(json.dumps({
+        **linear_config("lingering", mbs=8, n_in=2), "platform": "python",
         "model_transaction_policy": {"decoupled": True}, "warmup": {"batch_sizes": []}}))
     write_model(repo, "linear", 1, "nn.Linear(2, 3)", linear_config("linear", n_in=2))
     server = Server(repo)
@@ -74,19 +97,38 @@ def ask(n: int, fail: bool = False) -> list[tg.InferInput]:
     return [tg.InferInput("input", [1, 2], "FP32").set_data_from_numpy(x)]
 
 
-def collect(srv: Server, requests: list[tuple[str, list[tg.InferInput], bool]],
-            expected: int) -> list[tuple[Any, Any]]:
+@contextlib.contextmanager
+def stream(srv: Server) -> Iterator[tuple[tg.InferenceServerClient, "queue.Queue[Any]"]]:
+    """A stream and the queue its answers arrive on. Leaving it half-closes the stream and
+    waits, bounded, for the server to end the call (which it does once every request of
+    the stream has had its last response); leaving it on an error cancels the stream, so
+    the test fails with that error instead of waiting on the call."""
     answers: queue.Queue[Any] = queue.Queue()
     c = tg.InferenceServerClient(srv.grpc_url)
     c.start_stream(callback=lambda result, error: answers.put((result, error)))
     try:
+        yield c, answers
+    except BaseException:
+        c.stop_stream(cancel_requests=True)
+        c.close()
+        raise
+    closing = threading.Thread(target=c.stop_stream, daemon=True)
+    closing.start()
+    closing.join(30)
+    stuck = closing.is_alive()
+    if stuck:
+        c.stop_stream(cancel_requests=True)
+    c.close()
+    assert not stuck, "the server held the stream open 30 s after the client closed it"
+
+
+def collect(srv: Server, requests: list[tuple[str, list[tg.InferInput], bool]],
+            expected: int) -> list[tuple[Any, Any]]:
+    with stream(srv) as (c, answers):
         for rid, inputs, empty_final in requests:
             c.async_stream_infer("counter", inputs, request_id=rid,
                                  enable_empty_final_response=empty_final)
         return [answers.get(timeout=30) for _ in range(expected)]
-    finally:
-        c.stop_stream()
-        c.close()
 
 
 def test_many_requests_on_one_stream_each_answered_in_order(srv: Server) -> None:
@@ -104,18 +146,24 @@ def test_many_requests_on_one_stream_each_answered_in_order(srv: Server) -> None
     assert by_id["c"] == [(1.0, False), (None, True)]   # the empty final: asked for
 
 
+def test_the_call_ends_once_its_last_request_ends_answering_nothing_more(
+        srv: Server) -> None:
+    with stream(srv) as (c, answers):
+        c.async_stream_infer("lingering", ask(1), request_id="one")
+        result, error = answers.get(timeout=30)
+        assert error is None and result.get_response().id == "one"
+    # closed while the request's final part was still to come: the server skips that part
+    # (no empty final response asked for) and must still end the call
+    assert answers.empty()
+
+
 def test_an_error_mid_stream_is_that_requests_answer(srv: Server) -> None:
-    answers: queue.Queue[Any] = queue.Queue()
-    c = tg.InferenceServerClient(srv.grpc_url)
-    c.start_stream(callback=lambda result, error: answers.put((result, error)))
-    try:   # one after the other: a batch's exception fails every request still open in it
+    # one after the other: a batch's exception fails every request still open in it
+    with stream(srv) as (c, answers):
         c.async_stream_infer("counter", ask(3, fail=True), request_id="bad")
         first = [answers.get(timeout=30) for _ in range(2)]
         c.async_stream_infer("counter", ask(2), request_id="ok")   # the stream goes on
         then = [answers.get(timeout=30) for _ in range(2)]
-    finally:
-        c.stop_stream()
-        c.close()
     assert first[0][1] is None and first[0][0].get_response().id == "bad"
     assert "counter failed on purpose" in first[1][1].message()
     assert [(r.get_response().id, e) for r, e in then] == [("ok", None), ("ok", None)]
@@ -135,18 +183,12 @@ def test_unary_infer_refuses_a_decoupled_model(srv: Server) -> None:
 
 
 def test_a_plain_model_on_the_same_stream(srv: Server) -> None:
-    answers: queue.Queue[Any] = queue.Queue()
-    c = tg.InferenceServerClient(srv.grpc_url)
-    c.start_stream(callback=lambda result, error: answers.put((result, error)))
-    try:
+    with stream(srv) as (c, answers):
         x = np.ones((1, 2), np.float32)
         c.async_stream_infer("linear", [tg.InferInput("input", [1, 2], "FP32")
                                         .set_data_from_numpy(x)], request_id="p")
         c.async_stream_infer("counter", ask(2), request_id="d")
         got = [answers.get(timeout=30) for _ in range(3)]
-    finally:
-        c.stop_stream()
-        c.close()
     plain = [r.get_response() for r, e in got if r.get_response().id == "p"]
     assert len(plain) == 1 and plain[0].parameters["triton_final_response"].bool_param
 

@@ -35,7 +35,8 @@ EVERY = [README, *PAGES]
 FOREIGN_FLAGS = {
     "--index-url": "pip", "--build-arg": "docker", "--system": "useradd",
     "--home-dir": "useradd", "--shell": "useradd", "--groups": "useradd",
-    "--strict": "mkdocs",
+    "--strict": "mkdocs", "--gil": "py-spy",
+    "--grpc-infer-response-compression-level": "tritonserver",
 }
 
 

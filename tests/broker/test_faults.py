@@ -118,7 +118,7 @@ def test_a_corpus_of_malformed_frames_ends_nothing(server: Server, socket_name: 
     assert broker_pid(server) == pid
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60, suppress_health_check=list(HealthCheck))
 @given(header=st.dictionaries(
     st.sampled_from(["v", "id", "model", "version", "priority", "timeout_ms", "tensors",
                      "outputs", "verb", "args", "reason", "worker_id", "credits", "models",

@@ -238,8 +238,7 @@ class RequestsAndWorkers(RuleBasedStateMachine):
 
 
 TestRequestsAndWorkers = RequestsAndWorkers.TestCase
-TestRequestsAndWorkers.settings = settings(max_examples=400, stateful_step_count=50,
-                                           deadline=None)
+TestRequestsAndWorkers.settings = settings(max_examples=400, stateful_step_count=50)
 
 
 def test_requests_for_unknown_models_count_under_one_series() -> None:

@@ -169,7 +169,7 @@ ops = st.lists(st.one_of(
 ), max_size=120)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(ops, st.integers(1, 16), st.sampled_from([0.0, 0.003]), st.integers(2, 20),
        st.floats(0.0, 0.002))
 def test_properties(ops, mbs, delay, qsize, per_sample):

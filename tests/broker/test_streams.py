@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.catalog import Catalog, CatalogModel
@@ -84,7 +84,6 @@ def test_malformed_partials_are_protocol_errors(header: dict[str, Any], frames: 
         p.decode_partial(header, frames)
 
 
-@settings(deadline=None)
 @given(st.dictionaries(st.sampled_from(["id", "model", "version", "index", "final", "tensors",
                                         "stats"]),
                        st.one_of(st.none(), st.booleans(), st.integers(), st.floats(),

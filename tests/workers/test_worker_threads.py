@@ -14,7 +14,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from tests.conftest import Server, linear_config, short_tmpdir
+from tests.conftest import Server, linear_config, short_tmpdir, wait_for
 from zeroserve.broker.client import Client, InferError
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,7 +33,7 @@ class Model:
 
     def predict(self, inputs):
         x = inputs["input"]
-        if float(x[0, 0]) == 7.0:
+        if bool((x[:, 0] == 7.0).any()):
             time.sleep({LONG_S})  # noqa: sleep-ok (the model under test runs long)
         return {{"output": x[:, :3] * 2.0}}
 '''
@@ -49,6 +49,11 @@ def server() -> Iterator[Server]:
     srv = Server(Path(repo)).wait_ready()
     yield srv
     srv.stop()
+
+
+def inflight(server: Server) -> int:
+    with Client(server.control, timeout_s=5) as c:
+        return int(c.control("status")["inflight_batches"])
 
 
 def test_a_batch_longer_than_the_broker_expiry_keeps_the_worker_connected(
@@ -69,6 +74,9 @@ def test_a_batch_longer_than_the_broker_expiry_keeps_the_worker_connected(
     start = time.monotonic()
     threads = [threading.Thread(target=call, args=("long", 7.0))]
     threads[0].start()
+    # the short ones only once the long batch runs: each thread connects on its own, and
+    # a short one that overtook it would run first and take it into its batch
+    wait_for(lambda: inflight(server) == 1, 30, "the long batch to be running")
     for i in range(20):   # short ones behind it, sent while it runs
         threads.append(threading.Thread(target=call, args=(f"short{i}", 1.0)))
         threads[-1].start()

@@ -135,7 +135,11 @@ class Server:
                 "--model-dir", str(model_dir), "--http-port", str(self.port),
                 "--grpc-port", str(self.grpc_port),
                 "--runtime-dir", str(self.runtime), "--workers", str(workers),
-                "--threads", "1", "--log-level", "info", *(extra or [])]
+                "--threads", "1", "--log-level", "info",
+                # the gateway's loop-lag shed (50 ms by default) fires on a host loaded by
+                # other test runs and answers 503 where a test expects its own answer
+                # (a 504, a 400); tests of the shed set their own (extra comes after)
+                "--shed-lag-ms", "1000", *(extra or [])]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})},

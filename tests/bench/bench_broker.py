@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.bench.harness import example_repo
+from tests.bench.harness import cpu_s, example_repo
 from tests.conftest import ROOT, free_port, linear_config, short_tmpdir, wait_for, write_model
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -40,11 +40,6 @@ def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * PAGE / 1e6
 
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Checkout:
@@ -174,10 +169,10 @@ def routing(checkout: Checkout) -> list[str]:
     srv = Running(checkout, repo, workers=2)
     try:
         broker = srv.broker_pid()
-        before = cpu_s(broker)
+        before = cpu_s([broker])
         level = bench(srv, "-m", "tiny", "--concurrency", "64", "--processes", "2",
                       "--warmup-s", "2", "--duration-s", "10")[0]
-        used = cpu_s(broker) - before
+        used = cpu_s([broker]) - before
         n = level["requests"] * 1.2  # the 2 s warm-up ran at about the same rate
         pings = ping_floor(f"ipc://{srv.runtime}/frontend")
         return [f"| {checkout.rev} | {level['throughput_rps']:.0f} req/s | p50 "

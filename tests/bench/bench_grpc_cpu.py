@@ -23,18 +23,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tests.bench.harness import cpu_s
 from tests.conftest import ROLE_MODULES, ZEROSERVE, free_port, short_tmpdir, wait_for
 
-TICK_S = os.sysconf("SC_CLK_TCK")
 WARMUP_S = 1.0
 
-
-def cpu_s(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])   # utime, stime
-    return total / TICK_S
 
 
 def pids(session: int, role: str) -> list[int]:

@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
 import resource
 import statistics
 import threading
 import time
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
+from tests.bench.harness import cpu_s
 from tests.conftest import free_port
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -147,10 +146,6 @@ def client(mode: str, port: int, concurrency: int, seconds: float, out: Any) -> 
     out.put((len(took), statistics.median(took) * 1000, cpu))
 
 
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
 
 def measure(server: str, cmode: str, concurrency: int, seconds: float) -> str:
     ctx = mp.get_context("spawn")
@@ -159,12 +154,12 @@ def measure(server: str, cmode: str, concurrency: int, seconds: float) -> str:
     proc.start()
     try:
         ready.wait(30)
-        before = cpu_s(proc.pid)
+        before = cpu_s([proc.pid])
         load = ctx.Process(target=client, args=(cmode, port, concurrency, seconds, out))
         load.start()
         calls, p50_ms, client_cpu = out.get(timeout=seconds + 60)
         load.join()
-        server_cpu = cpu_s(proc.pid) - before
+        server_cpu = cpu_s([proc.pid]) - before
     finally:
         proc.terminate()
         proc.join()

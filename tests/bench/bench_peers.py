@@ -29,24 +29,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from tests.bench.harness import example_repo, sample, start
+from tests.bench.harness import cpu_s, example_repo, sample, start
 from tests.conftest import free_port, wait_for
 from zeroserve.broker.runtime import cache_dir
 from zeroserve.workers.supervisor import ensure_examples
 
 HERE = Path(__file__).resolve().parent
-TICKS = os.sysconf("SC_CLK_TCK")
 
-
-def cpu_s(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / TICKS
-        except (OSError, IndexError):
-            pass
-    return total
 
 
 def pgrep(pattern: str) -> list[int]:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+from tests.bench.harness import cpu_s
 from tests.conftest import ZEROSERVE, Server, linear_config, short_tmpdir, write_model
 
 SAMPLED = {"1%": ["level=TIMESTAMPS", "rate=100"], "100%": ["level=TIMESTAMPS", "rate=1"]}
@@ -43,15 +43,6 @@ def settings(modes: list[str], traces: Path, otlp_port: int) -> dict[str, list[s
         for name, entries in SAMPLED.items():
             out[f"otel {name}"] = [*otel, *entries]
     return out
-TICK_S = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])   # utime, stime
-    return total / TICK_S
 
 
 def measure(srv: Server, args: argparse.Namespace, out: Path) -> dict[str, float]:

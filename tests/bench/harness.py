@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -29,6 +29,21 @@ from zeroserve.workers.supervisor import ensure_examples
 
 ROOT = Path(__file__).resolve().parents[2]
 POST_LUA = Path(__file__).with_name("post.lua")
+
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pids: Iterable[int]) -> float:
+    """CPU seconds (user + system) the processes have used; one already gone counts 0."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / TICKS   # utime, stime
+        except (OSError, IndexError):
+            pass
+    return total
 
 
 def example_repo(models: dict[str, dict[str, Any]] | None = None) -> Path:

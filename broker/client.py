@@ -27,7 +27,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import numpy as np
 import zmq
@@ -362,13 +362,15 @@ class AsyncClient:
     process goes on with the rest.
 
     ``broker_timeout_s`` bounds how long the broker may stay silent (it answers a
-    ping every ``ping_s``) before pending requests fail as ``unavailable``.
+    ping every ``ping_s``) before pending requests fail as ``unavailable``. ``on_pong``
+    is given each PONG's header (the gateway reads the trace settings' version there).
     """
 
     def __init__(self, endpoint: str | None = None, *, ping_s: float = 0.5,
                  broker_timeout_s: float = 3.0, ctx: zmq.Context[Any] | None = None,
                  admin_token: str = "", api_key: str = "",
-                 curve_keys: curve.ClientKeys | None = None) -> None:
+                 curve_keys: curve.ClientKeys | None = None,
+                 on_pong: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.endpoint = endpoint or Endpoints.in_dir().frontend
         self.curve_keys = curve_keys
         self._refused = 0
@@ -376,6 +378,7 @@ class AsyncClient:
         self.api_key = api_key  # the default key; the gateway passes each caller's instead
         self.ping_s = ping_s
         self.broker_timeout_s = broker_timeout_s
+        self.on_pong = on_pong
         self._ctx = ctx or zmq.Context.instance()
         self._sock: zmq.Socket[Any] | None = None
         self._monitor: Any = None
@@ -550,6 +553,8 @@ class AsyncClient:
                 if kind is p.Kind.PONG:
                     versions = answer.get("versions")
                     self._bundles = isinstance(versions, list) and 2 in versions
+                    if self.on_pong is not None:
+                        self.on_pong(answer)
                     continue
                 self._answer(rid, answer)
 

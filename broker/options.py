@@ -154,7 +154,9 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
 
 
 def _trace_opt(p: argparse.ArgumentParser) -> None:
-    """The gateway's and the workers' (which emit the queue and batch spans)."""
+    """The broker's (the sampling settings every gateway follows, changed at run time
+    through /v2/trace/setting), the gateway's (its trace file, mode and exporter) and
+    the workers' (which emit the queue and batch spans)."""
     p.add_argument("--trace-config", action="append", default=None, metavar="SETTING",
                    help="Triton's trace setting, repeatable: rate=N, level=TIMESTAMPS|"
                         "TENSORS, count=N, mode=triton|opentelemetry, triton,file=PATH, "
@@ -187,6 +189,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("broker", help="run the broker")
     _common(p)
     _broker_opts(p)
+    _trace_opt(p)
     _curve_opts(p, "server")
 
     p = sub.add_parser("worker", help="run one worker")

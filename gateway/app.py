@@ -29,6 +29,7 @@ from zeroserve.gateway.classification import classify
 from zeroserve.gateway.door import Door
 from zeroserve.gateway.routes.infer import InferEndpoint
 from zeroserve.broker.logsettings import LogSettings
+from zeroserve.broker.tracesettings import TraceSettingError, TraceState
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.http import error_response
 from zeroserve.gateway.tenantgate import DEFAULT_METRICS_ALLOW, GateMiddleware, TenantGate, \
@@ -88,7 +89,7 @@ class Gateway:
         # broker answers only read-only verbs on the frontend
         self.admin = AsyncClient(settings.control_endpoint,
                                  broker_timeout_s=settings.broker_timeout_s,
-                                 admin_token=settings.admin_token)
+                                 admin_token=settings.admin_token, on_pong=self._on_pong)
         self.draining = False
         self.door = Door(settings.shed_lag_ms, settings.max_in_flight)
         self.shm = SharedMemory(settings.allow_shared_memory)
@@ -96,6 +97,7 @@ class Gateway:
         self.gate = TenantGate(self.control, settings.admin_token,
                                networks(settings.metrics_allow))
         self.tracer = tracing.for_gateway(settings.trace_config, settings.shared_port)
+        self._trace_refresh: asyncio.Task[Any] | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -107,6 +109,8 @@ class Gateway:
             yield
         finally:
             self.door.stop()
+            if self._trace_refresh is not None:
+                self._trace_refresh.cancel()
             self.tracer.close()   # what the trace file has not been given yet
             await self.admin.close()
             self.shm.close()
@@ -204,6 +208,63 @@ class Gateway:
                 logger.debug("the broker has no 'logging' verb: settings stay local")
             else:
                 logger.warning("log settings not passed to the broker: %s", exc.message)
+        return settings
+
+    # -- trace settings: the broker's, and this process's copy of them ------------
+    # Every call here goes over the one admin socket, which the broker answers in order,
+    # so the copies are loaded in the order the broker made them.
+    def _on_pong(self, header: dict[str, Any]) -> None:
+        version = header.get("settings")
+        if not isinstance(version, int) or not version \
+                or version == self.tracer.settings.version:
+            return
+        if self._trace_refresh is None or self._trace_refresh.done():
+            self._trace_refresh = asyncio.get_running_loop().create_task(
+                self.trace_settings(), name="zeroserve-trace-settings")
+
+    async def trace_settings(self) -> tracing.TraceSettings:
+        """This process's copy, replaced with the broker's first where it answers (a
+        broker without the verb, or not answering, leaves the copy as it is)."""
+        settings = self.tracer.settings
+        if not self.admin.connected:   # at once, not after broker_timeout_s
+            return settings
+        try:
+            doc = await asyncio.wait_for(self.admin.control("trace_settings"),
+                                         self.settings.broker_timeout_s)
+            settings.load(TraceState.from_doc(doc))
+        except asyncio.TimeoutError:
+            logger.warning("trace settings: no answer from the broker within %g s",
+                           self.settings.broker_timeout_s)
+        except (InferError, TraceSettingError) as exc:
+            logger.log(logging.DEBUG if "unknown control verb" in str(exc) else
+                       logging.WARNING, "trace settings: this process's own (%s)", exc)
+        return settings
+
+    async def update_trace_settings(self, model: str | None, changes: Any
+                                    ) -> tracing.TraceSettings:
+        """Changed at the broker (TraceSettingError first if they do not validate here),
+        whose answer becomes this process's copy; a broker without the verb leaves the
+        change to this process alone."""
+        settings = self.tracer.settings
+        settings.state.updated(model, changes)   # Triton's errors without a round trip
+        try:
+            doc = await asyncio.wait_for(
+                self.admin.control("trace_settings_update", model=model, settings=changes),
+                self.settings.broker_timeout_s)
+        except asyncio.TimeoutError:
+            raise InferError(ErrorCode.UNAVAILABLE, f"trace settings not changed: no answer "
+                             f"from the broker within {self.settings.broker_timeout_s:g} s"
+                             ) from None
+        except InferError as exc:
+            if exc.code is not ErrorCode.BAD_INPUT or "unknown control verb" not in exc.message:
+                raise
+            logger.warning("the broker has no 'trace_settings_update' verb: the trace "
+                           "settings change in this gateway process alone")
+            settings.update(model, changes)
+            return settings
+        settings.load(TraceState.from_doc(doc))
+        logger.info("trace setting%s now %s", f" of {model}" if model else "",
+                    settings.get(model))
         return settings
 
     async def classify(self, model: str, version: int, tensors: list[p.Tensor],

@@ -186,7 +186,7 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
     ("get", "/v2/trace/setting", "The global trace setting (Triton's trace extension)",
      [200], None, "application/json"),
     ("post", "/v2/trace/setting", "Change the global trace setting (null: the default)",
-     [200, 400, 401, 403], TRACE_SETTINGS, "application/json"),
+     [200, 400, 401, 403, 503], TRACE_SETTINGS, "application/json"),
     ("get", "/v2/models/{name}/trace/setting", "A model's trace setting", [200, 400, 503],
      None, "application/json"),
     ("post", "/v2/models/{name}/trace/setting", "Change a model's trace setting (null: "

@@ -1,12 +1,16 @@
-"""Triton's trace extension on the gateway side: the settings (global and per model),
-the sampling decision, and Triton's JSON trace records written to the trace file.
+"""Triton's trace extension on the gateway side: this process's copy of the settings
+(global and per model), the sampling decision, and Triton's JSON trace records written
+to the trace file.
 
-The settings object is the one both front ends use: HTTP's ``/v2[/models/{m}]/trace/
-setting`` calls :meth:`TraceSettings.get` and :meth:`TraceSettings.update` with Triton's
-JSON; gRPC's ``TraceSetting`` calls :meth:`TraceSettings.get_lists` and
-:meth:`TraceSettings.update_lists` with its map of string lists. A model's setting
-holds only what was set for it; the rest follows the global setting, and JSON ``null``
-(an empty list over gRPC) clears a field back to it.
+The broker holds the server's settings (broker/tracesettings.py, its ``trace_settings``
+verbs); the gateway changes them there and samples by its copy (:class:`TraceSettings`),
+which it replaces with the broker's after each change it makes, on each GET, and
+whenever the broker's PONG names a version other than its copy's (gateway/app.py), so
+the hot path never asks the broker. Both front ends read the same copy: HTTP's
+``/v2[/models/{m}]/trace/setting`` as Triton's JSON (:meth:`TraceSettings.get`), gRPC's
+``TraceSetting`` as its map of string lists (:meth:`TraceSettings.get_lists`). A model's
+setting holds only what was set for it; the rest follows the global setting, and JSON
+``null`` (an empty list over gRPC) clears a field back to it.
 
 Sampling (:meth:`Tracer.begin`): nothing is traced while the level is ``OFF``. A caller's
 W3C ``traceparent`` decides for itself (parent-based: its sampled flag traces the
@@ -22,8 +26,9 @@ place of the caller's, so the workers' queue spans are its children (workers/spa
 Records are written as Triton does: with ``log_frequency`` N, every N traces to
 ``<trace_file>.<index>`` (index from 0); with 0, to ``<trace_file>`` when the setting is
 replaced or the gateway stops; when ``trace_count`` runs out, what is left goes to the
-next indexed file. Each gateway process keeps its own settings and, when several share
-the port (``--reuse-port``), writes ``<trace_file>.<pid>`` instead.
+next indexed file. The sampling state (requests seen, traces left) and the records are
+each process's own; the file is this process's ``--trace-config`` one and, when several
+share the port (``--reuse-port``), ``<trace_file>.<pid>`` instead.
 """
 
 from __future__ import annotations
@@ -34,143 +39,23 @@ import os
 import random
 import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import orjson
 
 from zeroserve.broker import protocol as p, traceconfig, tracing
+from zeroserve.broker.tracesettings import Setting, TraceSettingError, TraceState, parse_config
 from zeroserve.broker.tracing import TraceContextError
 
 if TYPE_CHECKING:
     from zeroserve.gateway.spans import GatewaySpans
 
+__all__ = ["Setting", "Trace", "TraceSettingError", "TraceSettings", "Tracer", "for_gateway",
+           "from_lists",
+           "parse_config"]
+
 logger = logging.getLogger(__name__)
-
-LEVELS = ("TIMESTAMPS", "TENSORS")
-FIELDS = {"trace_level": "level", "trace_rate": "rate", "trace_count": "count",
-          "log_frequency": "log_frequency", "trace_file": "file"}
-U32 = (1 << 32) - 1
-
-
-class TraceSettingError(ValueError):
-    """A trace setting that does not validate; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class Setting:
-    level: tuple[str, ...] = ()      # () is OFF
-    rate: int = 1000
-    count: int = -1
-    log_frequency: int = 0
-    file: str = ""
-    # opentelemetry mode: a ratio from OTEL_TRACES_SAMPLER_ARG (None: 1/rate), and
-    # whether the caller's sampled flag decides (OTEL_TRACES_SAMPLER's parentbased_*)
-    ratio: float | None = None
-    parent_based: bool = True
-
-    def chance(self) -> float:
-        """The ratio of requests without a deciding parent traced in opentelemetry mode."""
-        if self.ratio is not None:
-            return self.ratio
-        return 1.0 / self.rate if self.rate else 0.0
-
-
-def _number(name: str, value: Any, low: int, high: int) -> int:
-    text = str(value).strip() if isinstance(value, (str, int)) and \
-        not isinstance(value, bool) else None
-    try:
-        number = int(text) if text is not None else None
-    except ValueError:
-        number = None
-    if number is None:
-        raise TraceSettingError(f"Unable to parse '{name}', got: {value}")
-    if not low <= number <= high:
-        raise TraceSettingError(f"Unable to parse '{name}', value is out of range "
-                                f"[ {low}, {high} ], got: {value}")
-    return number
-
-
-def _levels(value: Any) -> tuple[str, ...]:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
-        raise TraceSettingError("'trace_level' must be an array of strings")
-    upper = [v.strip().upper() for v in items]
-    if "OFF" in upper:
-        if len(upper) != 1:
-            raise TraceSettingError("Expect only one trace level 'OFF' is specified")
-        return ()
-    wrong = [v for v in upper if v not in LEVELS]
-    if wrong:
-        raise TraceSettingError(f"unknown trace level {wrong[0]!r}: one of OFF, TIMESTAMPS, "
-                                "TENSORS")
-    return tuple(lv for lv in LEVELS if lv in upper)
-
-
-def parse_field(name: str, value: Any) -> Any:
-    if name == "trace_level":
-        return _levels(value)
-    if name == "trace_rate":
-        return _number(name, value, 0, U32)
-    if name == "trace_count":
-        return _number(name, value, -1, (1 << 31) - 1)
-    if name == "log_frequency":
-        return _number(name, value, 0, U32)
-    raise TraceSettingError(f"unknown trace setting {name!r}: one of {', '.join(FIELDS)}")
-
-
-def parse_config(entries: Iterable[str]) -> tuple[Setting, str]:
-    """Triton's ``--trace-config`` entries as the front end reads them (broker/traceconfig.py
-    parses them): ``rate=N``, ``level=L`` (repeatable), ``count=N``, ``mode=M``,
-    ``triton,file=PATH``, ``triton,log-frequency=N``; in opentelemetry mode the
-    ``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG`` environment variables start
-    the sampler where ``rate`` is not given."""
-    try:
-        config = traceconfig.parse_trace_config(entries)
-    except traceconfig.TraceConfigError as exc:
-        raise TraceSettingError(str(exc)) from None
-    setting, levels = Setting(), list[str]()
-    for key, value in config.front:
-        if key == "level":
-            levels.append(value)
-        elif key == "file":
-            setting = replace(setting, file=value)
-        else:
-            field = {"rate": "trace_rate", "count": "trace_count"}.get(key, "log_frequency")
-            setting = replace(setting, **{FIELDS[field]: parse_field(field, value)})
-    if levels:
-        setting = replace(setting, level=_levels(levels))
-    if config.mode == "opentelemetry":
-        setting = _env_sampler(setting, any(k == "rate" for k, _ in config.front),
-                               os.environ)
-    return setting, config.mode
-
-
-# OTEL_TRACES_SAMPLER's values: (the caller's sampled flag decides, ratio or None: the arg)
-_SAMPLERS = {"parentbased_traceidratio": (True, None), "traceidratio": (False, None),
-             "parentbased_always_on": (True, 1.0), "always_on": (False, 1.0),
-             "parentbased_always_off": (True, 0.0), "always_off": (False, 0.0)}
-
-
-def _env_sampler(setting: Setting, rate_given: bool, environ: Mapping[str, str]) -> Setting:
-    name = environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
-    arg = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
-    if name and name not in _SAMPLERS:
-        raise TraceSettingError(f"OTEL_TRACES_SAMPLER={name!r}: one of {', '.join(_SAMPLERS)}")
-    parent_based, ratio = _SAMPLERS.get(name, (True, None))
-    if ratio is None and arg:
-        try:
-            ratio = float(arg)
-        except ValueError:
-            ratio = -1.0
-        if not 0.0 <= ratio <= 1.0:
-            raise TraceSettingError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: a ratio in [0, 1]")
-    if ratio is None and name:
-        ratio = 1.0   # the SDK's default arg for a ratio sampler
-    setting = replace(setting, parent_based=parent_based)
-    if ratio is None or rate_given:   # the flag wins over the environment
-        return setting
-    return replace(setting, ratio=ratio, rate=round(1 / ratio) if ratio else 0)
 
 
 class _Files:
@@ -246,25 +131,47 @@ class _Sampler:
 
 
 class TraceSettings:
-    """The global trace setting and each model's, in Triton's JSON."""
+    """This process's copy of the trace settings (a :class:`TraceState`: the broker's,
+    once it has answered, else its own from ``--trace-config``) and, per entry, the
+    sampling state and records, which are this process's own."""
 
     def __init__(self, setting: Setting | None = None, mode: str = "triton",
                  file_suffix: str = "") -> None:
         self.mode = mode
         self.file_suffix = file_suffix
-        self._global = setting or Setting()
-        self._models: dict[str, dict[str, Any]] = {}
+        self.file = (setting or Setting()).file   # this process's, whatever the broker's
         self._files = _Files()
-        self._samplers: dict[str, _Sampler] = {"": self._sampler(self._global)}
-        self.active = bool(self._global.level)
+        self._samplers: dict[str, _Sampler] = {}
+        self._keys: dict[str, tuple[int, int]] = {}
+        self.state = TraceState.start(setting or Setting())
+        self.active = False
+        self.load(self.state)
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    def load(self, state: TraceState) -> None:
+        """Sample by ``state`` from now on: an entry it replaced starts afresh (what its
+        old sampler holds goes to the file), the others keep counting."""
+        state = state.with_file(self.file)
+        keys = {name: state.key(name) for name in ("", *state.models)}
+        for name in list(self._samplers):
+            if keys.get(name) != self._keys.get(name):
+                self._retire(name)
+        self.state = state
+        for name in keys:
+            if name not in self._samplers:
+                self._samplers[name] = self._sampler(state.effective(name))
+        self._keys = keys
+        self.active = state.active
 
     def _sampler(self, setting: Setting) -> _Sampler:
         return _Sampler(setting, setting.file + self.file_suffix if setting.file else "",
                         self._files, self.mode == "opentelemetry")
 
     def effective(self, model: str | None) -> Setting:
-        own = self._models.get(model or "")
-        return replace(self._global, **own) if own else self._global
+        return self.state.effective(model)
 
     def sampler(self, model: str) -> _Sampler:
         return self._samplers.get(model) or self._samplers[""]
@@ -277,47 +184,8 @@ class TraceSettings:
                 "trace_mode": self.mode}
 
     def update(self, model: str | None, changes: Mapping[str, Any]) -> dict[str, Any]:
-        """Triton's POST body: each named field set, JSON null clearing a model's field
-        back to the global one (on the global setting, back to the default)."""
-        if not isinstance(changes, Mapping):
-            raise TraceSettingError("the body must be a JSON object of trace settings")
-        if "trace_file" in changes:
-            raise TraceSettingError("trace file location can not be updated through "
-                                    "network protocol")
-        unknown = [k for k in changes if k not in FIELDS]
-        if unknown:
-            raise TraceSettingError(f"unknown trace setting {unknown[0]!r}: one of "
-                                    f"{', '.join(FIELDS)}")
-        parsed = {FIELDS[k]: None if v is None else parse_field(k, v)
-                  for k, v in changes.items()}
-        if "rate" in parsed:   # a rate set or cleared replaces OTEL_TRACES_SAMPLER_ARG's
-            parsed["ratio"] = None
-        if model:
-            own = dict(self._models.get(model, {}))
-            for key, value in parsed.items():
-                if value is None:
-                    own.pop(key, None)
-                else:
-                    own[key] = value
-            if "rate" in own:   # its own rate, not the global OTEL_TRACES_SAMPLER_ARG
-                own["ratio"] = None
-            self._retire(model)
-            if own:
-                self._models[model] = own
-                self._samplers[model] = self._sampler(self.effective(model))
-            else:
-                self._models.pop(model, None)
-        else:
-            default = Setting()
-            self._global = replace(self._global, **{
-                k: getattr(default, k) if v is None else v for k, v in parsed.items()})
-            self._retire("")
-            self._samplers[""] = self._sampler(self._global)
-            for name in self._models:   # their unset fields follow the global ones
-                self._retire(name)
-                self._samplers[name] = self._sampler(self.effective(name))
-        self.active = bool(self._global.level) or any(
-            self.effective(m).level for m in self._models)
+        """Triton's POST body applied to this copy alone (TraceState.updated)."""
+        self.load(self.state.updated(model, changes))
         logger.info("trace setting%s now %s", f" of {model}" if model else "",
                     self.get(model))
         return self.get(model)
@@ -328,10 +196,8 @@ class TraceSettings:
 
     def update_lists(self, model: str | None, changes: Mapping[str, Sequence[str]]
                      ) -> dict[str, list[str]]:
-        """gRPC's TraceSettingRequest: an empty list clears the field."""
-        doc = {k: None if not v else list(v) if k == "trace_level" else v[0]
-               for k, v in changes.items()}
-        self.update(model, doc)
+        """gRPC's TraceSettingRequest applied to this copy alone."""
+        self.update(model, from_lists(changes))
         return self.get_lists(model)
 
     def _retire(self, key: str) -> None:
@@ -342,6 +208,12 @@ class TraceSettings:
     def close(self) -> None:
         for key in list(self._samplers):
             self._retire(key)
+
+
+def from_lists(changes: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """gRPC's TraceSettingRequest as Triton's JSON body: an empty list clears the field."""
+    return {k: None if not v else list(v) if k == "trace_level" else v[0]
+            for k, v in changes.items()}
 
 
 @dataclass

@@ -35,6 +35,7 @@ from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.scope import TenantScope
 from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.tenancy import Tenancy
+from zeroserve.broker.tracesettings import TraceState
 from zeroserve.models.repository import RepoModel
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class Broker:
                  drain_timeout_s: float = 30.0, latency_model: bool = True,
                  clock: Clock = time.monotonic, ctx: zmq.Context[Any] | None = None,
                  lifecycle: LifecycleOptions | None = None, admin_token: str = "",
-                 tenants_path: Path | None = None, max_message_bytes: int = 256 << 20) -> None:
+                 tenants_path: Path | None = None, max_message_bytes: int = 256 << 20,
+                 trace: TraceState | None = None) -> None:
         self.clock = clock
         # what a message may hold, per socket: clients' requests are small headers and
         # tensors; control calls carry configs; workers' heartbeats carry metrics text
@@ -76,7 +78,8 @@ class Broker:
         self.control = ControlTable(admin_token, TenantScope(self.tenancy, admin_token))
         self._add_verbs()
         self.repository.add_verbs(self.control)
-        ExtensionVerbs(self.catalog, self.pool, self.requests.stats).add_verbs(self.control)
+        self.extensions = ExtensionVerbs(self.catalog, self.pool, self.requests.stats, trace)
+        self.extensions.add_verbs(self.control)
         self.notifier = Notifier()
         self._stop_requested = False
         self._exit_requested = False
@@ -216,7 +219,7 @@ class Broker:
         elif kind is p.Kind.CANCEL:
             self.requests.on_cancel(client, p.decode(p.Cancel, header).request_id)
         elif kind is p.Kind.PING:
-            self._to_client(client, p.encode(p.Pong()))
+            self._to_client(client, p.encode(p.Pong(settings=self.extensions.settings_version)))
         elif kind is p.Kind.CONTROL:
             msg = self._control_request(header, lambda f: self._to_client(client, f))
             if msg.verb == "draining":
@@ -251,7 +254,7 @@ class Broker:
                                                error=str(exc)[:500])))
             raise
         if kind is p.Kind.PING:  # a long-lived controller (the gateway) watching us
-            answer(p.encode(p.Pong()))
+            answer(p.encode(p.Pong(settings=self.extensions.settings_version)))
             return
         if kind is not p.Kind.CONTROL:
             raise p.ProtocolError(f"unexpected kind {kind.name} on the control socket")

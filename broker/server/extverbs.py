@@ -1,6 +1,9 @@
 """Control verbs of the v2 extensions the broker answers for the gateway: ``stats``
-(statistics, read-only) and ``logging`` (log settings, mutating: the broker applies
-them and passes them to every worker, now and when one joins later)."""
+(statistics, read-only), ``logging`` (log settings, mutating: the broker applies
+them and passes them to every worker, now and when one joins later), and
+``trace_settings`` (read-only) and ``trace_settings_update`` (mutating): the server's
+one copy of the trace settings, which every gateway samples by (broker/tracesettings.py;
+the PONG carries its version, so each gateway sees a change within a ping)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import logging
 from typing import Any
 
 from zeroserve.broker.logsettings import LogSettings, SettingsError
+from zeroserve.broker.tracesettings import Setting, TraceSettingError, TraceState
 from zeroserve.broker import wording
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlError, ControlTable, model_arg
@@ -18,15 +22,24 @@ logger = logging.getLogger(__name__)
 
 
 class ExtensionVerbs:
-    def __init__(self, catalog: Catalog, pool: WorkerPool, stats: ModelStatistics) -> None:
+    def __init__(self, catalog: Catalog, pool: WorkerPool, stats: ModelStatistics,
+                 trace: TraceState | None = None) -> None:
         self.catalog = catalog
         self.pool = pool
         self.stats = stats
         self.logs = LogSettings()
+        self.trace = trace or TraceState.start(Setting())
+
+    @property
+    def settings_version(self) -> int:
+        """What the PONG carries: a gateway whose copy has another version asks again."""
+        return self.trace.version
 
     def add_verbs(self, control: ControlTable) -> None:
         control.add("stats", self.statistics)
         control.add("logging", self.logging, mutates=True)
+        control.add("trace_settings", self.trace_settings)
+        control.add("trace_settings_update", self.update_trace_settings, mutates=True)
 
     def statistics(self, args: dict[str, Any]) -> dict[str, Any]:
         """Triton's ``model_stats``: every served version, or one model (one version)."""
@@ -59,3 +72,19 @@ class ExtensionVerbs:
         self.pool.set_log_settings(dict(update))
         logger.info("log settings changed: %s", update)
         return current
+
+    def trace_settings(self, args: dict[str, Any]) -> dict[str, Any]:
+        return self.trace.to_doc()
+
+    def update_trace_settings(self, args: dict[str, Any]) -> dict[str, Any]:
+        """``model`` (none: the global setting) and ``settings``, Triton's POST body."""
+        model = args.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ControlError("bad_input", "'model' must be a model's name or absent")
+        try:
+            self.trace = self.trace.updated(model, args.get("settings") or {})
+        except TraceSettingError as exc:
+            raise ControlError("bad_input", str(exc)) from None
+        logger.info("trace setting%s now %s", f" of {model}" if model else "",
+                    self.trace.effective(model))
+        return self.trace.to_doc()

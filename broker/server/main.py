@@ -19,6 +19,7 @@ from zeroserve.broker.server.broker import Broker
 from zeroserve.broker.server import tenants
 from zeroserve.broker.server.loop import BrokerLoop
 from zeroserve.broker.server.lifecycle import LifecycleOptions
+from zeroserve.broker.tracesettings import TraceSettingError, TraceState, parse_config
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ def build(endpoints: Endpoints, model_dir: Path, args: Any, ctx: zmq.Context[Any
                     latency_model=args.latency_model == "on", ctx=ctx,
                     admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", ""),
                     tenants_path=Path(args.tenants) if args.tenants else None,
+                    # the sampling settings every gateway follows (their file and mode
+                    # are each gateway's own)
+                    trace=TraceState.start(parse_config(args.trace_config or ())[0]),
                     lifecycle=LifecycleOptions(
                         watch=args.watch, debounce_s=args.watch_debounce_ms / 1000.0,
                         poll_s=args.watch_interval_s,
@@ -86,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if (why := check_timing(args.heartbeat_s, args.worker_expiry_s)) is not None:
         logger.error("%s", why)
+        return 2
+    try:
+        parse_config(args.trace_config or ())
+    except TraceSettingError as exc:
+        logger.error("%s", exc)
         return 2
     if args.tenants:
         try:

@@ -14,7 +14,7 @@ from zeroserve.broker.client import InferError
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.access import check_admin
 from zeroserve.gateway.errors import BadRequest
-from zeroserve.gateway.tracing import TraceSettingError
+from zeroserve.gateway.tracing import TraceSettingError, from_lists
 from zeroserve.gateway.grpc import messages
 from zeroserve.gateway.grpc.infer import Inference, metadata_of
 from zeroserve.models.proto import grpc_service_pb2 as pb
@@ -194,7 +194,6 @@ class InferenceService(Inference):
     async def TraceSetting(self, request: Any, context: Any) -> Any:
         """The settings HTTP's /v2/trace/setting reads and changes (gateway/tracing.py)."""
         await self._caller(context)
-        settings = self.gw.tracer.settings
         model = request.model_name or None
         if model is not None:
             try:
@@ -207,13 +206,14 @@ class InferenceService(Inference):
                 raise BadRequest(f"Request for unknown model : {model}")
         if request.settings:
             self._admin(context)
+            changes = from_lists({k: list(v.value) for k, v in request.settings.items()})
             try:
-                got = settings.update_lists(model, {k: list(v.value)
-                                                    for k, v in request.settings.items()})
+                settings = await self.gw.update_trace_settings(model, changes)
             except TraceSettingError as exc:
                 raise BadRequest(str(exc)) from None
         else:
-            got = settings.get_lists(model)
+            settings = await self.gw.trace_settings()
+        got = settings.get_lists(model)
         out = pb.TraceSettingResponse()
         for key, values in got.items():
             out.settings[key].value.extend(values)

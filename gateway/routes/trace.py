@@ -1,6 +1,7 @@
 """Triton's trace extension: ``GET|POST /v2/trace/setting`` and
-``/v2/models/{name}/trace/setting`` (the settings live in gateway/tracing.py, shared with
-gRPC's TraceSetting). A POST changes state: the admin rule of gateway/access.py."""
+``/v2/models/{name}/trace/setting`` (the broker holds the settings; this process's copy
+is gateway/tracing.py's, shared with gRPC's TraceSetting; gateway/app.py keeps it the
+broker's). A POST changes state: the admin rule of gateway/access.py."""
 
 from __future__ import annotations
 
@@ -46,13 +47,15 @@ class TraceRoutes:
         return name  # type: ignore[no-any-return]
 
     async def get(self, request: Request) -> Response:
-        return json_response(self.gw.tracer.settings.get(await self._model(request)))
+        model = await self._model(request)
+        return json_response((await self.gw.trace_settings()).get(model))
 
     async def post(self, request: Request) -> Response:
         require_admin(request, self.gw.settings.admin_token)
         model = await self._model(request)
         doc = await json_body(request, empty_ok=True)
         try:
-            return json_response(self.gw.tracer.settings.update(model, doc))
+            settings = await self.gw.update_trace_settings(model, doc)
         except TraceSettingError as exc:
             raise BadRequest(str(exc)) from None
+        return json_response(settings.get(model))

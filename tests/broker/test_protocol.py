@@ -204,3 +204,6 @@ def test_version_1_kinds_stay_stamped_1_and_pong_lists_the_versions():
     assert msgpack.unpackb(p.encode_request(p.InferRequest("r", "m", []))[1])["v"] == 1
     kind, header, _ = p.unpack(p.encode(p.Pong()))
     assert header["v"] == 1 and p.decode(p.Pong, header).versions == [1, 2]
+    # the trace settings' version (broker/tracesettings.py); an older broker's has none
+    assert p.decode(p.Pong, p.unpack(p.encode(p.Pong(settings=7)))[1]).settings == 7
+    assert p.decode(p.Pong, {"v": 1, "versions": [1]}).settings == 0

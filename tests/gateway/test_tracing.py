@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from zeroserve.broker import protocol as p, traceconfig, tracing
+from zeroserve.broker.tracesettings import TraceState
 from zeroserve.gateway.tracing import Setting, TraceSettingError, TraceSettings, Tracer, \
     parse_config
 
@@ -50,6 +51,34 @@ def test_a_model_keeps_what_it_set_and_follows_the_global_for_the_rest() -> None
     assert s.update_lists("m", {"trace_level": ["TENSORS"], "trace_count": ["3"]}) == {
         **s.get_lists(), "trace_level": ["TENSORS"], "trace_count": ["3"]}
     assert s.update_lists("m", {"trace_level": [], "trace_count": []}) == s.get_lists()
+
+
+def test_a_copy_of_the_brokers_settings_restarts_only_the_entries_a_change_replaced(
+        ) -> None:
+    s = TraceSettings(Setting(level=("TIMESTAMPS",), rate=1, count=5, file="/here/t.json"))
+    tracer = Tracer(s)
+    broker = TraceState.start(Setting(level=("TIMESTAMPS",), rate=1, count=5, file="/b.json"))
+    assert broker.version != TraceState.start(Setting()).version   # a restart's differ
+    s.load(TraceState.from_doc(broker.to_doc()))   # as the verb answers it
+    assert s.version == broker.version and s.get()["trace_file"] == "/here/t.json"
+    for _ in range(2):
+        assert tracer.begin("m", None) is not None
+    assert s.get()["trace_count"] == "3"
+    s.load(broker)   # the same version again: nothing starts afresh
+    assert s.get()["trace_count"] == "3"
+    broker = broker.updated("other", {"trace_rate": "2"})
+    s.load(TraceState.from_doc(broker.to_doc()))
+    assert s.get()["trace_count"] == "3"               # the global entry was not replaced
+    assert s.get("other") == {**s.get(), "trace_rate": "2", "trace_count": "5"}
+    broker = broker.updated(None, {"trace_count": "5"})
+    s.load(broker)   # the global one replaced: a model following it starts afresh too
+    assert s.get()["trace_count"] == s.get("other")["trace_count"] == "5"
+    s.load(broker.updated("other", {"trace_rate": None}))
+    assert s.get("other") == s.get()
+    with pytest.raises(TraceSettingError, match="not the broker's"):
+        TraceState.from_doc({"version": 1})
+    with pytest.raises(TraceSettingError, match="out of range"):
+        broker.updated(None, {"trace_rate": "-1"})   # validated wherever it is changed
 
 
 def test_sampling_follows_the_rate_the_callers_flag_and_the_count() -> None:

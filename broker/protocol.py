@@ -314,11 +314,13 @@ class Ping:
 @dataclass(frozen=True)
 class Pong:
     """``versions``: those the sender speaks (absent from a version-1 peer's);
-    ``settings``: the version of the trace settings the broker holds for the gateways
-    (broker/tracesettings.py; 0 from a broker without them)."""
+    ``settings`` and ``logs``: the versions of the trace settings and of the log settings
+    the broker holds for the gateways (broker/tracesettings.py, broker/server/extverbs.py;
+    0 from a broker without them)."""
     KIND = Kind.PONG
     versions: list[int] = field(default_factory=lambda: list(SUPPORTED_VERSIONS))
     settings: int = 0
+    logs: int = 0
 
 
 @dataclass(frozen=True)

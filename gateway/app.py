@@ -28,7 +28,8 @@ from zeroserve.gateway import errors, metrics, readiness, routes, tracing
 from zeroserve.gateway.classification import classify
 from zeroserve.gateway.door import Door
 from zeroserve.gateway.routes.infer import InferEndpoint
-from zeroserve.broker.logsettings import LogSettings
+from zeroserve.broker.logsettings import KEYS as LOG_KEYS, LogSettings, SettingsError, \
+    validate
 from zeroserve.broker.tracesettings import TraceSettingError, TraceState
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.http import error_response
@@ -93,7 +94,9 @@ class Gateway:
         self.draining = False
         self.door = Door(settings.shed_lag_ms, settings.max_in_flight)
         self.shm = SharedMemory(settings.allow_shared_memory)
-        self.logs = LogSettings()
+        self.logs = LogSettings()   # this process's logging: the broker's once it answers
+        self._log_version = 0   # of the broker's settings self.logs holds (0: none yet)
+        self._log_refresh: asyncio.Task[Any] | None = None
         self.gate = TenantGate(self.control, settings.admin_token,
                                networks(settings.metrics_allow))
         self.tracer = tracing.for_gateway(settings.trace_config, settings.shared_port)
@@ -109,8 +112,9 @@ class Gateway:
             yield
         finally:
             self.door.stop()
-            if self._trace_refresh is not None:
-                self._trace_refresh.cancel()
+            for refresh in (self._trace_refresh, self._log_refresh):
+                if refresh is not None:
+                    refresh.cancel()
             self.tracer.close()   # what the trace file has not been given yet
             await self.admin.close()
             self.shm.close()
@@ -192,35 +196,75 @@ class Gateway:
                                  f"loading after {LOAD_TIMEOUT_S:g} s", retry_after_s=5)
             await asyncio.sleep(STATUS_POLL_S)  # the broker answers at once: poll the job
 
-    async def change_log_settings(self, update: Any) -> dict[str, Any]:
-        """Applied here (SettingsError if one does not validate), then passed on: the
-        broker applies them and passes them to its workers. A broker without the verb
-        (or down) leaves them to this gateway alone."""
-        settings = self.logs.apply(update)
-        try:
-            await asyncio.wait_for(self.admin.control("logging", settings=update),
-                                   self.settings.broker_timeout_s)
-        except asyncio.TimeoutError:
-            logger.warning("log settings not passed to the broker: no answer within %g s",
-                           self.settings.broker_timeout_s)
-        except InferError as exc:
-            if exc.code is ErrorCode.BAD_INPUT and "unknown control verb" in exc.message:
-                logger.debug("the broker has no 'logging' verb: settings stay local")
-            else:
-                logger.warning("log settings not passed to the broker: %s", exc.message)
-        return settings
-
-    # -- trace settings: the broker's, and this process's copy of them ------------
+    # -- the server's log and trace settings: the broker's, and this process's copy --
     # Every call here goes over the one admin socket, which the broker answers in order,
     # so the copies are loaded in the order the broker made them.
     def _on_pong(self, header: dict[str, Any]) -> None:
-        version = header.get("settings")
-        if not isinstance(version, int) or not version \
-                or version == self.tracer.settings.version:
-            return
-        if self._trace_refresh is None or self._trace_refresh.done():
+        """A PONG names the versions of the broker's settings: one other than this
+        process's copy's is fetched (one fetch at a time of each)."""
+        if _other(header.get("settings"), self.tracer.settings.version) and (
+                self._trace_refresh is None or self._trace_refresh.done()):
             self._trace_refresh = asyncio.get_running_loop().create_task(
                 self.trace_settings(), name="zeroserve-trace-settings")
+        if _other(header.get("logs"), self._log_version) and (
+                self._log_refresh is None or self._log_refresh.done()):
+            self._log_refresh = asyncio.get_running_loop().create_task(
+                self.log_settings(), name="zeroserve-log-settings")
+
+    async def log_settings(self) -> dict[str, Any]:
+        """This process's, made the broker's first where it answers (a broker without the
+        verb, or not answering, leaves them as they are)."""
+        if not self.admin.connected:   # at once, not after broker_timeout_s
+            return self.logs.current()
+        try:
+            self._load_logs(await asyncio.wait_for(self.admin.control("log_settings"),
+                                                   self.settings.broker_timeout_s))
+        except asyncio.TimeoutError:
+            logger.warning("log settings: no answer from the broker within %g s",
+                           self.settings.broker_timeout_s)
+        except (InferError, SettingsError) as exc:
+            logger.log(logging.DEBUG if "unknown control verb" in str(exc) else
+                       logging.WARNING, "log settings: this process's own (%s)", exc)
+        return self.logs.current()
+
+    async def change_log_settings(self, update: Any) -> dict[str, Any]:
+        """Changed at the broker (SettingsError first if they do not validate here), which
+        passes them to its workers; its answer becomes this process's. A broker without
+        the verb leaves the change to this process alone."""
+        validate(update)   # the 400 without a round trip
+        try:
+            doc = await asyncio.wait_for(self.admin.control("logging", settings=update),
+                                         self.settings.broker_timeout_s)
+        except asyncio.TimeoutError:
+            raise InferError(ErrorCode.UNAVAILABLE, f"log settings not changed: no answer "
+                             f"from the broker within {self.settings.broker_timeout_s:g} s"
+                             ) from None
+        except InferError as exc:
+            if exc.code is not ErrorCode.BAD_INPUT or "unknown control verb" not in exc.message:
+                raise
+            logger.warning("the broker has no 'logging' verb: the log settings change in "
+                           "this gateway process alone")
+            return self.logs.apply(update)
+        if isinstance(doc, dict) and "version" in doc:
+            self._load_logs(doc)
+        else:   # a broker from before the shared settings answers its own, unversioned
+            self.logs.apply(update)
+        return self.logs.current()
+
+    def _load_logs(self, doc: Any) -> None:
+        """The broker's settings (its ``log_settings`` answer) as this process's."""
+        if not isinstance(doc, dict) or not isinstance(doc.get("version"), int) \
+                or not isinstance(doc.get("settings"), dict):
+            raise SettingsError(f"the broker's answer is not log settings: {doc!r:.200}")
+        # taken even if they do not apply, so that a PONG does not ask again every ping
+        self._log_version = doc["version"]
+        before = self.logs.current()
+        # a newer broker's other keys are not this process's to apply
+        now = self.logs.apply({k: v for k, v in doc["settings"].items() if k in LOG_KEYS})
+        if now != before:
+            logger.info("log settings now the broker's: %s",
+                        {k: v for k, v in now.items() if before.get(k) != v})
+        logger.debug("log settings: the broker's, version %x", self._log_version)
 
     async def trace_settings(self) -> tracing.TraceSettings:
         """This process's copy, replaced with the broker's first where it answers (a
@@ -277,6 +321,12 @@ class Gateway:
         labels = meta.get("labels")
         return [classify(t, counts[t.meta.name], batched, labels)
                 if t.meta.name in counts else t for t in tensors]
+
+
+def _other(version: Any, copy: int) -> bool:
+    """A PONG's version of settings (0 or absent from a broker without them) that is not
+    the copy's."""
+    return isinstance(version, int) and version != 0 and version != copy
 
 
 def as_caller(api_key: str | None) -> dict[str, str]:

@@ -219,7 +219,7 @@ class Broker:
         elif kind is p.Kind.CANCEL:
             self.requests.on_cancel(client, p.decode(p.Cancel, header).request_id)
         elif kind is p.Kind.PING:
-            self._to_client(client, p.encode(p.Pong(settings=self.extensions.settings_version)))
+            self._to_client(client, p.encode(self.extensions.pong()))
         elif kind is p.Kind.CONTROL:
             msg = self._control_request(header, lambda f: self._to_client(client, f))
             if msg.verb == "draining":
@@ -254,7 +254,7 @@ class Broker:
                                                error=str(exc)[:500])))
             raise
         if kind is p.Kind.PING:  # a long-lived controller (the gateway) watching us
-            answer(p.encode(p.Pong(settings=self.extensions.settings_version)))
+            answer(p.encode(self.extensions.pong()))
             return
         if kind is not p.Kind.CONTROL:
             raise p.ProtocolError(f"unexpected kind {kind.name} on the control socket")

@@ -179,7 +179,7 @@ class InferenceService(Inference):
             self._admin(context)
             current = await self.gw.change_log_settings(update)
         else:
-            current = self.gw.logs.current()
+            current = await self.gw.log_settings()
         out = pb.LogSettingsResponse()
         for key, val in current.items():
             setting = out.settings[key]

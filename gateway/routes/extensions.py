@@ -104,7 +104,7 @@ class Extensions:
 
     # -- logging ---------------------------------------------------------------
     async def log_settings(self, request: Request) -> Response:
-        return json_response(self.gw.logs.current())
+        return json_response(await self.gw.log_settings())
 
     async def change_log_settings(self, request: Request) -> Response:
         require_admin(request, self.gw.settings.admin_token)

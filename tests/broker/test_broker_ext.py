@@ -1,6 +1,7 @@
 """The broker's side of the v2 extensions with real sockets and real files, workers
 played by DEALER sockets (tests/broker/test_lifecycle.py's): the ``logging`` verb
-reaches every worker, and workers that join later; ``models`` lists optional models,
+reaches every worker, and workers that join later, and ``log_settings`` reads the
+broker's with their version; ``models`` lists optional models,
 failed first loads included, and forgets the failure of a folder that is gone;
 ``metadata`` carries the labels read at commit; model statistics count what ran."""
 
@@ -38,8 +39,14 @@ def test_log_settings_reach_every_worker_and_later_joiners(broker) -> None:
     b, repo, ctx = broker
     w0 = FakeWorker(ctx, b.endpoints.backend, "host/0")
     w0.expect(p.Kind.LOAD)
+    first = call(b, "log_settings")
     got = call(b, "logging", settings={"log_verbose_level": 1, "log_format": "ISO8601"})
-    assert got["log_verbose_level"] == 1 and got["log_format"] == "ISO8601"
+    assert got["settings"]["log_verbose_level"] == 1 and got["settings"]["log_format"] == \
+        "ISO8601"
+    # what every gateway reads (read-only, so on the frontend too) and follows: each
+    # change another version
+    with Client(b.endpoints.frontend, timeout_s=5) as c:
+        assert c.control("log_settings") == got and got["version"] != first["version"]
     header = w0.expect(p.Kind.LOG_SETTINGS)
     assert p.decode(p.LogSettings, header).settings == {"log_verbose_level": 1,
                                                         "log_format": "ISO8601"}

@@ -207,3 +207,6 @@ def test_version_1_kinds_stay_stamped_1_and_pong_lists_the_versions():
     # the trace settings' version (broker/tracesettings.py); an older broker's has none
     assert p.decode(p.Pong, p.unpack(p.encode(p.Pong(settings=7)))[1]).settings == 7
     assert p.decode(p.Pong, {"v": 1, "versions": [1]}).settings == 0
+    # the log settings' too (broker/server/extverbs.py), 0 from a broker without them
+    assert p.decode(p.Pong, p.unpack(p.encode(p.Pong(logs=9)))[1]).logs == 9
+    assert p.decode(p.Pong, {"v": 1, "versions": [1], "settings": 3}).logs == 0

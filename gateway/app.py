@@ -39,6 +39,8 @@ from zeroserve.gateway.tenantgate import DEFAULT_METRICS_ALLOW, GateMiddleware, 
 __all__ = ["Gateway", "Settings", "create_app"]
 
 logger = logging.getLogger(__name__)
+# a control verb the broker does not know (one from before it): see _change_at_broker
+_NO_VERB = object()
 
 LOAD_TIMEOUT_S = 300.0   # a repository load answers once done, as Triton's blocks
 STATUS_POLL_S = 0.05
@@ -232,24 +234,31 @@ class Gateway:
         passes them to its workers; its answer becomes this process's. A broker without
         the verb leaves the change to this process alone."""
         validate(update)   # the 400 without a round trip
-        try:
-            doc = await asyncio.wait_for(self.admin.control("logging", settings=update),
-                                         self.settings.broker_timeout_s)
-        except asyncio.TimeoutError:
-            raise InferError(ErrorCode.UNAVAILABLE, f"log settings not changed: no answer "
-                             f"from the broker within {self.settings.broker_timeout_s:g} s"
-                             ) from None
-        except InferError as exc:
-            if exc.code is not ErrorCode.BAD_INPUT or "unknown control verb" not in exc.message:
-                raise
-            logger.warning("the broker has no 'logging' verb: the log settings change in "
-                           "this gateway process alone")
+        doc = await self._change_at_broker("logging", "log settings", settings=update)
+        if doc is _NO_VERB:
             return self.logs.apply(update)
         if isinstance(doc, dict) and "version" in doc:
             self._load_logs(doc)
         else:   # a broker from before the shared settings answers its own, unversioned
             self.logs.apply(update)
         return self.logs.current()
+
+    async def _change_at_broker(self, verb: str, what: str, **args: Any) -> Any:
+        """A state-changing verb's answer, or _NO_VERB from a broker without it (the change
+        is then this process's alone); UNAVAILABLE when the broker does not answer."""
+        try:
+            return await asyncio.wait_for(self.admin.control(verb, **args),
+                                          self.settings.broker_timeout_s)
+        except asyncio.TimeoutError:
+            raise InferError(ErrorCode.UNAVAILABLE, f"{what} not changed: no answer "
+                             f"from the broker within {self.settings.broker_timeout_s:g} s"
+                             ) from None
+        except InferError as exc:
+            if exc.code is not ErrorCode.BAD_INPUT or "unknown control verb" not in exc.message:
+                raise
+            logger.warning("the broker has no %r verb: the %s change in this gateway "
+                           "process alone", verb, what)
+            return _NO_VERB
 
     def _load_logs(self, doc: Any) -> None:
         """The broker's settings (its ``log_settings`` answer) as this process's."""
@@ -291,19 +300,9 @@ class Gateway:
         change to this process alone."""
         settings = self.tracer.settings
         settings.state.updated(model, changes)   # Triton's errors without a round trip
-        try:
-            doc = await asyncio.wait_for(
-                self.admin.control("trace_settings_update", model=model, settings=changes),
-                self.settings.broker_timeout_s)
-        except asyncio.TimeoutError:
-            raise InferError(ErrorCode.UNAVAILABLE, f"trace settings not changed: no answer "
-                             f"from the broker within {self.settings.broker_timeout_s:g} s"
-                             ) from None
-        except InferError as exc:
-            if exc.code is not ErrorCode.BAD_INPUT or "unknown control verb" not in exc.message:
-                raise
-            logger.warning("the broker has no 'trace_settings_update' verb: the trace "
-                           "settings change in this gateway process alone")
+        doc = await self._change_at_broker("trace_settings_update", "trace settings",
+                                           model=model, settings=changes)
+        if doc is _NO_VERB:
             settings.update(model, changes)
             return settings
         settings.load(TraceState.from_doc(doc))

@@ -58,7 +58,11 @@ class Load:
     def __init__(self) -> None:
         self.sent = 0
         self.completed = 0
-        self.errors: list[InferError] = []
+        # counted, with the text of the first few and of any that may not be retried: a
+        # server failing every stream at once must not fill this process's memory
+        self.errors = 0
+        self.first_errors: list[str] = []
+        self.not_retryable: list[str] = []
         self.broken: list[str] = []   # order violations
         self.stop = False
 
@@ -77,7 +81,14 @@ class Load:
         except InferError as exc:
             if indices != list(range(len(indices))):
                 self.broken.append(f"failed after {indices}")
-            self.errors.append(exc)
+            self.errors += 1
+            if len(self.first_errors) < 5:
+                self.first_errors.append(str(exc))
+            if not exc.retryable and len(self.not_retryable) < 5:
+                self.not_retryable.append(str(exc))
+            # a stream cut by a kill is sent again after a pause, as a client backs off; a
+            # broker that fails every stream at once is then not asked 10,000 times a second
+            await asyncio.sleep(0.005)  # noqa: sleep-ok - the retry's backoff
 
     async def run(self, frontend: str) -> None:
         async with AsyncClient(frontend) as c:
@@ -110,10 +121,10 @@ def test_sigkill_of_a_worker_during_streams_ends_every_stream_once(server: Serve
     start = time.monotonic()
     asyncio.run(chaos())
     assert not load.broken, load.broken[:5]
-    assert load.completed + len(load.errors) == load.sent
-    assert all(e.retryable for e in load.errors), [str(e) for e in load.errors[:5]]
+    assert load.completed + load.errors == load.sent
+    assert not load.not_retryable, load.not_retryable
     assert load.errors, "no stream was cut: the kills missed the load"
-    assert load.completed > len(load.errors)
+    assert load.completed > load.errors, (load.completed, load.errors, load.first_errors)
     assert server.pids("broker") == broker_pid
     wait_for(lambda: answered_by_broker(server) == load.sent, 10,
              f"the broker to count {load.sent} answers")

@@ -23,7 +23,8 @@ from zeroserve.broker import wording
 from zeroserve.broker.client import InferError
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.access import require_admin
-from zeroserve.gateway.http import BadRequest, error_response, json_response, read_body
+from zeroserve.gateway.http import BadRequest, error_response, json_response, path_version, \
+    read_body
 
 if TYPE_CHECKING:
     from zeroserve.gateway.app import Gateway
@@ -94,11 +95,8 @@ class Registration:
 
     async def delete(self, request: Request) -> Response:
         require_admin(request, self.gw.settings.admin_token)
-        raw = request.path_params.get("version")
-        if raw is not None and (not raw.isdigit() or int(raw) < 1):
-            raise BadRequest(f"version must be a positive integer, got {raw!r}")
         doc = await self.gw.admin.control("unregister", model=request.path_params["name"],
-                                          version=int(raw) if raw is not None else None)
+                                          version=path_version(request))
         return json_response(doc)
 
 

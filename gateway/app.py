@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -216,17 +216,8 @@ class Gateway:
     async def log_settings(self) -> dict[str, Any]:
         """This process's, made the broker's first where it answers (a broker without the
         verb, or not answering, leaves them as they are)."""
-        if not self.admin.connected:   # at once, not after broker_timeout_s
-            return self.logs.current()
-        try:
-            self._load_logs(await asyncio.wait_for(self.admin.control("log_settings"),
-                                                   self.settings.broker_timeout_s))
-        except asyncio.TimeoutError:
-            logger.warning("log settings: no answer from the broker within %g s",
-                           self.settings.broker_timeout_s)
-        except (InferError, SettingsError) as exc:
-            logger.log(logging.DEBUG if "unknown control verb" in str(exc) else
-                       logging.WARNING, "log settings: this process's own (%s)", exc)
+        await self._read_from_broker("log_settings", "log settings", self._load_logs,
+                                     SettingsError)
         return self.logs.current()
 
     async def change_log_settings(self, update: Any) -> dict[str, Any]:
@@ -242,6 +233,24 @@ class Gateway:
         else:   # a broker from before the shared settings answers its own, unversioned
             self.logs.apply(update)
         return self.logs.current()
+
+    async def _read_from_broker(self, verb: str, what: str, load: Callable[[Any], None],
+                                bad: type[Exception]) -> None:
+        """The broker's answer to a read-only verb given to ``load``; this process's own
+        copy stays when the broker is not connected (at once, not after
+        broker_timeout_s), does not answer, has no such verb, or answers what ``load``
+        refuses with ``bad``."""
+        if not self.admin.connected:
+            return
+        try:
+            load(await asyncio.wait_for(self.admin.control(verb),
+                                        self.settings.broker_timeout_s))
+        except asyncio.TimeoutError:
+            logger.warning("%s: no answer from the broker within %g s", what,
+                           self.settings.broker_timeout_s)
+        except (InferError, bad) as exc:
+            logger.log(logging.DEBUG if "unknown control verb" in str(exc) else
+                       logging.WARNING, "%s: this process's own (%s)", what, exc)
 
     async def _change_at_broker(self, verb: str, what: str, **args: Any) -> Any:
         """A state-changing verb's answer, or _NO_VERB from a broker without it (the change
@@ -279,18 +288,9 @@ class Gateway:
         """This process's copy, replaced with the broker's first where it answers (a
         broker without the verb, or not answering, leaves the copy as it is)."""
         settings = self.tracer.settings
-        if not self.admin.connected:   # at once, not after broker_timeout_s
-            return settings
-        try:
-            doc = await asyncio.wait_for(self.admin.control("trace_settings"),
-                                         self.settings.broker_timeout_s)
-            settings.load(TraceState.from_doc(doc))
-        except asyncio.TimeoutError:
-            logger.warning("trace settings: no answer from the broker within %g s",
-                           self.settings.broker_timeout_s)
-        except (InferError, TraceSettingError) as exc:
-            logger.log(logging.DEBUG if "unknown control verb" in str(exc) else
-                       logging.WARNING, "trace settings: this process's own (%s)", exc)
+        await self._read_from_broker("trace_settings", "trace settings",
+                                     lambda doc: settings.load(TraceState.from_doc(doc)),
+                                     TraceSettingError)
         return settings
 
     async def update_trace_settings(self, model: str | None, changes: Any

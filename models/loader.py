@@ -15,6 +15,7 @@ import torch
 from zeroserve.models import handlers
 from zeroserve.models.footprint import fit_activation, weights_bytes
 from zeroserve.models.repository import ModelConfig, version_sha256
+from zeroserve.models.shapes import rule as shape_rule
 
 __all__ = ["LoadError", "LoadedModel", "load", "version_sha256", "warm_up"]
 
@@ -88,12 +89,17 @@ LOADERS: dict[str, Callable[[Path, str], Callable[..., Any]]] = {
 
 
 def sample_inputs(cfg: ModelConfig, batch: int, device: str) -> list[torch.Tensor]:
-    """Zeros of each declared input, free dims as 1, for warm-up."""
+    """Zeros of each declared input, free dims as 1 (a padded one at its first bucket:
+    the shapes requests will run at), for warm-up."""
     out = []
+    pads = {i.name: i.dim for i in cfg.dynamic_batching.padding.inputs} \
+        if cfg.dynamic_batching.padding is not None else {}
+    length = shape_rule(cfg).warmup_length()
     for spec in cfg.inputs:
         if spec.datatype == "BYTES":
             raise LoadError("warm-up cannot make BYTES inputs")
-        dims = [d if d > 0 else 1 for d in spec.shape]
+        dims = [d if d > 0 else (length if pads.get(spec.name) == i else 1)
+                for i, d in enumerate(spec.shape)]
         if cfg.max_batch_size > 0:
             dims = [batch] + dims
         out.append(torch.zeros(dims, dtype=TORCH_DTYPES[spec.datatype], device=device))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,6 +55,36 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class PaddedInput:
+    """An input whose requests may be padded along ``dim`` (counted as in the config's
+    shape: the batch dimension left out) with ``value``, so lengths share a batch."""
+
+    name: str
+    dim: int
+    value: float = 0
+
+
+@dataclass(frozen=True)
+class PaddedOutput:
+    """An output cut back along ``dim`` to each request's own length."""
+
+    name: str
+    dim: int
+
+
+@dataclass(frozen=True)
+class Padding:
+    """``dynamic_batching.padding``: which free dimension of which inputs may be padded,
+    the lengths to pad to (``buckets``, ascending; none: the longest in the batch), and
+    which outputs are cut back to each request's length. Only safe where the model
+    masks what was padded (a transformer's attention mask padded with 0)."""
+
+    inputs: tuple[PaddedInput, ...]
+    outputs: tuple[PaddedOutput, ...] = ()
+    buckets: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class DynamicBatching:
     max_queue_delay_ms: float = 0.0
     preferred_batch_sizes: tuple[int, ...] = ()
@@ -64,6 +94,7 @@ class DynamicBatching:
     default_timeout_ms: float = 0.0
     aging_ms: float = 1000.0
     max_execution_ms: float = 30000.0
+    padding: Padding | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +125,15 @@ class ModelConfig:
         out["outputs"] = [t.to_json() for t in self.outputs]
         out["dynamic_batching"]["preferred_batch_sizes"] = list(
             self.dynamic_batching.preferred_batch_sizes)
+        pad = self.dynamic_batching.padding
+        if pad is None:
+            del out["dynamic_batching"]["padding"]
+        else:
+            out["dynamic_batching"]["padding"] = {
+                "inputs": [{"name": i.name, "dim": i.dim, "value": i.value}
+                           for i in pad.inputs],
+                "outputs": [{"name": o.name, "dim": o.dim} for o in pad.outputs],
+                "buckets": list(pad.buckets)}
         return out
 
     @property
@@ -174,6 +214,8 @@ def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
             kw[key] = tuple(sorted(_int(where, fld, v, 1) for v in value))
         elif key in ("max_queue_size", "priority_levels", "default_priority"):
             kw[key] = _int(where, fld, value, 1)
+        elif key == "padding":
+            continue   # checked against the inputs and outputs: _padding
         else:
             kw[key] = _num(where, fld, value)
     d = DynamicBatching(**kw)
@@ -181,6 +223,69 @@ def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
         raise _fail(where, "dynamic_batching.default_priority",
                     f"{d.default_priority} is above priority_levels {d.priority_levels}")
     return d
+
+
+def _padding(where: str, raw: Any, inputs: tuple[TensorSpec, ...],
+             outputs: tuple[TensorSpec, ...], max_batch_size: int) -> Padding | None:
+    """``dynamic_batching.padding``; every name and dim checked against the tensors the
+    config declares, so a typo is refused at load, not met as a wrong answer."""
+    if raw is None:
+        return None
+    fld = "dynamic_batching.padding"
+    if not isinstance(raw, dict) or set(raw) - {"inputs", "outputs", "buckets"}:
+        raise _fail(where, fld, 'must be {"inputs": [{"name", "dim", "value"}], '
+                    '"outputs": [{"name", "dim"}], "buckets": [lengths]}')
+    if max_batch_size <= 0:
+        raise _fail(where, fld, "needs max_batch_size > 0: a model that does not batch "
+                    "has nothing to pad")
+    declared_in = {t.name: t for t in inputs}
+    declared_out = {t.name: t for t in outputs}
+
+    def dim_of(f: str, item: Any, declared: dict[str, TensorSpec], kind: str) -> tuple[str, int]:
+        if not isinstance(item, dict) or "name" not in item or "dim" not in item:
+            raise _fail(where, f, 'must be {"name": ..., "dim": ...}')
+        name = item["name"]
+        spec = declared.get(name) if isinstance(name, str) else None
+        if spec is None:
+            raise _fail(where, f + ".name", f"{kind} {name!r} is not declared; the model "
+                        f"has {sorted(declared)}")
+        dim = _int(where, f + ".dim", item["dim"])
+        if dim >= len(spec.shape):
+            raise _fail(where, f + ".dim", f"{kind} {name!r} has {len(spec.shape)} "
+                        f"dimension(s) (the batch dimension left out), no dim {dim}")
+        if spec.shape[dim] != -1:
+            raise _fail(where, f + ".dim", f"dim {dim} of {kind} {name!r} is fixed at "
+                        f"{spec.shape[dim]}: only a free dimension (-1) can be padded")
+        return name, dim
+
+    raw_in = raw.get("inputs")
+    if not isinstance(raw_in, list) or not raw_in:
+        raise _fail(where, fld + ".inputs", "must be a non-empty list")
+    padded_in = []
+    for i, item in enumerate(raw_in):
+        f = f"{fld}.inputs[{i}]"
+        name, dim = dim_of(f, item, declared_in, "input")
+        value = item.get("value", 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                set(item) - {"name", "dim", "value"}:
+            raise _fail(where, f, f"value must be a number, got {value!r}")
+        if declared_in[name].datatype == "BYTES":
+            raise _fail(where, f, f"input {name!r} is BYTES: only numeric tensors are padded")
+        padded_in.append(PaddedInput(name, dim, value))
+    if len({i.name for i in padded_in}) != len(padded_in):
+        raise _fail(where, fld + ".inputs", "names an input twice")
+    raw_out = raw.get("outputs", [])
+    if not isinstance(raw_out, list):
+        raise _fail(where, fld + ".outputs", "must be a list")
+    padded_out = [PaddedOutput(*dim_of(f"{fld}.outputs[{i}]", item, declared_out, "output"))
+                  for i, item in enumerate(raw_out)]
+    raw_buckets = raw.get("buckets", [])
+    if not isinstance(raw_buckets, list):
+        raise _fail(where, fld + ".buckets", "must be a list of lengths")
+    buckets = tuple(_int(where, fld + ".buckets", b, 1) for b in raw_buckets)
+    if list(buckets) != sorted(set(buckets)):
+        raise _fail(where, fld + ".buckets", f"must ascend without repeats, got {list(buckets)}")
+    return Padding(tuple(padded_in), tuple(padded_out), buckets)
 
 
 def _version_policy(where: str, raw: Any) -> dict[str, Any]:
@@ -292,9 +397,14 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
         raise _fail(where, "optional", f"must be true or false, got {optional!r}")
     decoupled = _transaction_policy(where, raw.get("model_transaction_policy"),
                                     PLATFORMS[platform])
+    batching = _dynamic_batching(where, raw.get("dynamic_batching"))
+    padding = _padding(where, (raw.get("dynamic_batching") or {}).get("padding"), inputs,
+                       outputs, mbs)
+    if padding is not None:
+        batching = replace(batching, padding=padding)
     return ModelConfig(
         name=name, platform=PLATFORMS[platform], inputs=inputs, outputs=outputs,
-        max_batch_size=mbs, dynamic_batching=_dynamic_batching(where, raw.get("dynamic_batching")),
+        max_batch_size=mbs, dynamic_batching=batching,
         version_policy=_version_policy(where, raw.get("version_policy")),
         traffic={k: int(v) for k, v in traffic.items()}, instances=instances,
         autoscaling=autoscaling,

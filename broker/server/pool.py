@@ -49,6 +49,12 @@ class Inflight:
     stream: bool = False   # a decoupled model's: its responses come as PARTIAL messages
     started_s: float = math.inf   # when the worker is taken to have begun it (it runs its
                                   # batches in order: when the one before it returned)
+    units: float = 0.0   # what the latency model prices it by: rows x the longest scale
+
+
+def rec_units(entries: list[Entry]) -> float:
+    """A batch's units: every row runs at the batch's longest scale (padding)."""
+    return sum(e.samples for e in entries) * max((e.scale for e in entries), default=1.0)
 
 
 @dataclass
@@ -237,7 +243,8 @@ class WorkerPool:
                        {it.request_id: e for it, e in zip(items, entries)},
                        sum(e.samples for e in entries), reason, now,
                        now + exec_s if exec_s > 0 else math.inf, stream,
-                       math.inf if worker.inflight else now)
+                       math.inf if worker.inflight else now,
+                       rec_units(entries))
         frames = p.encode_batch(p.Batch(batch_id, model, version, items,
                                         (tightest - now) * 1000.0 if tightest < math.inf else 0,
                                         trace))
@@ -316,19 +323,19 @@ class WorkerPool:
         return {self.inflight[b].model for b in worker.inflight if b in self.inflight}
 
     def busy_until(self, worker: WorkerState, now: float,
-                   predict: Callable[[str, int], float]) -> float:
+                   predict: Callable[[str, float], float]) -> float:
         """When a worker is predicted to finish the batches it has (they run in order);
-        ``predict(model, samples)`` is that worker's latency model."""
+        ``predict(model, units)`` is that worker's latency model."""
         cursor = now
         for i, batch_id in enumerate(worker.inflight):
             rec = self.inflight[batch_id]
-            run_s = predict(rec.model, rec.samples)
+            run_s = predict(rec.model, rec.units)
             cursor = max(cursor, rec.sent_s + run_s) if i == 0 else cursor + run_s
         return cursor
 
-    def work_s(self, worker: WorkerState, predict: Callable[[str, int], float]) -> float:
+    def work_s(self, worker: WorkerState, predict: Callable[[str, float], float]) -> float:
         """The predicted run time of every batch the worker holds, elapsed or not."""
-        return sum(predict(self.inflight[b].model, self.inflight[b].samples)
+        return sum(predict(self.inflight[b].model, self.inflight[b].units)
                    for b in worker.inflight)
 
     # -- messages to workers ----------------------------------------------------

@@ -48,7 +48,7 @@ class Replicas:
 
     def __init__(self, catalog: Catalog, pool: WorkerPool, scheduler: Scheduler,
                  placement: Placement, metrics: BrokerMetrics, *,
-                 predict: Callable[[str], Callable[[int], float]],
+                 predict: Callable[[str], Callable[[float], float]],
                  swapping: Callable[[str], bool],
                  sync_worker: Callable[[WorkerState], None], default: Placed = placed_on,
                  sample_s: float = 0.05, step_s: float = 0.5) -> None:

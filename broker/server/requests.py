@@ -14,7 +14,7 @@ import logging
 import math
 import random
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from zeroserve.broker import protocol as p, tracing
 from zeroserve.broker.server.admission import admission_error, deadline_of
@@ -29,6 +29,8 @@ from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import Streams
 from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
+from zeroserve.models.repository import ModelConfig
+from zeroserve.models.shapes import ShapeError, rule as shape_rule
 
 # A batch sent to a busy worker waits there, in a FIFO that neither priority nor deadline
 # reorders: under 2x overload of cnn with two priorities, a second credit made
@@ -180,7 +182,8 @@ class RequestPath(StreamPath):
         assert model is not None
         try:
             samples = check_inputs(model.config, [t.meta for t in req.tensors], req.outputs)
-        except RequestError as exc:
+            shape, scale = shape_class(model.config, req.tensors)
+        except (RequestError, ShapeError) as exc:
             self.refuse(client, req.request_id, p.ErrorCode.BAD_INPUT, str(exc),
                         model=req.model)
             return
@@ -189,7 +192,7 @@ class RequestPath(StreamPath):
             self.refuse(client, req.request_id, grant.code, grant.message, req.model,
                         grant.retry_after_s)
             return
-        entry = self._entry(client, grant.request, model, samples, now, grant)
+        entry = self._entry(client, grant.request, model, samples, now, grant, shape, scale)
         if entry is None:
             self.tenancy.release(key)
             self.tenancy.rejected(grant.tenant, p.ErrorCode.DEADLINE)
@@ -205,7 +208,8 @@ class RequestPath(StreamPath):
         self._queue(entry)
 
     def _entry(self, client: bytes, req: p.InferRequest, model: CatalogModel, samples: int,
-               now: float, grant: Grant | None = None) -> Entry | None:
+               now: float, grant: Grant | None = None, shape: Hashable = None,
+               scale: float = 1.0) -> Entry | None:
         """The queue entry, or None when the deadline cannot be met (refused now)."""
         cfg = model.config
         priority = normalize_priority(req.priority, cfg)
@@ -217,7 +221,7 @@ class RequestPath(StreamPath):
                 req.model, priority, predict, len(holders), *(
                     (grant.tenant, grant.weight, samples) if grant is not None else ()))
             wait_s += self._soonest_free(holders, now) - now
-            if now + wait_s + predict(samples) > deadline:
+            if now + wait_s + predict(samples * scale) > deadline:
                 self.refuse(client, req.request_id, p.ErrorCode.DEADLINE,
                             f"deadline of {timeout_ms:g} ms cannot be met: the queue ahead "
                             f"needs about {wait_s * 1000:.1f} ms", model=req.model)
@@ -228,9 +232,10 @@ class RequestPath(StreamPath):
             version = model.route(self._rng)
         return Entry(key=(client, req.request_id), model=req.model, priority=priority,
                      arrival_s=now, deadline_s=deadline, samples=samples, version=version,
-                     payload=Payload(client, req, req.version is not None))
+                     payload=Payload(client, req, req.version is not None), shape=shape,
+                     scale=scale)
 
-    def _split(self, worker: WorkerState, model: str, predict: Callable[[int], float],
+    def _split(self, worker: WorkerState, model: str, predict: Callable[[float], float],
                now: float) -> int | None:
         """Half the queue, for an idle worker that can take two batches, when batching
         gains little and a queued batch reorders nothing; else None (the model's cap)."""
@@ -238,8 +243,10 @@ class RequestPath(StreamPath):
             return None
         queued = self.scheduler.queued_samples(model)
         half = (queued + 1) // 2
-        whole = predict(queued)
-        if queued < 2 or whole <= PREFETCH_S or 2 * predict(half) > SPLIT_COST * whole:
+        scale = self.scheduler.queued_units(model) / max(queued, 1)
+        whole = predict(queued * scale)
+        if queued < 2 or whole <= PREFETCH_S or \
+                2 * predict(half * scale) > SPLIT_COST * whole:
             return None
         return half
 
@@ -249,13 +256,15 @@ class RequestPath(StreamPath):
         timings = msg.memory.get("warmup_seconds") if msg.ok else None
         if not isinstance(timings, dict):
             return
+        model = self.catalog.get(msg.model)
+        scale = shape_rule(model.config).warmup_scale() if model is not None else 1.0
         for size, seconds in timings.items():
             try:
                 b, t = int(size), float(seconds)
             except (TypeError, ValueError):
                 continue
             if b > 0 and 0.0 < t < 60.0:
-                self.latency.observe(msg.model, worker.worker_id, b, t)
+                self.latency.observe(msg.model, worker.worker_id, b * scale, t)
 
     def _note_priority(self, model: str, priority: int, now: float) -> None:
         seen = self._priorities.get(model)
@@ -330,7 +339,7 @@ class RequestPath(StreamPath):
                 self._fail_batch(rec, code, result.error)
             return
         compute_s = result.compute_ms / 1000.0
-        self.latency.observe(rec.model, worker.worker_id, rec.samples, compute_s)
+        self.latency.observe(rec.model, worker.worker_id, rec.units, compute_s)
         self.metrics.batch_done(rec.model, rec.samples, compute_s, result.phases_ms)
         self.stats.batch_done(rec.model, rec.version, rec.samples, result.phases_ms,
                               result.compute_ms)
@@ -416,7 +425,7 @@ class RequestPath(StreamPath):
 
     def _stall_limit_s(self, worker: WorkerState, head: Inflight) -> float:
         predict = self.latency.predictor(head.model, worker.worker_id)
-        return max(STALL_MIN_S, STALL_FACTOR * predict(head.samples))
+        return max(STALL_MIN_S, STALL_FACTOR * predict(head.units))
 
     def _requeue(self, entries: list[Entry], why: str, now: float, spend: bool = True) -> None:
         for entry in entries:
@@ -518,13 +527,13 @@ class RequestPath(StreamPath):
         return soonest if workers else now
 
     def _busy_until(self, worker: WorkerState, now: float) -> float:
-        def predict(model: str, samples: int) -> float:
-            return self.latency.predictor(model, worker.worker_id)(samples)
+        def predict(model: str, units: float) -> float:
+            return self.latency.predictor(model, worker.worker_id)(units)
         return self.pool.busy_until(worker, now, predict)
 
     def _work_s(self, worker: WorkerState) -> float:
-        def predict(model: str, samples: int) -> float:
-            return self.latency.predictor(model, worker.worker_id)(samples)
+        def predict(model: str, units: float) -> float:
+            return self.latency.predictor(model, worker.worker_id)(units)
         return self.pool.work_s(worker, predict)
 
     def next_due(self, now: float) -> float | None:
@@ -608,6 +617,15 @@ class RequestPath(StreamPath):
                                       f"version {entry.version} of model {name!r} was retired")
             else:
                 entry.version = None
+
+
+def shape_class(cfg: ModelConfig, tensors: Sequence[p.Tensor]) -> tuple[Hashable, float]:
+    """A request's shape key and scale (models/shapes.py); one test for a model of fixed
+    shapes, the common case."""
+    rule = shape_rule(cfg)
+    if rule.fixed:
+        return None, 1.0
+    return rule.classify({t.meta.name: t.meta.shape for t in tensors})
 
 
 def _batch_trace(entries: list[Entry], now: float) -> p.BatchTrace | None:

@@ -230,3 +230,9 @@ def test_any_mix_forms_single_shape_batches_in_order(
         answer(e.key, "dropped")
     assert set(answered) == set(range(n)), "some request was never answered"
     assert all(v == 0 for v in s.census().values())
+
+
+def test_a_retried_entry_keeps_its_shape_and_scale() -> None:
+    e = entry(1, 31, padding={**PAD, "buckets": [16, 32]})
+    again = e.again()
+    assert (again.shape, again.scale, again.units) == (e.shape, e.scale, 32.0)

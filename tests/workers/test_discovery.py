@@ -147,3 +147,13 @@ def test_a_handler_names_its_outputs_and_numpy_gives_their_datatypes(tmp_path: P
     assert specs(loaded.config.outputs) == [("score", "FP32", [1]), ("ids", "INT64", [5]),
                                             ("label", "BYTES", [])]
     loaded.release()
+
+
+def test_declared_outputs_are_kept_and_only_the_datatypes_are_settled(tmp_path: Path) -> None:
+    outputs = [{"name": "hidden", "datatype": "FP32", "shape": [-1, 6]},
+               {"name": "pooled", "datatype": "FP32", "shape": [6]}]
+    body = {"name": "tok", "platform": "pytorch", "max_batch_size": 4,
+            "input_shape": {"ids": [1, -1], "mask": [1, -1]}, "outputs": outputs}
+    loaded = trial(body, save(tmp_path, Tokens()))
+    assert [t.datatype for t in loaded.config.inputs] == ["INT64", "INT64"]
+    assert [t.to_json() for t in loaded.config.outputs] == outputs

@@ -182,9 +182,11 @@ def _plan(cfg: ModelConfig, version_dir: Path, resident: int,
 
 
 def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
-         memory_probe: Callable[[], int], peak_probe: Probe | None = None) -> LoadedModel:
+         memory_probe: Callable[[], int], peak_probe: Probe | None = None,
+         settle: Callable[[LoadedModel], ModelConfig] | None = None) -> LoadedModel:
     """Load, warm up and measure one version (with ``peak_probe``, the warm-up batches'
-    peaks too, into ``plan``). Raises LoadError with the reason."""
+    peaks too, into ``plan``). ``settle`` completes a registration's config from the
+    loaded model before warm-up (workers/discovery.py). Raises LoadError with the reason."""
     loader = LOADERS.get(cfg.platform)
     if loader is None and cfg.platform != "python":
         raise LoadError(f"platform {cfg.platform!r} is not supported by this worker")
@@ -205,6 +207,8 @@ def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
         else:
             assert loader is not None
             loaded = LoadedModel(cfg.name, version, cfg, sha, loader(model_file, device), device)
+        if settle is not None:
+            loaded.config = settle(loaded)
         peaks = warm_up(loaded, peak_probe)
     except Exception as exc:  # a broken file or model raises anything
         if loaded is not None:

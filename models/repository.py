@@ -123,6 +123,8 @@ class ModelConfig:
         out["model_transaction_policy"] = {"decoupled": out.pop("decoupled")}
         out["inputs"] = [t.to_json() for t in self.inputs]
         out["outputs"] = [t.to_json() for t in self.outputs]
+        if not self.outputs:   # still to be found by a registration's trial load
+            del out["outputs"]
         out["dynamic_batching"]["preferred_batch_sizes"] = list(
             self.dynamic_batching.preferred_batch_sizes)
         pad = self.dynamic_batching.padding
@@ -306,17 +308,37 @@ def _version_policy(where: str, raw: Any) -> dict[str, Any]:
 
 
 def _input_shape(where: str, raw: Any, max_batch_size: int) -> list[dict[str, Any]]:
-    """The seed's shorthand: {"input_ids": [1, 128]} with the batch dim first, FP32 unless
-    the config says otherwise."""
+    """The seed's shorthand, batch dim first: ``{"input_ids": [1, 128]}`` (FP32, unless a
+    registration's trial load finds the model wants INT64), or with the datatype given,
+    ``{"input_ids": {"shape": [1, 128], "datatype": "INT64"}}``."""
     if not isinstance(raw, dict) or not raw:
         raise _fail(where, "input_shape", "must be an object {name: shape}")
     inputs = []
-    for name, shape in raw.items():
+    for name, entry in raw.items():
+        fld = f"input_shape.{name}"
+        datatype: Any = "FP32"
+        if isinstance(entry, dict):
+            if set(entry) - {"shape", "datatype"} or "shape" not in entry:
+                raise _fail(where, fld, 'must be a shape [dims] or {"shape": [dims], '
+                            '"datatype": "INT64"}')
+            shape, datatype = entry["shape"], entry.get("datatype", "FP32")
+        else:
+            shape = entry
         if not isinstance(shape, list):
-            raise _fail(where, f"input_shape.{name}", "must be a list")
+            raise _fail(where, fld, "must be a list")
         dims = shape[1:] if max_batch_size > 0 and shape else shape
-        inputs.append({"name": name, "datatype": "FP32", "shape": dims})
+        inputs.append({"name": name, "datatype": datatype, "shape": dims})
     return inputs
+
+
+def undeclared_datatypes(raw: dict[str, Any]) -> list[str]:
+    """The inputs of a registration body whose datatype is FP32 only by default (the
+    seed's plain ``input_shape`` lists): its trial load may find them INT64 instead."""
+    shapes = raw.get("input_shape")
+    if "inputs" in raw or not isinstance(shapes, dict):
+        return []
+    return [name for name, entry in shapes.items()
+            if not isinstance(entry, dict) or "datatype" not in entry]
 
 
 def _instances(where: str, raw: Any) -> dict[str, Any]:
@@ -355,8 +377,13 @@ def _autoscaling(where: str, raw: Any) -> dict[str, float]:
     return out
 
 
-def parse_config(raw: Any, where: str, expected_name: str | None = None) -> ModelConfig:
-    """Validate a decoded config.json (or registration body) into a ModelConfig."""
+def parse_config(raw: Any, where: str, expected_name: str | None = None,
+                 discover: bool = False) -> ModelConfig:
+    """Validate a decoded config.json (or registration body) into a ModelConfig.
+
+    ``discover``: ``outputs`` may be left out, leaving them empty for a trial load to find
+    (registration only: a repository's config must declare them, as the broker serves
+    its metadata without running the model)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must be a JSON object")
     unknown = set(raw) - _TOP_FIELDS
@@ -379,9 +406,12 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
         inputs = _tensors(where, "input_shape", _input_shape(where, raw["input_shape"], mbs))
     else:
         raise _fail(where, "inputs", "is required")
-    if "outputs" not in raw:
+    if "outputs" in raw:
+        outputs = _tensors(where, "outputs", raw["outputs"])
+    elif discover:
+        outputs = ()
+    else:
         raise _fail(where, "outputs", "is required")
-    outputs = _tensors(where, "outputs", raw["outputs"])
     traffic = raw.get("traffic") or {}
     if not isinstance(traffic, dict) or not all(
             isinstance(k, str) and k.isdigit() and isinstance(v, int) and v >= 0
@@ -397,6 +427,8 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
         raise _fail(where, "optional", f"must be true or false, got {optional!r}")
     decoupled = _transaction_policy(where, raw.get("model_transaction_policy"),
                                     PLATFORMS[platform])
+    if not outputs:
+        _check_discoverable(where, inputs, decoupled)
     batching = _dynamic_batching(where, raw.get("dynamic_batching"))
     padding = _padding(where, (raw.get("dynamic_batching") or {}).get("padding"), inputs,
                        outputs, mbs)
@@ -411,6 +443,17 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
         optional=optional, decoupled=decoupled)
+
+
+def _check_discoverable(where: str, inputs: tuple[TensorSpec, ...], decoupled: bool) -> None:
+    """Outputs are found by running the model once on zeros: say now when it cannot be."""
+    if decoupled:
+        raise _fail(where, "outputs", "is required for a decoupled model (a trial run "
+                    "does not find the outputs of a stream)")
+    strings = [t.name for t in inputs if t.datatype == "BYTES"]
+    if strings:
+        raise _fail(where, "outputs", f"is required for a model with BYTES inputs "
+                    f"({', '.join(strings)}): a trial run has no strings to give it")
 
 
 def _transaction_policy(where: str, raw: Any, platform: str) -> bool:

@@ -189,7 +189,8 @@ def _bytes_output(arr: Any) -> np.ndarray:
 
 
 def handler_outputs(loaded: LoadedModel, out: Any) -> list[Any]:
-    """A handler's predict() returns {output name: tensor, or object array for BYTES}."""
+    """A handler's predict() returns {output name: tensor or numpy array, or object array
+    for BYTES}."""
     if not isinstance(out, dict):
         raise BatchError(f"predict() returned {type(out).__name__}, expected a dict of outputs")
     result: list[Any] = []
@@ -202,9 +203,24 @@ def handler_outputs(loaded: LoadedModel, out: Any) -> list[Any]:
         elif isinstance(value, torch.Tensor):
             result.append(value.detach().to("cpu").contiguous())
         else:
-            raise BatchError(f"output {spec.name!r}: expected a tensor, got "
-                             f"{type(value).__name__}")
+            result.append(_numpy_output(spec.name, spec.datatype, value))
     return result
+
+
+def _numpy_output(name: str, datatype: str, value: Any) -> torch.Tensor:
+    """A numpy result as the declared datatype, cast only within numpy's ``same_kind``
+    rule (int64 -> INT32 or FP32 yes, float -> INT64 no), as a silent truncation would
+    answer wrong numbers."""
+    # numpy has no bfloat16: check and cast through float32, then narrow in torch
+    np_target = p.DTYPES[datatype] or np.dtype(np.float32)
+    if not isinstance(value, np.ndarray) or not np.can_cast(value.dtype, np_target,
+                                                            casting="same_kind"):
+        got = type(value).__name__ + (f" of dtype {value.dtype}"
+                                      if isinstance(value, np.ndarray) else "")
+        raise BatchError(f"output {name!r}: expected {datatype} (a tensor, or a numpy array "
+                         f"that casts to {np_target} within its kind), got {got}")
+    return torch.from_numpy(np.ascontiguousarray(value, dtype=np_target)).to(
+        TORCH_DTYPES[datatype])
 
 
 def _call(loaded: LoadedModel, inputs: list[Any]) -> list[Any]:

@@ -27,6 +27,7 @@ kernels, so the threads overlap.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import logging
 import math
@@ -50,7 +51,7 @@ from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
-from zeroserve.workers import batching, memory, streaming
+from zeroserve.workers import batching, discovery, memory, streaming
 from zeroserve.workers.memory import rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -555,11 +556,15 @@ class Worker:
 
     def load_version(self, msg: p.LoadModel) -> p.ModelLoaded:
         name, version = msg.model, msg.version
+        settle = None
+        if msg.discover:
+            guessed = [str(n) for n in msg.discover.get("datatypes", [])]
+            settle = functools.partial(discovery.complete, guessed=guessed)
         try:
-            cfg = parse_config(msg.config, f"config of {name}")
+            cfg = parse_config(msg.config, f"config of {name}", discover=bool(msg.discover))
             loaded = load(cfg, version, Path(msg.path), self.device,
                           memory.settled(self._memory_probe, self.device),
-                          memory.PeakProbe(self.device))
+                          memory.PeakProbe(self.device), settle)
         except (LoadError, ValueError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)
             return p.ModelLoaded(name, version, False, error=str(exc))
@@ -576,7 +581,8 @@ class Worker:
                     loaded.sha256[:12], loaded.memory_bytes / 1e6, loaded.load_s)
         return p.ModelLoaded(name, version, True, sha256=loaded.sha256,
                              memory_bytes=loaded.memory_bytes, load_s=loaded.load_s,
-                             memory=loaded.plan)
+                             memory=loaded.plan,
+                             config=loaded.config.to_json() if msg.discover else {})
 
     def unload_version(self, name: str, version: int) -> None:
         self._last_run.pop((name, version), None)

@@ -20,6 +20,7 @@ from zeroserve.broker import protocol as p, tracing
 from zeroserve.broker.server.admission import admission_error, deadline_of
 from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError, check_inputs, \
     normalize_priority
+from zeroserve.broker.server.dispatchgate import DispatchGate
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
@@ -32,34 +33,6 @@ from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
 from zeroserve.models.repository import ModelConfig
 from zeroserve.models.shapes import ShapeError, rule as shape_rule
 
-# A batch sent to a busy worker waits there, in a FIFO that neither priority nor deadline
-# reorders: under 2x overload of cnn with two priorities, a second credit made
-# high-priority requests wait a whole low-priority batch (about 20 ms): 56% of them were
-# answered within a 50 ms deadline, 98% with this rule (measured, same run). So while a
-# model's recent requests mix priorities, a busy worker gets a batch to queue only while
-# what it holds is predicted to run this long at most: short batches (mlp: 2-3 ms) keep
-# the pipelining that hides the hop to the worker, long ones wait in the broker's queue.
-# With one priority the queue at the worker reorders nothing, and it keeps a closed loop's
-# stages overlapping.
-PREFETCH_S = 0.005
-MIXED_PRIORITIES_S = 10.0   # how long a model counts as seeing more than one priority
-# Requests that arrive together (a client sends what one loop turn made as one message)
-# would form one batch, and a closed loop then falls into step with it: the worker idles
-# while the replies travel. An idle worker with two credits gets the queue in two halves
-# instead, when two half batches are predicted to cost at most this much more than one
-# whole (so where batching gains little, like cnn on a CPU, and never on a GPU model
-# whose batch costs about the same at any size).
-SPLIT_COST = 1.15
-# A CPU worker with a batch running gets a second one only once at least this fraction
-# of a full batch is queued. Held in the broker, a small batch grows while the worker's
-# core runs the gateway and the broker of the same host; sent at once, it would wait at
-# the worker just as long, as small. Measured on mlp (max batch 64) at C=64, same runs:
-# HTTP 6,670 -> 6,950-7,110 req/s, the mean batch 24 -> 27, every process spending less
-# a request; direct level (10,200-10,290 -> 10,360-10,400). Holding every batch until the
-# result returns (a threshold of a whole batch) gained more over HTTP (7,070-7,530) but
-# cost direct clients 4%, whose load turns round faster than the worker's idle moment.
-# An accelerator's idle moment is lost, so a GPU worker always gets its second batch.
-CPU_PREFETCH_FRACTION = 0.5
 # A running batch counts as hung, and the batches queued behind it on its worker move to
 # others, once it has run this many times its predicted time, and at least STALL_MIN_S
 # (a model with no prediction yet, or one whose times swing, is not taken for hung).
@@ -107,7 +80,7 @@ class RequestPath(StreamPath):
         self._open: dict[Key, str] = {}               # admitted, not answered: key -> model
         self._by_client: dict[bytes, set[str]] = {}
         self._last_used: dict[str, float] = {}
-        self._priorities: dict[str, tuple[int, float]] = {}  # model -> (last, mixed until)
+        self.gate = DispatchGate()                     # when a worker may take a batch
         self.stop = stop or StopState()                # the broker's: asked at admission
         self.stats = ModelStatistics()                 # the statistics extension's figures
         self.clock = clock                             # the broker's (for fail times)
@@ -226,7 +199,7 @@ class RequestPath(StreamPath):
                             f"deadline of {timeout_ms:g} ms cannot be met: the queue ahead "
                             f"needs about {wait_s * 1000:.1f} ms", model=req.model)
                 return None
-        self._note_priority(req.model, priority, now)
+        self.gate.note(req.model, priority, now)
         version = req.version
         if version is None and cfg.traffic:
             version = model.route(self._rng)
@@ -234,21 +207,6 @@ class RequestPath(StreamPath):
                      arrival_s=now, deadline_s=deadline, samples=samples, version=version,
                      payload=Payload(client, req, req.version is not None), shape=shape,
                      scale=scale)
-
-    def _split(self, worker: WorkerState, model: str, predict: Callable[[float], float],
-               now: float) -> int | None:
-        """Half the queue, for an idle worker that can take two batches, when batching
-        gains little and a queued batch reorders nothing; else None (the model's cap)."""
-        if worker.inflight or worker.free < 2 or self._mixed(model, now):
-            return None
-        queued = self.scheduler.queued_samples(model)
-        half = (queued + 1) // 2
-        scale = self.scheduler.queued_units(model) / max(queued, 1)
-        whole = predict(queued * scale)
-        if queued < 2 or whole <= PREFETCH_S or \
-                2 * predict(half * scale) > SPLIT_COST * whole:
-            return None
-        return half
 
     def warmed_up(self, worker: WorkerState, msg: p.ModelLoaded) -> None:
         """A load's measured warm-up runs seed the latency model with two batch sizes:
@@ -265,16 +223,6 @@ class RequestPath(StreamPath):
                 continue
             if b > 0 and 0.0 < t < 60.0:
                 self.latency.observe(msg.model, worker.worker_id, b * scale, t)
-
-    def _note_priority(self, model: str, priority: int, now: float) -> None:
-        seen = self._priorities.get(model)
-        if seen is None:
-            self._priorities[model] = (priority, -math.inf)
-        elif priority != seen[0]:
-            self._priorities[model] = (priority, now + MIXED_PRIORITIES_S)
-
-    def _mixed(self, model: str, now: float) -> bool:
-        return self._priorities.get(model, (0, -math.inf))[1] > now
 
     def _queue(self, entry: Entry) -> None:
         for victim in self.scheduler.add(entry):
@@ -474,15 +422,17 @@ class RequestPath(StreamPath):
                 return v if v in held else None
 
             predict = self.latency.predictor(name, worker.worker_id)
-            if worker.inflight and self._mixed(name, now) and \
-                    self._work_s(worker) > PREFETCH_S:
+            busy = bool(worker.inflight)
+            queued = self.scheduler.queued_samples(name)
+            if busy and not self.gate.may_send(name, now, busy, worker.on_cpu,
+                                               lambda w=worker: self._work_s(w), queued,
+                                               model.config.max_batch_size):
                 return  # its result frees it
-            if worker.inflight and worker.on_cpu and self.scheduler.queued_samples(name) < \
-                    CPU_PREFETCH_FRACTION * model.config.max_batch_size:
-                return  # likewise
-            start_s = self._busy_until(worker, now)
-            decision = self.scheduler.take(name, now, predict, resolve, start_s=start_s,
-                                           max_samples=self._split(worker, name, predict, now))
+            half = self.gate.split(name, now, busy, worker.free, queued,
+                                   self.scheduler.queued_units(name) / max(queued, 1), predict)
+            decision = self.scheduler.take(name, now, predict, resolve,
+                                           start_s=self._busy_until(worker, now),
+                                           max_samples=half)
             if decision is None:
                 return
             for entry in decision.doomed:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from tests.bench.simcluster import SimCluster, write_repo
-from zeroserve.broker.server.requests import CPU_PREFETCH_FRACTION, PREFETCH_S
+from zeroserve.broker.server.dispatchgate import CPU_PREFETCH_FRACTION, PREFETCH_S
 
 
 def held_at_worker(a_s: float, rate: float, mixed: bool = True,

@@ -290,7 +290,7 @@ class Broker:
         if kind is p.Kind.RESULT:
             self.requests.on_result(worker, header, bufs, now)
         elif kind is p.Kind.PARTIAL:
-            self.requests.on_partial(worker, header, bufs, now)
+            self.requests.streaming.on_partial(worker, header, bufs, now)
         elif kind is p.Kind.HEARTBEAT:
             beat = p.decode(p.WorkerHeartbeat, header)
             worker.metrics_text, worker.memory = beat.metrics, beat.memory

@@ -58,9 +58,6 @@ class DispatchGate:
     def mixed(self, model: str, now: float) -> bool:
         return self._priorities.get(model, (0, -math.inf))[1] > now
 
-    def forget(self, model: str) -> None:
-        self._priorities.pop(model, None)
-
     def may_send(self, model: str, now: float, busy: bool, on_cpu: bool,
                  work_s: Callable[[], float], queued: int, max_batch_size: int) -> bool:
         """Whether a worker with a free credit gets a batch now; ``busy``: it has a batch

@@ -14,6 +14,7 @@ import logging
 import math
 import random
 import time
+from functools import partial
 from typing import Any, Callable, Hashable, Sequence
 
 from zeroserve.broker import protocol as p, tracing
@@ -27,6 +28,7 @@ from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.stopping import StopState
+from zeroserve.broker.server.ledger import AnswerLedger, Key
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import Streams
 from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
@@ -42,7 +44,6 @@ STALL_MIN_S = 1.0
 logger = logging.getLogger(__name__)
 
 Send = Callable[[bytes, list[Any]], bool]
-Key = tuple[bytes, str]
 
 
 class Payload:
@@ -63,7 +64,7 @@ class Payload:
         self.request = None
 
 
-class RequestPath(StreamPath):
+class RequestPath:
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
                  latency: LatencyBook, metrics: BrokerMetrics, reply: Send,
                  rng: random.Random | None = None, tenancy: Tenancy | None = None,
@@ -77,28 +78,29 @@ class RequestPath(StreamPath):
         self.metrics = metrics
         self._reply = reply
         self._rng = rng or random.Random()
-        self._open: dict[Key, str] = {}               # admitted, not answered: key -> model
-        self._by_client: dict[bytes, set[str]] = {}
         self._last_used: dict[str, float] = {}
         self.gate = DispatchGate()                     # when a worker may take a batch
         self.stop = stop or StopState()                # the broker's: asked at admission
         self.stats = ModelStatistics()                 # the statistics extension's figures
         self.clock = clock                             # the broker's (for fail times)
         self.streams = Streams()                       # decoupled models' running requests
+        self.ledger = AnswerLedger(self._let_go)       # admitted, not answered
+        self.streaming = StreamPath(self.streams, pool, catalog, metrics, self.stats,
+                                    self.ledger, reply, self)
 
     # -- state --------------------------------------------------------------
     def open_count(self) -> int:
-        return len(self._open)
+        return len(self.ledger)
 
     def is_open(self, key: Key) -> bool:
-        return key in self._open
+        return self.ledger.is_open(key)
 
     def census(self) -> dict[str, int]:
         """Every structure that holds something of a request, by name and size: each is
         0 once every request has been answered, at any load (the fault tests check it)."""
         out = self.scheduler.census()
+        out.update(self.ledger.census())
         out.update({
-            "requests.open": len(self._open), "requests.by_client": len(self._by_client),
             "pool.inflight": len(self.pool.inflight),
             "pool.worker_batches": sum(len(w.inflight) for w in self.pool.workers.values()),
             "tenancy.open": self.tenancy.open_count(),
@@ -139,7 +141,7 @@ class RequestPath(StreamPath):
             self.refuse_ids(client, [rid], p.ErrorCode.BAD_INPUT, str(exc))
             return
         key = (client, req.request_id)
-        if key in self._open:
+        if self.ledger.is_open(key):
             self.refuse(client, req.request_id, p.ErrorCode.BAD_INPUT,
                         "a request with this id is already in progress", model=req.model)
             return
@@ -173,11 +175,7 @@ class RequestPath(StreamPath):
         entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
         entry.payload.notes = grant.notes
         entry.payload.bundled = bundled
-        self._open[key] = req.model
-        ids = self._by_client.get(client)
-        if ids is None:
-            ids = self._by_client[client] = set()
-        ids.add(req.request_id)
+        self.ledger.admit(key, req.model)
         self._queue(entry)
 
     def _entry(self, client: bytes, req: p.InferRequest, model: CatalogModel, samples: int,
@@ -238,19 +236,20 @@ class RequestPath(StreamPath):
         if entry is not None:
             self.answer_error(entry, p.ErrorCode.CANCELLED, "cancelled by the client")
         elif self.streams:
-            self.stop_stream((client, request_id), p.ErrorCode.CANCELLED,
+            self.streaming.stop_stream((client, request_id), p.ErrorCode.CANCELLED,
                              "cancelled by the client")
 
     def client_gone(self, client: bytes) -> int:
         """A client's connection closed: its queued requests leave the queue (what is in
         flight finishes; its answer goes nowhere). Returns how many were withdrawn."""
         withdrawn = 0
-        for rid in list(self._by_client.get(client, ())):
+        for rid in self.ledger.ids_of(client):
             entry = self.scheduler.cancel((client, rid))
             if entry is not None:
                 self.answer_error(entry, p.ErrorCode.CANCELLED, "the client went away")
                 withdrawn += 1
-            elif self.streams and self.stop_stream((client, rid), p.ErrorCode.CANCELLED,
+            elif self.streams and self.streaming.stop_stream((client, rid),
+                                                             p.ErrorCode.CANCELLED,
                                                    "the client went away"):
                 withdrawn += 1   # a running stream: its generation stops too
         return withdrawn
@@ -264,27 +263,27 @@ class RequestPath(StreamPath):
         try:
             result = p.decode_result(header, bufs, rec.model, rec.version)
         except p.ProtocolError as exc:
-            self._fail_batch(rec, p.ErrorCode.INTERNAL, f"worker sent a malformed result: {exc}")
+            self.fail_batch(rec, p.ErrorCode.INTERNAL, f"worker sent a malformed result: {exc}")
             raise
         try:
             self._answer_batch(worker, rec, result, now)
         except Exception as exc:
             # out of the in-flight table, the batch's requests have no other way to an answer
-            self._fail_batch(rec, p.ErrorCode.INTERNAL, f"internal error on the batch's "
+            self.fail_batch(rec, p.ErrorCode.INTERNAL, f"internal error on the batch's "
                              f"result: {type(exc).__name__}: {exc}"[:300])
             raise
 
     def _answer_batch(self, worker: WorkerState, rec: Inflight, result: p.BatchResult,
                       now: float) -> None:
         if rec.stream:
-            self.stream_result(worker, rec, result, now)
+            self.streaming.stream_result(worker, rec, result, now)
             return
         if result.error is not None:
             if result.retry:
-                self._requeue(list(rec.entries.values()), result.error, now)
+                self.requeue(list(rec.entries.values()), result.error, now)
             else:
                 code = p.ErrorCode.DEADLINE if result.expired else p.ErrorCode.MODEL_ERROR
-                self._fail_batch(rec, code, result.error)
+                self.fail_batch(rec, code, result.error)
             return
         compute_s = result.compute_ms / 1000.0
         self.latency.observe(rec.model, worker.worker_id, rec.units, compute_s)
@@ -296,7 +295,7 @@ class RequestPath(StreamPath):
         queued_s = 0.0
         for rep in result.replies:
             entry = rec.entries.get(rep.request_id)
-            if entry is None or entry.key not in self._open:
+            if entry is None or not self.ledger.is_open(entry.key):
                 continue
             pl: Payload = entry.payload
             queue_s = rec.sent_s - entry.arrival_s
@@ -311,7 +310,7 @@ class RequestPath(StreamPath):
                                 trace)
             frames = None if pl.bundled else p.encode_reply_parts([part])
             del rec.entries[rep.request_id]   # from here on nothing can fail before it leaves
-            self._close(entry.key)
+            self.ledger.close(entry.key)
             if frames is None:
                 got = bundles.get(pl.client)
                 if got is None:
@@ -327,7 +326,7 @@ class RequestPath(StreamPath):
             self.metrics.requests_done(rec.model, rec.version, totals_s)
             self.stats.request_done(rec.model, rec.version, queued_s, sum(totals_s),
                                     result.phases_ms, result.compute_ms, len(totals_s))
-        self._fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
+        self.fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
 
     def _send_replies(self, client: bytes, parts: list[tuple[dict[str, Any], list[Any]]]
                       ) -> None:
@@ -345,9 +344,9 @@ class RequestPath(StreamPath):
         why = f"worker {worker_id} was lost while running this request: {loss.value}"
         for i, rec in enumerate(lost):
             if loss is Loss.SILENT and i == 0:
-                self._fail_batch(rec, p.ErrorCode.WORKER_LOST, f"{why}; retry")
+                self.fail_batch(rec, p.ErrorCode.WORKER_LOST, f"{why}; retry")
             else:
-                self._requeue(list(rec.entries.values()), why, now)
+                self.requeue(list(rec.entries.values()), why, now)
 
     def overdue(self, now: float) -> list[bytes]:
         """Batches past max_execution_ms fail (504, never retried elsewhere); returns the
@@ -355,7 +354,7 @@ class RequestPath(StreamPath):
         hung = []
         for rec in self.pool.overdue(now):
             self.pool.finish(rec.batch_id)
-            self._fail_batch(rec, p.ErrorCode.DEADLINE,
+            self.fail_batch(rec, p.ErrorCode.DEADLINE,
                              f"batch ran past max_execution_ms of model {rec.model!r}")
             hung.append(rec.worker)
         return hung
@@ -368,14 +367,14 @@ class RequestPath(StreamPath):
                            "queued behind it move to other workers", worker.worker_id,
                            len(behind))
             for rec in behind:
-                self._requeue(list(rec.entries.values()), f"worker {worker.worker_id} is "
+                self.requeue(list(rec.entries.values()), f"worker {worker.worker_id} is "
                               "stuck on an earlier batch", now, spend=False)
 
     def _stall_limit_s(self, worker: WorkerState, head: Inflight) -> float:
         predict = self.latency.predictor(head.model, worker.worker_id)
         return max(STALL_MIN_S, STALL_FACTOR * predict(head.units))
 
-    def _requeue(self, entries: list[Entry], why: str, now: float, spend: bool = True) -> None:
+    def requeue(self, entries: list[Entry], why: str, now: float, spend: bool = True) -> None:
         for entry in entries:
             pl: Payload = entry.payload
             if (pl.attempts < 1 or not spend) and entry.deadline_s > now \
@@ -391,7 +390,7 @@ class RequestPath(StreamPath):
             else:
                 self.answer_error(entry, p.ErrorCode.WORKER_LOST, f"{why}; retry")
 
-    def _fail_batch(self, rec: Inflight, code: p.ErrorCode, message: str) -> None:
+    def fail_batch(self, rec: Inflight, code: p.ErrorCode, message: str) -> None:
         for entry in rec.entries.values():
             self.answer_error(entry, code, message)
         rec.entries.clear()
@@ -401,7 +400,7 @@ class RequestPath(StreamPath):
         for entry in self.scheduler.expire(now):
             self.answer_error(entry, p.ErrorCode.DEADLINE, "deadline exceeded while queued")
         if self.streams:
-            self.expire_streams(now)
+            self.streaming.expire_streams(now)
 
     def dispatch(self, now: float) -> None:
         for name in self.scheduler.models_waiting():
@@ -425,7 +424,7 @@ class RequestPath(StreamPath):
             busy = bool(worker.inflight)
             queued = self.scheduler.queued_samples(name)
             if busy and not self.gate.may_send(name, now, busy, worker.on_cpu,
-                                               lambda w=worker: self._work_s(w), queued,
+                                               partial(self._work_s, worker), queued,
                                                model.config.max_batch_size):
                 return  # its result frees it
             half = self.gate.split(name, now, busy, worker.free, queued,
@@ -458,11 +457,11 @@ class RequestPath(StreamPath):
         if rec is None:
             self.worker_lost(self.pool.remove(worker, Loss.UNREACHABLE), Loss.UNREACHABLE,
                              worker.worker_id, now)
-            self._requeue(entries, f"worker {worker.worker_id} is unreachable", now)
+            self.requeue(entries, f"worker {worker.worker_id} is unreachable", now)
             return
         self._last_used[model.config.name] = now
         if rec.stream:
-            self.streams_started(rec)
+            self.streaming.streams_started(rec)
         self.metrics.batch_sent(model.config.name, reason, rec.samples)
         self.metrics.queued(model.config.name, [(e.priority, now - e.arrival_s) for e in entries])
         self.tenancy.queued([(e.tenant, now - e.arrival_s) for e in entries])
@@ -497,25 +496,17 @@ class RequestPath(StreamPath):
         return min(due, default=None)
 
     # -- answers ------------------------------------------------------------
-    def _close(self, key: Key) -> bool:
-        """Mark a request answered; False if it already was (then send nothing)."""
-        if self._open.pop(key, None) is None:
-            return False
+    def _let_go(self, key: Key) -> None:
+        """A request was answered: what the streams and its tenant held of it goes."""
         if self.streams:
             self.streams.forget(key)
         self.tenancy.release(key)
-        rids = self._by_client.get(key[0])
-        if rids is not None:
-            rids.discard(key[1])
-            if not rids:
-                del self._by_client[key[0]]
-        return True
 
     def answer_error(self, entry: Entry, code: p.ErrorCode, message: str,
                      retry_after_s: float | None = None) -> None:
         if self.streams and self.streams.get(entry.key) is not None:
             self.metrics.stream_ended(entry.model, code.value)
-        if not self._close(entry.key):
+        if not self.ledger.close(entry.key):
             return
         self.stats.request_failed(entry.model, entry.version,
                                   max(0.0, self.clock() - entry.arrival_s))
@@ -538,7 +529,7 @@ class RequestPath(StreamPath):
         """Answer the ids a malformed message names, except those already in progress
         (an error sent for one of those would be taken as its answer)."""
         for rid in dict.fromkeys(ids):
-            if (client, rid) not in self._open:
+            if not self.ledger.is_open((client, rid)):
                 self.refuse(client, rid, code, message, model="")
 
     def fail_queued(self, model: str, code: p.ErrorCode, message: str) -> None:
@@ -551,7 +542,7 @@ class RequestPath(StreamPath):
         for batch_id in list(self.pool.inflight):
             rec = self.pool.finish(batch_id)
             if rec is not None:
-                self._fail_batch(rec, code, message)
+                self.fail_batch(rec, code, message)
 
     def reroute(self, name: str, gone: set[int]) -> None:
         """Queued requests for versions that left: unpinned ones follow the new default,

@@ -15,12 +15,11 @@ import math
 import random
 import time
 from functools import partial
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Sequence
 
 from zeroserve.broker import protocol as p, tracing
-from zeroserve.broker.server.admission import admission_error, deadline_of
-from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError, check_inputs, \
-    normalize_priority
+from zeroserve.broker.server.admission import Admission, Payload, warmup_scale
+from zeroserve.broker.server.catalog import Catalog, CatalogModel
 from zeroserve.broker.server.dispatchgate import DispatchGate
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
@@ -31,9 +30,7 @@ from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.ledger import AnswerLedger, Key
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import Streams
-from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
-from zeroserve.models.repository import ModelConfig
-from zeroserve.models.shapes import ShapeError, rule as shape_rule
+from zeroserve.broker.server.tenancy import Refusal, Tenancy
 
 # A running batch counts as hung, and the batches queued behind it on its worker move to
 # others, once it has run this many times its predicted time, and at least STALL_MIN_S
@@ -44,24 +41,6 @@ STALL_MIN_S = 1.0
 logger = logging.getLogger(__name__)
 
 Send = Callable[[bytes, list[Any]], bool]
-
-
-class Payload:
-    __slots__ = ("client", "request_id", "request", "pinned", "attempts", "notes", "bundled")
-
-    def __init__(self, client: bytes, request: p.InferRequest, pinned: bool) -> None:
-        self.client = client
-        self.request_id = request.request_id
-        self.request: p.InferRequest | None = request
-        self.pinned = pinned
-        self.attempts = 0
-        self.notes: dict[str, float] = {}   # the tenant's clamps, for the reply's stats
-        self.bundled = False   # came in a REQUESTS: the client takes its reply in REPLIES
-
-    def release(self) -> None:
-        """Answered: let go of the tensor frames. The entry itself may linger in the
-        scheduler's lazily cleaned heaps; its frames must not."""
-        self.request = None
 
 
 class RequestPath:
@@ -77,7 +56,6 @@ class RequestPath:
         self.latency = latency
         self.metrics = metrics
         self._reply = reply
-        self._rng = rng or random.Random()
         self._last_used: dict[str, float] = {}
         self.gate = DispatchGate()                     # when a worker may take a batch
         self.stop = stop or StopState()                # the broker's: asked at admission
@@ -85,6 +63,9 @@ class RequestPath:
         self.clock = clock                             # the broker's (for fail times)
         self.streams = Streams()                       # decoupled models' running requests
         self.ledger = AnswerLedger(self._let_go)       # admitted, not answered
+        self.admission = Admission(catalog, scheduler, pool, latency, self.tenancy,
+                                   self.stop, self.gate, self._soonest_free,
+                                   rng or random.Random())
         self.streaming = StreamPath(self.streams, pool, catalog, metrics, self.stats,
                                     self.ledger, reply, self)
 
@@ -145,66 +126,14 @@ class RequestPath:
             self.refuse(client, req.request_id, p.ErrorCode.BAD_INPUT,
                         "a request with this id is already in progress", model=req.model)
             return
-        who = self.tenancy.identify(req)
-        if isinstance(who, Refusal):
-            self.refuse(client, req.request_id, who.code, who.message, model=req.model)
+        entry = self.admission.admit(client, req, now)
+        if isinstance(entry, Refusal):
+            self.refuse(client, req.request_id, entry.code, entry.message, req.model,
+                        entry.retry_after_s)
             return
-        model = self.catalog.get(req.model)
-        err = admission_error(req, model, self.pool, self.stop.admits(client))
-        if err is not None:
-            self.refuse(client, req.request_id, err[0], err[1], model=req.model)
-            return
-        assert model is not None
-        try:
-            samples = check_inputs(model.config, [t.meta for t in req.tensors], req.outputs)
-            shape, scale = shape_class(model.config, req.tensors)
-        except (RequestError, ShapeError) as exc:
-            self.refuse(client, req.request_id, p.ErrorCode.BAD_INPUT, str(exc),
-                        model=req.model)
-            return
-        grant = self.tenancy.admit(who, key, req, samples, now)
-        if isinstance(grant, Refusal):
-            self.refuse(client, req.request_id, grant.code, grant.message, req.model,
-                        grant.retry_after_s)
-            return
-        entry = self._entry(client, grant.request, model, samples, now, grant, shape, scale)
-        if entry is None:
-            self.tenancy.release(key)
-            self.tenancy.rejected(grant.tenant, p.ErrorCode.DEADLINE)
-            return
-        entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
-        entry.payload.notes = grant.notes
         entry.payload.bundled = bundled
         self.ledger.admit(key, req.model)
         self._queue(entry)
-
-    def _entry(self, client: bytes, req: p.InferRequest, model: CatalogModel, samples: int,
-               now: float, grant: Grant | None = None, shape: Hashable = None,
-               scale: float = 1.0) -> Entry | None:
-        """The queue entry, or None when the deadline cannot be met (refused now)."""
-        cfg = model.config
-        priority = normalize_priority(req.priority, cfg)
-        timeout_ms, deadline = deadline_of(req, cfg, now)
-        if deadline < math.inf:   # without a deadline there is nothing to refuse it for
-            predict = self.latency.predictor(req.model)
-            holders = self.pool.holders(req.model)
-            wait_s = self.scheduler.estimate_wait(
-                req.model, priority, predict, len(holders), *(
-                    (grant.tenant, grant.weight, samples) if grant is not None else ()))
-            wait_s += self._soonest_free(holders, now) - now
-            if now + wait_s + predict(samples * scale) > deadline:
-                self.refuse(client, req.request_id, p.ErrorCode.DEADLINE,
-                            f"deadline of {timeout_ms:g} ms cannot be met: the queue ahead "
-                            f"needs about {wait_s * 1000:.1f} ms", model=req.model)
-                return None
-        self.gate.note(req.model, priority, now)
-        version = req.version
-        if version is None and cfg.traffic:
-            version = model.route(self._rng)
-        return Entry(key=(client, req.request_id), model=req.model, priority=priority,
-                     arrival_s=now, deadline_s=deadline, samples=samples, version=version,
-                     payload=Payload(client, req, req.version is not None), shape=shape,
-                     scale=scale)
 
     def warmed_up(self, worker: WorkerState, msg: p.ModelLoaded) -> None:
         """A load's measured warm-up runs seed the latency model with two batch sizes:
@@ -212,8 +141,7 @@ class RequestPath:
         timings = msg.memory.get("warmup_seconds") if msg.ok else None
         if not isinstance(timings, dict):
             return
-        model = self.catalog.get(msg.model)
-        scale = shape_rule(model.config).warmup_scale() if model is not None else 1.0
+        scale = warmup_scale(self.catalog.get(msg.model))
         for size, seconds in timings.items():
             try:
                 b, t = int(size), float(seconds)
@@ -558,15 +486,6 @@ class RequestPath:
                                       f"version {entry.version} of model {name!r} was retired")
             else:
                 entry.version = None
-
-
-def shape_class(cfg: ModelConfig, tensors: Sequence[p.Tensor]) -> tuple[Hashable, float]:
-    """A request's shape key and scale (models/shapes.py); one test for a model of fixed
-    shapes, the common case."""
-    rule = shape_rule(cfg)
-    if rule.fixed:
-        return None, 1.0
-    return rule.classify({t.meta.name: t.meta.shape for t in tensors})
 
 
 def _batch_trace(entries: list[Entry], now: float) -> p.BatchTrace | None:

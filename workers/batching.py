@@ -77,6 +77,22 @@ def rows(loaded: LoadedModel, items: Sequence[p.BatchItem]) -> int:
                else 1 for item in items)
 
 
+def units(loaded: LoadedModel, items: Sequence[p.BatchItem]) -> float:
+    """What a batch costs in the broker's units (models/shapes.py): its rows, times the
+    longest row's scale for a model with free dimensions (a padded batch runs every row
+    at the longest length)."""
+    n = rows(loaded, items)
+    rule = shape_rule(loaded.config)
+    if rule.fixed:
+        return float(n)
+    try:
+        scale = max(rule.classify({t.meta.name: t.meta.shape for t in item.tensors})[1]
+                    for item in items)
+    except (ShapeError, ValueError):   # the batch's own run says what is wrong
+        return float(n)
+    return n * scale
+
+
 def lengths(loaded: LoadedModel, items: Sequence[p.BatchItem]) -> list[int] | None:
     """Each request's own length along the padded dimension; None for a model that
     declares no padding."""

@@ -96,7 +96,7 @@ class Worker:
         self._inbox: collections.deque[list[Any]] = collections.deque()
         self._busy_since: float | None = None   # the compute thread's batch began then
         self._handed = False      # it runs a stream or a long batch: the main thread reads
-        self._last_run: dict[tuple[str, int], tuple[float, int]] = {}  # seconds, rows
+        self._last_run: dict[tuple[str, int], tuple[float, float]] = {}  # seconds, units
         self._closing = False
         self._loads: queue.Queue[Any] = queue.Queue()
         # stream batches received and not finished -> their items the broker answered
@@ -428,8 +428,8 @@ class Worker:
                 f"model {batch.model}/{batch.version} is not loaded on "
                 f"worker {self.worker_id}"))
         else:
-            rows = batching.rows(loaded, batch.items)
-            if loaded.config.decoupled or self._long(batch, rows):
+            units = batching.units(loaded, batch.items)
+            if loaded.config.decoupled or self._long(batch, units):
                 # the main thread reads meanwhile: at once, so that what the broker sends
                 # behind it (a stream's STOPs, the next batches with their deadlines)
                 # is read when it comes
@@ -441,7 +441,7 @@ class Worker:
                     lambda: self._stopped(batch.batch_id))
             else:
                 result = batching.run(loaded, batch)
-                self._last_run[(batch.model, batch.version)] = (result.compute_ms / 1e3, rows)
+                self._last_run[(batch.model, batch.version)] = (result.compute_ms / 1e3, units)
             self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
         if self._stops:
             with self._stops_lock:
@@ -462,15 +462,16 @@ class Worker:
             self._bad_log.log(logging.WARNING, "batch %d's spans not emitted: %s",
                               batch.batch_id, exc)
 
-    def _long(self, batch: p.Batch, rows: int) -> bool:
+    def _long(self, batch: p.Batch, units: float) -> bool:
         """Whether a batch may run past TAKEOVER_S: its version has not run here yet, or
-        its last batch, scaled to this one's rows, took more than half of it. One that
-        runs long all the same is found by the main thread within a heartbeat."""
+        its last batch, scaled to this one's units (rows x length), took more than half
+        of it. One that runs long all the same is found by the main thread within a
+        heartbeat."""
         last = self._last_run.get((batch.model, batch.version))
         if last is None:
             return True
-        seconds, last_rows = last
-        return seconds * rows / max(1, last_rows) > TAKEOVER_S / 2
+        seconds, last_units = last
+        return seconds * units / max(1.0, last_units) > TAKEOVER_S / 2
 
     def _stopped(self, batch_id: int) -> frozenset[str]:
         with self._stops_lock:

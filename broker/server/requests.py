@@ -18,6 +18,8 @@ from typing import Any, Callable, Hashable, Sequence
 
 from zeroserve.broker import protocol as p, tracing
 from zeroserve.broker.server.admission import admission_error, deadline_of
+from zeroserve.broker.server.cache import ResponseCache
+from zeroserve.broker.server.cachepath import CachedAnswers, Hit
 from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError, check_inputs, \
     normalize_priority
 from zeroserve.broker.server.latency import LatencyBook
@@ -73,7 +75,8 @@ Key = tuple[bytes, str]
 
 
 class Payload:
-    __slots__ = ("client", "request_id", "request", "pinned", "attempts", "notes", "bundled")
+    __slots__ = ("client", "request_id", "request", "pinned", "attempts", "notes", "bundled",
+                 "digest")
 
     def __init__(self, client: bytes, request: p.InferRequest, pinned: bool) -> None:
         self.client = client
@@ -83,6 +86,7 @@ class Payload:
         self.attempts = 0
         self.notes: dict[str, float] = {}   # the tenant's clamps, for the reply's stats
         self.bundled = False   # came in a REQUESTS: the client takes its reply in REPLIES
+        self.digest: bytes | None = None   # a response cache miss: its answer is kept
 
     def release(self) -> None:
         """Answered: let go of the tensor frames. The entry itself may linger in the
@@ -95,7 +99,8 @@ class RequestPath(StreamPath):
                  latency: LatencyBook, metrics: BrokerMetrics, reply: Send,
                  rng: random.Random | None = None, tenancy: Tenancy | None = None,
                  stop: StopState | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 cache: ResponseCache | None = None) -> None:
         self.catalog = catalog
         self.tenancy = tenancy or Tenancy(None, metrics.registry, lambda: 0.0)
         self.scheduler = scheduler
@@ -112,6 +117,8 @@ class RequestPath(StreamPath):
         self.stats = ModelStatistics()                 # the statistics extension's figures
         self.clock = clock                             # the broker's (for fail times)
         self.streams = Streams()                       # decoupled models' running requests
+        self.answers = CachedAnswers(cache if cache is not None else ResponseCache(0), catalog,
+                                     self.stats, metrics)
 
     # -- state --------------------------------------------------------------
     def open_count(self) -> int:
@@ -192,6 +199,13 @@ class RequestPath(StreamPath):
             self.refuse(client, req.request_id, grant.code, grant.message, req.model,
                         grant.retry_after_s)
             return
+        digest = None
+        if model.config.response_cache and self.answers.on:   # after the tenant's gate
+            found = self.answers.lookup(grant.request, model)
+            if isinstance(found, Hit):
+                self._answer_hit(client, key, grant, found, now)
+                return
+            digest = found
         entry = self._entry(client, grant.request, model, samples, now, grant, shape, scale)
         if entry is None:
             self.tenancy.release(key)
@@ -200,12 +214,27 @@ class RequestPath(StreamPath):
         entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
         entry.payload.notes = grant.notes
         entry.payload.bundled = bundled
+        entry.payload.digest = digest
         self._open[key] = req.model
         ids = self._by_client.get(client)
         if ids is None:
             ids = self._by_client[client] = set()
         ids.add(req.request_id)
         self._queue(entry)
+
+    def _answer_hit(self, client: bytes, key: Key, grant: Grant, hit: Hit, now: float
+                    ) -> None:
+        """Answered from the response cache: never queued nor open, so this is its one
+        answer; the tenant's in-flight place it took at the gate is given back."""
+        req, answer = grant.request, hit.answer
+        trace = None if req.trace is None else \
+            tracing.broker_stamps(now, now, self.clock(), None)
+        part = p.reply_part(req.request_id, req.model, answer.version, answer.tensors,
+                            {"queue_ms": 0.0, "compute_ms": 0.0, "cache_hit": 1,
+                             **grant.notes}, trace)
+        self.tenancy.release(key)
+        self._reply(client, p.encode_reply_parts([part]))
+        self.answers.answered(req.model, hit, max(0.0, self.clock() - now))
 
     def _entry(self, client: bytes, req: p.InferRequest, model: CatalogModel, samples: int,
                now: float, grant: Grant | None = None, shape: Hashable = None,
@@ -362,6 +391,8 @@ class RequestPath(StreamPath):
             part = p.reply_part(pl.request_id, rec.model, rec.version, rep.tensors, stats,
                                 trace)
             frames = None if pl.bundled else p.encode_reply_parts([part])
+            if pl.digest is not None:
+                self.answers.keep(rec.model, rec.version, pl.digest, rep.tensors)
             del rec.entries[rep.request_id]   # from here on nothing can fail before it leaves
             self._close(entry.key)
             if frames is None:

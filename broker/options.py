@@ -71,6 +71,9 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int, default=256 << 20, metavar="BYTES",
                    help="the most tensor bytes one message from a client or worker may "
                         "carry; a request over it is answered too_large (413)")
+    p.add_argument("--response-cache-bytes", type=int, default=64 << 20, metavar="BYTES",
+                   help="bound of the response cache, for models whose config enables "
+                        "response_cache (0: no cache)")
     p.add_argument("--latency-model", choices=["on", "off"], default="on",
                    help="off: batches bounded by size and delay only, no deadline-aware "
                         "admission (for comparison)")

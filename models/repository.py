@@ -117,10 +117,14 @@ class ModelConfig:
     # Triton's model_transaction_policy.decoupled: a request gets a sequence of responses
     # (a Python handler whose predict is a generator; docs/streaming.md)
     decoupled: bool = False
+    # Triton's response_cache.enable: identical requests answered by the broker from
+    # its response cache (docs/many-models.md)
+    response_cache: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["model_transaction_policy"] = {"decoupled": out.pop("decoupled")}
+        out["response_cache"] = {"enable": out.pop("response_cache")}
         out["inputs"] = [t.to_json() for t in self.inputs]
         out["outputs"] = [t.to_json() for t in self.outputs]
         if not self.outputs:   # still to be found by a registration's trial load
@@ -195,7 +199,7 @@ def _tensors(where: str, fld: str, raw: Any) -> tuple[TensorSpec, ...]:
 _DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
 _TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
                "version_policy", "traffic", "instances", "warmup", "input_shape", "backend",
-               "optional", "autoscaling", "model_transaction_policy"}
+               "optional", "autoscaling", "model_transaction_policy", "response_cache"}
 
 
 def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
@@ -429,6 +433,7 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
                                     PLATFORMS[platform])
     if not outputs:
         _check_discoverable(where, inputs, decoupled)
+    cache = _response_cache(where, raw.get("response_cache"), decoupled)
     batching = _dynamic_batching(where, raw.get("dynamic_batching"))
     padding = _padding(where, (raw.get("dynamic_batching") or {}).get("padding"), inputs,
                        outputs, mbs)
@@ -442,7 +447,7 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
         autoscaling=autoscaling,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
-        optional=optional, decoupled=decoupled)
+        optional=optional, decoupled=decoupled, response_cache=cache)
 
 
 def _check_discoverable(where: str, inputs: tuple[TensorSpec, ...], decoupled: bool) -> None:
@@ -472,6 +477,20 @@ def _transaction_policy(where: str, raw: Any, platform: str) -> bool:
                     f"needs platform 'python' (a handler whose predict yields responses), "
                     f"not {platform!r}")
     return decoupled
+
+
+def _response_cache(where: str, raw: Any, decoupled: bool) -> bool:
+    """``{"enable": bool}``. Refused on a decoupled model, as Triton refuses it: a
+    response sequence is not one answer to keep."""
+    if raw is None:
+        return False
+    if not isinstance(raw, dict) or set(raw) - {"enable"} or \
+            not isinstance(raw.get("enable", False), bool):
+        raise _fail(where, "response_cache", 'must be {"enable": true|false}')
+    enable: bool = raw.get("enable", False)
+    if enable and decoupled:
+        raise _fail(where, "response_cache", "a decoupled model's responses are not cached")
+    return enable
 
 
 def load_config(model_dir: Path) -> ModelConfig:

@@ -5,9 +5,9 @@ and the Triton-JSON fields of a load's config override, both turned into the
 No torch here: the broker reads configs.
 
 Every field of ``ModelConfig`` is either converted, ignored with a logged warning
-(where serving without it gives the same answers: tuning, caching, warm-up data,
-placement), or refused with a ConfigError naming it (where ignoring it would change
-what a request gets). docs/triton-compatibility.md has the table; :data:`IGNORED`
+(where serving without it gives the same answers: tuning, warm-up data, placement),
+or refused with a ConfigError naming it (where ignoring it would change what a
+request gets). docs/triton-compatibility.md has the table; :data:`IGNORED`
 and :data:`REFUSED` below are its source.
 """
 
@@ -33,7 +33,6 @@ IGNORED = {
     "optimization": "backend tuning only",
     "parameters": "backend-specific settings; zeroserve's TorchScript loader has none",
     "model_warmup": "zeroserve warms every version up with its own sample inputs",
-    "response_cache": "no response cache: every request is run",
     "metric_tags": "zeroserve's metrics carry their own labels",
     "model_metrics": "zeroserve's metrics carry their own labels",
     "cc_model_filenames": "one model file per version (model.pt)",
@@ -280,6 +279,10 @@ def _transaction_policy(msg: Any) -> dict[str, Any]:
     return {}
 
 
+def _response_cache(msg: Any) -> dict[str, Any]:
+    return {"response_cache": {"enable": bool(msg.response_cache.enable)}}
+
+
 _CONVERT: dict[str, Callable[[Any], dict[str, Any]]] = {
     "name": lambda m: {"name": m.name} if m.name else {},
     "platform": _platform,
@@ -291,4 +294,5 @@ _CONVERT: dict[str, Callable[[Any], dict[str, Any]]] = {
     "dynamic_batching": _dynamic_batching,
     "version_policy": _version_policy,
     "model_transaction_policy": _transaction_policy,
+    "response_cache": _response_cache,
 }

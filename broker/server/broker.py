@@ -18,12 +18,13 @@ import zmq
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.process import Notifier, trim_memory
+from zeroserve.broker.server.cache import DEFAULT_BOUND_BYTES, ResponseCache
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
 from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.lifecycle import Lifecycle, LifecycleOptions
-from zeroserve.broker.server.metrics import BrokerMetrics, ModelStates
+from zeroserve.broker.server.metrics import BrokerMetrics, CacheSize, ModelStates
 from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.readverbs import ReadVerbs
@@ -51,7 +52,8 @@ class Broker:
                  clock: Clock = time.monotonic, ctx: zmq.Context[Any] | None = None,
                  lifecycle: LifecycleOptions | None = None, admin_token: str = "",
                  tenants_path: Path | None = None, max_message_bytes: int = 256 << 20,
-                 trace: TraceState | None = None) -> None:
+                 trace: TraceState | None = None,
+                 response_cache_bytes: int = DEFAULT_BOUND_BYTES) -> None:
         self.clock = clock
         # what a message may hold, per socket: clients' requests are small headers and
         # tensors; control calls carry configs; workers' heartbeats carry metrics text
@@ -70,9 +72,11 @@ class Broker:
                                expiry_s=worker_expiry_s)
         self.tenancy = Tenancy(tenants_path, self.metrics.registry, clock)  # TenantsError
         self.stop = StopState()
+        cache = ResponseCache(response_cache_bytes)
+        self.metrics.registry.register(CacheSize(cache.describe))
         self.requests = RequestPath(self.catalog, self.scheduler, self.pool,
                                     LatencyBook(enabled=latency_model), self.metrics, to_client,
-                                    random.Random(), self.tenancy, self.stop, clock)
+                                    random.Random(), self.tenancy, self.stop, clock, cache)
         self.lifecycle = self._compose(clock, ctx or zmq.Context.instance(),
                                        lifecycle or LifecycleOptions())
         self.control = ControlTable(admin_token, TenantScope(self.tenancy, admin_token))
@@ -470,6 +474,9 @@ class Broker:
         ReadVerbs(self.catalog, self.pool, self.scheduler, self.metrics, self.clock,
                   describe_model=self.lifecycle.describe, status=self._status).add_verbs(c)
         c.add("census", lambda _: self.requests.census())
+        # apart from the census, which is 0 once every request is answered: the cache
+        # holds answers for good, within its bound
+        c.add("response_cache", lambda _: self.requests.answers.cache.describe())
         c.add("drain", lambda a: self.pool.set_draining(worker_arg(a), True)
               .describe(self.clock()), mutates=True)
         c.add("undrain", lambda a: self.pool.set_draining(worker_arg(a), False)

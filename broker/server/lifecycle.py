@@ -282,6 +282,7 @@ class Lifecycle:
         model = self.catalog.models[name]
         self.scheduler.set_policy(name, model.policy())
         self.requests.reroute(name, gone)
+        self.requests.answers.retain(name)   # a retired version's answers hold no memory
         for w in list(self.pool.workers.values()):
             if w.identity not in swap.excluded and w.identity not in swap.workers:
                 self.sync_worker(w)   # joined meanwhile: loads what is now committed
@@ -341,6 +342,7 @@ class Lifecycle:
         if not self.catalog.remove(name):
             return
         self.swaps.cancel(name)
+        self.requests.answers.retain(name)
         self.requests.fail_queued(name, p.ErrorCode.NOT_FOUND, f"model {name!r} was removed")
         for w in self.pool.workers.values():
             for v in w.versions_of(name):

@@ -43,6 +43,7 @@ def model_config(doc: dict[str, Any]) -> Any:
     cfg.instance_group.add(count=count, kind=mc.ModelInstanceGroup.KIND_AUTO)
     policy = doc.get("model_transaction_policy") or {}
     cfg.model_transaction_policy.decoupled = bool(policy.get("decoupled", False))
+    cfg.response_cache.enable = bool((doc.get("response_cache") or {}).get("enable", False))
     return cfg
 
 

@@ -1,6 +1,6 @@
-"""Config fields and side files the gateway's extensions rely on: ``optional`` (strict
-readiness) and ``labels.txt`` (classification); the seed's ``input_shape`` and the
-outputs only a registration may leave out."""
+"""Config fields and side files the gateway's extensions and the broker rely on:
+``optional`` (strict readiness), ``labels.txt`` (classification) and ``response_cache``;
+the seed's ``input_shape`` and the outputs only a registration may leave out."""
 
 from __future__ import annotations
 
@@ -83,3 +83,24 @@ def test_outputs_a_trial_run_cannot_find_must_be_declared() -> None:
               "model_transaction_policy": {"decoupled": True}}
     with pytest.raises(ConfigError, match="'outputs': is required for a decoupled model"):
         parse_config(stream, "registration", discover=True)
+
+
+def test_response_cache_defaults_to_off_and_round_trips() -> None:
+    assert parse_config(linear_config("m"), "t").response_cache is False
+    cfg = parse_config(linear_config("m", response_cache={"enable": True}), "t")
+    assert cfg.response_cache is True
+    assert cfg.to_json()["response_cache"] == {"enable": True}   # the served config shows it
+    assert parse_config(cfg.to_json(), "t") == cfg
+
+
+@pytest.mark.parametrize("raw", [True, {"enable": "yes"}, {"enable": True, "size": 1}])
+def test_response_cache_must_be_enable_true_or_false(raw: object) -> None:
+    with pytest.raises(ConfigError, match="field 'response_cache': must be"):
+        parse_config(linear_config("m", response_cache=raw), "t")
+
+
+def test_a_decoupled_model_cannot_cache_its_responses() -> None:
+    raw = {**linear_config("m", response_cache={"enable": True}), "platform": "python",
+           "model_transaction_policy": {"decoupled": True}}
+    with pytest.raises(ConfigError, match="field 'response_cache': a decoupled model"):
+        parse_config(raw, "t")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, NamedTuple, Sequence
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
+from zeroserve.broker.server.cachepath import CachedAnswers, Hit
 from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError, check_inputs, \
     normalize_priority
 from zeroserve.broker.server.dispatchgate import DispatchGate
@@ -29,7 +30,8 @@ from zeroserve.models.shapes import ShapeError, rule as shape_rule
 class Payload:
     """What a queued entry carries of its request, until it is answered."""
 
-    __slots__ = ("client", "request_id", "request", "pinned", "attempts", "notes", "bundled")
+    __slots__ = ("client", "request_id", "request", "pinned", "attempts", "notes", "bundled",
+                 "digest")
 
     def __init__(self, client: bytes, request: p.InferRequest, pinned: bool) -> None:
         self.client = client
@@ -39,6 +41,7 @@ class Payload:
         self.attempts = 0
         self.notes: dict[str, float] = {}   # the tenant's clamps, for the reply's stats
         self.bundled = False   # came in a REQUESTS: the client takes its reply in REPLIES
+        self.digest: bytes | None = None   # a response cache miss: its answer is kept
 
     def release(self) -> None:
         """Answered: let go of the tensor frames. The entry itself may linger in the
@@ -49,13 +52,21 @@ class Payload:
 SoonestFree = Callable[[list[WorkerState], float], float]
 
 
+class Cached(NamedTuple):
+    """Admitted and answered from the response cache: never queued."""
+
+    grant: Grant
+    hit: Hit
+
+
 class Admission:
     """Turns a decoded request into a queue entry or a refusal. ``soonest_free`` says
     when the first of some workers is predicted to be done with what it holds."""
 
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
                  latency: LatencyBook, tenancy: Tenancy, stop: StopState, gate: DispatchGate,
-                 soonest_free: SoonestFree, rng: random.Random) -> None:
+                 soonest_free: SoonestFree, rng: random.Random,
+                 answers: CachedAnswers) -> None:
         self.catalog = catalog
         self.scheduler = scheduler
         self.pool = pool
@@ -65,8 +76,10 @@ class Admission:
         self.gate = gate
         self._soonest_free = soonest_free
         self._rng = rng
+        self.answers = answers
 
-    def admit(self, client: bytes, req: p.InferRequest, now: float) -> Entry | Refusal:
+    def admit(self, client: bytes, req: p.InferRequest, now: float
+              ) -> Entry | Refusal | Cached:
         key = (client, req.request_id)
         who = self.tenancy.identify(req)
         if isinstance(who, Refusal):
@@ -84,6 +97,12 @@ class Admission:
         grant = self.tenancy.admit(who, key, req, samples, now)
         if isinstance(grant, Refusal):
             return grant
+        digest = None
+        if model.config.response_cache and self.answers.on:   # after the tenant's gate
+            found = self.answers.lookup(grant.request, model)
+            if isinstance(found, Hit):
+                return Cached(grant, found)
+            digest = found
         entry = self._entry(client, grant, model, samples, now, shape, scale)
         if isinstance(entry, Refusal):
             self.tenancy.release(key)
@@ -91,6 +110,7 @@ class Admission:
             return entry
         entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
         entry.payload.notes = grant.notes
+        entry.payload.digest = digest
         return entry
 
     def _entry(self, client: bytes, grant: Grant, model: CatalogModel, samples: int,

@@ -18,7 +18,9 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from zeroserve.broker import protocol as p, tracing
-from zeroserve.broker.server.admission import Admission, Payload, warmup_scale
+from zeroserve.broker.server.admission import Admission, Cached, Payload, warmup_scale
+from zeroserve.broker.server.cache import ResponseCache
+from zeroserve.broker.server.cachepath import CachedAnswers, Hit
 from zeroserve.broker.server.catalog import Catalog, CatalogModel
 from zeroserve.broker.server.dispatchgate import DispatchGate
 from zeroserve.broker.server.latency import LatencyBook
@@ -30,7 +32,7 @@ from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.ledger import AnswerLedger, Key
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import Streams
-from zeroserve.broker.server.tenancy import Refusal, Tenancy
+from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
 
 # A running batch counts as hung, and the batches queued behind it on its worker move to
 # others, once it has run this many times its predicted time, and at least STALL_MIN_S
@@ -48,7 +50,8 @@ class RequestPath:
                  latency: LatencyBook, metrics: BrokerMetrics, reply: Send,
                  rng: random.Random | None = None, tenancy: Tenancy | None = None,
                  stop: StopState | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 cache: ResponseCache | None = None) -> None:
         self.catalog = catalog
         self.tenancy = tenancy or Tenancy(None, metrics.registry, lambda: 0.0)
         self.scheduler = scheduler
@@ -63,9 +66,11 @@ class RequestPath:
         self.clock = clock                             # the broker's (for fail times)
         self.streams = Streams()                       # decoupled models' running requests
         self.ledger = AnswerLedger(self._let_go)       # admitted, not answered
+        self.answers = CachedAnswers(cache if cache is not None else ResponseCache(0), catalog,
+                                     self.stats, metrics)
         self.admission = Admission(catalog, scheduler, pool, latency, self.tenancy,
                                    self.stop, self.gate, self._soonest_free,
-                                   rng or random.Random())
+                                   rng or random.Random(), self.answers)
         self.streaming = StreamPath(self.streams, pool, catalog, metrics, self.stats,
                                     self.ledger, reply, self)
 
@@ -131,9 +136,26 @@ class RequestPath:
             self.refuse(client, req.request_id, entry.code, entry.message, req.model,
                         entry.retry_after_s)
             return
+        if isinstance(entry, Cached):
+            self._answer_hit(client, key, entry.grant, entry.hit, now)
+            return
         entry.payload.bundled = bundled
         self.ledger.admit(key, req.model)
         self._queue(entry)
+
+    def _answer_hit(self, client: bytes, key: Key, grant: Grant, hit: Hit, now: float
+                    ) -> None:
+        """Answered from the response cache: never queued nor open, so this is its one
+        answer; the tenant's in-flight place it took at the gate is given back."""
+        req, answer = grant.request, hit.answer
+        trace = None if req.trace is None else \
+            tracing.broker_stamps(now, now, self.clock(), None)
+        part = p.reply_part(req.request_id, req.model, answer.version, answer.tensors,
+                            {"queue_ms": 0.0, "compute_ms": 0.0, "cache_hit": 1,
+                             **grant.notes}, trace)
+        self.tenancy.release(key)
+        self._reply(client, p.encode_reply_parts([part]))
+        self.answers.answered(req.model, hit, max(0.0, self.clock() - now))
 
     def warmed_up(self, worker: WorkerState, msg: p.ModelLoaded) -> None:
         """A load's measured warm-up runs seed the latency model with two batch sizes:
@@ -237,6 +259,8 @@ class RequestPath:
             part = p.reply_part(pl.request_id, rec.model, rec.version, rep.tensors, stats,
                                 trace)
             frames = None if pl.bundled else p.encode_reply_parts([part])
+            if pl.digest is not None:
+                self.answers.keep(rec.model, rec.version, pl.digest, rep.tensors)
             del rec.entries[rep.request_id]   # from here on nothing can fail before it leaves
             self.ledger.close(entry.key)
             if frames is None:

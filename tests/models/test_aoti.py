@@ -127,6 +127,17 @@ def test_zeroserve_compile_writes_a_package_that_takes_a_batch_from_one(
     assert [f.name for f in packages.compiled.parent.iterdir()] == ["model.pt2"]  # no temp
 
 
+def test_zeroserve_compile_refuses_what_is_not_an_exported_program(
+        packages: Packages, tmp_path: Path) -> None:
+    out = subprocess.run([*ZEROSERVE, "compile", str(packages.compiled),
+                          "--config", str(packages.root / "src" / "config.json"),
+                          "--output", str(tmp_path / "model.pt2")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert f"{packages.compiled}: not an exported program (torch.export.save)" in out.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_compiled_package_answers_batches_of_1_3_and_max(packages: Packages,
                                                             tmp_path: Path) -> None:
     cfg = parse_config(config(), "t")

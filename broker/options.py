@@ -235,11 +235,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="file name: NAME.key (public) and NAME.key_secret (0600)")
     p.add_argument("--dir", default=".", help="folder to write them into (default: here)")
     p.add_argument("--force", action="store_true", help="replace existing files")
+    _compile_parser(sub)
     p = sub.add_parser("config", help="show the effective configuration")
     p.add_argument("action", choices=["show"])
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _config_opt(p)
     return ap
+
+
+def _compile_parser(sub: Any) -> None:
+    p = sub.add_parser("compile", help="an exported program (torch.export.save) and its "
+                       "model's config into an AOTInductor package, offline")
+    p.add_argument("program", help="the exported program's model.pt2")
+    p.add_argument("--config", dest="model_config", required=True, metavar="FILE",
+                   help="the model's config.json (or config.pbtxt): inputs, max_batch_size")
+    p.add_argument("--output", required=True, metavar="FILE",
+                   help="the package to write, e.g. REPO/MODEL/2/model.pt2 (written to a "
+                        "temp name, then renamed)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda or cuda:N: where the package will run (default: cpu)")
+    p.add_argument("--log-level", default="warning", help="debug, info, warning, error")
 
 
 def _operate_parsers(sub: Any) -> None:
@@ -305,7 +320,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     default); raises config.ConfigError."""
     ap = parser()
     args = ap.parse_args(argv)
-    return args if args.command in ("config", "keys") else _apply_config(ap, args, argv)
+    return args if args.command in ("config", "keys", "compile") \
+        else _apply_config(ap, args, argv)
 
 
 def show_config(args: argparse.Namespace) -> int:

@@ -4,9 +4,10 @@ Layout (Triton's)::
 
     <model-dir>/<name>/config.json            (or Triton's config.pbtxt: triton_config.py)
     <model-dir>/<name>/<version>/model.pt     TorchScript
-    <model-dir>/<name>/<version>/model.pt2    torch.export program
+    <model-dir>/<name>/<version>/model.pt2    torch.export program or AOTInductor package
     <model-dir>/<name>/<version>/model.py     Python handler
 
+The formats (platform, file, loader) are models/formats.py's registry.
 Shapes in the config leave out the batch dimension when ``max_batch_size`` > 0
 and use -1 for free dimensions.
 """
@@ -20,14 +21,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from zeroserve.models import formats
+
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
              "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES")
-PLATFORMS = {"pytorch_torchscript": "pytorch_torchscript",
-             "pytorch_libtorch": "pytorch_torchscript",
-             "pytorch_export": "pytorch_export",
-             "python": "python"}
-MODEL_FILES = {"pytorch_torchscript": "model.pt", "pytorch_export": "model.pt2",
-               "python": "model.py"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 PBTXT = "config.pbtxt"   # Triton's, read where a model has no config.json
 
@@ -144,7 +141,7 @@ class ModelConfig:
 
     @property
     def model_file(self) -> str:
-        return MODEL_FILES[self.platform]
+        return formats.model_file(self.platform)
 
 
 def _fail(where: str, fld: str, msg: str) -> ConfigError:
@@ -398,11 +395,10 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
         raise _fail(where, "name", f"must match {NAME_RE.pattern}, got {name!r}")
     if expected_name is not None and name != expected_name:
         raise _fail(where, "name", f"{name!r} does not match its folder {expected_name!r}")
-    platform = raw.get("platform", raw.get("backend"))
-    if platform == "pytorch":
-        platform = "pytorch_torchscript"
-    if platform not in PLATFORMS:
-        raise _fail(where, "platform", f"must be one of {sorted(PLATFORMS)}, got {platform!r}")
+    given = raw.get("platform", raw.get("backend"))
+    platform = formats.canonical(given)
+    if platform is None:
+        raise _fail(where, "platform", f"must be one of {formats.platforms()}, got {given!r}")
     mbs = _int(where, "max_batch_size", raw.get("max_batch_size", 0))
     if "inputs" in raw:
         inputs = _tensors(where, "inputs", raw["inputs"])
@@ -429,8 +425,7 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     optional = raw.get("optional", False)
     if not isinstance(optional, bool):
         raise _fail(where, "optional", f"must be true or false, got {optional!r}")
-    decoupled = _transaction_policy(where, raw.get("model_transaction_policy"),
-                                    PLATFORMS[platform])
+    decoupled = _transaction_policy(where, raw.get("model_transaction_policy"), platform)
     if not outputs:
         _check_discoverable(where, inputs, decoupled)
     cache = _response_cache(where, raw.get("response_cache"), decoupled)
@@ -440,7 +435,7 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     if padding is not None:
         batching = replace(batching, padding=padding)
     return ModelConfig(
-        name=name, platform=PLATFORMS[platform], inputs=inputs, outputs=outputs,
+        name=name, platform=platform, inputs=inputs, outputs=outputs,
         max_batch_size=mbs, dynamic_batching=batching,
         version_policy=_version_policy(where, raw.get("version_policy")),
         traffic={k: int(v) for k, v in traffic.items()}, instances=instances,

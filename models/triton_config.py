@@ -21,6 +21,7 @@ from typing import Any, Callable
 from google.protobuf import json_format, text_format
 from google.protobuf.message import Message
 
+from zeroserve.models import formats
 from zeroserve.models.proto import model_config_pb2 as mc
 from zeroserve.models.repository import ConfigError, raw_config
 
@@ -168,8 +169,13 @@ def _platform(msg: Any) -> dict[str, Any]:
 
 
 def _backend(msg: Any) -> dict[str, Any]:
-    if msg.backend in ("", "pytorch"):
-        return {"platform": "pytorch_libtorch"} if msg.backend else {}
+    if not msg.backend:
+        return {}
+    # the first format Triton reports under this backend names its platform
+    served = [f.triton_platform for f in formats.FORMATS
+              if f.triton_backend == msg.backend and f.triton_platform]
+    if served:
+        return {"platform": served[0]}
     if msg.backend == "python":
         raise TritonConfigError("backend", "Triton's Python backend (TritonPythonModel) is "
                                 "not zeroserve's handler API: give the model a config.json "

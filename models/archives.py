@@ -47,6 +47,33 @@ def is_exported_program(names: list[str]) -> bool:
                and parts[2].endswith(".json") for n in names)
 
 
+_SPEC_TYPE = re.compile(r'\\?"type\\?": \\?"([A-Za-z_][\w.]*)')
+_TORCH_KNOWN = ("builtins.", "collections.", "torch.")
+
+
+def output_types(path: Path) -> list[str]:
+    """The classes an exported program's outputs are built of, other than the ones torch
+    always knows (tuple, list, dict, its own): torch only rebuilds such a class where its
+    module has been imported, so a worker that has not fails the load with nothing said."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            texts = [archive.read(n).decode(errors="replace") for n in archive.namelist()
+                     if len(parts := n.split("/")) == 3 and parts[1] == "models"
+                     and parts[2].endswith(".json")]
+    except (OSError, zipfile.BadZipFile, EOFError):
+        return []
+    found: list[str] = []
+    for text in texts:
+        at = text.find("out_spec")
+        if at < 0:
+            continue
+        end = text.find("forward_arg_names", at)
+        for name in _SPEC_TYPE.findall(text[at:end if end > 0 else at + 20000]):
+            if not name.startswith(_TORCH_KNOWN) and name not in found:
+                found.append(name)
+    return found
+
+
 def _is_storage(parts: list[str]) -> bool:
     if len(parts) == 3 and parts[1] == "data" and parts[2].isdigit():
         return True   # TorchScript: <top>/data/0, <top>/data/1, ...

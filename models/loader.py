@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from zeroserve.models import formats, handlers
+from zeroserve.models import archives, formats, handlers
 from zeroserve.models.footprint import fit_activation, weights_bytes
 from zeroserve.models.repository import ModelConfig, version_sha256
 from zeroserve.models.shapes import rule as shape_rule
@@ -104,7 +104,17 @@ def load_torchscript(src: Source) -> Opened:
 
 
 def load_export(src: Source) -> Opened:
-    program = torch.export.load(str(src.path))
+    try:
+        program = torch.export.load(str(src.path))
+    except RuntimeError as exc:
+        foreign = archives.output_types(src.path)
+        if not foreign:
+            raise
+        raise LoadError(
+            f"{src.path}: the program's outputs are {', '.join(foreign)}, which torch only "
+            f"rebuilds where that class's module is imported, and a worker does not import "
+            f"it: export a forward that returns a tensor or a tuple of tensors "
+            f"(docs/models.md)") from exc
     module = program.module()
     if src.device != "cpu":
         module = module.to(src.device)

@@ -21,6 +21,7 @@ from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Loss, WorkerPool
 from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
+from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import RepoModel, parse_config
 from tests.conftest import linear_config
 
@@ -262,11 +263,11 @@ def test_holds_follows_what_a_worker_loads_and_unloads() -> None:
     h.worker("w0")
     w = h.pool.get(b"w0")
     assert w is not None and w.holds("m") and w.holds("m", 1) and not w.holds("m", 2)
-    w.add_loaded("m", 2)
+    h.pool.loaded(w, ModelVersion("m", 2))
     assert w.versions_of("m") == {1, 2} and ("m", 2) in w.loaded
     h.pool.unload(w, "m", 1)
     assert w.versions_of("m") == {2} and w.holds("m") and not w.holds("m", 1)
-    w.discard_loaded("m", 2)
+    h.pool.retire(w, ModelVersion("m", 2))
     assert not w.holds("m") and not w.loaded and h.pool.holders("m") == []
     h.request("a")
     assert h.codes() == {"a": "no_worker"}

@@ -6,6 +6,8 @@ model loaders they call) import torch."""
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -23,9 +25,14 @@ FORBIDDEN = {
 }
 
 
+@functools.lru_cache(maxsize=None)   # every check walks every module: parse each once
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
 def imports(path: Path) -> list[tuple[int, str]]:
     """Every module a file imports, at any depth (function-local imports count too)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parsed(path)
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -102,7 +109,7 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
             edges = set()
-            tree = ast.parse(path.read_text(), str(path))
+            tree = parsed(path)
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
                     targets = [module_file(a.name, root) for a in node.names]
@@ -215,10 +222,9 @@ def private_writes(path: Path, root: Path = ROOT) -> list[str]:
     """Writes (plain, augmented, annotated, del, a mutating call) to ``x._name`` where
     ``x`` is not ``self`` or ``cls`` and ``_name`` is not declared by a class of this
     module: another module's private state."""
-    text = path.read_text()
-    if GENERATED in text[:500]:
+    if GENERATED in path.read_text()[:500]:
         return []
-    tree = ast.parse(text, str(path))
+    tree = parsed(path)
     ours = declared_private(tree)
     out = []
     for node in ast.walk(tree):
@@ -271,7 +277,32 @@ def test_worker_state_is_written_only_by_its_pool() -> None:
             continue
         writable.append(name)
     assert not writable, f"WorkerState attributes anyone may assign: {writable}"
-    state = ast.parse((ROOT / "broker/server/pool.py").read_text())
+    state = parsed(ROOT / "broker/server/pool.py")
     assert {f"_{n}" for n in public if n not in ("free", "on_cpu")} \
         <= declared_private(state)
 
+
+# -- tests wait for conditions, not durations ---------------------------------------------
+SLEEP = re.compile(r"\b(time|asyncio)\.sleep\(")
+SLEEP_OK = "# noqa: sleep-ok"   # a deliberate one, with the reason beside it
+
+
+def untagged_sleeps(root: Path) -> list[str]:
+    return [f"{path.relative_to(root)}:{n}: {line.strip()}"
+            for path in sorted(root.rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if SLEEP.search(line) and SLEEP_OK not in line]
+
+
+def test_no_test_sleeps_without_saying_why() -> None:
+    """A sleep in a test waits for a duration: wait for a condition with a deadline
+    (``tests.conftest.wait_for``) instead, or tag a deliberate one (a one-turn yield, a
+    sender's pacing) with ``# noqa: sleep-ok`` and the reason."""
+    wrong = untagged_sleeps(ROOT / "tests")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_sleep_finder_sees_an_untagged_one(tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text("import time\ntime.sleep(0.1)\n"   # noqa: sleep-ok (a sample)
+                                   "time.sleep(0.1)  # noqa: sleep-ok (pacing)\n")
+    assert untagged_sleeps(tmp_path) == ["t.py:2: time.sleep(0.1)"]   # noqa: sleep-ok

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -23,7 +24,7 @@ from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import RepoModel, parse_config
-from tests.conftest import linear_config
+from tests.conftest import examples, linear_config
 
 
 class Harness:
@@ -239,7 +240,7 @@ class RequestsAndWorkers(RuleBasedStateMachine):
 
 
 TestRequestsAndWorkers = RequestsAndWorkers.TestCase
-TestRequestsAndWorkers.settings = settings(max_examples=400, stateful_step_count=50)
+TestRequestsAndWorkers.settings = settings(max_examples=examples(400), stateful_step_count=50)
 
 
 def test_requests_for_unknown_models_count_under_one_series() -> None:
@@ -273,6 +274,7 @@ def test_holds_follows_what_a_worker_loads_and_unloads() -> None:
     assert h.codes() == {"a": "no_worker"}
 
 
+@pytest.mark.slow   # a soak: 20,000 requests
 def test_twenty_thousand_requests_leave_nothing_behind() -> None:
     """The broker kept every request it ever queued: the shed order's arrival lists were
     compacted only when the queue was full, so under ordinary load they grew by one entry

@@ -194,9 +194,9 @@ class WorkerPool:
         best = None
         for w in self.holders(model):
             if w.free > 0:
-                if not w.inflight:
+                if not w._inflight:
                     return w
-                if best is None or len(w.inflight) < len(best.inflight):
+                if best is None or len(w._inflight) < len(best._inflight):
                     best = w
         return best
 

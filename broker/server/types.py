@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Generic, NamedTuple, TypeVar, overload
 
 # how the broker's objects send: (peer identity, frames) -> whether it left
@@ -27,10 +28,15 @@ T = TypeVar("T")
 
 class ReadOnly(Generic[T]):
     """A public, read-only attribute over the private slot of the same name (``draining``
-    reads ``_draining``): state that one owner writes and everyone may read."""
+    reads ``_draining``): state that one owner writes and everyone may read. Declared as
+    ``draining: ReadOnly[bool] = ReadOnly()``; mypy reads the type from ``__get__``."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._slot = "_" + name
+        # at run time a property over a C getter takes its place: the request path reads
+        # workers' fields on every dispatch, and that costs about 50 ns a read where a
+        # Python __get__ costs 120 (a plain attribute: 23)
+        setattr(owner, name, property(operator.attrgetter(self._slot)))
 
     @overload
     def __get__(self, obj: None, owner: type) -> ReadOnly[T]: ...

@@ -36,13 +36,11 @@ from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.scope import TenantScope
 from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.tenancy import Tenancy
+from zeroserve.broker.server.types import Clock, Send
 from zeroserve.broker.tracesettings import TraceState
 from zeroserve.models.repository import RepoModel
 
 logger = logging.getLogger(__name__)
-
-Send = Callable[[bytes, list[Any]], bool]
-Clock = Callable[[], float]
 
 
 class Broker:
@@ -170,7 +168,7 @@ class Broker:
         self.stop.halt()
         kept = [w for w in self.pool.workers.values() if w.exiting and not w.recycle]
         for worker in kept:  # signalled with us: they run our queue until it is done
-            worker.draining = False
+            self.pool.keep(worker)
         logger.info("%s: %d request(s) to finish, %d leaving worker(s) kept until then",
                     "stopping" if self.stop.exiting else "draining all",
                     self.requests.open_count(), len(kept))
@@ -184,8 +182,7 @@ class Broker:
         if self.stop.exiting:
             raise LookupError("the broker is stopping and cannot be undrained")
         self.stop.resume()
-        for worker in self.pool.workers.values():
-            worker.draining = worker.draining or worker.exiting  # leavers leave again
+        self.pool.drain_leavers()
         logger.info("undrained: admitting requests again")
         return {"draining": False, "open_requests": self.requests.open_count()}
 
@@ -290,14 +287,13 @@ class Broker:
             # a worker we do not know (we restarted, or removed it): it registers again
             self.pool.disconnect(identity, p.DisconnectReason.UNKNOWN_WORKER)
             return
-        worker.last_seen_s = now
+        self.pool.heard(worker, now)
         if kind is p.Kind.RESULT:
             self.requests.on_result(worker, header, bufs, now)
         elif kind is p.Kind.PARTIAL:
             self.requests.streaming.on_partial(worker, header, bufs, now)
         elif kind is p.Kind.HEARTBEAT:
-            beat = p.decode(p.WorkerHeartbeat, header)
-            worker.metrics_text, worker.memory = beat.metrics, beat.memory
+            self.pool.beat(worker, p.decode(p.WorkerHeartbeat, header))
         elif kind is p.Kind.LOADED:
             loaded = p.decode(p.ModelLoaded, header)
             self.lifecycle.on_loaded(worker, loaded)
@@ -347,7 +343,7 @@ class Broker:
         self.pool.leave(worker, recycle=recycle)
         if self.stopping and not recycle:
             # the whole server stops: keep it until what we accepted is answered
-            worker.draining = False
+            self.pool.keep(worker)
             logger.info("worker %s kept until the broker's queue is done", worker.worker_id)
         elif not recycle:
             self._left_s[worker.identity] = self.clock()

@@ -25,6 +25,7 @@ from zeroserve.broker import wording
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlError
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
+from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import NAME_RE, ConfigError, ModelConfig, is_temp_name, \
     parse_config, undeclared_datatypes
 
@@ -174,7 +175,7 @@ class Registrar:
         """A trial load's outcome (True), or not a trial (False)."""
         if not msg.model.startswith(_TRIAL_PREFIX):
             return False
-        worker.loading.discard((msg.model, msg.version))
+        self.pool.end_load(worker, ModelVersion(msg.model, msg.version))
         job = self.jobs.get(msg.model[len(_TRIAL_PREFIX):])
         if job is None or job.state != "loading":
             return True
@@ -255,5 +256,5 @@ class Registrar:
         os.rename(target, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
         self._published(name)
-        logger.info("unregistered %s", f"{name}/{version}" if version else name)
+        logger.info("unregistered %s", ModelVersion(name, version) if version else name)
         return {"deleted": name, "version": version}

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-Key = tuple[bytes, str]   # (client identity, request id)
+from zeroserve.broker.server.types import RequestKey
+
+Key = RequestKey
 
 
 class AnswerLedger:

@@ -33,6 +33,7 @@ from zeroserve.broker.server.ledger import AnswerLedger, Key
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import Streams
 from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
+from zeroserve.broker.server.types import Send
 
 # A running batch counts as hung, and the batches queued behind it on its worker move to
 # others, once it has run this many times its predicted time, and at least STALL_MIN_S
@@ -42,7 +43,6 @@ STALL_MIN_S = 1.0
 
 logger = logging.getLogger(__name__)
 
-Send = Callable[[bytes, list[Any]], bool]
 
 
 class RequestPath:

@@ -9,6 +9,8 @@ from typing import Any, Callable, Generic, NamedTuple, TypeVar, overload
 Send = Callable[[bytes, list[Any]], bool]
 # time.monotonic, or a test's fake clock
 Clock = Callable[[], float]
+# a request, from admission to its one answer: (client identity, request id)
+RequestKey = tuple[bytes, str]
 
 
 class ModelVersion(NamedTuple):

@@ -6,10 +6,14 @@ free, outputs ``last_hidden_state`` [L, hidden] and ``pooler_output`` [hidden]."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # the bench's BERT-mini (WORKLOADS.md); the tests take a smaller one by default
 MINI = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -94,15 +98,27 @@ def save_exported(module: Any, path: Path, max_batch_size: int = 16) -> None:
 
 
 def write(repo: Path, name: str, module: Any, platform: str = "pytorch_torchscript",
-          **cfg: Any) -> Path:
-    """A model folder with version 1 in ``platform``'s format and its config."""
+          compiled: bool = False, **cfg: Any) -> Path:
+    """A model folder with version 1 in ``platform``'s format and its config; with
+    ``compiled``, the exported program turned into an AOTInductor package by
+    ``zeroserve compile`` (tens of seconds)."""
     vdir = repo / name / "1"
+    config_file = repo / name / "config.json"
+    config_file.parent.mkdir(parents=True, exist_ok=True)
+    config_file.write_text(json.dumps(config(name, platform, module.config.hidden_size, **cfg)))
     if platform == "pytorch_torchscript":
         save_traced(module, vdir / "model.pt")
-    else:
+    elif not compiled:
         save_exported(module, vdir / "model.pt2", cfg.get("max_batch_size", 16))
-    (repo / name / "config.json").write_text(
-        json.dumps(config(name, platform, module.config.hidden_size, **cfg)))
+    else:
+        program = repo / f".{name}-program.pt2"
+        save_exported(module, program, cfg.get("max_batch_size", 16))
+        vdir.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, str(ROOT / "bin" / "zeroserve"), "compile",
+                        str(program), "--config", str(config_file),
+                        "--output", str(vdir / "model.pt2")], check=True,
+                       capture_output=True, timeout=600)
+        program.unlink()
     return vdir
 
 

@@ -38,26 +38,47 @@ class CompileError(Exception):
     """Why a program could not be compiled; names the file."""
 
 
+def _padded(cfg: ModelConfig) -> dict[str, int]:
+    """The padded inputs and the dim each pads (dynamic_batching.padding)."""
+    pad = cfg.dynamic_batching.padding
+    return {i.name: i.dim for i in pad.inputs} if pad is not None else {}
+
+
 def _samples(cfg: ModelConfig, device: str) -> tuple[torch.Tensor, ...]:
-    # 2, not 1: a sample of 1 would be specialized to 1 whatever the dynamic shape says
+    # 2, not 1: a sample of 1 would be specialized to 1 whatever the dynamic shape says;
+    # a padded dim at its first bucket, the length most requests run at
     batch = [min(2, cfg.max_batch_size)] if cfg.max_batch_size > 0 else []
+    pads = _padded(cfg)
+    buckets = cfg.dynamic_batching.padding.buckets if cfg.dynamic_batching.padding else ()
+    length = max(2, buckets[0]) if buckets else 2
     out = []
     for spec in cfg.inputs:
         if spec.datatype == "BYTES":
             raise CompileError(f"input {spec.name!r} is BYTES: a compiled package takes tensors")
-        dims = batch + [d if d > 0 else 2 for d in spec.shape]
+        dims = batch + [d if d > 0 else (length if pads.get(spec.name) == i else 2)
+                        for i, d in enumerate(spec.shape)]
         out.append(torch.zeros(dims, dtype=TORCH_DTYPES[spec.datatype], device=device))
     return tuple(out)
 
 
 def _dynamic_shapes(cfg: ModelConfig, low: int) -> tuple[dict[int, Any], ...]:
+    """The batch from ``low`` to max_batch_size; every -1 dim dynamic from 2. The padded
+    dims share one length (padding makes them equal), up to the last bucket where the
+    config has buckets."""
     mbs = cfg.max_batch_size
     batch = Dim("batch", min=low, max=mbs) if mbs > 1 else None
     offset = 1 if mbs > 0 else 0
+    pads = _padded(cfg)
+    buckets = cfg.dynamic_batching.padding.buckets if cfg.dynamic_batching.padding else ()
+    # other free dims from 2: only the batch is size-oblivious (a length of 1, which
+    # broadcasts, compiled to kernels that index out of bounds at 1)
+    length = Dim("length", min=2, max=buckets[-1]) if buckets and buckets[-1] > 2 \
+        else Dim("length", min=2)
     shapes = []
     for spec in cfg.inputs:
-        dims: dict[int, Any] = {i + offset: Dim.DYNAMIC
-                                for i, d in enumerate(spec.shape) if d == -1}
+        dims: dict[int, Any] = {i + offset: length if pads.get(spec.name) == i
+                                else Dim.DYNAMIC(min=2) for i, d in enumerate(spec.shape)
+                                if d == -1}
         if batch is not None:
             dims[0] = batch
         shapes.append(dims)

@@ -1,9 +1,9 @@
 """A real transformer fed mixed lengths at once (issue 29): ``transformers``' BertModel,
-random weights, as TorchScript (traced) and as a torch.export program, each with and
-without padding, through tritonclient.http and tritonclient.grpc unchanged. Every answer
-is a 200 equal to the model run in-process on that request alone; a padded model batches
-mixed lengths (fewer executions than inferences); nothing fails for another request's
-shape."""
+random weights, as TorchScript (traced), as a torch.export program and as an AOTInductor
+package (``zeroserve compile``), each with and without padding, through tritonclient.http
+and tritonclient.grpc unchanged. Every answer is a 200 equal to the model run in-process
+on that request alone; a padded model batches mixed lengths (fewer executions than
+inferences); nothing fails for another request's shape."""
 
 from __future__ import annotations
 
@@ -23,12 +23,18 @@ pytest.importorskip("transformers")
 th = pytest.importorskip("tritonclient.http")
 tg = pytest.importorskip("tritonclient.grpc")
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 LENGTHS = (5, 12, 31)
-MODELS = {"ts": ("pytorch_torchscript", None), "ts_pad": ("pytorch_torchscript", bert.PADDING),
-          "exp": ("pytorch_export", None),
-          "ts_bucket": ("pytorch_torchscript", {**bert.PADDING, "buckets": [8, 16, 32]})}
+BUCKETS = {**bert.PADDING, "buckets": [8, 16, 32]}
+# name: (platform, padding, compiled by zeroserve compile into an AOTInductor package)
+MODELS = {"ts": ("pytorch_torchscript", None, False),
+          "ts_pad": ("pytorch_torchscript", bert.PADDING, False),
+          "ts_bucket": ("pytorch_torchscript", BUCKETS, False),
+          "exp": ("pytorch_export", None, False),
+          "exp_pad": ("pytorch_export", bert.PADDING, False),
+          "aoti": ("pytorch_export", None, True),
+          "aoti_bucket": ("pytorch_export", BUCKETS, True)}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +49,9 @@ def repo(module: Any) -> Iterator[Path]:
     root = short_tmpdir("zsbert")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, (platform, padding) in MODELS.items():
-            bert.write(root, name, module, platform, padding=padding, max_queue_delay_ms=20)
+        for name, (platform, padding, compiled) in MODELS.items():
+            bert.write(root, name, module, platform, compiled, padding=padding,
+                       max_queue_delay_ms=20)
     yield root
     shutil.rmtree(root, ignore_errors=True)
 

@@ -145,7 +145,7 @@ def serve(repo: Path, port: int) -> subprocess.Popen[bytes]:
         except OSError:
             if proc.poll() is not None:
                 break
-            time.sleep(0.2)  # noqa: sleep-ok (polling a starting server, bounded by the deadline)
+            time.sleep(0.2)  # noqa: sleep-ok (polls a starting server until its deadline)
     proc.kill()
     raise SystemExit((runtime / "serve.log").read_text())
 

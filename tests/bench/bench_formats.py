@@ -1,8 +1,10 @@
 """The same model as TorchScript, exported program and AOTInductor package, in process:
 ms per call at batch 1, 16 and 64, each format loaded by zeroserve's loader (what a
-worker runs), the calls interleaved round by round so a busy host slows all alike.
+worker runs), the calls interleaved round by round so a busy host slows all alike; with
+``--served``, then each format served by one ``zeroserve serve`` (one worker, one torch
+thread) and driven by ``zeroserve bench`` over the direct client at C=1 and C=16.
 
-    python tests/bench/bench_formats.py [--rounds N] [--threads N] [--no-bert]
+    python tests/bench/bench_formats.py [--rounds N] [--threads N] [--no-bert] [--served]
 
 mlp is the bundled example (models/examples.py, as the shared make_models.py builds it);
 bert is BERT-mini (WORKLOADS: hidden 256, 4 layers, 4 heads, random weights, seed 0),
@@ -14,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +35,7 @@ from zeroserve.models.repository import ModelConfig, parse_config
 from zeroserve.workers.compile import compile_package
 from zeroserve.workers.memory import rss_bytes
 
+ROOT = Path(__file__).resolve().parents[2]
 BATCHES = (1, 16, 64)
 FORMATS = ("torchscript", "export", "aoti")
 TOKENS = 16
@@ -75,7 +81,8 @@ def build(root: Path, module: torch.nn.Module, config: dict[str, Any],
           inputs: Callable[[int], tuple[torch.Tensor, ...]]) -> dict[str, LoadedModel]:
     """The three files, each in its own version folder, loaded by zeroserve's loader."""
     sample = inputs(2)
-    dirs = {f: root / f / "1" for f in FORMATS}
+    name = config["name"]
+    dirs = {f: root / f"{name}_{f}" / "1" for f in FORMATS}
     for d in dirs.values():
         d.mkdir(parents=True)
     with torch.no_grad():
@@ -93,6 +100,9 @@ def build(root: Path, module: torch.nn.Module, config: dict[str, Any],
     configs: dict[str, ModelConfig] = {
         "torchscript": parse_config({**config, "platform": "pytorch_torchscript"}, "bench"),
         "export": cfg, "aoti": cfg}
+    for f, c in configs.items():   # a repository for --served
+        (dirs[f].parent / "config.json").write_text(json.dumps(
+            {**c.to_json(), "name": f"{name}_{f}", "warmup": {"batch_sizes": [1, 16]}}))
     return {f: load(configs[f], 1, dirs[f], "cpu", rss_bytes) for f in FORMATS}
 
 
@@ -123,6 +133,59 @@ def table(name: str, ms: dict[str, dict[int, float]]) -> str:
     return "\n".join(lines)
 
 
+def served(repo: Path, names: list[str], bodies: dict[str, Path], seconds: float
+           ) -> dict[str, dict[str, float]]:
+    """Each model served by one worker (one torch thread), driven by zeroserve bench over
+    the direct client: p50 at C=1, requests/s at C=16."""
+    runtime = Path(tempfile.mkdtemp(prefix="zsbf", dir="/tmp"))
+    zs = [sys.executable, str(ROOT / "bin" / "zeroserve")]
+    log = open(runtime / "serve.log", "wb")
+    proc = subprocess.Popen([*zs, "serve", "--model-dir", str(repo), "--runtime-dir",
+                             str(runtime), "--workers", "1", "--threads", "1",
+                             "--http-port", str(free_port()), "--grpc-port", str(free_port())],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for name in names:
+            body = bodies.get(name.rsplit("_", 1)[0])
+            cmd = [*zs, "bench", "-m", name, "--transport", "direct", "--runtime-dir",
+                   str(runtime), "--concurrency", "1,16", "--warmup-s", "2",
+                   "--duration-s", str(seconds), "--json", str(runtime / "b.json"), "--quiet"]
+            if body is not None:
+                cmd += ["--input-data", str(body)]
+            deadline = time.monotonic() + 600
+            while subprocess.run(cmd, capture_output=True).returncode != 0:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise SystemExit((runtime / "serve.log").read_text()[-3000:])
+                time.sleep(1)  # noqa: sleep-ok (polls a loading server until its deadline)
+            rows = json.loads((runtime / "b.json").read_text())["levels"]
+            out[name] = {"c1_p50_ms": rows[0]["p50_ms"], "c16_rps": rows[1]["throughput_rps"]}
+            print(f"  served {name}: C=1 p50 {out[name]['c1_p50_ms']:.3f} ms, "
+                  f"C=16 {out[name]['c16_rps']:.0f} req/s", file=sys.stderr)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        shutil.rmtree(runtime, ignore_errors=True)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def bert_body(path: Path) -> Path:
+    """One request of 16 tokens: ids from the vocabulary, the mask all ones."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 30522, (1, TOKENS), generator=g).tolist()[0]
+    path.write_text(json.dumps({"inputs": [
+        {"name": "input_ids", "datatype": "INT64", "shape": [1, TOKENS], "data": ids},
+        {"name": "attention_mask", "datatype": "INT64", "shape": [1, TOKENS],
+         "data": [1] * TOKENS}]}))
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=50)
@@ -130,6 +193,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch's threads, as a worker's --threads sets them (default: 1)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--served", action="store_true", help="also each format served")
+    ap.add_argument("--duration-s", type=float, default=8.0, help="--served: per level")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     workloads = [mlp]
@@ -150,6 +215,15 @@ def main() -> int:
             print(json.dumps(results) if args.json else table(config["name"],
                                                               results[config["name"]]))
             print()
+            for lm in loaded.values():
+                lm.release()
+        if args.served:
+            names = [f"{m}_{f}" for m in results for f in FORMATS]
+            got = served(Path(tmp), names, {"bert": bert_body(Path(tmp) / "bert.json")},
+                         args.duration_s)
+            print("| served, direct | C=1 p50 ms | C=16 req/s |\n|---|---:|---:|")
+            for name, row in got.items():
+                print(f"| {name} | {row['c1_p50_ms']:.3f} | {row['c16_rps']:.0f} |")
     return 0
 
 

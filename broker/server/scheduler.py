@@ -15,7 +15,11 @@ A batch takes its shape key (models/shapes.py: the non-batch dims, after any pad
 config declares) from the first entry that order picks, and fills only from entries with
 the same key, in the same order: requests of another shape wait for the next batch, and
 no request is failed, or refused, for the shape of another. Time is predicted from units
-(rows x scale, a row's cost against the declared shape's), not rows alone.
+(rows x scale, a row's cost against the declared shape's), not rows alone. A padded
+model's key leaves the length out, and a request joins a batch of another length only
+where the latency model says padding pays: where the batch with it, run at its longest
+row, costs no more than the batch and the request run apart (on a GPU, whose batch costs
+much the same at any size, nearly always; on a CPU at long lengths, rarely).
 
 Shedding under overload takes the newest entry of the worst QoS class first
 (``shed_rank``: best_effort before burstable before guaranteed), lowest priority
@@ -382,8 +386,12 @@ class Scheduler:
                 break
             tight = min(tightest, e.deadline_s)
             # a padded batch runs every row at its longest row's scale
-            if batch and start + predict((total + e.samples) * max(scale, e.scale)) > tight:
+            joined = predict((total + e.samples) * max(scale, e.scale)) if batch else 0.0
+            if batch and start + joined > tight:
                 break
+            if batch and e.scale != scale and \
+                    joined > predict(total * scale) + predict(e.units):
+                continue   # padding it in costs more than running it apart: it waits
             batch.append(e)
             total += e.samples
             tightest, version, scale = tight, v, max(scale, e.scale)

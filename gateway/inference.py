@@ -64,10 +64,6 @@ class InferencePath:
     def stop(self) -> None:
         self._door.stop()
 
-    @property
-    def in_flight(self) -> int:
-        return self._door.in_flight
-
     # -- the door --------------------------------------------------------------
     def enter(self) -> float:
         """Let a request in and count it in flight; its arrival (the deadline's start).

@@ -3,18 +3,18 @@ ModelInfer and ModelStreamInfer, generate and generate_stream, the seed's predic
 TorchServe's predictions) goes through the same :class:`InferencePath`, in the same
 order, so a flood meets the same door wherever it comes in:
 
-1. :meth:`~InferencePath.enter` at once, before anything of the request is read: the
-   door (gateway/door.py) sheds past the in-flight bound or far behind (503 with
+1. ``enter()`` at once, before anything of the request is read: the door
+   (gateway/door.py) sheds past the in-flight bound or far behind (503 with
    Retry-After, gRPC UNAVAILABLE), else counts the request in flight until its
-   :meth:`~InferencePath.leave` (in a ``finally``) and gives its arrival, which its
-   deadline counts from;
-2. :meth:`~InferencePath.caller`: the tenant gate (with tenants, 401 without a key);
+   ``leave()`` (in a ``finally``) and gives its arrival, which its deadline counts
+   from;
+2. ``caller(headers)``: the tenant gate (with tenants, 401 without a key);
 3. once priority and deadline are known, :meth:`~InferencePath.check_priority` (the
    lag shed of the lower priorities) and :meth:`~InferencePath.budget_ms` (what is left
    of the deadline, 504 when it ran out in the gateway; both counted in
    ``zeroserve_gateway_shed_total``);
 4. the trace (:meth:`~InferencePath.trace` ... :meth:`~InferencePath.finish`), the
-   broker call (:attr:`~InferencePath.infer`, :attr:`~InferencePath.stream`) and the
+   broker call (``infer``, ``stream``: the client's own) and the
    answer's classification (:meth:`~InferencePath.classify`).
 
 Shed and refused requests are errors of the table (gateway/errors.py), so each front
@@ -27,7 +27,7 @@ import time
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker.client import AsyncClient, AsyncStream, InferError
+from zeroserve.broker.client import AsyncClient, InferError
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.classification import classify
 from zeroserve.gateway.door import SHED_DEADLINE, Door, Shed
@@ -48,14 +48,20 @@ class InferencePath:
     def __init__(self, client: AsyncClient, control: Control, gate: TenantGate,
                  tracer: Tracer, shed_lag_ms: float = 50.0, max_in_flight: int = 2048
                  ) -> None:
-        self._door = Door(shed_lag_ms, max_in_flight)
+        door = self._door = Door(shed_lag_ms, max_in_flight)
         self._control = control
-        self._gate = gate
         self._tracer = tracer
-        # the client's own calls, bound once: no layer between an entry point and the
-        # wire on the hot path
-        self.infer: Callable[..., Awaitable[p.InferReply]] = client.infer_tensors
-        self.stream: Callable[..., AsyncStream] = client.stream
+        # Bound once: an entry point calls the door, the gate and the client with no
+        # layer (no call, no coroutine) between, as the HTTP infer path was measured.
+        # enter: the request let in and counted in flight, its arrival returned (the
+        # deadline's start), or Shed at once; every enter has one leave, in a finally.
+        self.enter = door.admit
+        self.leave = door.leave
+        # the key the broker judges the caller by ("" for none, None for the operator);
+        # with tenants, unauthorized at once without one
+        self.caller = gate.caller
+        self.infer = client.infer_tensors
+        self.stream = client.stream
 
     def start(self) -> None:
         """In the lifespan: the door's lag ticks on the serving loop."""
@@ -65,14 +71,6 @@ class InferencePath:
         self._door.stop()
 
     # -- the door --------------------------------------------------------------
-    def enter(self) -> float:
-        """Let a request in and count it in flight; its arrival (the deadline's start).
-        :class:`Shed` at once when the door is closed. Every enter has one leave."""
-        return self._door.admit()
-
-    def leave(self) -> None:
-        self._door.leave()
-
     def check_priority(self, priority: int, deadline: bool) -> None:
         """Once the header is parsed, before the tensors are decoded: behind, a request
         with a deadline below the highest priority is shed (Shed)."""
@@ -98,12 +96,6 @@ class InferencePath:
             raise InferError(ErrorCode.DEADLINE, "deadline exceeded in the gateway, before "
                              "the request reached the broker")
         return left
-
-    # -- the tenant gate -------------------------------------------------------
-    async def caller(self, headers: Mapping[str, str]) -> str | None:
-        """The key the broker judges the caller by ("" for none, None for the operator);
-        with tenants, unauthorized at once without one."""
-        return await self._gate.caller(headers)
 
     # -- the trace -------------------------------------------------------------
     def trace(self, model: str, headers: Mapping[str, str],

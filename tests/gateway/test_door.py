@@ -68,6 +68,12 @@ def test_the_in_flight_bound_sheds_past_it() -> None:
     assert door.in_flight == 2
 
 
+def test_the_count_has_one_writer() -> None:
+    # every entry point counts through the inference path, which admits and leaves
+    with pytest.raises(AttributeError):
+        Door().in_flight = 1
+
+
 @pytest.fixture(scope="module")
 def lagging_server():
     """A gateway whose lag bound is one microsecond: every tick is later than that,

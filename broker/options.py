@@ -71,6 +71,9 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int, default=256 << 20, metavar="BYTES",
                    help="the most tensor bytes one message from a client or worker may "
                         "carry; a request over it is answered too_large (413)")
+    p.add_argument("--response-cache-bytes", type=int, default=64 << 20, metavar="BYTES",
+                   help="bound of the response cache, for models whose config enables "
+                        "response_cache (0: no cache)")
     p.add_argument("--latency-model", choices=["on", "off"], default="on",
                    help="off: batches bounded by size and delay only, no deadline-aware "
                         "admission (for comparison)")
@@ -232,11 +235,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="file name: NAME.key (public) and NAME.key_secret (0600)")
     p.add_argument("--dir", default=".", help="folder to write them into (default: here)")
     p.add_argument("--force", action="store_true", help="replace existing files")
+    _compile_parser(sub)
     p = sub.add_parser("config", help="show the effective configuration")
     p.add_argument("action", choices=["show"])
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _config_opt(p)
     return ap
+
+
+def _compile_parser(sub: Any) -> None:
+    p = sub.add_parser("compile", help="an exported program (torch.export.save) and its "
+                       "model's config into an AOTInductor package, offline")
+    p.add_argument("program", help="the exported program's model.pt2")
+    p.add_argument("--config", dest="model_config", required=True, metavar="FILE",
+                   help="the model's config.json (or config.pbtxt): inputs, max_batch_size")
+    p.add_argument("--output", required=True, metavar="FILE",
+                   help="the package to write, e.g. REPO/MODEL/2/model.pt2 (written to a "
+                        "temp name, then renamed)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda or cuda:N: where the package will run (default: cpu)")
+    p.add_argument("--log-level", default="warning", help="debug, info, warning, error")
 
 
 def _operate_parsers(sub: Any) -> None:
@@ -302,7 +320,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     default); raises config.ConfigError."""
     ap = parser()
     args = ap.parse_args(argv)
-    return args if args.command in ("config", "keys") else _apply_config(ap, args, argv)
+    return args if args.command in ("config", "keys", "compile") \
+        else _apply_config(ap, args, argv)
 
 
 def show_config(args: argparse.Namespace) -> int:

@@ -366,6 +366,9 @@ class LoadModel:
     path: str
     config: dict[str, Any]
     sha256: str = ""
+    # a registration's trial load: {"datatypes": [inputs whose datatype is a guess]};
+    # the worker settles those and finds outputs the config lacks (workers/discovery.py)
+    discover: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -381,6 +384,8 @@ class ModelLoaded:
     load_s: float = 0.0
     # what warm-up measured: resident_bytes, the activation term, footprint_bytes
     memory: dict[str, Any] = field(default_factory=dict)
+    # the config a LOAD with ``discover`` completed (datatypes and outputs found)
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

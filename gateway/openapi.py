@@ -37,6 +37,7 @@ WHY = {
     504: "deadline exceeded",
 }
 VERSION = {"type": "string", "pattern": "^[1-9][0-9]{0,8}$"}
+SEED_VERSION = {"type": "string", "pattern": "^v?[1-9][0-9]{0,8}$"}   # the seed writes "v2"
 MODEL_READ = [200, 400, 404, 503]
 INFER = [200, 400, 404, 413, 429, 500, 501, 503, 504]
 GENERATE = [200, 400, 404, 413, 429, 500, 503, 504]
@@ -141,7 +142,8 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
      "pinned version", GENERATE, GENERATE_REQUEST, "text/event-stream"),
     ("post", "/models/{name}/predict", "Simple JSON predict", INFER, SEED_REQUEST,
      "application/json"),
-    ("post", "/models/{name}/{version}/predict", "Simple JSON predict, pinned version",
+    ("post", "/models/{name}/{version}/predict", "Simple JSON predict, pinned version "
+     "(2 or v2)",
      INFER, SEED_REQUEST, "application/json"),
     ("post", "/predictions/{name}", "TorchServe-compatible predict", INFER, ANY_JSON,
      "application/json"),
@@ -215,7 +217,8 @@ def _operation(method: str, path: str, summary: str, statuses: list[int],
     params: list[dict[str, Any]] = []
     for name in ("name", "version", "region"):
         if "{" + name + "}" in path:
-            schema = VERSION if name == "version" else {"type": "string"}
+            schema = {"type": "string"} if name != "version" else \
+                SEED_VERSION if path.startswith("/models/") else VERSION
             param: dict[str, Any] = {"name": name, "in": "path", "required": True,
                                      "schema": schema}
             if example is not None and name != "region":

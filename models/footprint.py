@@ -3,11 +3,10 @@
 Torch-free, so the broker can plan placements without importing torch. A version's
 footprint is three terms:
 
-* **weights**: its parameter and buffer bytes. A TorchScript archive (``model.pt``) is
-  a zip whose tensor storages are its ``<top>/data/<n>`` entries (a torch.export
-  archive, ``model.pt2``, keeps them under ``<top>/data/weights/`` and
-  ``<top>/data/constants/``); summing their sizes from the zip's directory is exact,
-  reads no tensor data, and is what the weights take once loaded (same dtypes).
+* **weights**: its parameter and buffer bytes, read by its format's reader
+  (models/formats.py, models/archives.py): a TorchScript or torch.export archive's
+  tensor storages summed from the zip's directory, an AOTInductor package's constants
+  from its wrapper; exact, no tensor data read, and what the weights take once loaded.
 * **activations**: the peak memory one batch needs beyond the weights, as
   ``fixed + per_sample * batch``, learned by a worker's warm-up (which runs batches of
   several sizes) and kept by the broker per model and device kind, so the next version
@@ -26,11 +25,12 @@ After warm-up the worker reports what it measured, which replaces the prediction
 from __future__ import annotations
 
 import os
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zeroserve.models import formats
+from zeroserve.models.archives import storage_bytes as archive_tensor_bytes
 from zeroserve.models.repository import ModelConfig
 
 __all__ = ["ActivationTerm", "Learned", "Prediction", "archive_tensor_bytes", "fit_activation",
@@ -40,24 +40,6 @@ __all__ = ["ActivationTerm", "Learned", "Prediction", "archive_tensor_bytes", "f
 def size_text(n: float) -> str:
     """Bytes for people: MB below a gigabyte, GB above (decimal units)."""
     return f"{n / 1e9:.1f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
-def _is_storage(parts: list[str]) -> bool:
-    if len(parts) == 3 and parts[1] == "data" and parts[2].isdigit():
-        return True   # TorchScript: <top>/data/0, <top>/data/1, ...
-    return (len(parts) == 4 and parts[1] == "data" and parts[2] in ("weights", "constants")
-            and not parts[3].endswith(".json"))   # torch.export (.pt2)
-
-
-def archive_tensor_bytes(path: Path) -> int | None:
-    """The summed size of the tensor storages in a TorchScript or torch.export archive;
-    None if the file is not such an archive (a Python handler's files, say)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return sum(info.file_size for info in archive.infolist()
-                       if _is_storage(info.filename.split("/")))
-    except (OSError, zipfile.BadZipFile):
-        return None
 
 
 @dataclass(frozen=True)
@@ -148,10 +130,9 @@ WeightsCache = dict[tuple[str, int, int], "int | None"]
 
 def weights_bytes(cfg: ModelConfig, version_dir: Path,
                   cache: WeightsCache | None = None) -> int | None:
-    """The parameter and buffer bytes of a version's model file (None: not an archive).
-    ``cache`` remembers them by path, mtime and size, so planning reads each file once."""
-    if cfg.platform == "python":
-        return None
+    """The parameter and buffer bytes of a version's model file (None: its format does
+    not say). ``cache`` remembers them by path, mtime and size, so planning reads each
+    file once."""
     path = version_dir / cfg.model_file
     try:
         st = os.stat(path)
@@ -160,7 +141,7 @@ def weights_bytes(cfg: ModelConfig, version_dir: Path,
     key = (str(path), st.st_mtime_ns, st.st_size)
     if cache is not None and key in cache:
         return cache[key]
-    value = archive_tensor_bytes(path)
+    value = formats.weights_bytes(cfg.platform, path)
     if cache is not None:
         if len(cache) > 4096:  # a long-running broker sees many versions come and go
             cache.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import time
 import weakref
@@ -12,11 +13,13 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from zeroserve.models import handlers
+from zeroserve.models import archives, formats, handlers
 from zeroserve.models.footprint import fit_activation, weights_bytes
 from zeroserve.models.repository import ModelConfig, version_sha256
+from zeroserve.models.shapes import rule as shape_rule
 
-__all__ = ["LoadError", "LoadedModel", "load", "version_sha256", "warm_up"]
+__all__ = ["LoadError", "LoadedModel", "Opened", "Source", "load", "version_sha256",
+           "warm_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ class LoadedModel:
     handler: Any = None
     package: str = ""
     version_dir: Path | None = None
+    format: str = ""        # which of models/formats.py's formats the file held
+    min_sizes: dict[tuple[int, int], int] = field(default_factory=dict)   # see Opened
     probe_before: int = 0   # the memory probe just before the load (to check it comes back)
     # what the memory planner learns (models/footprint.py): resident bytes, the activation
     # term fitted to the warm-up batches' peaks, the footprint at the largest batch
@@ -67,33 +72,91 @@ class LoadedModel:
         self.extra.clear()
 
 
-def _load_torchscript(path: Path, device: str) -> Callable[..., Any]:
-    module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
+@dataclass(frozen=True)
+class Source:
+    """What a format's loader (models/formats.py names it) reads."""
+
+    cfg: ModelConfig
+    version: int
+    sha256: str
+    version_dir: Path
+    path: Path          # the model file
+    device: str
+
+
+@dataclass
+class Opened:
+    """What a format's loader hands back: the callable, and a handler's object and
+    package where the format is a Python handler."""
+
+    fn: Callable[..., Any]
+    handler: Any = None
+    package: str = ""
+    # the smallest size of a free dim, by (input, dim in the config's shape), where the
+    # model takes no 1 there (warm-up's sample otherwise makes free dims 1)
+    min_sizes: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+def load_torchscript(src: Source) -> Opened:
+    module = torch.jit.load(str(src.path), map_location=src.device)  # type: ignore[no-untyped-call]
     module.eval()
-    return module  # type: ignore[no-any-return]
+    return Opened(module)
 
 
-def _load_export(path: Path, device: str) -> Callable[..., Any]:
-    program = torch.export.load(str(path))
+def load_export(src: Source) -> Opened:
+    try:
+        program = torch.export.load(str(src.path))
+    except RuntimeError as exc:
+        foreign = archives.output_types(src.path)
+        if not foreign:
+            raise
+        raise LoadError(
+            f"{src.path}: the program's outputs are {', '.join(foreign)}, which torch only "
+            f"rebuilds where that class's module is imported, and a worker does not import "
+            f"it: export a forward that returns a tensor or a tuple of tensors "
+            f"(docs/models.md)") from exc
     module = program.module()
-    if device != "cpu":
-        module = module.to(device)
-    return module
+    if src.device != "cpu":
+        module = module.to(src.device)
+    return Opened(module)
 
 
-LOADERS: dict[str, Callable[[Path, str], Callable[..., Any]]] = {
-    "pytorch_torchscript": _load_torchscript,
-    "pytorch_export": _load_export,
-}
+def load_python(src: Source) -> Opened:
+    handler, pkg = handlers.load_handler(src.cfg.name, src.version, src.sha256,
+                                         src.version_dir, src.device)
+    return Opened(handler.predict, handler=handler, package=pkg)
 
 
-def sample_inputs(cfg: ModelConfig, batch: int, device: str) -> list[torch.Tensor]:
-    """Zeros of each declared input, free dims as 1, for warm-up."""
+def _open(cfg: ModelConfig, model_file: Path) -> tuple[formats.Format,
+                                                       Callable[[Source], Opened]]:
+    """The file's format and its loader, imported now (a format's module may import
+    what only it needs)."""
+    try:
+        fmt = formats.identify(cfg.platform, model_file)
+    except KeyError:
+        raise LoadError(f"platform {cfg.platform!r} is not supported by this worker") from None
+    except formats.FormatError as exc:
+        raise LoadError(str(exc)) from None
+    module, _, attr = fmt.loader.partition(":")
+    opener: Callable[[Source], Opened] = getattr(importlib.import_module(module), attr)
+    return fmt, opener
+
+
+def sample_inputs(cfg: ModelConfig, batch: int, device: str,
+                  min_sizes: dict[tuple[int, int], int] | None = None) -> list[torch.Tensor]:
+    """Zeros of each declared input, free dims as 1 (or the model's ``min_sizes``; a
+    padded one at its first bucket: the shapes requests will run at), for warm-up."""
     out = []
-    for spec in cfg.inputs:
+    pads = {i.name: i.dim for i in cfg.dynamic_batching.padding.inputs} \
+        if cfg.dynamic_batching.padding is not None else {}
+    length = shape_rule(cfg).warmup_length()
+    for i, spec in enumerate(cfg.inputs):
         if spec.datatype == "BYTES":
             raise LoadError("warm-up cannot make BYTES inputs")
-        dims = [d if d > 0 else 1 for d in spec.shape]
+        least = min_sizes or {}
+        dims = [d if d > 0 else max(length if pads.get(spec.name) == axis else 1,
+                                    least.get((i, axis), 1))
+                for axis, d in enumerate(spec.shape)]
         if cfg.max_batch_size > 0:
             dims = [batch] + dims
         out.append(torch.zeros(dims, dtype=TORCH_DTYPES[spec.datatype], device=device))
@@ -115,7 +178,7 @@ def _warm_sizes(cfg: ModelConfig) -> list[int]:
 
 
 def _run(loaded: LoadedModel, batch: int) -> None:
-    args = sample_inputs(loaded.config, batch, loaded.device)
+    args = sample_inputs(loaded.config, batch, loaded.device, loaded.min_sizes)
     named = {s.name: t for s, t in zip(loaded.config.inputs, args)}
     if loaded.config.decoupled:
         # a batch of one-row requests, run to its first response (what a deadline bounds)
@@ -176,29 +239,29 @@ def _plan(cfg: ModelConfig, version_dir: Path, resident: int,
 
 
 def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
-         memory_probe: Callable[[], int], peak_probe: Probe | None = None) -> LoadedModel:
+         memory_probe: Callable[[], int], peak_probe: Probe | None = None,
+         settle: Callable[[LoadedModel], ModelConfig] | None = None) -> LoadedModel:
     """Load, warm up and measure one version (with ``peak_probe``, the warm-up batches'
-    peaks too, into ``plan``). Raises LoadError with the reason."""
-    loader = LOADERS.get(cfg.platform)
-    if loader is None and cfg.platform != "python":
-        raise LoadError(f"platform {cfg.platform!r} is not supported by this worker")
+    peaks too, into ``plan``). ``settle`` completes a registration's config from the
+    loaded model before warm-up (workers/discovery.py). Raises LoadError with the reason."""
     model_file = version_dir / cfg.model_file
     if not model_file.is_file():
         raise LoadError(f"{model_file} does not exist")
+    fmt, opener = _open(cfg, model_file)
     start = time.monotonic()
     gc.collect()
     before = memory_probe()
     sha = version_sha256(version_dir)
     loaded = None
     try:
-        if cfg.platform == "python":
-            handler, pkg = handlers.load_handler(cfg.name, version, sha, version_dir, device)
-            loaded = LoadedModel(cfg.name, version, cfg, sha, handler.predict, device,
-                                 handler=handler, package=pkg, version_dir=version_dir)
-            del handler
-        else:
-            assert loader is not None
-            loaded = LoadedModel(cfg.name, version, cfg, sha, loader(model_file, device), device)
+        opened = opener(Source(cfg, version, sha, version_dir, model_file, device))
+        loaded = LoadedModel(cfg.name, version, cfg, sha, opened.fn, device,
+                             handler=opened.handler, package=opened.package,
+                             version_dir=version_dir, format=fmt.name,
+                             min_sizes=opened.min_sizes)
+        del opened
+        if settle is not None:
+            loaded.config = settle(loaded)
         peaks = warm_up(loaded, peak_probe)
     except Exception as exc:  # a broken file or model raises anything
         if loaded is not None:

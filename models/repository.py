@@ -4,9 +4,10 @@ Layout (Triton's)::
 
     <model-dir>/<name>/config.json            (or Triton's config.pbtxt: triton_config.py)
     <model-dir>/<name>/<version>/model.pt     TorchScript
-    <model-dir>/<name>/<version>/model.pt2    torch.export program
+    <model-dir>/<name>/<version>/model.pt2    torch.export program or AOTInductor package
     <model-dir>/<name>/<version>/model.py     Python handler
 
+The formats (platform, file, loader) are models/formats.py's registry.
 Shapes in the config leave out the batch dimension when ``max_batch_size`` > 0
 and use -1 for free dimensions.
 """
@@ -16,18 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from zeroserve.models import formats
+
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
              "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES")
-PLATFORMS = {"pytorch_torchscript": "pytorch_torchscript",
-             "pytorch_libtorch": "pytorch_torchscript",
-             "pytorch_export": "pytorch_export",
-             "python": "python"}
-MODEL_FILES = {"pytorch_torchscript": "model.pt", "pytorch_export": "model.pt2",
-               "python": "model.py"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 PBTXT = "config.pbtxt"   # Triton's, read where a model has no config.json
 
@@ -55,6 +52,36 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class PaddedInput:
+    """An input whose requests may be padded along ``dim`` (counted as in the config's
+    shape: the batch dimension left out) with ``value``, so lengths share a batch."""
+
+    name: str
+    dim: int
+    value: float = 0
+
+
+@dataclass(frozen=True)
+class PaddedOutput:
+    """An output cut back along ``dim`` to each request's own length."""
+
+    name: str
+    dim: int
+
+
+@dataclass(frozen=True)
+class Padding:
+    """``dynamic_batching.padding``: which free dimension of which inputs may be padded,
+    the lengths to pad to (``buckets``, ascending; none: the longest in the batch), and
+    which outputs are cut back to each request's length. Only safe where the model
+    masks what was padded (a transformer's attention mask padded with 0)."""
+
+    inputs: tuple[PaddedInput, ...]
+    outputs: tuple[PaddedOutput, ...] = ()
+    buckets: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class DynamicBatching:
     max_queue_delay_ms: float = 0.0
     preferred_batch_sizes: tuple[int, ...] = ()
@@ -64,6 +91,7 @@ class DynamicBatching:
     default_timeout_ms: float = 0.0
     aging_ms: float = 1000.0
     max_execution_ms: float = 30000.0
+    padding: Padding | None = None
 
 
 @dataclass(frozen=True)
@@ -86,19 +114,34 @@ class ModelConfig:
     # Triton's model_transaction_policy.decoupled: a request gets a sequence of responses
     # (a Python handler whose predict is a generator; docs/streaming.md)
     decoupled: bool = False
+    # Triton's response_cache.enable: identical requests answered by the broker from
+    # its response cache (docs/many-models.md)
+    response_cache: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["model_transaction_policy"] = {"decoupled": out.pop("decoupled")}
+        out["response_cache"] = {"enable": out.pop("response_cache")}
         out["inputs"] = [t.to_json() for t in self.inputs]
         out["outputs"] = [t.to_json() for t in self.outputs]
+        if not self.outputs:   # still to be found by a registration's trial load
+            del out["outputs"]
         out["dynamic_batching"]["preferred_batch_sizes"] = list(
             self.dynamic_batching.preferred_batch_sizes)
+        pad = self.dynamic_batching.padding
+        if pad is None:
+            del out["dynamic_batching"]["padding"]
+        else:
+            out["dynamic_batching"]["padding"] = {
+                "inputs": [{"name": i.name, "dim": i.dim, "value": i.value}
+                           for i in pad.inputs],
+                "outputs": [{"name": o.name, "dim": o.dim} for o in pad.outputs],
+                "buckets": list(pad.buckets)}
         return out
 
     @property
     def model_file(self) -> str:
-        return MODEL_FILES[self.platform]
+        return formats.model_file(self.platform)
 
 
 def _fail(where: str, fld: str, msg: str) -> ConfigError:
@@ -153,7 +196,7 @@ def _tensors(where: str, fld: str, raw: Any) -> tuple[TensorSpec, ...]:
 _DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
 _TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
                "version_policy", "traffic", "instances", "warmup", "input_shape", "backend",
-               "optional", "autoscaling", "model_transaction_policy"}
+               "optional", "autoscaling", "model_transaction_policy", "response_cache"}
 
 
 def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
@@ -174,6 +217,8 @@ def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
             kw[key] = tuple(sorted(_int(where, fld, v, 1) for v in value))
         elif key in ("max_queue_size", "priority_levels", "default_priority"):
             kw[key] = _int(where, fld, value, 1)
+        elif key == "padding":
+            continue   # checked against the inputs and outputs: _padding
         else:
             kw[key] = _num(where, fld, value)
     d = DynamicBatching(**kw)
@@ -181,6 +226,69 @@ def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
         raise _fail(where, "dynamic_batching.default_priority",
                     f"{d.default_priority} is above priority_levels {d.priority_levels}")
     return d
+
+
+def _padding(where: str, raw: Any, inputs: tuple[TensorSpec, ...],
+             outputs: tuple[TensorSpec, ...], max_batch_size: int) -> Padding | None:
+    """``dynamic_batching.padding``; every name and dim checked against the tensors the
+    config declares, so a typo is refused at load, not met as a wrong answer."""
+    if raw is None:
+        return None
+    fld = "dynamic_batching.padding"
+    if not isinstance(raw, dict) or set(raw) - {"inputs", "outputs", "buckets"}:
+        raise _fail(where, fld, 'must be {"inputs": [{"name", "dim", "value"}], '
+                    '"outputs": [{"name", "dim"}], "buckets": [lengths]}')
+    if max_batch_size <= 0:
+        raise _fail(where, fld, "needs max_batch_size > 0: a model that does not batch "
+                    "has nothing to pad")
+    declared_in = {t.name: t for t in inputs}
+    declared_out = {t.name: t for t in outputs}
+
+    def dim_of(f: str, item: Any, declared: dict[str, TensorSpec], kind: str) -> tuple[str, int]:
+        if not isinstance(item, dict) or "name" not in item or "dim" not in item:
+            raise _fail(where, f, 'must be {"name": ..., "dim": ...}')
+        name = item["name"]
+        spec = declared.get(name) if isinstance(name, str) else None
+        if spec is None:
+            raise _fail(where, f + ".name", f"{kind} {name!r} is not declared; the model "
+                        f"has {sorted(declared)}")
+        dim = _int(where, f + ".dim", item["dim"])
+        if dim >= len(spec.shape):
+            raise _fail(where, f + ".dim", f"{kind} {name!r} has {len(spec.shape)} "
+                        f"dimension(s) (the batch dimension left out), no dim {dim}")
+        if spec.shape[dim] != -1:
+            raise _fail(where, f + ".dim", f"dim {dim} of {kind} {name!r} is fixed at "
+                        f"{spec.shape[dim]}: only a free dimension (-1) can be padded")
+        return name, dim
+
+    raw_in = raw.get("inputs")
+    if not isinstance(raw_in, list) or not raw_in:
+        raise _fail(where, fld + ".inputs", "must be a non-empty list")
+    padded_in = []
+    for i, item in enumerate(raw_in):
+        f = f"{fld}.inputs[{i}]"
+        name, dim = dim_of(f, item, declared_in, "input")
+        value = item.get("value", 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                set(item) - {"name", "dim", "value"}:
+            raise _fail(where, f, f"value must be a number, got {value!r}")
+        if declared_in[name].datatype == "BYTES":
+            raise _fail(where, f, f"input {name!r} is BYTES: only numeric tensors are padded")
+        padded_in.append(PaddedInput(name, dim, value))
+    if len({i.name for i in padded_in}) != len(padded_in):
+        raise _fail(where, fld + ".inputs", "names an input twice")
+    raw_out = raw.get("outputs", [])
+    if not isinstance(raw_out, list):
+        raise _fail(where, fld + ".outputs", "must be a list")
+    padded_out = [PaddedOutput(*dim_of(f"{fld}.outputs[{i}]", item, declared_out, "output"))
+                  for i, item in enumerate(raw_out)]
+    raw_buckets = raw.get("buckets", [])
+    if not isinstance(raw_buckets, list):
+        raise _fail(where, fld + ".buckets", "must be a list of lengths")
+    buckets = tuple(_int(where, fld + ".buckets", b, 1) for b in raw_buckets)
+    if list(buckets) != sorted(set(buckets)):
+        raise _fail(where, fld + ".buckets", f"must ascend without repeats, got {list(buckets)}")
+    return Padding(tuple(padded_in), tuple(padded_out), buckets)
 
 
 def _version_policy(where: str, raw: Any) -> dict[str, Any]:
@@ -201,17 +309,37 @@ def _version_policy(where: str, raw: Any) -> dict[str, Any]:
 
 
 def _input_shape(where: str, raw: Any, max_batch_size: int) -> list[dict[str, Any]]:
-    """The seed's shorthand: {"input_ids": [1, 128]} with the batch dim first, FP32 unless
-    the config says otherwise."""
+    """The seed's shorthand, batch dim first: ``{"input_ids": [1, 128]}`` (FP32, unless a
+    registration's trial load finds the model wants INT64), or with the datatype given,
+    ``{"input_ids": {"shape": [1, 128], "datatype": "INT64"}}``."""
     if not isinstance(raw, dict) or not raw:
         raise _fail(where, "input_shape", "must be an object {name: shape}")
     inputs = []
-    for name, shape in raw.items():
+    for name, entry in raw.items():
+        fld = f"input_shape.{name}"
+        datatype: Any = "FP32"
+        if isinstance(entry, dict):
+            if set(entry) - {"shape", "datatype"} or "shape" not in entry:
+                raise _fail(where, fld, 'must be a shape [dims] or {"shape": [dims], '
+                            '"datatype": "INT64"}')
+            shape, datatype = entry["shape"], entry.get("datatype", "FP32")
+        else:
+            shape = entry
         if not isinstance(shape, list):
-            raise _fail(where, f"input_shape.{name}", "must be a list")
+            raise _fail(where, fld, "must be a list")
         dims = shape[1:] if max_batch_size > 0 and shape else shape
-        inputs.append({"name": name, "datatype": "FP32", "shape": dims})
+        inputs.append({"name": name, "datatype": datatype, "shape": dims})
     return inputs
+
+
+def undeclared_datatypes(raw: dict[str, Any]) -> list[str]:
+    """The inputs of a registration body whose datatype is FP32 only by default (the
+    seed's plain ``input_shape`` lists): its trial load may find them INT64 instead."""
+    shapes = raw.get("input_shape")
+    if "inputs" in raw or not isinstance(shapes, dict):
+        return []
+    return [name for name, entry in shapes.items()
+            if not isinstance(entry, dict) or "datatype" not in entry]
 
 
 def _instances(where: str, raw: Any) -> dict[str, Any]:
@@ -250,8 +378,13 @@ def _autoscaling(where: str, raw: Any) -> dict[str, float]:
     return out
 
 
-def parse_config(raw: Any, where: str, expected_name: str | None = None) -> ModelConfig:
-    """Validate a decoded config.json (or registration body) into a ModelConfig."""
+def parse_config(raw: Any, where: str, expected_name: str | None = None,
+                 discover: bool = False) -> ModelConfig:
+    """Validate a decoded config.json (or registration body) into a ModelConfig.
+
+    ``discover``: ``outputs`` may be left out, leaving them empty for a trial load to find
+    (registration only: a repository's config must declare them, as the broker serves
+    its metadata without running the model)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must be a JSON object")
     unknown = set(raw) - _TOP_FIELDS
@@ -262,11 +395,10 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
         raise _fail(where, "name", f"must match {NAME_RE.pattern}, got {name!r}")
     if expected_name is not None and name != expected_name:
         raise _fail(where, "name", f"{name!r} does not match its folder {expected_name!r}")
-    platform = raw.get("platform", raw.get("backend"))
-    if platform == "pytorch":
-        platform = "pytorch_torchscript"
-    if platform not in PLATFORMS:
-        raise _fail(where, "platform", f"must be one of {sorted(PLATFORMS)}, got {platform!r}")
+    given = raw.get("platform", raw.get("backend"))
+    platform = formats.canonical(given)
+    if platform is None:
+        raise _fail(where, "platform", f"must be one of {formats.platforms()}, got {given!r}")
     mbs = _int(where, "max_batch_size", raw.get("max_batch_size", 0))
     if "inputs" in raw:
         inputs = _tensors(where, "inputs", raw["inputs"])
@@ -274,9 +406,12 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
         inputs = _tensors(where, "input_shape", _input_shape(where, raw["input_shape"], mbs))
     else:
         raise _fail(where, "inputs", "is required")
-    if "outputs" not in raw:
+    if "outputs" in raw:
+        outputs = _tensors(where, "outputs", raw["outputs"])
+    elif discover:
+        outputs = ()
+    else:
         raise _fail(where, "outputs", "is required")
-    outputs = _tensors(where, "outputs", raw["outputs"])
     traffic = raw.get("traffic") or {}
     if not isinstance(traffic, dict) or not all(
             isinstance(k, str) and k.isdigit() and isinstance(v, int) and v >= 0
@@ -290,17 +425,35 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None) -> Mode
     optional = raw.get("optional", False)
     if not isinstance(optional, bool):
         raise _fail(where, "optional", f"must be true or false, got {optional!r}")
-    decoupled = _transaction_policy(where, raw.get("model_transaction_policy"),
-                                    PLATFORMS[platform])
+    decoupled = _transaction_policy(where, raw.get("model_transaction_policy"), platform)
+    if not outputs:
+        _check_discoverable(where, inputs, decoupled)
+    cache = _response_cache(where, raw.get("response_cache"), decoupled)
+    batching = _dynamic_batching(where, raw.get("dynamic_batching"))
+    padding = _padding(where, (raw.get("dynamic_batching") or {}).get("padding"), inputs,
+                       outputs, mbs)
+    if padding is not None:
+        batching = replace(batching, padding=padding)
     return ModelConfig(
-        name=name, platform=PLATFORMS[platform], inputs=inputs, outputs=outputs,
-        max_batch_size=mbs, dynamic_batching=_dynamic_batching(where, raw.get("dynamic_batching")),
+        name=name, platform=platform, inputs=inputs, outputs=outputs,
+        max_batch_size=mbs, dynamic_batching=batching,
         version_policy=_version_policy(where, raw.get("version_policy")),
         traffic={k: int(v) for k, v in traffic.items()}, instances=instances,
         autoscaling=autoscaling,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
-        optional=optional, decoupled=decoupled)
+        optional=optional, decoupled=decoupled, response_cache=cache)
+
+
+def _check_discoverable(where: str, inputs: tuple[TensorSpec, ...], decoupled: bool) -> None:
+    """Outputs are found by running the model once on zeros: say now when it cannot be."""
+    if decoupled:
+        raise _fail(where, "outputs", "is required for a decoupled model (a trial run "
+                    "does not find the outputs of a stream)")
+    strings = [t.name for t in inputs if t.datatype == "BYTES"]
+    if strings:
+        raise _fail(where, "outputs", f"is required for a model with BYTES inputs "
+                    f"({', '.join(strings)}): a trial run has no strings to give it")
 
 
 def _transaction_policy(where: str, raw: Any, platform: str) -> bool:
@@ -319,6 +472,20 @@ def _transaction_policy(where: str, raw: Any, platform: str) -> bool:
                     f"needs platform 'python' (a handler whose predict yields responses), "
                     f"not {platform!r}")
     return decoupled
+
+
+def _response_cache(where: str, raw: Any, decoupled: bool) -> bool:
+    """``{"enable": bool}``. Refused on a decoupled model, as Triton refuses it: a
+    response sequence is not one answer to keep."""
+    if raw is None:
+        return False
+    if not isinstance(raw, dict) or set(raw) - {"enable"} or \
+            not isinstance(raw.get("enable", False), bool):
+        raise _fail(where, "response_cache", 'must be {"enable": true|false}')
+    enable: bool = raw.get("enable", False)
+    if enable and decoupled:
+        raise _fail(where, "response_cache", "a decoupled model's responses are not cached")
+    return enable
 
 
 def load_config(model_dir: Path) -> ModelConfig:

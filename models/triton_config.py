@@ -5,9 +5,9 @@ and the Triton-JSON fields of a load's config override, both turned into the
 No torch here: the broker reads configs.
 
 Every field of ``ModelConfig`` is either converted, ignored with a logged warning
-(where serving without it gives the same answers: tuning, caching, warm-up data,
-placement), or refused with a ConfigError naming it (where ignoring it would change
-what a request gets). docs/triton-compatibility.md has the table; :data:`IGNORED`
+(where serving without it gives the same answers: tuning, warm-up data, placement),
+or refused with a ConfigError naming it (where ignoring it would change what a
+request gets). docs/triton-compatibility.md has the table; :data:`IGNORED`
 and :data:`REFUSED` below are its source.
 """
 
@@ -21,6 +21,7 @@ from typing import Any, Callable
 from google.protobuf import json_format, text_format
 from google.protobuf.message import Message
 
+from zeroserve.models import formats
 from zeroserve.models.proto import model_config_pb2 as mc
 from zeroserve.models.repository import ConfigError, raw_config
 
@@ -33,7 +34,6 @@ IGNORED = {
     "optimization": "backend tuning only",
     "parameters": "backend-specific settings; zeroserve's TorchScript loader has none",
     "model_warmup": "zeroserve warms every version up with its own sample inputs",
-    "response_cache": "no response cache: every request is run",
     "metric_tags": "zeroserve's metrics carry their own labels",
     "model_metrics": "zeroserve's metrics carry their own labels",
     "cc_model_filenames": "one model file per version (model.pt)",
@@ -169,8 +169,13 @@ def _platform(msg: Any) -> dict[str, Any]:
 
 
 def _backend(msg: Any) -> dict[str, Any]:
-    if msg.backend in ("", "pytorch"):
-        return {"platform": "pytorch_libtorch"} if msg.backend else {}
+    if not msg.backend:
+        return {}
+    # the first format Triton reports under this backend names its platform
+    served = [f.triton_platform for f in formats.FORMATS
+              if f.triton_backend == msg.backend and f.triton_platform]
+    if served:
+        return {"platform": served[0]}
     if msg.backend == "python":
         raise TritonConfigError("backend", "Triton's Python backend (TritonPythonModel) is "
                                 "not zeroserve's handler API: give the model a config.json "
@@ -280,6 +285,10 @@ def _transaction_policy(msg: Any) -> dict[str, Any]:
     return {}
 
 
+def _response_cache(msg: Any) -> dict[str, Any]:
+    return {"response_cache": {"enable": bool(msg.response_cache.enable)}}
+
+
 _CONVERT: dict[str, Callable[[Any], dict[str, Any]]] = {
     "name": lambda m: {"name": m.name} if m.name else {},
     "platform": _platform,
@@ -291,4 +300,5 @@ _CONVERT: dict[str, Callable[[Any], dict[str, Any]]] = {
     "dynamic_batching": _dynamic_batching,
     "version_policy": _version_policy,
     "model_transaction_policy": _transaction_policy,
+    "response_cache": _response_cache,
 }

@@ -35,19 +35,30 @@ os.environ.setdefault("ZEROSERVE_SERVE_GRPC_PORT", "0")
 # The property tests check what decodes and what the scheduler does, not how fast: on a
 # host shared with other test runs one example can take past hypothesis's 200 ms default
 # and fail a test that is right (seen once at load 14, not reproducible by its seed).
-# pytest-timeout still bounds every test.
-settings.register_profile("zeroserve", deadline=None)
-settings.load_profile("zeroserve")
+# pytest-timeout still bounds every test. Between edits a property test tries a tenth of
+# its examples (the fast layer stays under a minute); CI (.ci/run sets
+# HYPOTHESIS_PROFILE=ci) tries them all.
+FULL_EXAMPLES = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
+settings.register_profile("ci", deadline=None)
+settings.register_profile("fast", deadline=None, max_examples=10)
+settings.load_profile("ci" if FULL_EXAMPLES else "fast")
+
+
+def examples(full: int) -> int:
+    """A property test's example count: ``full`` in CI, a tenth of it (10 at least)
+    between edits."""
+    return full if FULL_EXAMPLES else max(10, full // 10)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """``e2e``: the tests that start a process or a server, found in their code (see
-    tests/layers.py); ``pytest -m "not e2e"`` runs the fast, in-process layer."""
+    tests/layers.py), but for a short static tool (``tool``); ``pytest -m "not e2e and
+    not slow"`` runs the fast layer."""
     for item in items:
         if not isinstance(item, pytest.Function):
             continue
         names = [item.originalname] + ([item.cls.__name__] if item.cls is not None else [])
-        if starts_processes(Path(item.path), *names):
+        if starts_processes(Path(item.path), *names) and not item.get_closest_marker("tool"):
             item.add_marker(pytest.mark.e2e)
 
 

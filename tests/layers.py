@@ -18,6 +18,7 @@ STARTS = {"Popen", "Server"}                       # called by name
 SUBPROCESS = {"run", "Popen", "check_output", "check_call", "call"}   # subprocess.<x>
 
 
+@lru_cache(maxsize=None)   # one walk per function: every test that reaches it asks
 def _called(node: ast.AST) -> set[str]:
     """Names a piece of code calls, uses as fixtures (arguments of a function), or asks
     for by ``usefixtures``; ``subprocess.run`` and the like as ``subprocess.run``."""
@@ -64,12 +65,14 @@ def _module(path: Path) -> tuple[dict[str, ast.AST], dict[str, tuple[Path, str]]
     return defs, imported, foreign
 
 
+@lru_cache(maxsize=None)   # asked again for every test that reaches it
 def _conftests(path: Path) -> list[Path]:
     folders = [path.parent, *path.parent.parents]
     return [f / "conftest.py" for f in folders
             if f.is_relative_to(TESTS) and (f / "conftest.py").is_file()]
 
 
+@lru_cache(maxsize=None)   # asked again for every test that reaches it
 def _resolve(name: str, path: Path) -> tuple[Path, ast.AST] | None:
     """Where ``name``, seen in ``path``, is defined among the tests: the module itself,
     what it imports from tests, or (fixtures) a conftest.py above it."""

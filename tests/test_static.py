@@ -1,6 +1,7 @@
 """The static checks, run as the suite runs: mypy, strict on broker, gateway and models
 (mypy.ini), and ruff (ruff.toml), both pinned in the test extra. By hand, from the
 checkout: ``.venv/bin/python -m pytest tests/test_static.py`` (it prints what failed).
+ruff is part of the fast layer; mypy, a subprocess of a minute on a cold cache, is e2e.
 
 mypy needs the packages under their installed names (``zeroserve.broker`` is the
 top-level ``broker/``): it reads them through a folder holding a ``zeroserve`` link
@@ -47,6 +48,7 @@ def test_mypy_strict_on_broker_gateway_and_models() -> None:
     assert out.returncode == 0, (out.stdout + out.stderr).replace(str(_names_root()) + "/", "")
 
 
+@pytest.mark.tool   # under a second: in the fast layer, unlike mypy's minute on a cold cache
 def test_ruff_finds_nothing() -> None:
     out = _run("ruff", "check", "--output-format", "concise", ".")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -10,6 +10,8 @@ import torch
 
 from zeroserve.broker import protocol as p, tracing
 from zeroserve.models.loader import DATATYPE_OF, TORCH_DTYPES, LoadedModel
+from zeroserve.models.repository import PaddedInput
+from zeroserve.models.shapes import ShapeError, rule as shape_rule
 
 # numpy views used to copy raw bytes into torch tensors of the same item size;
 # bfloat16 has no numpy dtype, so it moves as int16 words.
@@ -75,15 +77,81 @@ def rows(loaded: LoadedModel, items: Sequence[p.BatchItem]) -> int:
                else 1 for item in items)
 
 
+def units(loaded: LoadedModel, items: Sequence[p.BatchItem]) -> float:
+    """What a batch costs in the broker's units (models/shapes.py): its rows, times the
+    longest row's scale for a model with free dimensions (a padded batch runs every row
+    at the longest length)."""
+    n = rows(loaded, items)
+    rule = shape_rule(loaded.config)
+    if rule.fixed:
+        return float(n)
+    try:
+        scale = max(rule.classify({t.meta.name: t.meta.shape for t in item.tensors})[1]
+                    for item in items)
+    except (ShapeError, ValueError):   # the batch's own run says what is wrong
+        return float(n)
+    return n * scale
+
+
+def lengths(loaded: LoadedModel, items: Sequence[p.BatchItem]) -> list[int] | None:
+    """Each request's own length along the padded dimension; None for a model that
+    declares no padding."""
+    if loaded.config.dynamic_batching.padding is None:
+        return None
+    rule = shape_rule(loaded.config)
+    out = []
+    for item in items:
+        try:
+            n = rule.length({t.meta.name: t.meta.shape for t in item.tensors})
+        except ShapeError as exc:
+            raise BatchError(str(exc)) from None
+        if n is None:
+            raise BatchError("a padded input is missing from a request")
+        out.append(n)
+    return out
+
+
+def _padded(spec_name: str, pad: PaddedInput, parts: Sequence[p.Tensor], target: int,
+            dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """The requests' rows one after the other, each padded with the pad value from its
+    own length to ``target`` along the padded dimension."""
+    first = tuple(parts[0].meta.shape[1:])
+    tail = list(first)
+    tail[pad.dim] = target
+    for t in parts:
+        if len(t.meta.shape) != len(first) + 1 or any(
+                d != e for i, (d, e) in enumerate(zip(t.meta.shape[1:], first)) if i != pad.dim):
+            raise BatchError(f"input {spec_name!r}: requests in one batch differ in shape "
+                             "beyond the padded dimension")
+    total = sum(t.meta.shape[0] for t in parts)
+    value = pad.value if dtype.is_floating_point else int(pad.value)
+    dst = torch.full((total, *tail), value, dtype=dtype, pin_memory=pin)
+    view = dst.view(_RAW_VIEW.get(dtype, dtype)).numpy()
+    pos = 0
+    for t in parts:
+        shape = t.meta.shape
+        src = np.frombuffer(t.data, dtype=view.dtype).reshape(shape)
+        view[(slice(pos, pos + shape[0]), *(slice(0, d) for d in shape[1:]))] = src
+        pos += shape[0]
+    return dst
+
+
 def assemble(loaded: LoadedModel, items: Sequence[p.BatchItem],
-             pin: bool = False) -> tuple[list[Any], list[int]]:
+             pin: bool = False, own: Sequence[int] | None = None
+             ) -> tuple[list[Any], list[int]]:
     """One tensor per declared input, the items concatenated along dim 0 in one copy
-    (none for a batch of one on the CPU)."""
+    (none for a batch of one on the CPU that needs no padding). ``own``: each item's
+    length along the padded dimension (:func:`lengths`), for a model that pads."""
     cfg = loaded.config
-    if len(items) == 1 and loaded.device == "cpu":
+    padding = cfg.dynamic_batching.padding
+    target = 0
+    if own is not None and padding is not None:
+        target = shape_rule(cfg).padded_length(max(own))
+    if len(items) == 1 and loaded.device == "cpu" and (own is None or target == own[0]):
         single = _single(loaded, items[0])
         if single is not None:
             return single
+    pads = {i.name: i for i in padding.inputs} if padding is not None and own else {}
     sizes = []
     for item in items:
         sizes.append(item.tensors[0].meta.shape[0] if cfg.max_batch_size > 0 else 1)
@@ -100,6 +168,12 @@ def assemble(loaded: LoadedModel, items: Sequence[p.BatchItem],
             if loaded.handler is None:
                 raise BatchError("BYTES inputs need a Python handler model")
             inputs.append(_bytes_input(parts, cfg.max_batch_size > 0))
+            continue
+        pad = pads.get(spec.name)
+        if pad is not None:
+            dst = _padded(spec.name, pad, parts, target, TORCH_DTYPES[spec.datatype], pin)
+            inputs.append(dst.to(loaded.device, non_blocking=True)
+                          if loaded.device != "cpu" else dst)
             continue
         first = parts[0].meta.shape
         tail = tuple(first[1:]) if cfg.max_batch_size > 0 else tuple(first)
@@ -131,7 +205,8 @@ def _bytes_output(arr: Any) -> np.ndarray:
 
 
 def handler_outputs(loaded: LoadedModel, out: Any) -> list[Any]:
-    """A handler's predict() returns {output name: tensor, or object array for BYTES}."""
+    """A handler's predict() returns {output name: tensor or numpy array, or object array
+    for BYTES}."""
     if not isinstance(out, dict):
         raise BatchError(f"predict() returned {type(out).__name__}, expected a dict of outputs")
     result: list[Any] = []
@@ -144,9 +219,24 @@ def handler_outputs(loaded: LoadedModel, out: Any) -> list[Any]:
         elif isinstance(value, torch.Tensor):
             result.append(value.detach().to("cpu").contiguous())
         else:
-            raise BatchError(f"output {spec.name!r}: expected a tensor, got "
-                             f"{type(value).__name__}")
+            result.append(_numpy_output(spec.name, spec.datatype, value))
     return result
+
+
+def _numpy_output(name: str, datatype: str, value: Any) -> torch.Tensor:
+    """A numpy result as the declared datatype, cast only within numpy's ``same_kind``
+    rule (int64 -> INT32 or FP32 yes, float -> INT64 no), as a silent truncation would
+    answer wrong numbers."""
+    # numpy has no bfloat16: check and cast through float32, then narrow in torch
+    np_target = p.DTYPES[datatype] or np.dtype(np.float32)
+    if not isinstance(value, np.ndarray) or not np.can_cast(value.dtype, np_target,
+                                                            casting="same_kind"):
+        got = type(value).__name__ + (f" of dtype {value.dtype}"
+                                      if isinstance(value, np.ndarray) else "")
+        raise BatchError(f"output {name!r}: expected {datatype} (a tensor, or a numpy array "
+                         f"that casts to {np_target} within its kind), got {got}")
+    return torch.from_numpy(np.ascontiguousarray(value, dtype=np_target)).to(
+        TORCH_DTYPES[datatype])
 
 
 def _call(loaded: LoadedModel, inputs: list[Any]) -> list[Any]:
@@ -201,17 +291,37 @@ def _rows(spec_name: str, t: torch.Tensor, sizes: Sequence[int]) -> list[p.Tenso
     return out
 
 
+def _cut(spec_name: str, t: torch.Tensor, dim: int, sizes: Sequence[int],
+         own: Sequence[int]) -> list[p.Tensor]:
+    """Each request's rows of a padded output, cut back to its own length along ``dim``
+    (the config's, batch dimension left out)."""
+    if dim + 1 >= t.dim():
+        raise BatchError(f"output {spec_name!r} has {t.dim()} dimensions: padding cuts dim "
+                         f"{dim} (after the batch dimension)")
+    out, pos = [], 0
+    for n, length in zip(sizes, own):
+        part = t[pos:pos + n].narrow(dim + 1, 0, min(length, t.shape[dim + 1])).contiguous()
+        out.append(encode_output(spec_name, part))
+        pos += n
+    return out
+
+
 def _replies(loaded: LoadedModel, batch: p.Batch, outputs: list[Any],
-             sizes: Sequence[int]) -> list[p.InferReply]:
+             sizes: Sequence[int], own: Sequence[int] | None = None) -> list[p.InferReply]:
     total = sum(sizes)
     cfg = loaded.config
+    padding = cfg.dynamic_batching.padding
+    cuts = {o.name: o.dim for o in padding.outputs} if padding is not None and own else {}
     per_output: list[list[p.Tensor]] = []
     for spec, t in zip(cfg.outputs, outputs):
         if cfg.max_batch_size > 0:
             if t.shape[0] != total:
                 raise BatchError(f"output {spec.name!r} has {t.shape[0]} rows for a batch "
                                  f"of {total}")
-            if isinstance(t, torch.Tensor):
+            if spec.name in cuts and isinstance(t, torch.Tensor):
+                assert own is not None
+                per_output.append(_cut(spec.name, t, cuts[spec.name], sizes, own))
+            elif isinstance(t, torch.Tensor):
                 per_output.append(_rows(spec.name, t, sizes))
             else:
                 per_output.append([encode_output(spec.name, part)
@@ -235,12 +345,14 @@ def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
     start = time.monotonic()
     marks = [start]
     try:
-        inputs, sizes = assemble(loaded, batch.items, pin=loaded.device.startswith("cuda"))
+        own = lengths(loaded, batch.items)
+        inputs, sizes = assemble(loaded, batch.items, pin=loaded.device.startswith("cuda"),
+                                 own=own)
         marks.append(time.monotonic())
         with torch.inference_mode():
             outputs = _call(loaded, inputs)
         marks.append(time.monotonic())
-        replies = _replies(loaded, batch, outputs, sizes)
+        replies = _replies(loaded, batch, outputs, sizes, own)
     except Exception as exc:  # the model's code can raise anything
         return p.BatchResult(batch.batch_id, [], (time.monotonic() - start) * 1000.0,
                              error=f"{type(exc).__name__}: {exc}")

@@ -25,7 +25,7 @@ def _inputs(model: loader.LoadedModel, batch: int) -> list[torch.Tensor]:
     """Random data of the declared shapes (zeros, as warm-up uses, can take fast paths)."""
     gen = torch.Generator().manual_seed(0)
     out = []
-    for t in loader.sample_inputs(model.config, batch, model.device):
+    for t in loader.sample_inputs(model.config, batch, model.device, model.min_sizes):
         if t.is_floating_point():
             out.append(torch.randn(t.shape, generator=gen, dtype=t.dtype).to(model.device))
         elif t.dtype == torch.bool:

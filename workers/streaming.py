@@ -36,7 +36,8 @@ import torch
 
 from zeroserve.broker import protocol as p
 from zeroserve.models.loader import LoadedModel
-from zeroserve.workers.batching import BatchError, assemble, encode_output, handler_outputs
+from zeroserve.workers.batching import BatchError, assemble, encode_output, handler_outputs, \
+    lengths
 
 
 def row_slices(loaded: LoadedModel, sizes: Sequence[int]) -> list[slice]:
@@ -103,7 +104,10 @@ def run_stream(loaded: LoadedModel, batch: p.Batch, emit: Callable[[p.Partial], 
     start = time.perf_counter()
     running = dict(enumerate(batch.items))
     try:
-        inputs, sizes = assemble(loaded, batch.items, pin=loaded.device.startswith("cuda"))
+        # a padded stream's inputs are padded like any batch's; its parts are the
+        # handler's own to shape
+        inputs, sizes = assemble(loaded, batch.items, pin=loaded.device.startswith("cuda"),
+                                 own=lengths(loaded, batch.items))
         named = {spec.name: t for spec, t in zip(loaded.config.inputs, inputs)}
         with torch.inference_mode():
             gen = loaded.fn(named, row_slices(loaded, sizes))

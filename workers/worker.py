@@ -17,16 +17,14 @@ Threads, so heartbeats flow while a batch runs:
     serving while a new one loads; its answers go through an inproc PUSH socket
     that the main thread forwards (loads are rare; their ordering before READY=1
     stays the main thread's).
-The socket is shared under a lock (a full memory barrier, which is what ZeroMQ asks of
-a socket used by more than one thread). Its descriptor is edge-triggered: a call on the
-socket can consume the edge another thread waits on, so after each send the sender wakes
-whichever thread reads if a message is waiting. torch releases the GIL inside its
-kernels, so the threads overlap.
+How the two threads share the broker's socket is workers/channel.py's to say and to
+keep. torch releases the GIL inside its kernels, so the threads overlap.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import logging
 import math
@@ -45,12 +43,13 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from zeroserve.broker import curve, protocol as p, sockets
+from zeroserve.broker import curve, protocol as p
 from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
-from zeroserve.workers import batching, memory, streaming
+from zeroserve.workers import batching, discovery, memory, streaming
+from zeroserve.workers.channel import BrokerChannel, drain
 from zeroserve.workers.memory import rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -66,19 +65,8 @@ DEFAULT_MEMORY_TOLERANCE_BYTES = 64 << 20
 RECYCLE_EXIT_CODE = 75
 
 
-def _pipe() -> tuple[socket.socket, socket.socket]:
-    """A wake-up: a thread polls the read end beside the broker's socket."""
-    r, w = socket.socketpair()
-    r.setblocking(False)
-    w.setblocking(False)
-    return r, w
-
-
-def _drain(r: socket.socket) -> None:
-    try:
-        r.recv(512)
-    except BlockingIOError:
-        pass
+def _is_batch(frames: list[Any]) -> bool:
+    return len(frames) >= 2 and bytes(frames[0]) == p.Kind.BATCH.value
 
 
 class Worker:
@@ -108,10 +96,8 @@ class Worker:
         self._inbox: collections.deque[list[Any]] = collections.deque()
         self._busy_since: float | None = None   # the compute thread's batch began then
         self._handed = False      # it runs a stream or a long batch: the main thread reads
-        self._last_run: dict[tuple[str, int], tuple[float, int]] = {}  # seconds, rows
-        self._main_reads = False  # the main thread polls the socket now
+        self._last_run: dict[tuple[str, int], tuple[float, float]] = {}  # seconds, units
         self._closing = False
-        self._sock_lock = threading.RLock()   # every call on self.sock holds it
         self._loads: queue.Queue[Any] = queue.Queue()
         # stream batches received and not finished -> their items the broker answered
         # already (STOP); the main thread adds, the compute thread reads and forgets
@@ -155,77 +141,35 @@ class Worker:
 
     # -- sockets ------------------------------------------------------------
     def _connect(self) -> None:
-        # one identity per process, not the worker id: a second process claiming the id
-        # must not take this one's connection over (ROUTER_HANDOVER would hand it over
-        # before the broker could refuse it); reconnects of this process keep it
-        self.sock = sockets.dealer(self.ctx, self.endpoint, hwm=0, keys=self.curve_keys,
-                                   identity=self._identity)
-        # its descriptor, not the socket: polling a socket is a call on it, and another
-        # thread may be using it meanwhile (edge-triggered: see _kick)
-        self._sock_fd = int(self.sock.getsockopt(zmq.FD))
+        self.channel.connect()
         self._send_ready()
 
     def _reconnect(self) -> None:
-        with self._sock_lock:
-            self._poll_socket(False)
-            self.sock.close(linger=0)
-            self._connect()
-        self._wake(self._cwake_w)   # it polls the old descriptor
+        self._poll_socket(False)
+        self.channel.reconnect()
+        self._send_ready()
 
     def _send(self, frames: list[Any]) -> None:
-        """From the main thread."""
-        with self._sock_lock:
-            try:  # unbounded queue: only a socket with no connection at all would block
-                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # a refused Curve key: ZeroMQ drops the pipe and stops retrying
-                self._bad_log.log(logging.WARNING, "no connection to the broker at %s (with "
-                                  "CurveZMQ: was our key refused? see the broker's log); "
-                                  "retrying", self.endpoint)
-            self._kick(self._cwake_w)
+        self.channel.send(frames)
+
+    def _unsent(self) -> None:
+        self._bad_log.log(logging.WARNING, "no connection to the broker at %s (with CurveZMQ: "
+                          "was our key refused? see the broker's log); retrying",
+                          self.endpoint)
 
     def _send_result(self, frames: list[Any]) -> None:
         """From the compute thread."""
-        try:
-            with self._sock_lock:
-                self.sock.send_multipart(frames, copy=False)
-                if self._main_reads:
-                    self._kick(self._wake_w)
-        except (zmq.ZMQError, OSError) as exc:  # the main thread closed it: we are exiting
-            logger.debug("result not sent: %s", exc)
-
-    def _kick(self, wake: socket.socket) -> None:
-        """Under the lock, after a call on the socket: the call processed its pending
-        commands and may have consumed the edge of its descriptor that another thread
-        polls; if a message is waiting, wake that thread so that it is not left unread."""
-        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._wake(wake)
-
-    @staticmethod
-    def _wake(wake: socket.socket) -> None:
-        try:
-            wake.send(b"\0")
-        except (BlockingIOError, OSError):
-            pass  # a wake-up is pending already, or we are exiting
-
-    def _readable(self) -> bool:
-        with self._sock_lock:
-            return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-
-    def _recv(self) -> list[Any] | None:
-        with self._sock_lock:
-            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return None
-            return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        if not self.channel.send_result(frames):
+            logger.debug("result not sent: the socket is closed (we are exiting)")
 
     def _poll_socket(self, on: bool) -> None:
         """Whether the main thread's poller waits on the socket (the compute thread's
         does whenever it is idle)."""
-        if on != self._main_reads:
+        if self.channel.set_main_reads(on):
             if on:
-                self.poller.register(self._sock_fd, zmq.POLLIN)
+                self.poller.register(self.channel.fd, zmq.POLLIN)
             else:
-                self.poller.unregister(self._sock_fd)
-            self._main_reads = on
+                self.poller.unregister(self.channel.fd)
 
     def _loaded(self) -> list[tuple[tuple[str, int], LoadedModel]]:
         with self._models_lock:
@@ -251,12 +195,12 @@ class Worker:
     def run(self) -> int:
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(f"inproc://results-{id(self)}")
-        self._wake_r, self._wake_w = _pipe()
-        self._cwake_r, self._cwake_w = _pipe()   # the compute thread's
+        self.channel = BrokerChannel(self.ctx, self.endpoint, self._identity, self.curve_keys,
+                                     self._unsent)
         self.poller = zmq.Poller()
         self.poller.register(self.results, zmq.POLLIN)
         # by descriptor: zmq.Poller answers a plain socket's events under its fileno
-        self.poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        self.poller.register(self.channel.main_wake.fileno(), zmq.POLLIN)
         self._connect()
         compute = threading.Thread(target=self._compute_loop, name="compute", daemon=True)
         for t in (compute, threading.Thread(target=self._loader_loop, name="loader",
@@ -275,28 +219,24 @@ class Worker:
             reads = self._handed or (busy is not None and now - busy >= TAKEOVER_S)
             self._poll_socket(reads)
             wake_s = next_beat if reads or busy is None else min(next_beat, busy + TAKEOVER_S)
-            wait_ms = 0 if self._inbox or (reads and self._readable()) else max(
+            wait_ms = 0 if self._inbox or (reads and self.channel.readable()) else max(
                 1, int((wake_s - time.monotonic()) * 1000))
             events = dict(self.poller.poll(wait_ms))
-            if self._wake_r.fileno() in events:
-                _drain(self._wake_r)
+            if self.channel.main_wake.fileno() in events:
+                drain(self.channel.main_wake)
             if self.results in events:
                 while self.results.poll(0):
                     self._send(self.results.recv_multipart(copy=False))
             self._handle_inbox()
-            while reads and self._exit is None and (frames := self._recv()) is not None:
+            while reads and self._exit is None and (frames := self.channel.recv()) is not None:
                 self._handle_inbox()   # what the compute thread read first comes first
                 self.on_message(frames)
         self._closing = True
-        self._wake(self._cwake_w)
+        self.channel.wake_compute()
         self._loads.put(_STOP)
         compute.join(1.0)   # not longer: it may be stuck inside the model
-        with self._sock_lock:
-            self.sock.close(linger=0)
+        self.channel.close(compute_stopped=not compute.is_alive())
         self.results.close(linger=0)
-        for end in (self._wake_r, self._wake_w) + (
-                () if compute.is_alive() else (self._cwake_r, self._cwake_w)):
-            end.close()
         return self._exit or 0
 
     def _tick(self, now: float) -> bool:
@@ -339,7 +279,7 @@ class Worker:
             if kind is p.Kind.BATCH:
                 self._jobs.append(self._job(header, bufs, self._last_heard))
                 if self._busy_since is None:   # it finished meanwhile and may be asleep
-                    self._wake(self._cwake_w)
+                    self.channel.wake_compute()
             elif kind is p.Kind.STOP:
                 stop = p.decode(p.Stop, header)
                 with self._stops_lock:
@@ -437,8 +377,9 @@ class Worker:
 
     # -- threads ------------------------------------------------------------
     def _compute_loop(self) -> None:
+        wake = self.channel.compute_wake
         poller = select.poll()
-        poller.register(self._cwake_r.fileno(), select.POLLIN)
+        poller.register(wake.fileno(), select.POLLIN)
         polled = -1
         while not self._closing:
             try:
@@ -449,27 +390,22 @@ class Worker:
             if job is not None:
                 self._run(job)
                 continue
-            if polled != self._sock_fd:   # a reconnect made a new socket
+            if polled != self.channel.fd:   # a reconnect made a new socket
                 if polled >= 0:
                     poller.unregister(polled)
-                polled = self._sock_fd
+                polled = self.channel.fd
                 poller.register(polled, select.POLLIN)
             # bounded: a missed edge costs at most a second, never a hang
-            if any(fd == self._cwake_r.fileno() for fd, _ in poller.poll(1000)):
-                _drain(self._cwake_r)
+            if any(fd == wake.fileno() for fd, _ in poller.poll(1000)):
+                drain(wake)
 
     def _read_batch(self) -> Job | None:
         """A batch from the socket if one is waiting; any other message goes to the main
         thread (in order, and while the lock is held, so before anything it reads)."""
-        while True:
-            with self._sock_lock:
-                if self._closing or not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    return None
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                if bytes(frames[0]) != p.Kind.BATCH.value or len(frames) < 2:
-                    self._inbox.append(frames)
-                    self._wake(self._wake_w)
-                    continue
+        while not self._closing:
+            frames = self.channel.recv_batch(_is_batch, self._inbox.append)
+            if frames is None:
+                return None
             self._last_heard = received_s = time.monotonic()
             try:
                 kind, header, bufs = p.unpack(frames)
@@ -492,20 +428,20 @@ class Worker:
                 f"model {batch.model}/{batch.version} is not loaded on "
                 f"worker {self.worker_id}"))
         else:
-            rows = batching.rows(loaded, batch.items)
-            if loaded.config.decoupled or self._long(batch, rows):
+            units = batching.units(loaded, batch.items)
+            if loaded.config.decoupled or self._long(batch, units):
                 # the main thread reads meanwhile: at once, so that what the broker sends
                 # behind it (a stream's STOPs, the next batches with their deadlines)
                 # is read when it comes
                 self._handed = True
-                self._wake(self._wake_w)
+                self.channel.wake_main()
             if loaded.config.decoupled:
                 result = streaming.run_stream(
                     loaded, batch, lambda part: self._send_result(p.encode_partial(part)),
                     lambda: self._stopped(batch.batch_id))
             else:
                 result = batching.run(loaded, batch)
-                self._last_run[(batch.model, batch.version)] = (result.compute_ms / 1e3, rows)
+                self._last_run[(batch.model, batch.version)] = (result.compute_ms / 1e3, units)
             self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
         if self._stops:
             with self._stops_lock:
@@ -526,15 +462,16 @@ class Worker:
             self._bad_log.log(logging.WARNING, "batch %d's spans not emitted: %s",
                               batch.batch_id, exc)
 
-    def _long(self, batch: p.Batch, rows: int) -> bool:
+    def _long(self, batch: p.Batch, units: float) -> bool:
         """Whether a batch may run past TAKEOVER_S: its version has not run here yet, or
-        its last batch, scaled to this one's rows, took more than half of it. One that
-        runs long all the same is found by the main thread within a heartbeat."""
+        its last batch, scaled to this one's units (rows x length), took more than half
+        of it. One that runs long all the same is found by the main thread within a
+        heartbeat."""
         last = self._last_run.get((batch.model, batch.version))
         if last is None:
             return True
-        seconds, last_rows = last
-        return seconds * rows / max(1, last_rows) > TAKEOVER_S / 2
+        seconds, last_units = last
+        return seconds * units / max(1.0, last_units) > TAKEOVER_S / 2
 
     def _stopped(self, batch_id: int) -> frozenset[str]:
         with self._stops_lock:
@@ -555,11 +492,15 @@ class Worker:
 
     def load_version(self, msg: p.LoadModel) -> p.ModelLoaded:
         name, version = msg.model, msg.version
+        settle = None
+        if msg.discover:
+            guessed = [str(n) for n in msg.discover.get("datatypes", [])]
+            settle = functools.partial(discovery.complete, guessed=guessed)
         try:
-            cfg = parse_config(msg.config, f"config of {name}")
+            cfg = parse_config(msg.config, f"config of {name}", discover=bool(msg.discover))
             loaded = load(cfg, version, Path(msg.path), self.device,
                           memory.settled(self._memory_probe, self.device),
-                          memory.PeakProbe(self.device))
+                          memory.PeakProbe(self.device), settle)
         except (LoadError, ValueError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)
             return p.ModelLoaded(name, version, False, error=str(exc))
@@ -576,7 +517,8 @@ class Worker:
                     loaded.sha256[:12], loaded.memory_bytes / 1e6, loaded.load_s)
         return p.ModelLoaded(name, version, True, sha256=loaded.sha256,
                              memory_bytes=loaded.memory_bytes, load_s=loaded.load_s,
-                             memory=loaded.plan)
+                             memory=loaded.plan,
+                             config=loaded.config.to_json() if msg.discover else {})
 
     def unload_version(self, name: str, version: int) -> None:
         self._last_run.pop((name, version), None)

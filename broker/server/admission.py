@@ -1,15 +1,156 @@
-"""What a request must satisfy before it may queue: pure functions of the request,
-the catalog entry and the pool, so they are tested without sockets."""
+"""Admission: what a request must satisfy before it may queue, in one place. The checks
+run in this order: the tenant known, the broker admitting, the model and version known and
+held, the inputs valid against the config (Triton's order and words) and their shape
+class, the tenant's quota and rate, and the deadline against the work queued ahead (a
+request that cannot finish in time is refused now, not after waiting). What passes becomes
+the scheduler's entry; what does not, a :class:`~zeroserve.broker.server.tenancy.Refusal`
+to answer at once."""
 
 from __future__ import annotations
 
 import math
+import random
+from typing import Callable, Hashable, NamedTuple, Sequence
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
-from zeroserve.broker.server.catalog import CatalogModel
-from zeroserve.broker.server.pool import WorkerPool
+from zeroserve.broker.server.cachepath import CachedAnswers, Hit
+from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError, check_inputs, \
+    normalize_priority
+from zeroserve.broker.server.dispatchgate import DispatchGate
+from zeroserve.broker.server.latency import LatencyBook
+from zeroserve.broker.server.pool import WorkerPool, WorkerState
+from zeroserve.broker.server.scheduler import Entry, Scheduler
+from zeroserve.broker.server.stopping import StopState
+from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
 from zeroserve.models.repository import ModelConfig
+from zeroserve.models.shapes import ShapeError, rule as shape_rule
+
+
+class Payload:
+    """What a queued entry carries of its request, until it is answered."""
+
+    __slots__ = ("client", "request_id", "request", "pinned", "attempts", "notes", "bundled",
+                 "digest")
+
+    def __init__(self, client: bytes, request: p.InferRequest, pinned: bool) -> None:
+        self.client = client
+        self.request_id = request.request_id
+        self.request: p.InferRequest | None = request
+        self.pinned = pinned
+        self.attempts = 0
+        self.notes: dict[str, float] = {}   # the tenant's clamps, for the reply's stats
+        self.bundled = False   # came in a REQUESTS: the client takes its reply in REPLIES
+        self.digest: bytes | None = None   # a response cache miss: its answer is kept
+
+    def release(self) -> None:
+        """Answered: let go of the tensor frames. The entry itself may linger in the
+        scheduler's lazily cleaned heaps; its frames must not."""
+        self.request = None
+
+
+SoonestFree = Callable[[list[WorkerState], float], float]
+
+
+class Cached(NamedTuple):
+    """Admitted and answered from the response cache: never queued."""
+
+    grant: Grant
+    hit: Hit
+
+
+class Admission:
+    """Turns a decoded request into a queue entry or a refusal. ``soonest_free`` says
+    when the first of some workers is predicted to be done with what it holds."""
+
+    def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
+                 latency: LatencyBook, tenancy: Tenancy, stop: StopState, gate: DispatchGate,
+                 soonest_free: SoonestFree, rng: random.Random,
+                 answers: CachedAnswers) -> None:
+        self.catalog = catalog
+        self.scheduler = scheduler
+        self.pool = pool
+        self.latency = latency
+        self.tenancy = tenancy
+        self.stop = stop
+        self.gate = gate
+        self._soonest_free = soonest_free
+        self._rng = rng
+        self.answers = answers
+
+    def admit(self, client: bytes, req: p.InferRequest, now: float
+              ) -> Entry | Refusal | Cached:
+        key = (client, req.request_id)
+        who = self.tenancy.identify(req)
+        if isinstance(who, Refusal):
+            return who
+        model = self.catalog.get(req.model)
+        err = admission_error(req, model, self.pool, self.stop.admits(client))
+        if err is not None:
+            return Refusal(err[0], err[1], "")
+        assert model is not None
+        try:
+            samples = check_inputs(model.config, [t.meta for t in req.tensors], req.outputs)
+            shape, scale = shape_class(model.config, req.tensors)
+        except (RequestError, ShapeError) as exc:
+            return Refusal(p.ErrorCode.BAD_INPUT, str(exc), "")
+        grant = self.tenancy.admit(who, key, req, samples, now)
+        if isinstance(grant, Refusal):
+            return grant
+        digest = None
+        if model.config.response_cache and self.answers.on:   # after the tenant's gate
+            found = self.answers.lookup(grant.request, model)
+            if isinstance(found, Hit):
+                return Cached(grant, found)
+            digest = found
+        entry = self._entry(client, grant, model, samples, now, shape, scale)
+        if isinstance(entry, Refusal):
+            self.tenancy.release(key)
+            self.tenancy.rejected(grant.tenant, p.ErrorCode.DEADLINE)
+            return entry
+        entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
+        entry.payload.notes = grant.notes
+        entry.payload.digest = digest
+        return entry
+
+    def _entry(self, client: bytes, grant: Grant, model: CatalogModel, samples: int,
+               now: float, shape: Hashable, scale: float) -> Entry | Refusal:
+        """The queue entry, or a refusal when the deadline cannot be met."""
+        req, cfg = grant.request, model.config
+        priority = normalize_priority(req.priority, cfg)
+        timeout_ms, deadline = deadline_of(req, cfg, now)
+        if deadline < math.inf:   # without a deadline there is nothing to refuse it for
+            predict = self.latency.predictor(req.model)
+            holders = self.pool.holders(req.model)
+            wait_s = self.scheduler.estimate_wait(req.model, priority, predict, len(holders),
+                                                  grant.tenant, grant.weight, samples)
+            wait_s += self._soonest_free(holders, now) - now
+            if now + wait_s + predict(samples * scale) > deadline:
+                return Refusal(p.ErrorCode.DEADLINE,
+                               f"deadline of {timeout_ms:g} ms cannot be met: the queue ahead "
+                               f"needs about {wait_s * 1000:.1f} ms", grant.tenant)
+        self.gate.note(req.model, priority, now)
+        version = req.version
+        if version is None and cfg.traffic:
+            version = model.route(self._rng)
+        return Entry(key=(client, req.request_id), model=req.model, priority=priority,
+                     arrival_s=now, deadline_s=deadline, samples=samples, version=version,
+                     payload=Payload(client, req, req.version is not None), shape=shape,
+                     scale=scale)
+
+
+def shape_class(cfg: ModelConfig, tensors: Sequence[p.Tensor]) -> tuple[Hashable, float]:
+    """A request's shape key and scale (models/shapes.py); one test for a model of fixed
+    shapes, the common case."""
+    rule = shape_rule(cfg)
+    if rule.fixed:
+        return None, 1.0
+    return rule.classify({t.meta.name: t.meta.shape for t in tensors})
+
+
+def warmup_scale(model: CatalogModel | None) -> float:
+    """The units a row of a model's warm-up inputs counts for."""
+    return shape_rule(model.config).warmup_scale() if model is not None else 1.0
 
 
 def admission_error(req: p.InferRequest, model: CatalogModel | None, pool: WorkerPool,

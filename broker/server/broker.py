@@ -18,12 +18,13 @@ import zmq
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.process import Notifier, trim_memory
+from zeroserve.broker.server.cache import DEFAULT_BOUND_BYTES, ResponseCache
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
 from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.lifecycle import Lifecycle, LifecycleOptions
-from zeroserve.broker.server.metrics import BrokerMetrics, ModelStates
+from zeroserve.broker.server.metrics import BrokerMetrics, CacheSize, ModelStates
 from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.readverbs import ReadVerbs
@@ -35,13 +36,11 @@ from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.scope import TenantScope
 from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.tenancy import Tenancy
+from zeroserve.broker.server.types import Clock, Send
 from zeroserve.broker.tracesettings import TraceState
 from zeroserve.models.repository import RepoModel
 
 logger = logging.getLogger(__name__)
-
-Send = Callable[[bytes, list[Any]], bool]
-Clock = Callable[[], float]
 
 
 class Broker:
@@ -51,7 +50,8 @@ class Broker:
                  clock: Clock = time.monotonic, ctx: zmq.Context[Any] | None = None,
                  lifecycle: LifecycleOptions | None = None, admin_token: str = "",
                  tenants_path: Path | None = None, max_message_bytes: int = 256 << 20,
-                 trace: TraceState | None = None) -> None:
+                 trace: TraceState | None = None,
+                 response_cache_bytes: int = DEFAULT_BOUND_BYTES) -> None:
         self.clock = clock
         # what a message may hold, per socket: clients' requests are small headers and
         # tensors; control calls carry configs; workers' heartbeats carry metrics text
@@ -70,9 +70,11 @@ class Broker:
                                expiry_s=worker_expiry_s)
         self.tenancy = Tenancy(tenants_path, self.metrics.registry, clock)  # TenantsError
         self.stop = StopState()
+        cache = ResponseCache(response_cache_bytes)
+        self.metrics.registry.register(CacheSize(cache.describe))
         self.requests = RequestPath(self.catalog, self.scheduler, self.pool,
                                     LatencyBook(enabled=latency_model), self.metrics, to_client,
-                                    random.Random(), self.tenancy, self.stop, clock)
+                                    random.Random(), self.tenancy, self.stop, clock, cache)
         self.lifecycle = self._compose(clock, ctx or zmq.Context.instance(),
                                        lifecycle or LifecycleOptions())
         self.control = ControlTable(admin_token, TenantScope(self.tenancy, admin_token))
@@ -166,7 +168,7 @@ class Broker:
         self.stop.halt()
         kept = [w for w in self.pool.workers.values() if w.exiting and not w.recycle]
         for worker in kept:  # signalled with us: they run our queue until it is done
-            worker.draining = False
+            self.pool.keep(worker)
         logger.info("%s: %d request(s) to finish, %d leaving worker(s) kept until then",
                     "stopping" if self.stop.exiting else "draining all",
                     self.requests.open_count(), len(kept))
@@ -180,8 +182,7 @@ class Broker:
         if self.stop.exiting:
             raise LookupError("the broker is stopping and cannot be undrained")
         self.stop.resume()
-        for worker in self.pool.workers.values():
-            worker.draining = worker.draining or worker.exiting  # leavers leave again
+        self.pool.drain_leavers()
         logger.info("undrained: admitting requests again")
         return {"draining": False, "open_requests": self.requests.open_count()}
 
@@ -286,14 +287,13 @@ class Broker:
             # a worker we do not know (we restarted, or removed it): it registers again
             self.pool.disconnect(identity, p.DisconnectReason.UNKNOWN_WORKER)
             return
-        worker.last_seen_s = now
+        self.pool.heard(worker, now)
         if kind is p.Kind.RESULT:
             self.requests.on_result(worker, header, bufs, now)
         elif kind is p.Kind.PARTIAL:
-            self.requests.on_partial(worker, header, bufs, now)
+            self.requests.streaming.on_partial(worker, header, bufs, now)
         elif kind is p.Kind.HEARTBEAT:
-            beat = p.decode(p.WorkerHeartbeat, header)
-            worker.metrics_text, worker.memory = beat.metrics, beat.memory
+            self.pool.beat(worker, p.decode(p.WorkerHeartbeat, header))
         elif kind is p.Kind.LOADED:
             loaded = p.decode(p.ModelLoaded, header)
             self.lifecycle.on_loaded(worker, loaded)
@@ -343,7 +343,7 @@ class Broker:
         self.pool.leave(worker, recycle=recycle)
         if self.stopping and not recycle:
             # the whole server stops: keep it until what we accepted is answered
-            worker.draining = False
+            self.pool.keep(worker)
             logger.info("worker %s kept until the broker's queue is done", worker.worker_id)
         elif not recycle:
             self._left_s[worker.identity] = self.clock()
@@ -470,6 +470,9 @@ class Broker:
         ReadVerbs(self.catalog, self.pool, self.scheduler, self.metrics, self.clock,
                   describe_model=self.lifecycle.describe, status=self._status).add_verbs(c)
         c.add("census", lambda _: self.requests.census())
+        # apart from the census, which is 0 once every request is answered: the cache
+        # holds answers for good, within its bound
+        c.add("response_cache", lambda _: self.requests.answers.cache.describe())
         c.add("drain", lambda a: self.pool.set_draining(worker_arg(a), True)
               .describe(self.clock()), mutates=True)
         c.add("undrain", lambda a: self.pool.set_draining(worker_arg(a), False)

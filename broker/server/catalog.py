@@ -1,10 +1,10 @@
 """The broker's model catalog: what the repository offers, the per-model lifecycle
-state (committed sha256s, failures, versions retiring), and how to check a request
+state (committed sha256s, failures, versions routable), and how to check a request
 against a model's declared inputs. Reads config.json only; never imports torch.
 
 :class:`Catalog` is the one owner of that state: every other object reads it and asks
-the catalog's verbs (``commit``, ``fail``, ``remove``, ``mark_ready``, ``routable``,
-``retire``...) to change it.
+the catalog's verbs (``commit``, ``fail``, ``remove``, ``mark_ready``, ``routable``...)
+to change it. What each worker holds, loads and retires is the worker pool's (pool.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from zeroserve.broker.server.pool import WorkerState
 from zeroserve.broker.server.scheduler import Policy
 from zeroserve.models.repository import ConfigError, ModelConfig, RepoModel, TensorSpec, \
     load_config, load_labels, scan
-
-Retiring = tuple[bytes, str, int]   # (worker identity, model, version)
 
 
 class RequestError(ValueError):
@@ -189,7 +187,6 @@ class Catalog:
         self.shas: dict[str, dict[int, str]] = {}         # committed sha256 per version
         self.failures: dict[str, dict[str, Any]] = {}     # the last failed swap or load
         self.failed: set[tuple[str, int, str]] = set()    # content that failed: not again
-        self.retiring: list[Retiring] = []   # out of routing, unloaded when idle
 
     def rescan(self) -> tuple[set[str], set[str], set[str]]:
         """Re-read the repository; returns (added, changed, removed) model names."""
@@ -296,32 +293,6 @@ class Catalog:
                 self.models.values() if name is None else []:
             model.ready = {v for v in model.ready
                            if any(w.holds(model.config.name, v) for w in holders)}
-
-    def retire(self, worker: WorkerState, name: str, version: int) -> None:
-        """No new batches to ``name/version`` on ``worker``; unloaded once idle."""
-        worker.discard_loaded(name, version)
-        self.retiring.append((worker.identity, name, version))
-
-    def evict(self, worker: WorkerState, name: str, version: int,
-              workers: Iterable[WorkerState]) -> None:
-        """Memory, or a replica scaled down: ``name/version`` leaves ``worker`` once idle,
-        routable from now on only where the other ``workers`` hold it."""
-        self.retire(worker, name, version)
-        self.routable(workers, name)
-
-    def unretire(self, key: Retiring) -> bool:
-        """Loaded again before it went: whether it was retiring (unload it first)."""
-        if key not in self.retiring:
-            return False
-        self.retiring.remove(key)
-        return True
-
-    def take_idle(self, busy: Iterable[Retiring]) -> list[Retiring]:
-        """The retiring versions with nothing in flight, no longer retiring."""
-        held = set(busy)
-        idle = [k for k in self.retiring if k not in held]
-        self.retiring = [k for k in self.retiring if k in held]
-        return idle
 
     def status(self, name: str) -> dict[str, Any]:
         """The lifecycle's part of ``zeroserve models`` for one model."""

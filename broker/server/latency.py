@@ -1,4 +1,8 @@
-"""Online latency model: latency(b) = a + c*b, least squares over a sliding window."""
+"""Online latency model: latency(u) = a + c*u, least squares over a sliding window.
+
+``u`` is a batch's units: its rows times their scale (models/shapes.py), which for a model
+of fixed shapes is its rows, and for a variable-length one grows with the padded length,
+so one fit prices a 16-token batch and a 512-token batch apart."""
 
 from __future__ import annotations
 
@@ -10,20 +14,20 @@ MAX_S = 24 * 3600.0   # no batch takes a day
 
 
 class LatencyModel:
-    """Predicts a batch's run time from its size, fitted on recent measured batches.
+    """Predicts a batch's run time from its units, fitted on recent measured batches.
 
     Until it has seen two distinct batch sizes it scales the mean per-sample time of
     what it has seen; with no data it predicts 0 (admit, then learn).
     """
 
     def __init__(self, window: int = 64) -> None:
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         # running sums over the window, so a fit costs O(1) per batch
         self._n = 0
         self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._fit: tuple[float, float] | None = None
 
-    def observe(self, batch_size: int, seconds: float) -> None:
+    def observe(self, batch_size: float, seconds: float) -> None:
         # what cannot be a batch's time is ignored: one NaN in the running sums once
         # stopped admission from ever refusing on a deadline again
         if not (batch_size > 0 and math.isfinite(seconds) and 0.0 <= seconds <= MAX_S):
@@ -34,7 +38,7 @@ class LatencyModel:
         self._add(batch_size, seconds, sign=1)
         self._fit = None
 
-    def _add(self, b: int, t: float, sign: int) -> None:
+    def _add(self, b: float, t: float, sign: int) -> None:
         self._n += sign
         self._sx += sign * b
         self._sy += sign * t
@@ -57,7 +61,7 @@ class LatencyModel:
             intercept = sy / n
         return intercept, slope
 
-    def predict(self, batch_size: int) -> float:
+    def predict(self, batch_size: float) -> float:
         if not self._samples:
             return 0.0
         if self._fit is None:
@@ -70,7 +74,7 @@ class LatencyModel:
         return bool(self._samples)
 
 
-def _zero(_: int) -> float:
+def _zero(_: float) -> float:
     return 0.0
 
 
@@ -101,11 +105,11 @@ class LatencyBook:
             lm = self._models[(model, worker)] = LatencyModel(self.window)
         return lm
 
-    def observe(self, model: str, worker: str, batch_size: int, seconds: float) -> None:
+    def observe(self, model: str, worker: str, batch_size: float, seconds: float) -> None:
         self._get(model, worker).observe(batch_size, seconds)
         self._get(model, "").observe(batch_size, seconds)
 
-    def predictor(self, model: str, worker: str = "") -> Callable[[int], float]:
+    def predictor(self, model: str, worker: str = "") -> Callable[[float], float]:
         if not self.enabled:
             return _zero
         lm = self._models.get((model, worker))

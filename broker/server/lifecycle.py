@@ -29,6 +29,7 @@ from zeroserve.broker.server.registration import Registrar
 from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.swap import Placed, Swap, Swaps, placed_on
+from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import ConfigError, RepoModel, load_config, scan, \
     version_sha256
 from zeroserve.models.watcher import ALL, RepoWatcher
@@ -147,12 +148,10 @@ class Lifecycle:
                 self.rescan(dirty)
         if self.swaps:
             self.swaps.check(now)
-        if self.catalog.retiring:
-            for identity, name, version in self.catalog.take_idle(self.pool.busy()):
-                holder = self.pool.get(identity)
-                if holder is not None:
-                    self.placement.forget((identity, name, version))
-                    self.pool.unload(holder, name, version)
+        if self.pool.retiring:
+            for holder, key in self.pool.take_idle():
+                self.placement.forget((holder.identity, *key))
+                self.pool.unload(holder, *key)
         if self.registrar.jobs:
             self.registrar.tick()
             self.registrar.check_workers()
@@ -189,7 +188,7 @@ class Lifecycle:
         versions = [version] if version is not None else list(model.versions)
         workers = self.reload(name, versions)
         return {"model": name, "versions": versions,
-                "loads": [f"{w}:{name}/{v}" for w in workers for v in versions]}
+                "loads": [f"{w}:{ModelVersion(name, v)}" for w in workers for v in versions]}
 
     def reload_repository(self) -> None:
         """SIGHUP: rescan everything (hashed off the loop, swapped in two phases) and
@@ -217,9 +216,7 @@ class Lifecycle:
                   if not w.draining and self.placed(rm.config, w)]
         for w in placed:
             for v in versions:
-                # seen as loading from now on, so a waiting operator sees the outcome
-                w.loading.add((name, v))
-                w.load_errors.pop(f"{name}/{v}", None)
+                self.pool.begin_load(w, ModelVersion(name, v))
         if name in self.swaps:
             self.deferred.add(name)
         else:
@@ -259,7 +256,8 @@ class Lifecycle:
         if result["errors"]:
             logger.info("model %s changed while hashing; waiting for the next event", name)
             for w in self.pool.workers.values():
-                w.loading -= {(name, v) for v in forced}
+                for v in forced:
+                    self.pool.end_load(w, ModelVersion(name, v))
             return
         shas = {int(v): str(s) for v, s in result["shas"].items()}
         cur = self.catalog.get(name)
@@ -282,6 +280,7 @@ class Lifecycle:
         model = self.catalog.models[name]
         self.scheduler.set_policy(name, model.policy())
         self.requests.reroute(name, gone)
+        self.requests.answers.retain(name)   # a retired version's answers hold no memory
         for w in list(self.pool.workers.values()):
             if w.identity not in swap.excluded and w.identity not in swap.workers:
                 self.sync_worker(w)   # joined meanwhile: loads what is now committed
@@ -301,18 +300,16 @@ class Lifecycle:
         msg = self.placement.check(worker, msg)  # may turn it into a refused load
         if self.registrar.on_loaded(worker, msg) or self.swaps.on_loaded(worker, msg):
             return
-        key = (msg.model, msg.version)
-        worker.loading.discard(key)
+        key = ModelVersion(msg.model, msg.version)
         if msg.ok:
-            worker.add_loaded(*key)
-            worker.load_errors.pop(f"{msg.model}/{msg.version}", None)
+            self.pool.loaded(worker, key)
             self.metrics.model_loaded(msg.model, True, msg.load_s)
             if not self.catalog.mark_ready(*key):
                 self.pool.unload(worker, *key)
             logger.info("worker %s loaded %s/%d in %.2fs", worker.worker_id, msg.model,
                         msg.version, msg.load_s)
         else:
-            worker.load_errors[f"{msg.model}/{msg.version}"] = msg.error
+            self.pool.failed(worker, key, msg.error)
             self.metrics.model_loaded(msg.model, False, 0.0)
             logger.error("worker %s failed to load %s/%d: %s", worker.worker_id, msg.model,
                          msg.version, msg.error)
@@ -341,10 +338,11 @@ class Lifecycle:
         if not self.catalog.remove(name):
             return
         self.swaps.cancel(name)
+        self.requests.answers.retain(name)
         self.requests.fail_queued(name, p.ErrorCode.NOT_FOUND, f"model {name!r} was removed")
         for w in self.pool.workers.values():
             for v in w.versions_of(name):
-                self.catalog.retire(w, name, v)
+                self.pool.retire(w, ModelVersion(name, v))
         logger.info("model %s removed: %s", name, why)
 
     # -- status -------------------------------------------------------------

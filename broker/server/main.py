@@ -57,6 +57,7 @@ def build(endpoints: Endpoints, model_dir: Path, args: Any, ctx: zmq.Context[Any
                     to_controller=loop.to_controller, heartbeat_s=args.heartbeat_s,
                     worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s,
                     max_message_bytes=args.max_message_bytes,
+                    response_cache_bytes=args.response_cache_bytes,
                     latency_model=args.latency_model == "on", ctx=ctx,
                     admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", ""),
                     tenants_path=Path(args.tenants) if args.tenants else None,
@@ -90,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if (why := check_timing(args.heartbeat_s, args.worker_expiry_s)) is not None:
         logger.error("%s", why)
+        return 2
+    if args.response_cache_bytes < 0:
+        logger.error("--response-cache-bytes must be >= 0 (0: no cache), got %d",
+                     args.response_cache_bytes)
         return 2
     try:
         parse_config(args.trace_config or ())

@@ -138,6 +138,10 @@ class BrokerMetrics:
                                         ["model"], r, BATCH_BUCKETS)
         self.batches = LoopCounter("batches", "Batches sent, by why they were sent",
                                    ["model", "reason"], r)
+        self.cache_hits = LoopCounter("cache_hits", "Requests answered from the response "
+                                      "cache, without a worker", ["model"], r)
+        self.cache_misses = LoopCounter("cache_misses", "Requests of a model with the "
+                                        "response cache that it could not answer", ["model"], r)
         self.rejected_total = Counter("requests_rejected", "Requests dropped or refused",
                                       ["model", "reason"], namespace=ns, registry=r)
         self.deadline = Counter("deadline_exceeded", "Requests failed for their deadline",
@@ -288,3 +292,23 @@ class ModelStates:
             slo.add_metric([name], float(model.config.autoscaling.get("queue_slo_ms", 100.0))
                            / 1000.0)
         yield from (ready, slo)
+
+
+class CacheSize:
+    """The response cache's bytes and entries, read at each scrape (``sizes``: what
+    ``ResponseCache.describe`` answers)."""
+
+    def __init__(self, sizes: Callable[[], Mapping[str, int]]) -> None:
+        self.sizes = sizes   # not ``describe``: prometheus_client calls that for names
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.sizes()
+        for name, key, text in (
+                ("zeroserve_cache_bytes", "bytes", "Bytes the response cache holds "
+                 "(tensor bytes and a fixed overhead per entry), never above its bound"),
+                ("zeroserve_cache_bound_bytes", "bound_bytes", "The response cache's bound "
+                 "(--response-cache-bytes; 0: off)"),
+                ("zeroserve_cache_entries", "entries", "Answers the response cache holds")):
+            family = GaugeMetricFamily(name, text)
+            family.add_metric([], float(now[key]))
+            yield family

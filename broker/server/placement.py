@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -35,6 +35,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
+from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.footprint import Learned, Prediction, WeightsCache, predict, size_text
 from zeroserve.models.repository import ConfigError, ModelConfig, parse_config
 
@@ -48,7 +49,7 @@ def _kind(worker: WorkerState) -> str:
     return "cuda" if str(worker.info.get("device", "")).startswith("cuda") else "cpu"
 
 
-def _int(doc: dict[str, Any], key: str) -> int:
+def _int(doc: Mapping[str, Any], key: str) -> int:
     value = doc.get(key, 0)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
@@ -98,10 +99,11 @@ class Placement:
         key = (worker.identity, name, version)
         if key in self.footprints:
             return self.footprints[key]
-        plan = (worker.memory.get("plans") or {}).get(f"{name}/{version}")
+        reported = str(ModelVersion(name, version))   # the worker's reports key by it
+        plan = (worker.memory.get("plans") or {}).get(reported)
         if isinstance(plan, dict):
             return _int(plan, "footprint_bytes")
-        return _int(worker.memory.get("models") or {}, f"{name}/{version}")
+        return _int(worker.memory.get("models") or {}, reported)
 
     def used(self, worker: WorkerState, skip: tuple[str, int] | None = None) -> int:
         """The context plus the footprints of what is loaded or loading (but ``skip``)."""
@@ -116,7 +118,7 @@ class Placement:
         if _kind(worker) == "cuda" and isinstance(report.get("gpu_free_bytes"), int):
             seen = report.get("models") or {}
             unseen = sum(self.footprint(worker, m, v) for m, v in self._held(worker, skip)
-                         if f"{m}/{v}" not in seen)
+                         if str(ModelVersion(m, v)) not in seen)
             return int(report["gpu_free_bytes"]) - unseen - self.headroom(worker)
         budget = self.budget(worker)
         if not budget:
@@ -168,7 +170,7 @@ class Placement:
         if free is None or need <= free:
             return None
         why = (f"{self._where(worker)} has {size_text(max(0, free))} free after "
-               f"{size_text(self.headroom(worker))} headroom; {name}/{version} needs "
+               f"{size_text(self.headroom(worker))} headroom; {ModelVersion(name, version)} needs "
                f"{size_text(need)} ({how})")
         budget = self.budget(worker)
         room = budget - self.headroom(worker) - self.context(worker)
@@ -290,7 +292,8 @@ class Placement:
             freed += self._cost(worker, model)
             for version in sorted(worker.versions_of(model)):
                 self.forget((worker.identity, model, version))
-                self.catalog.evict(worker, model, version, self.pool.workers.values())
+                self.pool.retire(worker, ModelVersion(model, version))
+            self.catalog.routable(self.pool.workers.values(), model)
             logger.warning("evicted %s from worker %s (least recently used idle model) to "
                            "make room for %s", model, worker.worker_id, keep)
 
@@ -321,7 +324,7 @@ class Placement:
                 "device": str(w.info.get("device") or "cpu"), "budget_bytes": self.budget(w),
                 "headroom_bytes": self.headroom(w), "context_bytes": self.context(w),
                 "available_bytes": free, "planned_bytes": self.used(w),
-                "models": {f"{m}/{v}": self._entry(w, m, v)
+                "models": {str(ModelVersion(m, v)): self._entry(w, m, v)
                            for m, v in sorted(self._held(w))}}
         return out
 

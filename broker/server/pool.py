@@ -1,5 +1,8 @@
 """The worker pool: membership, credits, heartbeats, the batches in flight on each
-worker, and the one place that sends anything to a worker.
+worker, what each worker loads, holds and retires, and the one place that sends
+anything to a worker. It is the one writer of :class:`WorkerState`: the lifecycle,
+swaps, placement and the control verbs read a worker and ask the pool's verbs
+(``begin_load``, ``loaded``, ``failed``, ``retire``, ``heard``, ``beat``, ``keep``...).
 
 It decides nothing about requests: when a worker is lost it hands back that
 worker's in-flight batches, and the request path decides what each request gets.
@@ -11,15 +14,14 @@ import enum
 import itertools
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import AbstractSet, Any, Callable, Iterable, Mapping, Sequence
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.scheduler import Entry
+from zeroserve.broker.server.types import Clock, ModelVersion, ReadOnly, Send
 
 logger = logging.getLogger(__name__)
-
-Send = Callable[[bytes, list[Any]], bool]
 
 
 class Loss(enum.Enum):
@@ -49,57 +51,71 @@ class Inflight:
     stream: bool = False   # a decoupled model's: its responses come as PARTIAL messages
     started_s: float = math.inf   # when the worker is taken to have begun it (it runs its
                                   # batches in order: when the one before it returned)
+    units: float = 0.0   # what the latency model prices it by: rows x the longest scale
 
 
-@dataclass
+def rec_units(entries: list[Entry]) -> float:
+    """A batch's units: every row runs at the batch's longest scale (padding)."""
+    return sum(e.samples for e in entries) * max((e.scale for e in entries), default=1.0)
+
+
 class WorkerState:
-    identity: bytes
-    worker_id: str
-    credits: int
-    last_seen_s: float
-    info: dict[str, Any] = field(default_factory=dict)
-    loading: set[tuple[str, int]] = field(default_factory=set)
-    load_errors: dict[str, str] = field(default_factory=dict)
-    inflight: list[int] = field(default_factory=list)   # batch ids, in the order sent
-    draining: bool = False
-    stalled: bool = False   # its running batch overran far past its prediction: no more
-    exiting: bool = False
-    recycle: bool = False
-    metrics_text: str = ""
-    memory: dict[str, Any] = field(default_factory=dict)
-    # what it holds, changed only by add_loaded and discard_loaded: ``holds`` is asked
-    # for every worker several times a request, so the versions are kept by model too
-    _loaded: set[tuple[str, int]] = field(default_factory=set, repr=False)
-    _versions: dict[str, set[int]] = field(default_factory=dict, repr=False)
-    # told when what it holds changes (its pool keeps holders by model)
-    changed: Callable[[], None] = field(default=lambda: None, repr=False)
+    """One worker as the broker sees it. Everyone reads it; only its :class:`WorkerPool`
+    changes it, through the pool's verbs (its fields are private to this module, which
+    ``tests/test_layout.py`` checks)."""
 
-    @property
-    def loaded(self) -> AbstractSet[tuple[str, int]]:
-        return self._loaded
+    __slots__ = ("_identity", "_worker_id", "_credits", "_info", "_last_seen_s",
+                 "_loading", "_load_errors", "_inflight", "_draining", "_stalled", "_exiting",
+                 "_recycle", "_metrics_text", "_memory", "_loaded", "_versions")
 
-    def add_loaded(self, model: str, version: int) -> None:
-        self._loaded.add((model, version))
-        self._versions.setdefault(model, set()).add(version)
-        self.changed()
+    def __init__(self, identity: bytes, worker_id: str, credits: int, last_seen_s: float,
+                 info: dict[str, Any]) -> None:
+        self._identity = identity
+        self._worker_id = worker_id
+        self._credits = credits
+        self._info = info
+        self._last_seen_s = last_seen_s
+        self._loading: set[ModelVersion] = set()
+        self._load_errors: dict[ModelVersion, str] = {}
+        self._inflight: list[int] = []   # batch ids, in the order sent
+        self._draining = False
+        self._stalled = False   # its running batch overran far past its prediction
+        self._exiting = False
+        self._recycle = False
+        self._metrics_text = ""
+        self._memory: dict[str, Any] = {}
+        # ``holds`` is asked for every worker several times a request, so what it holds
+        # is kept by model too
+        self._loaded: set[ModelVersion] = set()
+        self._versions: dict[str, set[int]] = {}
 
-    def discard_loaded(self, model: str, version: int) -> None:
-        self._loaded.discard((model, version))
-        versions = self._versions.get(model)
-        if versions is not None:
-            versions.discard(version)
-            if not versions:
-                del self._versions[model]
-        self.changed()
+    def __repr__(self) -> str:
+        return f"WorkerState({self._worker_id!r})"
+
+    identity: ReadOnly[bytes] = ReadOnly()
+    worker_id: ReadOnly[str] = ReadOnly()
+    credits: ReadOnly[int] = ReadOnly()
+    info: ReadOnly[Mapping[str, Any]] = ReadOnly()
+    last_seen_s: ReadOnly[float] = ReadOnly()
+    loaded: ReadOnly[AbstractSet[ModelVersion]] = ReadOnly()
+    loading: ReadOnly[AbstractSet[ModelVersion]] = ReadOnly()
+    load_errors: ReadOnly[Mapping[ModelVersion, str]] = ReadOnly()
+    inflight: ReadOnly[Sequence[int]] = ReadOnly()
+    draining: ReadOnly[bool] = ReadOnly()
+    stalled: ReadOnly[bool] = ReadOnly()
+    exiting: ReadOnly[bool] = ReadOnly()
+    recycle: ReadOnly[bool] = ReadOnly()
+    metrics_text: ReadOnly[str] = ReadOnly()
+    memory: ReadOnly[Mapping[str, Any]] = ReadOnly()
 
     @property
     def free(self) -> int:
-        return 0 if self.draining or self.stalled else self.credits - len(self.inflight)
+        return 0 if self._draining or self._stalled else self._credits - len(self._inflight)
 
     @property
     def on_cpu(self) -> bool:
         """Its models run on host cores (device ``cpu``), not on an accelerator."""
-        return str(self.info.get("device", "")).startswith("cpu")
+        return str(self._info.get("device", "")).startswith("cpu")
 
     def holds(self, model: str, version: int | None = None) -> bool:
         versions = self._versions.get(model)
@@ -112,21 +128,21 @@ class WorkerState:
 
     def describe(self, now: float) -> dict[str, Any]:
         return {
-            "id": self.worker_id,
-            "state": "draining" if self.draining else "stalled" if self.stalled else "ready",
-            "credits": self.credits,
-            "inflight_batches": len(self.inflight),
-            "models": sorted(f"{m}/{v}" for m, v in self.loaded),
-            "loading": sorted(f"{m}/{v}" for m, v in self.loading),
-            "load_errors": dict(self.load_errors),
-            "last_seen_s": round(now - self.last_seen_s, 3),
-            "memory": self.memory,
-            **{k: v for k, v in self.info.items() if k in ("pid", "host", "device")},
+            "id": self._worker_id,
+            "state": "draining" if self._draining else "stalled" if self._stalled else "ready",
+            "credits": self._credits,
+            "inflight_batches": len(self._inflight),
+            "models": sorted(str(k) for k in self._loaded),
+            "loading": sorted(str(k) for k in self._loading),
+            "load_errors": {str(k): e for k, e in self._load_errors.items()},
+            "last_seen_s": round(now - self._last_seen_s, 3),
+            "memory": self._memory,
+            **{k: v for k, v in self._info.items() if k in ("pid", "host", "device")},
         }
 
 
 class WorkerPool:
-    def __init__(self, send: Send, clock: Callable[[], float], *, heartbeat_s: float = 0.5,
+    def __init__(self, send: Send, clock: Clock, *, heartbeat_s: float = 0.5,
                  expiry_s: float = 2.0) -> None:
         self._send = send
         self._clock = clock
@@ -142,18 +158,19 @@ class WorkerPool:
         self._stacked: dict[bytes, WorkerState] = {}
         self._leaving: dict[bytes, WorkerState] = {}
         self._batch_ids = itertools.count(1)
+        self._retiring: list[tuple[bytes, ModelVersion]] = []   # out of routing, unloaded idle
         self.log_settings: dict[str, Any] = {}   # what /v2/logging changed, for joiners too
 
     # -- membership ---------------------------------------------------------
     def register(self, identity: bytes, ready: p.WorkerReady, now: float) -> WorkerState:
         self._holders.clear()
         worker = WorkerState(identity, ready.worker_id or identity.decode(errors="replace"),
-                             max(1, min(ready.credits, 64)), now, changed=self._holders.clear,
-                             info={"pid": ready.pid, "host": ready.host, "device": ready.device,
-                                   "memory_budget_bytes": ready.memory_budget_bytes})
+                             max(1, min(ready.credits, 64)), now,
+                             {"pid": ready.pid, "host": ready.host, "device": ready.device,
+                              "memory_budget_bytes": ready.memory_budget_bytes})
         for m, v in ready.models:
-            worker.add_loaded(str(m), int(v))
-        worker.memory = dict(ready.memory)   # the memory planner's inputs until a heartbeat
+            self._hold(worker, ModelVersion(str(m), int(v)))
+        worker._memory = dict(ready.memory)   # the memory planner's inputs until a heartbeat
         self.workers[identity] = worker
         if self.log_settings:  # a worker that joins later logs as the others do
             self._send(identity, p.encode(p.LogSettings(dict(self.log_settings))))
@@ -183,9 +200,9 @@ class WorkerPool:
         best = None
         for w in self.holders(model):
             if w.free > 0:
-                if not w.inflight:
+                if not w._inflight:
                     return w
-                if best is None or len(w.inflight) < len(best.inflight):
+                if best is None or len(w._inflight) < len(best._inflight):
                     best = w
         return best
 
@@ -201,15 +218,33 @@ class WorkerPool:
         worker = self.named(worker_id)
         if not draining and worker.exiting:
             raise LookupError(f"worker {worker_id!r} is leaving and cannot be undrained")
-        worker.draining = draining
+        worker._draining = draining
         logger.info("worker %s %s", worker_id, "drained" if draining else "undrained")
         return worker
 
     def leave(self, worker: WorkerState, recycle: bool = False) -> None:
         """The worker drains, then exits once nothing of ours runs on it (see drained)."""
-        worker.draining = worker.exiting = True
-        worker.recycle = worker.recycle or recycle
+        worker._draining = worker._exiting = True
+        worker._recycle = worker._recycle or recycle
         self._leaving[worker.identity] = worker
+
+    def keep(self, worker: WorkerState) -> None:
+        """A leaving worker takes batches again until the broker's queue is done (the
+        whole server stops, and it was signalled with the broker)."""
+        worker._draining = False
+
+    def drain_leavers(self) -> None:
+        """The workers kept by :meth:`keep` drain again (``undrain --all``)."""
+        for worker in self.workers.values():
+            worker._draining = worker._draining or worker._exiting
+
+    def heard(self, worker: WorkerState, now: float) -> None:
+        """Any message from the worker: it is alive now."""
+        worker._last_seen_s = now
+
+    def beat(self, worker: WorkerState, beat: p.WorkerHeartbeat) -> None:
+        """A heartbeat's report: its metrics text and its memory."""
+        worker._metrics_text, worker._memory = beat.metrics, beat.memory
 
     def remove(self, worker: WorkerState, loss: Loss, quiet: bool = False) -> list[Inflight]:
         """Forget a worker; returns its in-flight batches, oldest first."""
@@ -221,7 +256,7 @@ class WorkerPool:
         if not quiet:
             logger.warning("worker %s removed: %s", worker.worker_id, loss.value)
         lost = [self.inflight.pop(b) for b in worker.inflight if b in self.inflight]
-        worker.inflight = []
+        worker._inflight = []
         return lost
 
     # -- batches ------------------------------------------------------------
@@ -237,14 +272,15 @@ class WorkerPool:
                        {it.request_id: e for it, e in zip(items, entries)},
                        sum(e.samples for e in entries), reason, now,
                        now + exec_s if exec_s > 0 else math.inf, stream,
-                       math.inf if worker.inflight else now)
+                       math.inf if worker.inflight else now,
+                       rec_units(entries))
         frames = p.encode_batch(p.Batch(batch_id, model, version, items,
                                         (tightest - now) * 1000.0 if tightest < math.inf else 0,
                                         trace))
         if not self._send(worker.identity, frames):
             return None
         self.inflight[batch_id] = rec
-        worker.inflight.append(batch_id)
+        worker._inflight.append(batch_id)
         if len(worker.inflight) > 1:
             self._stacked[worker.identity] = worker
         return rec
@@ -257,11 +293,11 @@ class WorkerPool:
             worker = self.workers.get(rec.worker)
             if worker is not None and batch_id in worker.inflight:
                 was_head = worker.inflight[0] == batch_id
-                worker.inflight.remove(batch_id)
+                worker._inflight.remove(batch_id)
                 if len(worker.inflight) < 2:
                     self._stacked.pop(worker.identity, None)
                 if was_head:
-                    worker.stalled = False
+                    worker._stalled = False
                     if worker.inflight:
                         self.inflight[worker.inflight[0]].started_s = self._clock()
         return rec
@@ -291,9 +327,9 @@ class WorkerPool:
                 continue
             head = self.inflight[w.inflight[0]]
             if now - head.started_s > limit_s(w, head):
-                w.stalled = True
+                w._stalled = True
                 behind = [self.inflight.pop(b) for b in w.inflight[1:]]
-                del w.inflight[1:]
+                del w._inflight[1:]
                 del self._stacked[w.identity]
                 out.append((w, behind))
         return out
@@ -316,29 +352,91 @@ class WorkerPool:
         return {self.inflight[b].model for b in worker.inflight if b in self.inflight}
 
     def busy_until(self, worker: WorkerState, now: float,
-                   predict: Callable[[str, int], float]) -> float:
+                   predict: Callable[[str, float], float]) -> float:
         """When a worker is predicted to finish the batches it has (they run in order);
-        ``predict(model, samples)`` is that worker's latency model."""
+        ``predict(model, units)`` is that worker's latency model."""
         cursor = now
         for i, batch_id in enumerate(worker.inflight):
             rec = self.inflight[batch_id]
-            run_s = predict(rec.model, rec.samples)
+            run_s = predict(rec.model, rec.units)
             cursor = max(cursor, rec.sent_s + run_s) if i == 0 else cursor + run_s
         return cursor
 
-    def work_s(self, worker: WorkerState, predict: Callable[[str, int], float]) -> float:
+    def work_s(self, worker: WorkerState, predict: Callable[[str, float], float]) -> float:
         """The predicted run time of every batch the worker holds, elapsed or not."""
-        return sum(predict(self.inflight[b].model, self.inflight[b].samples)
+        return sum(predict(self.inflight[b].model, self.inflight[b].units)
                    for b in worker.inflight)
 
     # -- messages to workers ----------------------------------------------------
     def load(self, worker: WorkerState, msg: p.LoadModel) -> None:
-        worker.loading.add((msg.model, msg.version))
+        worker._loading.add(ModelVersion(msg.model, msg.version))
         self._send(worker.identity, p.encode(msg))
 
     def unload(self, worker: WorkerState, model: str, version: int) -> None:
-        worker.discard_loaded(model, version)
+        self._drop(worker, ModelVersion(model, version))
         self._send(worker.identity, p.encode(p.UnloadModel(model, version)))
+
+    # -- what a worker loads, holds and retires ---------------------------------
+    def begin_load(self, worker: WorkerState, key: ModelVersion) -> None:
+        """Seen as loading from now on, its last failure forgotten, before the LOAD is
+        sent (an operator's reload waits on the outcome from this moment)."""
+        worker._loading.add(key)
+        worker._load_errors.pop(key, None)
+
+    def end_load(self, worker: WorkerState, key: ModelVersion) -> None:
+        """No longer loading, and nothing learned: a trial load's answer, or a reload
+        given up before its LOAD was sent."""
+        worker._loading.discard(key)
+
+    def loaded(self, worker: WorkerState, key: ModelVersion) -> None:
+        """The worker loaded it: it holds it (routable where the catalog serves it)."""
+        worker._loading.discard(key)
+        worker._load_errors.pop(key, None)
+        self._hold(worker, key)
+
+    def failed(self, worker: WorkerState, key: ModelVersion, error: str) -> None:
+        """The worker did not load it (or loaded other files): why, for status."""
+        worker._loading.discard(key)
+        worker._load_errors[key] = error
+
+    def retire(self, worker: WorkerState, key: ModelVersion) -> None:
+        """No new batches to it on this worker; unloaded once idle (:meth:`take_idle`)."""
+        self._drop(worker, key)
+        self._retiring.append((worker.identity, key))
+
+    def unretire(self, worker: WorkerState, key: ModelVersion) -> bool:
+        """Loaded again before it went: whether it was retiring (unload it first)."""
+        if (worker.identity, key) not in self._retiring:
+            return False
+        self._retiring.remove((worker.identity, key))
+        return True
+
+    @property
+    def retiring(self) -> Sequence[tuple[bytes, ModelVersion]]:
+        return self._retiring
+
+    def take_idle(self) -> list[tuple[WorkerState, ModelVersion]]:
+        """The retiring versions with nothing in flight, no longer retiring, on the
+        workers still here."""
+        busy = self.busy()
+        idle = [(i, k) for i, k in self._retiring if (i, k.name, k.version) not in busy]
+        self._retiring = [(i, k) for i, k in self._retiring
+                          if (i, k.name, k.version) in busy]
+        return [(w, k) for i, k in idle if (w := self.workers.get(i)) is not None]
+
+    def _hold(self, worker: WorkerState, key: ModelVersion) -> None:
+        worker._loaded.add(key)
+        worker._versions.setdefault(key.name, set()).add(key.version)
+        self._holders.clear()
+
+    def _drop(self, worker: WorkerState, key: ModelVersion) -> None:
+        worker._loaded.discard(key)
+        versions = worker._versions.get(key.name)
+        if versions is not None:
+            versions.discard(key.version)
+            if not versions:
+                del worker._versions[key.name]
+        self._holders.clear()
 
     def set_log_settings(self, update: dict[str, Any]) -> None:
         """The logging extension's changes, to every worker now and to later joiners."""

@@ -25,8 +25,9 @@ from zeroserve.broker import wording
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlError
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
+from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import NAME_RE, ConfigError, ModelConfig, is_temp_name, \
-    parse_config
+    parse_config, undeclared_datatypes
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class Job:
     versions: list[int] = field(default_factory=list)
     copier: threading.Thread | None = None
     worker: bytes = b""
+    # what the trial load is to find (LoadModel.discover): empty when the body said all
+    discover: dict[str, Any] = field(default_factory=dict)
 
 
 class Registrar:
@@ -76,9 +79,10 @@ class Registrar:
             raise ControlError("bad_input", "field 'model_path': required, a path on the "
                                "broker's host")
         try:
-            cfg = parse_config(body, "registration")
+            cfg = parse_config(body, "registration", discover=True)
         except ConfigError as exc:
             raise ControlError("bad_input", str(exc)) from None
+        guessed = undeclared_datatypes(body)
         source = Path(source_raw).resolve()
         if not any(source.is_relative_to(r.resolve()) for r in roots):
             raise ControlError("forbidden", f"model_path {source_raw!r} is outside the import "
@@ -91,6 +95,8 @@ class Registrar:
             raise ControlError("conflict", f"model {cfg.name!r} already exists")
         token = f"{next(self._ids)}-{os.getpid()}"
         job = Job(token, cfg, source, self.root / f".register-{cfg.name}-{token}")
+        if guessed or not cfg.outputs:
+            job.discover = {"datatypes": guessed}
         job.copier = threading.Thread(target=self._copy, args=(job,), daemon=True,
                                       name="register-copy")
         self.jobs[token] = job
@@ -163,21 +169,38 @@ class Registrar:
         job.state, job.worker = "loading", worker.identity
         self.pool.load(worker, p.LoadModel(_TRIAL_PREFIX + job.token, version,
                                            str(job.temp / str(version)),
-                                           job.config.to_json()))
+                                           job.config.to_json(), discover=job.discover))
 
     def on_loaded(self, worker: WorkerState, msg: p.ModelLoaded) -> bool:
         """A trial load's outcome (True), or not a trial (False)."""
         if not msg.model.startswith(_TRIAL_PREFIX):
             return False
-        worker.loading.discard((msg.model, msg.version))
+        self.pool.end_load(worker, ModelVersion(msg.model, msg.version))
         job = self.jobs.get(msg.model[len(_TRIAL_PREFIX):])
         if job is None or job.state != "loading":
             return True
-        if msg.ok:
+        ok = msg.ok
+        if ok:
             self.pool.unload(worker, msg.model, msg.version)
+            ok = not job.discover or self._settle(job, msg.config)
         else:
             job.kind, job.error = "load", msg.error
-        self._finish(job, ok=msg.ok)
+        self._finish(job, ok=ok)
+        return True
+
+    def _settle(self, job: Job, found: dict[str, Any]) -> bool:
+        """The config the trial load completed replaces the body's, in the folder about to
+        be published, so no later load has anything left to find."""
+        try:
+            if not found:
+                raise ConfigError("the worker did not report the outputs and datatypes it "
+                                  "found (a worker older than the broker?)")
+            cfg = parse_config(found, "the trial load's config", expected_name=job.config.name)
+            (job.temp / "config.json").write_text(json.dumps(cfg.to_json(), indent=2))
+        except (ConfigError, OSError) as exc:
+            job.kind, job.error = "load", str(exc)
+            return False
+        job.config = cfg
         return True
 
     def check_workers(self) -> None:
@@ -210,7 +233,9 @@ class Registrar:
         if job.state in ("published", "failed"):
             del self.jobs[job.token]  # reported once; the gateway asks until it ends
         return {"state": job.state, "name": job.config.name, "versions": job.versions,
-                "error": job.error, "kind": job.kind}
+                "error": job.error, "kind": job.kind,
+                "inputs": [t.to_json() for t in job.config.inputs],
+                "outputs": [t.to_json() for t in job.config.outputs]}
 
     # -- unregister ---------------------------------------------------------
     def unregister(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -231,5 +256,5 @@ class Registrar:
         os.rename(target, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
         self._published(name)
-        logger.info("unregistered %s", f"{name}/{version}" if version else name)
+        logger.info("unregistered %s", ModelVersion(name, version) if version else name)
         return {"deleted": name, "version": version}

@@ -27,6 +27,7 @@ from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.swap import Placed, placed_on
+from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class Replicas:
 
     def __init__(self, catalog: Catalog, pool: WorkerPool, scheduler: Scheduler,
                  placement: Placement, metrics: BrokerMetrics, *,
-                 predict: Callable[[str], Callable[[int], float]],
+                 predict: Callable[[str], Callable[[float], float]],
                  swapping: Callable[[str], bool],
                  sync_worker: Callable[[WorkerState], None], default: Placed = placed_on,
                  sample_s: float = 0.05, step_s: float = 0.5) -> None:
@@ -191,7 +192,7 @@ class Replicas:
                 continue
             if w.holds(name) or any(m == name for m, _ in w.loading):
                 continue
-            errors = [w.load_errors[k] for k in (f"{name}/{v}" for v in model.versions)
+            errors = [w.load_errors[k] for k in (ModelVersion(name, v) for v in model.versions)
                       if k in w.load_errors]
             if errors:
                 ids.remove(identity)
@@ -268,7 +269,8 @@ class Replicas:
         ids.remove(victim.identity)
         for version in sorted(victim.versions_of(name)):
             # out of routing now, unloaded when idle
-            self.catalog.evict(victim, name, version, self.pool.workers.values())
+            self.pool.retire(victim, ModelVersion(name, version))
+        self.catalog.routable(self.pool.workers.values(), name)
         return victim
 
     # -- telling ----------------------------------------------------------------

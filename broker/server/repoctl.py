@@ -212,7 +212,7 @@ class RepositoryControl:
         if model.ready:
             return "ready", ""
         errors = [f"{w.worker_id}: {e}" for w in workers for k, e in w.load_errors.items()
-                  if k.startswith(name + "/")]
+                  if k.name == name]
         return "failed", "; ".join(errors) or "no live worker holds it"
 
     def unload(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -255,10 +255,10 @@ class RepositoryControl:
             loading = busy or any((name, v) in w.loading for w in workers)
             state = "READY" if v in model.ready else "LOADING" if loading else "UNAVAILABLE"
             reason = "" if state != "UNAVAILABLE" else "; ".join(
-                e for w in workers for k, e in w.load_errors.items() if k == f"{name}/{v}"
+                e for w in workers for k, e in w.load_errors.items() if k == (name, v)
             ) or "no live worker holds it"
             out.append({"name": name, "version": str(v), "state": state, "reason": reason})
-        retiring = {v for _, n, v in self.catalog.retiring if n == name}
+        retiring = {key.version for _, key in self.pool.retiring if key.name == name}
         for v in sorted(retiring - set(model.versions)):
             out.append({"name": name, "version": str(v), "state": "UNLOADING", "reason": ""})
         return out

@@ -14,50 +14,27 @@ import logging
 import math
 import random
 import time
+from functools import partial
 from typing import Any, Callable, Sequence
 
 from zeroserve.broker import protocol as p, tracing
-from zeroserve.broker.server.admission import admission_error, deadline_of
-from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError, check_inputs, \
-    normalize_priority
+from zeroserve.broker.server.admission import Admission, Cached, Payload, warmup_scale
+from zeroserve.broker.server.cache import ResponseCache
+from zeroserve.broker.server.cachepath import CachedAnswers, Hit
+from zeroserve.broker.server.catalog import Catalog, CatalogModel
+from zeroserve.broker.server.dispatchgate import DispatchGate
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.stopping import StopState
+from zeroserve.broker.server.ledger import AnswerLedger, Key
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import Streams
 from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
+from zeroserve.broker.server.types import Send
 
-# A batch sent to a busy worker waits there, in a FIFO that neither priority nor deadline
-# reorders: under 2x overload of cnn with two priorities, a second credit made
-# high-priority requests wait a whole low-priority batch (about 20 ms): 56% of them were
-# answered within a 50 ms deadline, 98% with this rule (measured, same run). So while a
-# model's recent requests mix priorities, a busy worker gets a batch to queue only while
-# what it holds is predicted to run this long at most: short batches (mlp: 2-3 ms) keep
-# the pipelining that hides the hop to the worker, long ones wait in the broker's queue.
-# With one priority the queue at the worker reorders nothing, and it keeps a closed loop's
-# stages overlapping.
-PREFETCH_S = 0.005
-MIXED_PRIORITIES_S = 10.0   # how long a model counts as seeing more than one priority
-# Requests that arrive together (a client sends what one loop turn made as one message)
-# would form one batch, and a closed loop then falls into step with it: the worker idles
-# while the replies travel. An idle worker with two credits gets the queue in two halves
-# instead, when two half batches are predicted to cost at most this much more than one
-# whole (so where batching gains little, like cnn on a CPU, and never on a GPU model
-# whose batch costs about the same at any size).
-SPLIT_COST = 1.15
-# A CPU worker with a batch running gets a second one only once at least this fraction
-# of a full batch is queued. Held in the broker, a small batch grows while the worker's
-# core runs the gateway and the broker of the same host; sent at once, it would wait at
-# the worker just as long, as small. Measured on mlp (max batch 64) at C=64, same runs:
-# HTTP 6,670 -> 6,950-7,110 req/s, the mean batch 24 -> 27, every process spending less
-# a request; direct level (10,200-10,290 -> 10,360-10,400). Holding every batch until the
-# result returns (a threshold of a whole batch) gained more over HTTP (7,070-7,530) but
-# cost direct clients 4%, whose load turns round faster than the worker's idle moment.
-# An accelerator's idle moment is lost, so a GPU worker always gets its second batch.
-CPU_PREFETCH_FRACTION = 0.5
 # A running batch counts as hung, and the batches queued behind it on its worker move to
 # others, once it has run this many times its predicted time, and at least STALL_MIN_S
 # (a model with no prediction yet, or one whose times swing, is not taken for hung).
@@ -66,34 +43,15 @@ STALL_MIN_S = 1.0
 
 logger = logging.getLogger(__name__)
 
-Send = Callable[[bytes, list[Any]], bool]
-Key = tuple[bytes, str]
 
 
-class Payload:
-    __slots__ = ("client", "request_id", "request", "pinned", "attempts", "notes", "bundled")
-
-    def __init__(self, client: bytes, request: p.InferRequest, pinned: bool) -> None:
-        self.client = client
-        self.request_id = request.request_id
-        self.request: p.InferRequest | None = request
-        self.pinned = pinned
-        self.attempts = 0
-        self.notes: dict[str, float] = {}   # the tenant's clamps, for the reply's stats
-        self.bundled = False   # came in a REQUESTS: the client takes its reply in REPLIES
-
-    def release(self) -> None:
-        """Answered: let go of the tensor frames. The entry itself may linger in the
-        scheduler's lazily cleaned heaps; its frames must not."""
-        self.request = None
-
-
-class RequestPath(StreamPath):
+class RequestPath:
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
                  latency: LatencyBook, metrics: BrokerMetrics, reply: Send,
                  rng: random.Random | None = None, tenancy: Tenancy | None = None,
                  stop: StopState | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 cache: ResponseCache | None = None) -> None:
         self.catalog = catalog
         self.tenancy = tenancy or Tenancy(None, metrics.registry, lambda: 0.0)
         self.scheduler = scheduler
@@ -101,29 +59,34 @@ class RequestPath(StreamPath):
         self.latency = latency
         self.metrics = metrics
         self._reply = reply
-        self._rng = rng or random.Random()
-        self._open: dict[Key, str] = {}               # admitted, not answered: key -> model
-        self._by_client: dict[bytes, set[str]] = {}
         self._last_used: dict[str, float] = {}
-        self._priorities: dict[str, tuple[int, float]] = {}  # model -> (last, mixed until)
+        self.gate = DispatchGate()                     # when a worker may take a batch
         self.stop = stop or StopState()                # the broker's: asked at admission
         self.stats = ModelStatistics()                 # the statistics extension's figures
         self.clock = clock                             # the broker's (for fail times)
         self.streams = Streams()                       # decoupled models' running requests
+        self.ledger = AnswerLedger(self._let_go)       # admitted, not answered
+        self.answers = CachedAnswers(cache if cache is not None else ResponseCache(0), catalog,
+                                     self.stats, metrics)
+        self.admission = Admission(catalog, scheduler, pool, latency, self.tenancy,
+                                   self.stop, self.gate, self._soonest_free,
+                                   rng or random.Random(), self.answers)
+        self.streaming = StreamPath(self.streams, pool, catalog, metrics, self.stats,
+                                    self.ledger, reply, self)
 
     # -- state --------------------------------------------------------------
     def open_count(self) -> int:
-        return len(self._open)
+        return len(self.ledger)
 
     def is_open(self, key: Key) -> bool:
-        return key in self._open
+        return self.ledger.is_open(key)
 
     def census(self) -> dict[str, int]:
         """Every structure that holds something of a request, by name and size: each is
         0 once every request has been answered, at any load (the fault tests check it)."""
         out = self.scheduler.census()
+        out.update(self.ledger.census())
         out.update({
-            "requests.open": len(self._open), "requests.by_client": len(self._by_client),
             "pool.inflight": len(self.pool.inflight),
             "pool.worker_batches": sum(len(w.inflight) for w in self.pool.workers.values()),
             "tenancy.open": self.tenancy.open_count(),
@@ -164,84 +127,35 @@ class RequestPath(StreamPath):
             self.refuse_ids(client, [rid], p.ErrorCode.BAD_INPUT, str(exc))
             return
         key = (client, req.request_id)
-        if key in self._open:
+        if self.ledger.is_open(key):
             self.refuse(client, req.request_id, p.ErrorCode.BAD_INPUT,
                         "a request with this id is already in progress", model=req.model)
             return
-        who = self.tenancy.identify(req)
-        if isinstance(who, Refusal):
-            self.refuse(client, req.request_id, who.code, who.message, model=req.model)
+        entry = self.admission.admit(client, req, now)
+        if isinstance(entry, Refusal):
+            self.refuse(client, req.request_id, entry.code, entry.message, req.model,
+                        entry.retry_after_s)
             return
-        model = self.catalog.get(req.model)
-        err = admission_error(req, model, self.pool, self.stop.admits(client))
-        if err is not None:
-            self.refuse(client, req.request_id, err[0], err[1], model=req.model)
+        if isinstance(entry, Cached):
+            self._answer_hit(client, key, entry.grant, entry.hit, now)
             return
-        assert model is not None
-        try:
-            samples = check_inputs(model.config, [t.meta for t in req.tensors], req.outputs)
-        except RequestError as exc:
-            self.refuse(client, req.request_id, p.ErrorCode.BAD_INPUT, str(exc),
-                        model=req.model)
-            return
-        grant = self.tenancy.admit(who, key, req, samples, now)
-        if isinstance(grant, Refusal):
-            self.refuse(client, req.request_id, grant.code, grant.message, req.model,
-                        grant.retry_after_s)
-            return
-        entry = self._entry(client, grant.request, model, samples, now, grant)
-        if entry is None:
-            self.tenancy.release(key)
-            self.tenancy.rejected(grant.tenant, p.ErrorCode.DEADLINE)
-            return
-        entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
-        entry.payload.notes = grant.notes
         entry.payload.bundled = bundled
-        self._open[key] = req.model
-        ids = self._by_client.get(client)
-        if ids is None:
-            ids = self._by_client[client] = set()
-        ids.add(req.request_id)
+        self.ledger.admit(key, req.model)
         self._queue(entry)
 
-    def _entry(self, client: bytes, req: p.InferRequest, model: CatalogModel, samples: int,
-               now: float, grant: Grant | None = None) -> Entry | None:
-        """The queue entry, or None when the deadline cannot be met (refused now)."""
-        cfg = model.config
-        priority = normalize_priority(req.priority, cfg)
-        timeout_ms, deadline = deadline_of(req, cfg, now)
-        if deadline < math.inf:   # without a deadline there is nothing to refuse it for
-            predict = self.latency.predictor(req.model)
-            holders = self.pool.holders(req.model)
-            wait_s = self.scheduler.estimate_wait(
-                req.model, priority, predict, len(holders), *(
-                    (grant.tenant, grant.weight, samples) if grant is not None else ()))
-            wait_s += self._soonest_free(holders, now) - now
-            if now + wait_s + predict(samples) > deadline:
-                self.refuse(client, req.request_id, p.ErrorCode.DEADLINE,
-                            f"deadline of {timeout_ms:g} ms cannot be met: the queue ahead "
-                            f"needs about {wait_s * 1000:.1f} ms", model=req.model)
-                return None
-        self._note_priority(req.model, priority, now)
-        version = req.version
-        if version is None and cfg.traffic:
-            version = model.route(self._rng)
-        return Entry(key=(client, req.request_id), model=req.model, priority=priority,
-                     arrival_s=now, deadline_s=deadline, samples=samples, version=version,
-                     payload=Payload(client, req, req.version is not None))
-
-    def _split(self, worker: WorkerState, model: str, predict: Callable[[int], float],
-               now: float) -> int | None:
-        """Half the queue, for an idle worker that can take two batches, when batching
-        gains little and a queued batch reorders nothing; else None (the model's cap)."""
-        if worker.inflight or worker.free < 2 or self._mixed(model, now):
-            return None
-        queued = self.scheduler.queued_samples(model)
-        half = (queued + 1) // 2
-        whole = predict(queued)
-        if queued < 2 or whole <= PREFETCH_S or 2 * predict(half) > SPLIT_COST * whole:
-            return None
-        return half
+    def _answer_hit(self, client: bytes, key: Key, grant: Grant, hit: Hit, now: float
+                    ) -> None:
+        """Answered from the response cache: never queued nor open, so this is its one
+        answer; the tenant's in-flight place it took at the gate is given back."""
+        req, answer = grant.request, hit.answer
+        trace = None if req.trace is None else \
+            tracing.broker_stamps(now, now, self.clock(), None)
+        part = p.reply_part(req.request_id, req.model, answer.version, answer.tensors,
+                            {"queue_ms": 0.0, "compute_ms": 0.0, "cache_hit": 1,
+                             **grant.notes}, trace)
+        self.tenancy.release(key)
+        self._reply(client, p.encode_reply_parts([part]))
+        self.answers.answered(req.model, hit, max(0.0, self.clock() - now))
 
     def warmed_up(self, worker: WorkerState, msg: p.ModelLoaded) -> None:
         """A load's measured warm-up runs seed the latency model with two batch sizes:
@@ -249,23 +163,14 @@ class RequestPath(StreamPath):
         timings = msg.memory.get("warmup_seconds") if msg.ok else None
         if not isinstance(timings, dict):
             return
+        scale = warmup_scale(self.catalog.get(msg.model))
         for size, seconds in timings.items():
             try:
                 b, t = int(size), float(seconds)
             except (TypeError, ValueError):
                 continue
             if b > 0 and 0.0 < t < 60.0:
-                self.latency.observe(msg.model, worker.worker_id, b, t)
-
-    def _note_priority(self, model: str, priority: int, now: float) -> None:
-        seen = self._priorities.get(model)
-        if seen is None:
-            self._priorities[model] = (priority, -math.inf)
-        elif priority != seen[0]:
-            self._priorities[model] = (priority, now + MIXED_PRIORITIES_S)
-
-    def _mixed(self, model: str, now: float) -> bool:
-        return self._priorities.get(model, (0, -math.inf))[1] > now
+                self.latency.observe(msg.model, worker.worker_id, b * scale, t)
 
     def _queue(self, entry: Entry) -> None:
         for victim in self.scheduler.add(entry):
@@ -281,19 +186,20 @@ class RequestPath(StreamPath):
         if entry is not None:
             self.answer_error(entry, p.ErrorCode.CANCELLED, "cancelled by the client")
         elif self.streams:
-            self.stop_stream((client, request_id), p.ErrorCode.CANCELLED,
+            self.streaming.stop_stream((client, request_id), p.ErrorCode.CANCELLED,
                              "cancelled by the client")
 
     def client_gone(self, client: bytes) -> int:
         """A client's connection closed: its queued requests leave the queue (what is in
         flight finishes; its answer goes nowhere). Returns how many were withdrawn."""
         withdrawn = 0
-        for rid in list(self._by_client.get(client, ())):
+        for rid in self.ledger.ids_of(client):
             entry = self.scheduler.cancel((client, rid))
             if entry is not None:
                 self.answer_error(entry, p.ErrorCode.CANCELLED, "the client went away")
                 withdrawn += 1
-            elif self.streams and self.stop_stream((client, rid), p.ErrorCode.CANCELLED,
+            elif self.streams and self.streaming.stop_stream((client, rid),
+                                                             p.ErrorCode.CANCELLED,
                                                    "the client went away"):
                 withdrawn += 1   # a running stream: its generation stops too
         return withdrawn
@@ -307,30 +213,30 @@ class RequestPath(StreamPath):
         try:
             result = p.decode_result(header, bufs, rec.model, rec.version)
         except p.ProtocolError as exc:
-            self._fail_batch(rec, p.ErrorCode.INTERNAL, f"worker sent a malformed result: {exc}")
+            self.fail_batch(rec, p.ErrorCode.INTERNAL, f"worker sent a malformed result: {exc}")
             raise
         try:
             self._answer_batch(worker, rec, result, now)
         except Exception as exc:
             # out of the in-flight table, the batch's requests have no other way to an answer
-            self._fail_batch(rec, p.ErrorCode.INTERNAL, f"internal error on the batch's "
+            self.fail_batch(rec, p.ErrorCode.INTERNAL, f"internal error on the batch's "
                              f"result: {type(exc).__name__}: {exc}"[:300])
             raise
 
     def _answer_batch(self, worker: WorkerState, rec: Inflight, result: p.BatchResult,
                       now: float) -> None:
         if rec.stream:
-            self.stream_result(worker, rec, result, now)
+            self.streaming.stream_result(worker, rec, result, now)
             return
         if result.error is not None:
             if result.retry:
-                self._requeue(list(rec.entries.values()), result.error, now)
+                self.requeue(list(rec.entries.values()), result.error, now)
             else:
                 code = p.ErrorCode.DEADLINE if result.expired else p.ErrorCode.MODEL_ERROR
-                self._fail_batch(rec, code, result.error)
+                self.fail_batch(rec, code, result.error)
             return
         compute_s = result.compute_ms / 1000.0
-        self.latency.observe(rec.model, worker.worker_id, rec.samples, compute_s)
+        self.latency.observe(rec.model, worker.worker_id, rec.units, compute_s)
         self.metrics.batch_done(rec.model, rec.samples, compute_s, result.phases_ms)
         self.stats.batch_done(rec.model, rec.version, rec.samples, result.phases_ms,
                               result.compute_ms)
@@ -339,7 +245,7 @@ class RequestPath(StreamPath):
         queued_s = 0.0
         for rep in result.replies:
             entry = rec.entries.get(rep.request_id)
-            if entry is None or entry.key not in self._open:
+            if entry is None or not self.ledger.is_open(entry.key):
                 continue
             pl: Payload = entry.payload
             queue_s = rec.sent_s - entry.arrival_s
@@ -353,8 +259,10 @@ class RequestPath(StreamPath):
             part = p.reply_part(pl.request_id, rec.model, rec.version, rep.tensors, stats,
                                 trace)
             frames = None if pl.bundled else p.encode_reply_parts([part])
+            if pl.digest is not None:
+                self.answers.keep(rec.model, rec.version, pl.digest, rep.tensors)
             del rec.entries[rep.request_id]   # from here on nothing can fail before it leaves
-            self._close(entry.key)
+            self.ledger.close(entry.key)
             if frames is None:
                 got = bundles.get(pl.client)
                 if got is None:
@@ -370,7 +278,7 @@ class RequestPath(StreamPath):
             self.metrics.requests_done(rec.model, rec.version, totals_s)
             self.stats.request_done(rec.model, rec.version, queued_s, sum(totals_s),
                                     result.phases_ms, result.compute_ms, len(totals_s))
-        self._fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
+        self.fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
 
     def _send_replies(self, client: bytes, parts: list[tuple[dict[str, Any], list[Any]]]
                       ) -> None:
@@ -388,9 +296,9 @@ class RequestPath(StreamPath):
         why = f"worker {worker_id} was lost while running this request: {loss.value}"
         for i, rec in enumerate(lost):
             if loss is Loss.SILENT and i == 0:
-                self._fail_batch(rec, p.ErrorCode.WORKER_LOST, f"{why}; retry")
+                self.fail_batch(rec, p.ErrorCode.WORKER_LOST, f"{why}; retry")
             else:
-                self._requeue(list(rec.entries.values()), why, now)
+                self.requeue(list(rec.entries.values()), why, now)
 
     def overdue(self, now: float) -> list[bytes]:
         """Batches past max_execution_ms fail (504, never retried elsewhere); returns the
@@ -398,7 +306,7 @@ class RequestPath(StreamPath):
         hung = []
         for rec in self.pool.overdue(now):
             self.pool.finish(rec.batch_id)
-            self._fail_batch(rec, p.ErrorCode.DEADLINE,
+            self.fail_batch(rec, p.ErrorCode.DEADLINE,
                              f"batch ran past max_execution_ms of model {rec.model!r}")
             hung.append(rec.worker)
         return hung
@@ -411,14 +319,14 @@ class RequestPath(StreamPath):
                            "queued behind it move to other workers", worker.worker_id,
                            len(behind))
             for rec in behind:
-                self._requeue(list(rec.entries.values()), f"worker {worker.worker_id} is "
+                self.requeue(list(rec.entries.values()), f"worker {worker.worker_id} is "
                               "stuck on an earlier batch", now, spend=False)
 
     def _stall_limit_s(self, worker: WorkerState, head: Inflight) -> float:
         predict = self.latency.predictor(head.model, worker.worker_id)
-        return max(STALL_MIN_S, STALL_FACTOR * predict(head.samples))
+        return max(STALL_MIN_S, STALL_FACTOR * predict(head.units))
 
-    def _requeue(self, entries: list[Entry], why: str, now: float, spend: bool = True) -> None:
+    def requeue(self, entries: list[Entry], why: str, now: float, spend: bool = True) -> None:
         for entry in entries:
             pl: Payload = entry.payload
             if (pl.attempts < 1 or not spend) and entry.deadline_s > now \
@@ -434,7 +342,7 @@ class RequestPath(StreamPath):
             else:
                 self.answer_error(entry, p.ErrorCode.WORKER_LOST, f"{why}; retry")
 
-    def _fail_batch(self, rec: Inflight, code: p.ErrorCode, message: str) -> None:
+    def fail_batch(self, rec: Inflight, code: p.ErrorCode, message: str) -> None:
         for entry in rec.entries.values():
             self.answer_error(entry, code, message)
         rec.entries.clear()
@@ -444,7 +352,7 @@ class RequestPath(StreamPath):
         for entry in self.scheduler.expire(now):
             self.answer_error(entry, p.ErrorCode.DEADLINE, "deadline exceeded while queued")
         if self.streams:
-            self.expire_streams(now)
+            self.streaming.expire_streams(now)
 
     def dispatch(self, now: float) -> None:
         for name in self.scheduler.models_waiting():
@@ -465,15 +373,17 @@ class RequestPath(StreamPath):
                 return v if v in held else None
 
             predict = self.latency.predictor(name, worker.worker_id)
-            if worker.inflight and self._mixed(name, now) and \
-                    self._work_s(worker) > PREFETCH_S:
+            busy = bool(worker.inflight)
+            queued = self.scheduler.queued_samples(name)
+            if busy and not self.gate.may_send(name, now, busy, worker.on_cpu,
+                                               partial(self._work_s, worker), queued,
+                                               model.config.max_batch_size):
                 return  # its result frees it
-            if worker.inflight and worker.on_cpu and self.scheduler.queued_samples(name) < \
-                    CPU_PREFETCH_FRACTION * model.config.max_batch_size:
-                return  # likewise
-            start_s = self._busy_until(worker, now)
-            decision = self.scheduler.take(name, now, predict, resolve, start_s=start_s,
-                                           max_samples=self._split(worker, name, predict, now))
+            half = self.gate.split(name, now, busy, worker.free, queued,
+                                   self.scheduler.queued_units(name) / max(queued, 1), predict)
+            decision = self.scheduler.take(name, now, predict, resolve,
+                                           start_s=self._busy_until(worker, now),
+                                           max_samples=half)
             if decision is None:
                 return
             for entry in decision.doomed:
@@ -499,11 +409,11 @@ class RequestPath(StreamPath):
         if rec is None:
             self.worker_lost(self.pool.remove(worker, Loss.UNREACHABLE), Loss.UNREACHABLE,
                              worker.worker_id, now)
-            self._requeue(entries, f"worker {worker.worker_id} is unreachable", now)
+            self.requeue(entries, f"worker {worker.worker_id} is unreachable", now)
             return
         self._last_used[model.config.name] = now
         if rec.stream:
-            self.streams_started(rec)
+            self.streaming.streams_started(rec)
         self.metrics.batch_sent(model.config.name, reason, rec.samples)
         self.metrics.queued(model.config.name, [(e.priority, now - e.arrival_s) for e in entries])
         self.tenancy.queued([(e.tenant, now - e.arrival_s) for e in entries])
@@ -518,13 +428,13 @@ class RequestPath(StreamPath):
         return soonest if workers else now
 
     def _busy_until(self, worker: WorkerState, now: float) -> float:
-        def predict(model: str, samples: int) -> float:
-            return self.latency.predictor(model, worker.worker_id)(samples)
+        def predict(model: str, units: float) -> float:
+            return self.latency.predictor(model, worker.worker_id)(units)
         return self.pool.busy_until(worker, now, predict)
 
     def _work_s(self, worker: WorkerState) -> float:
-        def predict(model: str, samples: int) -> float:
-            return self.latency.predictor(model, worker.worker_id)(samples)
+        def predict(model: str, units: float) -> float:
+            return self.latency.predictor(model, worker.worker_id)(units)
         return self.pool.work_s(worker, predict)
 
     def next_due(self, now: float) -> float | None:
@@ -538,25 +448,17 @@ class RequestPath(StreamPath):
         return min(due, default=None)
 
     # -- answers ------------------------------------------------------------
-    def _close(self, key: Key) -> bool:
-        """Mark a request answered; False if it already was (then send nothing)."""
-        if self._open.pop(key, None) is None:
-            return False
+    def _let_go(self, key: Key) -> None:
+        """A request was answered: what the streams and its tenant held of it goes."""
         if self.streams:
             self.streams.forget(key)
         self.tenancy.release(key)
-        rids = self._by_client.get(key[0])
-        if rids is not None:
-            rids.discard(key[1])
-            if not rids:
-                del self._by_client[key[0]]
-        return True
 
     def answer_error(self, entry: Entry, code: p.ErrorCode, message: str,
                      retry_after_s: float | None = None) -> None:
         if self.streams and self.streams.get(entry.key) is not None:
             self.metrics.stream_ended(entry.model, code.value)
-        if not self._close(entry.key):
+        if not self.ledger.close(entry.key):
             return
         self.stats.request_failed(entry.model, entry.version,
                                   max(0.0, self.clock() - entry.arrival_s))
@@ -579,7 +481,7 @@ class RequestPath(StreamPath):
         """Answer the ids a malformed message names, except those already in progress
         (an error sent for one of those would be taken as its answer)."""
         for rid in dict.fromkeys(ids):
-            if (client, rid) not in self._open:
+            if not self.ledger.is_open((client, rid)):
                 self.refuse(client, rid, code, message, model="")
 
     def fail_queued(self, model: str, code: p.ErrorCode, message: str) -> None:
@@ -592,7 +494,7 @@ class RequestPath(StreamPath):
         for batch_id in list(self.pool.inflight):
             rec = self.pool.finish(batch_id)
             if rec is not None:
-                self._fail_batch(rec, code, message)
+                self.fail_batch(rec, code, message)
 
     def reroute(self, name: str, gone: set[int]) -> None:
         """Queued requests for versions that left: unpinned ones follow the new default,

@@ -11,6 +11,12 @@ Order within a model's queue:
   4. earliest deadline first within a tenant, arrival order among equals.
 With one tenant (no tenants file) 3 is a no-op: the order is what it was before tenants.
 
+A batch takes its shape key (models/shapes.py: the non-batch dims, after any padding the
+config declares) from the first entry that order picks, and fills only from entries with
+the same key, in the same order: requests of another shape wait for the next batch, and
+no request is failed, or refused, for the shape of another. Time is predicted from units
+(rows x scale, a row's cost against the declared shape's), not rows alone.
+
 Shedding under overload takes the newest entry of the worst QoS class first
 (``shed_rank``: best_effort before burstable before guaranteed), lowest priority
 within a class.
@@ -48,6 +54,12 @@ class Entry:
     tenant: str = ""          # fair share unit within a priority
     weight: float = 1.0       # the tenant's share
     shed_rank: int = 0        # QoS class: the highest rank is shed first
+    shape: Hashable = None    # shape key: only equal keys share a batch
+    scale: float = 1.0        # a row's cost in units of the declared shape's
+
+    @property
+    def units(self) -> float:
+        return self.samples * self.scale
 
     def again(self) -> "Entry":
         """A fresh entry for the same request, to queue it again (a retry): the old one
@@ -55,7 +67,8 @@ class Entry:
         twice."""
         return Entry(self.key, self.model, self.priority, self.arrival_s, self.deadline_s,
                      self.samples, self.version, self.payload, tenant=self.tenant,
-                     weight=self.weight, shed_rank=self.shed_rank)
+                     weight=self.weight, shed_rank=self.shed_rank, shape=self.shape,
+                     scale=self.scale)
 
 
 @dataclass(frozen=True)
@@ -80,11 +93,12 @@ class Decision:
     doomed: list[Entry] = field(default_factory=list)  # cannot finish in time: answer now
 
 
-Predict = Callable[[int], float]
+Predict = Callable[[float], float]   # units (rows x scale) -> seconds
 
 
-def _no_latency(_: int) -> float:
+def _no_latency(_: float) -> float:
     return 0.0
+
 
 @dataclass
 class _Queue:
@@ -97,6 +111,7 @@ class _Queue:
     level_samples: dict[int, int] = field(default_factory=dict)
     count: int = 0
     samples: int = 0
+    units: float = 0.0
     # entries that left the queue but may still sit in fifo, arrivals or the levels'
     # heaps (they leave those lazily, from the ends only): compacted once they outnumber
     # the live ones, so memory follows the live queue at any load, not just when full
@@ -117,6 +132,7 @@ class _Queue:
         self.level_samples[e.priority] = self.level_samples.get(e.priority, 0) + e.samples
         self.count += 1
         self.samples += e.samples
+        self.units += e.units
 
     def _compact(self) -> None:
         """Drop answered entries from the middle of the arrival lists and heaps (they
@@ -131,10 +147,12 @@ class _Queue:
     def forget(self, e: Entry) -> None:
         self.count -= 1
         self.samples -= e.samples
+        self.units -= e.units
         self.level_samples[e.priority] -= e.samples
         self.levels[e.priority].forget(e)
         self.dead += 1
         if not self.count:  # empty: nothing of any request may stay behind
+            self.units = 0.0   # no float drift left over from the sums
             self.fifo.clear()
             self.arrivals.clear()
             self.level_samples.clear()
@@ -163,6 +181,10 @@ class _Queue:
             return sum(n for lvl, n in self.level_samples.items() if lvl <= priority)
         return sum(n for lvl, n in self.level_samples.items() if lvl < priority) \
             + self.levels[priority].ahead(tenant, weight, samples)
+
+    def scale(self) -> float:
+        """The mean scale of what is queued: the units of a batch not yet formed."""
+        return self.units / self.samples if self.samples > 0 else 1.0
 
     def oldest(self) -> Entry | None:
         while self.fifo and self.fifo[0].state != QUEUED:
@@ -276,6 +298,10 @@ class Scheduler:
         q = self._queues.get(model)
         return q.samples if q else 0
 
+    def queued_units(self, model: str) -> float:
+        q = self._queues.get(model)
+        return q.units if q else 0.0
+
     def queued(self, model: str) -> list[Entry]:
         """The model's live queued entries (for the lifecycle: re-route or fail them)."""
         q = self._queues.get(model)
@@ -303,9 +329,11 @@ class Scheduler:
         ahead = q.samples_at_or_above(priority, tenant, weight, samples)
         cap = q.policy.cap
         full, rest = divmod(ahead, cap)
+        scale = q.scale()
         # the last batch is a partial one: predicting it at full size refused requests
         # that had time
-        return (full * predict(cap) + (predict(rest) if rest else 0.0)) / max(workers, 1)
+        return (full * predict(cap * scale) + (predict(rest * scale) if rest else 0.0)) \
+            / max(workers, 1)
 
     # -- batch formation ----------------------------------------------------
     def take(self, model: str, now: float, predict: Predict = _no_latency,
@@ -340,24 +368,25 @@ class Scheduler:
         start = now if start_s is None else max(now, start_s)
         batch: list[Entry] = []
         doomed: list[Entry] = []
-        total, tightest, version = 0, math.inf, None
+        total, tightest, version, scale = 0, math.inf, None, 0.0
         for e in q.ordered(now):
             if e.deadline_s <= now:
                 continue  # expired: expire() answers it; never run it
-            if start + predict(e.samples) > e.deadline_s:
+            if start + predict(e.units) > e.deadline_s:
                 doomed.append(e)
                 continue
             v = resolve(e)
-            if v is None or (batch and v != version):
+            if v is None or (batch and (v != version or e.shape != batch[0].shape)):
                 continue
             if batch and total + e.samples > cap:
                 break
             tight = min(tightest, e.deadline_s)
-            if batch and start + predict(total + e.samples) > tight:
+            # a padded batch runs every row at its longest row's scale
+            if batch and start + predict((total + e.samples) * max(scale, e.scale)) > tight:
                 break
             batch.append(e)
             total += e.samples
-            tightest, version = tight, v
+            tightest, version, scale = tight, v, max(scale, e.scale)
             if total >= cap:
                 break
         for e in batch:
@@ -385,7 +414,7 @@ class Scheduler:
         head = next(q.ordered(now), None)
         tightest = min((e.deadline_s for e in q.fifo if e.state == QUEUED), default=math.inf)
         if head is not None and tightest != math.inf:
-            due = min(due, tightest - predict(min(q.samples, q.policy.cap)))
+            due = min(due, tightest - predict(min(q.samples, q.policy.cap) * q.scale()))
         return due
 
     def _wait_reason(self, q: _Queue, now: float, predict: Predict) -> str | None:
@@ -400,7 +429,7 @@ class Scheduler:
         if now >= oldest.arrival_s + pol.max_queue_delay_s:
             return DELAY
         tightest = min((e.deadline_s for e in q.fifo if e.state == QUEUED), default=math.inf)
-        if now + predict(min(q.samples, pol.cap)) >= tightest:
+        if now + predict(min(q.samples, pol.cap) * q.scale()) >= tightest:
             return DEADLINE
         return None
 

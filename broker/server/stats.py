@@ -3,7 +3,8 @@
 Measured where the work happens: the queue time by the broker (arrival to the batch
 being sent), the compute phases by the worker (``BatchResult.phases_ms``: input
 assembly, the model call, output encoding), the total by the broker (arrival to
-answer). Triton's counting: a request's queue and compute entries count once per
+answer). Response cache hits and misses as Triton counts them (:meth:`cache_hit`).
+Triton's counting: a request's queue and compute entries count once per
 request and carry the whole batch's phase times; ``batch_stats`` count batches per
 batch size (samples); ``inference_count`` counts samples, ``execution_count`` batches.
 Cumulative since the version was loaded (``forget`` when it leaves).
@@ -47,13 +48,16 @@ class VersionStats:
     queue: Stat = field(default_factory=Stat)
     compute: dict[str, Stat] = field(default_factory=lambda: {k: Stat() for k in PHASES})
     batches: dict[int, dict[str, Stat]] = field(default_factory=dict)
+    cache_hit: Stat = field(default_factory=Stat)
+    cache_miss: Stat = field(default_factory=Stat)
 
     def merge(self, other: "VersionStats") -> None:
         self.last_inference_ms = max(self.last_inference_ms, other.last_inference_ms)
         self.inference_count += other.inference_count
         self.execution_count += other.execution_count
         for mine, theirs in ((self.success, other.success), (self.fail, other.fail),
-                             (self.queue, other.queue)):
+                             (self.queue, other.queue), (self.cache_hit, other.cache_hit),
+                             (self.cache_miss, other.cache_miss)):
             mine.merge(theirs)
         for k in PHASES:
             self.compute[k].merge(other.compute[k])
@@ -108,6 +112,21 @@ class ModelStatistics:
         for k, s in phase_seconds(phases_ms, compute_ms).items():
             st.compute[k].add(s * count, count)
 
+    def cache_hit(self, model: str, version: int, lookup_s: float, total_s: float) -> None:
+        """A request answered from the response cache. As Triton counts one: in
+        ``success`` and ``queue`` (0 s), not in the compute times, ``inference_count`` or
+        ``execution_count``; ``cache_hit`` holds the lookup's time."""
+        st = self._of(model, version)
+        st.success.add(total_s)
+        st.queue.add(0.0)
+        st.cache_hit.add(lookup_s)
+        st.last_inference_ms = int(self._wall() * 1000)
+
+    def cache_miss(self, model: str, version: int, seconds: float, count: int = 1) -> None:
+        """A lookup that found nothing (``count`` 1), or the time to keep its answer once it
+        came (``count`` 0): Triton's ``cache_miss`` is the lookup's and the insert's time."""
+        self._of(model, version).cache_miss.add(seconds, count)
+
     def request_failed(self, model: str, version: int | None, total_s: float) -> None:
         self._of(model, version).fail.add(total_s)
 
@@ -136,7 +155,7 @@ class ModelStatistics:
         inference = {"success": st.success.json(), "fail": st.fail.json(),
                      "queue": st.queue.json(),
                      **{f"compute_{k}": st.compute[k].json() for k in PHASES},
-                     "cache_hit": Stat().json(), "cache_miss": Stat().json()}
+                     "cache_hit": st.cache_hit.json(), "cache_miss": st.cache_miss.json()}
         return {"name": model, "version": str(version),
                 "last_inference": st.last_inference_ms,
                 "inference_count": st.inference_count,

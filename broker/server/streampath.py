@@ -14,54 +14,60 @@ the worker closes the generator at its next yield once no item of the batch is l
 which frees its slot. The deadline bounds the first response only, and
 ``max_execution_ms`` the time between two responses (a generation may run long).
 
-This is a mixin of :class:`~zeroserve.broker.server.requests.RequestPath` (one
-object: the answers and the books are the same as for unary requests).
+The request path owns it and gives it the one answer ledger, so the books are the same
+as for unary requests; what is retried or failed whole goes back through the request
+path's public verbs (:class:`BatchAnswers`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker.server.streams import StreamState
-
-if TYPE_CHECKING:
-    from zeroserve.broker.server.catalog import Catalog
-    from zeroserve.broker.server.metrics import BrokerMetrics
-    from zeroserve.broker.server.pool import Inflight, WorkerPool, WorkerState
-    from zeroserve.broker.server.scheduler import Entry
-    from zeroserve.broker.server.stats import ModelStatistics
-    from zeroserve.broker.server.streams import Key, Streams
+from zeroserve.broker.server.catalog import Catalog
+from zeroserve.broker.server.ledger import AnswerLedger, Key
+from zeroserve.broker.server.metrics import BrokerMetrics
+from zeroserve.broker.server.pool import Inflight, WorkerPool, WorkerState
+from zeroserve.broker.server.scheduler import Entry
+from zeroserve.broker.server.stats import ModelStatistics
+from zeroserve.broker.server.streams import StreamState, Streams
 
 Parts = dict[bytes, list[p.StreamPart]]
 
 
+class BatchAnswers(Protocol):
+    """What the stream path asks of the request path for a whole batch or entry."""
+
+    def answer_error(self, entry: Entry, code: p.ErrorCode, message: str,
+                     retry_after_s: float | None = None) -> None: ...
+
+    def requeue(self, entries: list[Entry], why: str, now: float,
+                spend: bool = True) -> None: ...
+
+    def fail_batch(self, rec: Inflight, code: p.ErrorCode, message: str) -> None: ...
+
+
 class StreamPath:
-    if TYPE_CHECKING:   # what the request path provides
-        streams: Streams
-        pool: WorkerPool
-        catalog: Catalog
-        metrics: BrokerMetrics
-        stats: ModelStatistics
-        _reply: Callable[[bytes, list[Any]], bool]
-
-        def _close(self, key: Key) -> bool: ...
-
-        def answer_error(self, entry: Entry, code: p.ErrorCode, message: str,
-                         retry_after_s: float | None = None) -> None: ...
-
-        def _requeue(self, entries: list[Entry], why: str, now: float) -> None: ...
-
-        def _fail_batch(self, rec: Inflight, code: p.ErrorCode, message: str) -> None: ...
+    def __init__(self, streams: Streams, pool: WorkerPool, catalog: Catalog,
+                 metrics: BrokerMetrics, stats: ModelStatistics, ledger: AnswerLedger,
+                 reply: Callable[[bytes, list[Any]], bool], answers: BatchAnswers) -> None:
+        self.streams = streams
+        self.pool = pool
+        self.catalog = catalog
+        self.metrics = metrics
+        self.stats = stats
+        self.ledger = ledger
+        self._reply = reply
+        self._answers = answers
 
     # -- dispatch -------------------------------------------------------------
-    def streams_started(self, rec: "Inflight") -> None:
+    def streams_started(self, rec: Inflight) -> None:
         for item, entry in rec.entries.items():
             self.streams.started(entry.key, StreamState(
                 rec.batch_id, item, rec.worker, entry.deadline_s, rec.model, entry.arrival_s))
 
     # -- responses ------------------------------------------------------------
-    def on_partial(self, worker: "WorkerState", header: dict[str, Any], bufs: Sequence[Any],
+    def on_partial(self, worker: WorkerState, header: dict[str, Any], bufs: Sequence[Any],
                    now: float) -> None:
         batch_id = p.result_batch_id(header)
         rec = self.pool.inflight.get(batch_id)
@@ -71,7 +77,7 @@ class StreamPath:
             msg = p.decode_partial(header, bufs)
         except p.ProtocolError as exc:
             items = list(rec.entries)
-            self._fail_batch(rec, p.ErrorCode.INTERNAL,
+            self._answers.fail_batch(rec, p.ErrorCode.INTERNAL,
                              f"worker sent a malformed response: {exc}")
             self.pool.stop(rec.worker, batch_id, items)
             raise
@@ -88,7 +94,7 @@ class StreamPath:
             self._respond(out, rec, entry, part.final, part.tensors, now)
         self._send_parts(rec.model, out)
 
-    def stream_result(self, worker: "WorkerState", rec: "Inflight", result: p.BatchResult,
+    def stream_result(self, worker: WorkerState, rec: Inflight, result: p.BatchResult,
                       now: float) -> None:
         """The generator ended (or raised): each stream still open ends now."""
         self.metrics.batch_done(rec.model, rec.samples, result.compute_ms / 1000.0,
@@ -97,10 +103,10 @@ class StreamPath:
                               result.compute_ms)
         if result.error is not None:
             if result.retry:
-                self._requeue(list(rec.entries.values()), result.error, now)
+                self._answers.requeue(list(rec.entries.values()), result.error, now)
             else:
                 code = p.ErrorCode.DEADLINE if result.expired else p.ErrorCode.MODEL_ERROR
-                self._fail_batch(rec, code, result.error)
+                self._answers.fail_batch(rec, code, result.error)
             return
         out: Parts = {}
         for entry in rec.entries.values():   # what the model never marked final
@@ -108,7 +114,7 @@ class StreamPath:
         rec.entries.clear()
         self._send_parts(rec.model, out)
 
-    def _respond(self, out: Parts, rec: "Inflight", entry: "Entry", final: bool,
+    def _respond(self, out: Parts, rec: Inflight, entry: Entry, final: bool,
                  tensors: Sequence[p.Tensor], now: float) -> None:
         state = self.streams.get(entry.key)
         if state is None or state.batch_id != rec.batch_id:
@@ -119,7 +125,7 @@ class StreamPath:
         pl = entry.payload
         stats: dict[str, float] = {}
         if final:
-            if not self._close(entry.key):
+            if not self.ledger.close(entry.key):
                 return
             queue_s, total_s = rec.sent_s - entry.arrival_s, now - entry.arrival_s
             self.metrics.requests_done(rec.model, rec.version, (total_s,))
@@ -138,7 +144,7 @@ class StreamPath:
             self.metrics.stream_responses_sent(model, len(parts))
 
     # -- ended early ----------------------------------------------------------
-    def stop_stream(self, key: "Key", code: p.ErrorCode, message: str) -> bool:
+    def stop_stream(self, key: Key, code: p.ErrorCode, message: str) -> bool:
         """Answer a running stream now and stop it at its worker; False if it is not
         running (then there is nothing to stop)."""
         state = self.streams.get(key)
@@ -149,7 +155,7 @@ class StreamPath:
         if entry is None:
             self.streams.forget(key)
             return False
-        self.answer_error(entry, code, message)
+        self._answers.answer_error(entry, code, message)
         self.pool.stop(state.worker, state.batch_id, [state.item])
         return True
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 
-Key = tuple[bytes, str]
+from zeroserve.broker.server.types import RequestKey
+
+Key = RequestKey
 
 
 class StreamState:

@@ -19,6 +19,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
+from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import ModelConfig, RepoModel
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class Swaps:
         for w in workers:
             swap.workers.add(w.identity)
             for v in sorted(swap.changed):
-                if self.catalog.unretire((w.identity, cfg.name, v)):
+                if self.pool.unretire(w, ModelVersion(cfg.name, v)):
                     self.pool.unload(w, cfg.name, v)   # loaded again before it went
                 swap.waiting.add((w.identity, v))
                 self._load(w, p.LoadModel(cfg.name, v, str(swap.repo.path / str(v)),
@@ -112,19 +113,17 @@ class Swaps:
         if swap is None or (worker.identity, version) not in swap.waiting:
             return False
         swap.waiting.discard((worker.identity, version))
-        worker.loading.discard((name, version))
-        key = f"{name}/{version}"
+        key = ModelVersion(name, version)
         if not msg.ok:
-            worker.load_errors[key] = msg.error
+            self.pool.failed(worker, key, msg.error)
             self.metrics.model_loaded(name, False, 0.0)
             self._fail(swap, f"worker {worker.worker_id} failed to load {key}: {msg.error}")
             return True
         self.metrics.model_loaded(name, True, msg.load_s)
-        worker.load_errors.pop(key, None)
         if msg.sha256 != swap.shas[version]:
             self._exclude(swap, worker, version, msg.sha256)
         else:
-            worker.add_loaded(name, version)
+            self.pool.loaded(worker, key)
             swap.loaded.add((worker.identity, version))
         self._maybe_finish(swap)
         return True
@@ -133,7 +132,7 @@ class Swaps:
         why = (f"sha256 {sha[:12]} differs from the repository's "
                f"{swap.shas[version][:12]}: kept out of the swap")
         logger.error("worker %s loaded %s/%d: %s", worker.worker_id, swap.name, version, why)
-        worker.load_errors[f"{swap.name}/{version}"] = why
+        self.pool.failed(worker, ModelVersion(swap.name, version), why)
         swap.excluded.add(worker.identity)
         swap.workers.discard(worker.identity)
         swap.waiting = {(i, v) for i, v in swap.waiting if i != worker.identity}
@@ -172,7 +171,7 @@ class Swaps:
         gone: set[int] = set()
         for w in workers:
             for v in w.versions_of(name) - served:
-                self.catalog.retire(w, name, v)
+                self.pool.retire(w, ModelVersion(name, v))
                 gone.add(v)
         if replaced and swap.changed:
             self.metrics.swaps.labels(name).inc()
@@ -192,7 +191,7 @@ class Swaps:
         for identity, v in swap.loaded:
             w = self.pool.workers.get(identity)
             if w is not None and v not in served:
-                self.catalog.retire(w, name, v)
+                self.pool.retire(w, ModelVersion(name, v))
         logger.error("model %s: swap to version(s) %s failed; %s: %s", name,
                      sorted(swap.changed),
                      f"version(s) {sorted(served)} keep serving" if served else "not served",

@@ -7,6 +7,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from zeroserve.models import formats
 from zeroserve.models.proto import grpc_service_pb2 as pb
 from zeroserve.models.proto import model_config_pb2 as mc
 
@@ -16,18 +17,13 @@ DATA_TYPES = {"BOOL": mc.TYPE_BOOL, "UINT8": mc.TYPE_UINT8, "UINT16": mc.TYPE_UI
               "INT16": mc.TYPE_INT16, "INT32": mc.TYPE_INT32, "INT64": mc.TYPE_INT64,
               "FP16": mc.TYPE_FP16, "FP32": mc.TYPE_FP32, "FP64": mc.TYPE_FP64,
               "BYTES": mc.TYPE_STRING, "BF16": mc.TYPE_BF16}
-# zeroserve's platform -> (Triton's platform, backend)
-PLATFORMS = {"pytorch_torchscript": ("pytorch_libtorch", "pytorch"),
-             "pytorch_libtorch": ("pytorch_libtorch", "pytorch"),
-             "pytorch_export": ("pytorch_export", "pytorch"),
-             "python": ("", "python")}
 
 
 def model_config(doc: dict[str, Any]) -> Any:
     """A ModelConfig from a model's ``config.json`` (as the broker's ``config`` verb
     answers it): what Triton's fields can say; zeroserve's own (traffic, warmup,
     aging, ...) stay in HTTP's ``GET .../config``."""
-    platform, backend = PLATFORMS.get(doc.get("platform", ""), (doc.get("platform", ""), ""))
+    platform, backend = formats.triton_names(str(doc.get("platform", "")))
     cfg = mc.ModelConfig(name=doc.get("name", ""), platform=platform, backend=backend,
                          max_batch_size=int(doc.get("max_batch_size") or 0))
     for spec in doc.get("inputs") or ():
@@ -43,6 +39,7 @@ def model_config(doc: dict[str, Any]) -> Any:
     cfg.instance_group.add(count=count, kind=mc.ModelInstanceGroup.KIND_AUTO)
     policy = doc.get("model_transaction_policy") or {}
     cfg.model_transaction_policy.decoupled = bool(policy.get("decoupled", False))
+    cfg.response_cache.enable = bool((doc.get("response_cache") or {}).get("enable", False))
     return cfg
 
 

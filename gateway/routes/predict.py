@@ -1,6 +1,7 @@
 """The seed's path-prefix predict routes and TorchServe-compatible routes.
 
-    POST /models/{name}/predict, POST /models/{name}/{version}/predict
+    POST /models/{name}/predict, POST /models/{name}/{version}/predict (the version
+    written "2" or, as the seed writes it, "v2")
     POST /predictions/{name}, POST /predictions/{name}/{version}, GET /ping
 
 Both take simple JSON (see gateway/simple.py); the datatypes come from the model's
@@ -56,11 +57,12 @@ class ModelInfoCache:
         return info
 
 
-def _version(raw: str | None) -> int | None:
-    """A path version: "3", or TorchServe's "3.0"."""
+def _version(raw: str | None, prefix: str = "") -> int | None:
+    """A path version: "3", TorchServe's "3.0", or with ``prefix`` "v" the seed's "v3"."""
     if raw is None:
         return None
-    text = raw[:-2] if raw.endswith(".0") else raw
+    text = raw[len(prefix):] if prefix and raw.startswith(prefix) else raw
+    text = text[:-2] if text.endswith(".0") else text
     if not text.isdigit() or not 1 <= int(text) <= MAX_INT:
         raise BadRequest(f"version must be a positive integer, got {raw!r}")
     return int(text)
@@ -76,7 +78,7 @@ class SimpleRoutes:
         self.max_body_bytes = max_body_bytes
         self.infos = ModelInfoCache(facade.control)
 
-    async def _serve(self, request: Request, handler: Handler) -> Response:
+    async def _serve(self, request: Request, handler: Handler, prefix: str = "") -> Response:
         """Everything the two route families share: the door, body, JSON, metadata."""
         inference = self.inference
         accepted = inference.enter()
@@ -85,7 +87,7 @@ class SimpleRoutes:
             inference.check_priority(header_int(request, "x-priority"),
                                      header_int(request, "x-timeout-ms") > 0)
             name = request.path_params["name"]
-            version = _version(request.path_params.get("version"))
+            version = _version(request.path_params.get("version"), prefix)
             body = await read_body(request, self.max_body_bytes)
             try:
                 doc = orjson.loads(body)
@@ -106,7 +108,7 @@ class SimpleRoutes:
             outputs=outputs, api_key=api_key_of(request.headers))
 
     async def predict(self, request: Request) -> Response:
-        return await self._serve(request, self._predict)
+        return await self._serve(request, self._predict, prefix="v")
 
     async def _predict(self, request: Request, doc: Any, info: simple.ModelInfo,
                        version: int | None, accepted: float) -> Response:

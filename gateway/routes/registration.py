@@ -57,12 +57,15 @@ class Registration:
             raise BadRequest(f"body is not valid JSON: {exc}") from None
         if not isinstance(doc, dict):
             raise BadRequest("body must be a JSON object with name, platform, "
-                             "model_path, inputs (or input_shape) and outputs")
+                             "model_path, inputs (or input_shape) and optionally outputs")
         job = await self.admin.control("register", body=doc)
         status = await self._follow(str(job["token"]))
         if status["state"] == "published":
+            # inputs and outputs as published: what a trial load found, where the body
+            # left them out
             return json_response({"name": status["name"], "versions": status["versions"],
-                                  "state": "published"}, 201,
+                                  "state": "published", "inputs": status.get("inputs", []),
+                                  "outputs": status.get("outputs", [])}, 201,
                                  {"Location": f"/v1/models/{status['name']}"})
         code = 422 if status["kind"] == "load" else 400
         if status["kind"] == "publish":

@@ -187,6 +187,7 @@ def refused_count(endpoint: str, socket: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+@pytest.mark.slow   # waits out 1 s connect bounds
 def test_only_authorized_keys_get_through_and_the_others_hear_why(tmp_path: Path) -> None:
     with curve_broker(tmp_path) as (_, ep, keys):
         with Client(ep.frontend, curve_keys=client_keys(keys, "client")) as c:

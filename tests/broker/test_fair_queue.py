@@ -8,6 +8,7 @@ from collections import Counter
 
 from hypothesis import given, settings, strategies as st
 
+from tests.conftest import examples
 from zeroserve.broker.server.scheduler import Entry, Policy, Scheduler
 
 # long-run shares match weights within this (absolute, of the total served): with
@@ -74,7 +75,7 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     assert order[:4].count("b") == 2
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(weights=st.lists(st.floats(0.25, 8.0), min_size=2, max_size=5),
        sizes=st.lists(st.integers(1, 4), min_size=5, max_size=5),
        seed=st.integers(0, 1000))
@@ -101,7 +102,7 @@ def test_long_run_shares_match_weights(weights: list[float], sizes: list[int],
         assert abs(served[t] / total - want) <= SHARE_TOLERANCE + 4 / total, (t, served)
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(weights=st.lists(st.floats(0.01, 100.0), min_size=2, max_size=6),
        flood=st.integers(50, 400))
 def test_no_tenant_starves(weights: list[float], flood: int) -> None:

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.client import Client, ErrorCode, InferError
-from tests.conftest import ZEROSERVE, Server, http, linear_config, short_tmpdir, wait_for, \
-    write_model
+from tests.conftest import ZEROSERVE, Server, examples, http, linear_config, short_tmpdir, \
+    wait_for, write_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -118,7 +118,7 @@ def test_a_corpus_of_malformed_frames_ends_nothing(server: Server, socket_name: 
     assert broker_pid(server) == pid
 
 
-@settings(max_examples=60, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(60), suppress_health_check=list(HealthCheck))
 @given(header=st.dictionaries(
     st.sampled_from(["v", "id", "model", "version", "priority", "timeout_ms", "tensors",
                      "outputs", "verb", "args", "reason", "worker_id", "credits", "models",

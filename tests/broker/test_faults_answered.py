@@ -165,6 +165,9 @@ def healthy(rig: tuple[Broker, Worker]) -> Iterator[tuple[Broker, Worker]]:
     assert kind is p.Kind.REPLY
     census = broker.call("census")
     assert not any(census.values()), census
+    # apart from the census: the response cache keeps answers for good, within its bound
+    cache = broker.call("response_cache")
+    assert cache["bytes"] <= cache["bound_bytes"], cache
     assert broker.rss_bytes() < rss + (40 << 20), (rss, broker.rss_bytes())
 
 

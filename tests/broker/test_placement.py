@@ -10,6 +10,7 @@ from pathlib import Path
 from tests.broker.rig import BrokerRig
 from tests.conftest import linear_config
 from zeroserve.broker import protocol as p
+from zeroserve.broker.server.types import ModelVersion
 
 MB = 1_000_000
 WEIGHTS = (1000 * 1000 + 1000) * 4      # nn.Linear(1000, 1000): 4.0 MB
@@ -34,7 +35,7 @@ def test_a_version_that_does_not_fit_on_a_gpu_is_refused_before_it_loads(tmp_pat
     rig.now += 0.01
     assert rig.b.lifecycle.next_due() == rig.now   # the refusal is answered on the next tick
     rig.b.tick(rig.now)
-    assert w.load_errors == {"m/1": why} and not w.loading and not w.loaded
+    assert w.load_errors == {ModelVersion("m", 1): why} and not w.loading and not w.loaded
     assert rig.b.catalog.failures["m"]["error"] == why
     assert 'zeroserve_memory_refusals_total{device="cuda:0",model="m"} 1.0' \
         in rig.b.metrics.render()

@@ -8,9 +8,10 @@ that a CPU worker gets its second batch only once half a batch is queued
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.bench.simcluster import SimCluster, write_repo
-from zeroserve.broker.server.requests import CPU_PREFETCH_FRACTION, PREFETCH_S
+from zeroserve.broker.server.dispatchgate import CPU_PREFETCH_FRACTION, PREFETCH_S
 
 
 def held_at_worker(a_s: float, rate: float, mixed: bool = True,
@@ -48,6 +49,7 @@ def test_with_one_priority_long_batches_are_pipelined_too() -> None:
     assert sum(h > 0 for h in held) > len(held) / 4
 
 
+@pytest.mark.slow   # a simulated 2,500 requests/s
 def test_short_batches_are_pipelined_to_hide_the_hop() -> None:
     held = held_at_worker(a_s=0.001, rate=2500)     # 2.6 ms a batch of 8
     assert 0.001 < PREFETCH_S

@@ -154,6 +154,19 @@ def test_typed_messages_round_trip_and_name_a_bad_field():
         p.decode(p.Disconnect, {"reason": "because"})
 
 
+def test_a_trial_loads_discovery_travels_and_an_older_peer_reads_none():
+    """A registration's trial LOAD says what to find; LOADED carries the config found.
+    Both fields are optional, so a peer of the same protocol without them decodes."""
+    msg = p.LoadModel("m", 1, "/r/.register-m/1", {"name": "m"},
+                      discover={"datatypes": ["input_ids"]})
+    assert p.decode(p.LoadModel, p.unpack(p.encode(msg))[1]) == msg
+    found = p.ModelLoaded("m", 1, True, config={"name": "m", "outputs": []})
+    header = p.unpack(p.encode(found))[1]
+    assert p.decode(p.ModelLoaded, header) == found
+    older = {k: v for k, v in header.items() if k != "config"}
+    assert p.decode(p.ModelLoaded, older).config == {}
+
+
 @given(st.sampled_from(p.MESSAGES),
        st.dictionaries(st.sampled_from(["id", "model", "version", "ok", "reason", "verb",
                                         "args", "models", "credits", "interval_s", "drain"]),

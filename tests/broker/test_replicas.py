@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tests.bench.simcluster import SimCluster, write_repo
 
@@ -29,6 +30,7 @@ def cluster(instances: dict[str, Any], workers: int = 4, **kw: Any
     return SimCluster(repo, workers, a_s=0.010, c_s=0.001, load_s=0.5, **kw), repo
 
 
+@pytest.mark.slow   # 30 simulated seconds of load
 def test_burst_scales_up_then_down_and_every_request_is_answered() -> None:
     sim, repo = cluster({"min": 1, "max": 4})
     counts: list[tuple[float, int]] = []
@@ -54,6 +56,7 @@ def test_burst_scales_up_then_down_and_every_request_is_answered() -> None:
         sim.close(repo)
 
 
+@pytest.mark.slow   # 8 simulated seconds of load
 def test_no_worker_with_memory_holds_and_says_which_lacks_how_much() -> None:
     # every worker holds "filler" (1 GB); only sim/0 has room for "m" (1 GB) beside it
     sim, repo = cluster({"min": 1, "max": 4}, more={"filler": {}},
@@ -84,6 +87,7 @@ def test_unbounded_models_stay_on_every_worker() -> None:
         sim.close(repo)
 
 
+@pytest.mark.slow   # 6 simulated seconds of load
 def test_fixed_count_places_exactly_that_many() -> None:
     sim, repo = cluster({"count": 2})
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -21,8 +22,9 @@ from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Loss, WorkerPool
 from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
+from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import RepoModel, parse_config
-from tests.conftest import linear_config
+from tests.conftest import examples, linear_config
 
 
 class Harness:
@@ -238,7 +240,7 @@ class RequestsAndWorkers(RuleBasedStateMachine):
 
 
 TestRequestsAndWorkers = RequestsAndWorkers.TestCase
-TestRequestsAndWorkers.settings = settings(max_examples=400, stateful_step_count=50)
+TestRequestsAndWorkers.settings = settings(max_examples=examples(400), stateful_step_count=50)
 
 
 def test_requests_for_unknown_models_count_under_one_series() -> None:
@@ -262,16 +264,17 @@ def test_holds_follows_what_a_worker_loads_and_unloads() -> None:
     h.worker("w0")
     w = h.pool.get(b"w0")
     assert w is not None and w.holds("m") and w.holds("m", 1) and not w.holds("m", 2)
-    w.add_loaded("m", 2)
+    h.pool.loaded(w, ModelVersion("m", 2))
     assert w.versions_of("m") == {1, 2} and ("m", 2) in w.loaded
     h.pool.unload(w, "m", 1)
     assert w.versions_of("m") == {2} and w.holds("m") and not w.holds("m", 1)
-    w.discard_loaded("m", 2)
+    h.pool.retire(w, ModelVersion("m", 2))
     assert not w.holds("m") and not w.loaded and h.pool.holders("m") == []
     h.request("a")
     assert h.codes() == {"a": "no_worker"}
 
 
+@pytest.mark.slow   # a soak: 20,000 requests
 def test_twenty_thousand_requests_leave_nothing_behind() -> None:
     """The broker kept every request it ever queued: the shed order's arrival lists were
     compacted only when the queue was full, so under ordinary load they grew by one entry

@@ -4,6 +4,7 @@ import math
 
 from hypothesis import given, settings, strategies as st
 
+from tests.conftest import examples
 from zeroserve.broker.server.scheduler import DEADLINE, DELAY, FULL, IDLE, Entry, Policy, Scheduler
 
 
@@ -169,7 +170,7 @@ ops = st.lists(st.one_of(
 ), max_size=120)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(ops, st.integers(1, 16), st.sampled_from([0.0, 0.003]), st.integers(2, 20),
        st.floats(0.0, 0.002))
 def test_properties(ops, mbs, delay, qsize, per_sample):

@@ -181,7 +181,7 @@ class Harness:
         _, header, bufs = frames_of(p.encode_partial(msg))
         worker = self.pool.get(identity)
         assert worker is not None
-        self.path.on_partial(worker, header, bufs, self.now)
+        self.path.streaming.on_partial(worker, header, bufs, self.now)
 
     def end(self, identity: bytes, batch: p.Batch, error: str | None = None) -> None:
         _, header, bufs = frames_of(p.encode_result(p.BatchResult(batch.batch_id, [], 5.0,
@@ -349,13 +349,14 @@ def test_a_malformed_partial_fails_the_batch_and_stops_it() -> None:
     assert worker is not None
     header = {"v": 2, "id": batch.batch_id, "parts": [["0", "yes", []]]}
     with pytest.raises(p.ProtocolError):
-        h.path.on_partial(worker, header, [], h.now)
+        h.path.streaming.on_partial(worker, header, [], h.now)
     assert h.stops() == [p.Stop(batch.batch_id, ["0"])]
     h.partial(w, batch, [("0", True)])   # whatever follows is dropped
     h.end(w, batch)
     assert h.answers() == {"a": [("error", "internal")]} and h.empty()
     raw = msgpack.packb({"v": 2, "id": 999, "parts": []})
-    h.path.on_partial(worker, msgpack.unpackb(raw), [], h.now)   # an unknown batch: dropped
+    # an unknown batch: dropped
+    h.path.streaming.on_partial(worker, msgpack.unpackb(raw), [], h.now)
 
 
 def test_max_execution_bounds_the_time_between_responses() -> None:

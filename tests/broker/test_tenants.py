@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from tests.conftest import examples
 from zeroserve.broker.server.tenants import TenantsError, TokenBucket, load, new_key, parse, \
     with_key, write_atomically
 
@@ -86,7 +87,7 @@ def test_add_key_edits_the_text_and_keeps_comments(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(rate=st.floats(0.5, 1000), burst=st.floats(1, 100),
        gaps=st.lists(st.floats(0, 0.5), min_size=1, max_size=200),
        sizes=st.lists(st.integers(1, 5), min_size=200, max_size=200))

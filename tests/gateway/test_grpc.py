@@ -323,3 +323,14 @@ def test_threads_share_one_client(gc: tg.InferenceServerClient) -> None:
     for t in threads:
         t.join(60)
     assert shapes == [(3, 3)] * 20
+
+
+def test_the_model_config_message_carries_response_cache() -> None:
+    from tests.conftest import linear_config
+    from zeroserve.gateway.grpc import messages
+    from zeroserve.models.repository import parse_config
+
+    doc = parse_config(linear_config("m", response_cache={"enable": True}), "t").to_json()
+    assert messages.model_config(doc).response_cache.enable
+    assert not messages.model_config(parse_config(linear_config("m"), "t").to_json()) \
+        .response_cache.enable

@@ -42,6 +42,16 @@ def test_seed_predict_batched_single_and_pinned(api_server):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("version", ["1", "v1", "2", "v2"])
+def test_seed_predict_takes_the_version_as_the_seed_writes_it(api_server, version):
+    """The seed's path is /models/resnet50/v2/predict; Triton-style clients send 2."""
+    status, _, doc = post(api_server, f"/models/linear/{version}/predict",
+                          {"inputs": {"input": X.tolist()}})
+    n = int(version.lstrip("v"))
+    assert status == 200 and doc["model_version"] == n, doc
+    np.testing.assert_allclose(doc["outputs"]["output"], expected(api_server, n, X), atol=1e-5)
+
+
 def test_priority_header_reaches_the_broker(api_server):
     before = queued_count(api_server, "linear", 1)
     for path in ("/models/linear/predict", "/predictions/linear"):
@@ -65,6 +75,10 @@ def test_seed_predict_half_precision_and_headers(api_server):
     ("/models/nope/predict", {"inputs": {"input": [1, 2, 3, 4]}}, {}, 404, "unknown model"),
     ("/models/linear/9/predict", {"inputs": {"input": [1, 2, 3, 4]}}, {}, 404, "version 9"),
     ("/models/linear/x/predict", {"inputs": {"input": [1, 2, 3, 4]}}, {}, 400, "version"),
+    ("/models/linear/v9/predict", {"inputs": {"input": [1, 2, 3, 4]}}, {}, 404, "version 9"),
+    ("/models/linear/vx/predict", {"inputs": {"input": [1, 2, 3, 4]}}, {}, 400, "'vx'"),
+    ("/models/linear/v0/predict", {"inputs": {"input": [1, 2, 3, 4]}}, {}, 400, "'v0'"),
+    ("/models/linear/V2/predict", {"inputs": {"input": [1, 2, 3, 4]}}, {}, 400, "'V2'"),
     ("/models/linear/predict", {"inputs": {"wrong": [1, 2, 3, 4]}}, {}, 400, "'wrong'"),
     ("/models/linear/predict", {"inputs": {"input": [1, 2, 3]}}, {}, 400, "shape"),
     ("/models/linear/predict", {"inputs": {"input": ["a", "b", "c", "d"]}}, {}, 400, "FP32"),

@@ -9,6 +9,7 @@ import tritonclient.http as triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import examples
 from zeroserve.broker import protocol as p
 from zeroserve.gateway import simple, v2
 
@@ -104,7 +105,7 @@ body_like = st.fixed_dictionaries({}, optional={
                         max_size=2) | json_values})
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(doc=body_like | json_values)
 def test_any_json_body_is_decoded_or_refused_with_a_decode_error(doc):
     try:
@@ -115,7 +116,7 @@ def test_any_json_body_is_decoded_or_refused_with_a_decode_error(doc):
         assert t.meta.datatype in p.DTYPES
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(doc=body_like | json_values)
 def test_any_json_body_fits_the_simple_codecs_or_is_refused(doc):
     info = simple.ModelInfo({"input": ("FP32", 2), "text": ("BYTES", 2)}, ["output"], True)

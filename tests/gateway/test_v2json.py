@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from zeroserve.broker import protocol as p
 from zeroserve.gateway import v2, v2json
-from tests.conftest import http
+from tests.conftest import examples, http
 from tests.gateway.test_v2 import body_like, json_values
 
 pytestmark = pytest.mark.timeout(180)
@@ -293,7 +293,7 @@ def tensor_data(draw: st.DrawFn) -> tuple[list[int], Any]:
     return dims, data
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400))
 @given(datatype=st.sampled_from(NUMERIC + ["BOOL", "BYTES"]), dims_data=tensor_data(),
        shape=st.none() | st.lists(st.integers(0, 4), max_size=3))
 def test_the_new_decode_and_the_old_agree_on_any_data(datatype, dims_data, shape):
@@ -305,7 +305,7 @@ def test_the_new_decode_and_the_old_agree_on_any_data(datatype, dims_data, shape
           else "the old way")
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(doc=body_like | json_values, escaped=st.booleans())
 def test_any_document_reads_as_orjson_reads_it(doc, escaped):
     try:   # \u-escaped (NULs, '[' as \u005b...) or raw UTF-8

@@ -39,6 +39,7 @@ def test_archive_tensor_bytes_are_the_loaded_parameters_and_buffers(tmp_path: Pa
     assert archive_tensor_bytes(vdir / "model.pt") == module_bytes(vdir / "model.pt") > 0
 
 
+@pytest.mark.slow   # torch.export takes seconds
 def test_a_torch_export_archive_is_read_too(tmp_path: Path) -> None:
     import torch
 

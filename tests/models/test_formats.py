@@ -137,6 +137,7 @@ def test_bytes_tensors_reach_a_handler_as_object_arrays(tmp_path: Path) -> None:
     loaded.release()
 
 
+@pytest.mark.slow   # a process's first torch.export takes seconds
 def test_torch_export_program_loads_and_serves(tmp_path: Path) -> None:
     torch.manual_seed(0)
     module = torch.nn.Linear(4, 3).eval()

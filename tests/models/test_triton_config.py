@@ -176,3 +176,11 @@ def test_an_override_of_a_model_without_a_stored_config_must_be_whole(tmp_path) 
     raw = triton_config.overridden(tmp_path / "m", {"max_batch_size": 4})
     with pytest.raises(ConfigError, match="field 'platform'"):
         parse_config(raw, "<override>", "m")
+
+
+def test_response_cache_is_read_not_ignored(tmp_path: Path, caplog) -> None:
+    folder = model_dir(tmp_path, FULL + "response_cache { enable: true }\n")
+    with caplog.at_level(logging.WARNING, "zeroserve.models.triton_config"):
+        cfg = load_config(folder)
+    assert cfg == parse_config({**SAME_AS_JSON, "response_cache": {"enable": True}}, "<json>")
+    assert not [r for r in caplog.records if "field 'response_cache'" in r.getMessage()]

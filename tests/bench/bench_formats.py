@@ -1,0 +1,157 @@
+"""The same model as TorchScript, exported program and AOTInductor package, in process:
+ms per call at batch 1, 16 and 64, each format loaded by zeroserve's loader (what a
+worker runs), the calls interleaved round by round so a busy host slows all alike.
+
+    python tests/bench/bench_formats.py [--rounds N] [--threads N] [--no-bert]
+
+mlp is the bundled example (models/examples.py, as the shared make_models.py builds it);
+bert is BERT-mini (WORKLOADS: hidden 256, 4 layers, 4 heads, random weights, seed 0),
+inputs input_ids and attention_mask INT64 of 16 tokens, run when `transformers` is
+installed. Compiling the packages takes a minute or more; it is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.export import Dim
+
+from zeroserve.models.examples import make_mlp
+from zeroserve.models.loader import LoadedModel, load
+from zeroserve.models.repository import ModelConfig, parse_config
+from zeroserve.workers.compile import compile_package
+from zeroserve.workers.memory import rss_bytes
+
+BATCHES = (1, 16, 64)
+FORMATS = ("torchscript", "export", "aoti")
+TOKENS = 16
+
+
+def mlp() -> tuple[torch.nn.Module, dict[str, Any], Callable[[int], tuple[torch.Tensor, ...]]]:
+    torch.manual_seed(0)
+    config = {"name": "mlp", "max_batch_size": 64,
+              "inputs": [{"name": "input", "datatype": "FP32", "shape": [256]}],
+              "outputs": [{"name": "output", "datatype": "FP32", "shape": [10]}]}
+    return make_mlp().eval(), config, lambda b: (torch.randn(b, 256),)
+
+
+class BertOutputs(torch.nn.Module):
+    def __init__(self, bert: torch.nn.Module) -> None:
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        out = self.bert(input_ids=input_ids, attention_mask=attention_mask)
+        return out[0], out[1]
+
+
+def bert() -> tuple[torch.nn.Module, dict[str, Any], Callable[[int], tuple[torch.Tensor, ...]]]:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=256, num_hidden_layers=4,
+                     num_attention_heads=4, intermediate_size=1024,
+                     max_position_embeddings=512, torchscript=True)
+    config = {"name": "bert", "max_batch_size": 64,
+              "inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [-1]},
+                         {"name": "attention_mask", "datatype": "INT64", "shape": [-1]}],
+              "outputs": [{"name": "last_hidden_state", "datatype": "FP32", "shape": [-1, 256]},
+                          {"name": "pooler_output", "datatype": "FP32", "shape": [256]}]}
+
+    def inputs(b: int) -> tuple[torch.Tensor, ...]:
+        return (torch.randint(0, 30522, (b, TOKENS)), torch.ones(b, TOKENS, dtype=torch.long))
+    return BertOutputs(BertModel(cfg)).eval(), config, inputs
+
+
+def build(root: Path, module: torch.nn.Module, config: dict[str, Any],
+          inputs: Callable[[int], tuple[torch.Tensor, ...]]) -> dict[str, LoadedModel]:
+    """The three files, each in its own version folder, loaded by zeroserve's loader."""
+    sample = inputs(2)
+    dirs = {f: root / f / "1" for f in FORMATS}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+    with torch.no_grad():
+        torch.jit.save(torch.jit.trace(module, sample), str(dirs["torchscript"] / "model.pt"))
+    batch = Dim("batch", min=1, max=config["max_batch_size"])
+    shapes = tuple({0: batch, **{i + 1: Dim.DYNAMIC for i, d in enumerate(s["shape"])
+                                 if d == -1}} for s in config["inputs"])
+    program = torch.export.export(module, sample, dynamic_shapes=shapes, strict=False)
+    torch.export.save(program, str(dirs["export"] / "model.pt2"))
+    cfg = parse_config({**config, "platform": "pytorch_export"}, "bench")
+    start = time.monotonic()
+    compile_package(dirs["export"] / "model.pt2", cfg, dirs["aoti"] / "model.pt2")
+    print(f"  {config['name']}: AOTInductor package compiled in {time.monotonic() - start:.0f}s",
+          file=sys.stderr)
+    configs: dict[str, ModelConfig] = {
+        "torchscript": parse_config({**config, "platform": "pytorch_torchscript"}, "bench"),
+        "export": cfg, "aoti": cfg}
+    return {f: load(configs[f], 1, dirs[f], "cpu", rss_bytes) for f in FORMATS}
+
+
+def measure(loaded: dict[str, LoadedModel], inputs: Callable[[int], tuple[torch.Tensor, ...]],
+            rounds: int) -> dict[str, dict[int, float]]:
+    """Median ms per call, by format and batch; every round calls every format once at
+    every batch size."""
+    times: dict[str, dict[int, list[float]]] = {f: {b: [] for b in BATCHES} for f in FORMATS}
+    args = {b: inputs(b) for b in BATCHES}
+    with torch.inference_mode():
+        for f in FORMATS:   # first-shape costs are not the steady state
+            for b in BATCHES:
+                loaded[f].fn(*args[b])
+        for _ in range(rounds):
+            for b in BATCHES:
+                for f in FORMATS:
+                    t = time.perf_counter()
+                    loaded[f].fn(*args[b])
+                    times[f][b].append((time.perf_counter() - t) * 1000.0)
+    return {f: {b: statistics.median(v) for b, v in by.items()} for f, by in times.items()}
+
+
+def table(name: str, ms: dict[str, dict[int, float]]) -> str:
+    head = f"| {name} | " + " | ".join(f"batch {b} ms/call" for b in BATCHES) + " |"
+    lines = [head, "|---|" + "---:|" * len(BATCHES)]
+    for f in FORMATS:
+        lines.append(f"| {f} | " + " | ".join(f"{ms[f][b]:.3f}" for b in BATCHES) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--no-bert", action="store_true", help="the mlp only")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch's threads, as a worker's --threads sets them (default: 1)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    workloads = [mlp]
+    try:
+        import transformers  # noqa: F401
+        if not args.no_bert:
+            workloads.append(bert)
+    except ImportError:
+        print("transformers is not installed: bert skipped", file=sys.stderr)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.rounds} rounds, median", file=sys.stderr)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="zsbench") as tmp:
+        for make in workloads:
+            module, config, inputs = make()
+            loaded = build(Path(tmp) / config["name"], module, config, inputs)
+            results[config["name"]] = measure(loaded, inputs, args.rounds)
+            print(json.dumps(results) if args.json else table(config["name"],
+                                                              results[config["name"]]))
+            print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

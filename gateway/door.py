@@ -35,6 +35,8 @@ import time
 
 from prometheus_client import Counter, Gauge
 
+from zeroserve.broker.client import InferError
+from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.metrics import REGISTRY
 
 TICK_S = 0.005
@@ -56,13 +58,22 @@ SHED_IN_FLIGHT = SHED.labels("in_flight")
 SHED_DEADLINE = SHED.labels("deadline")
 
 
+class Shed(InferError):
+    """A request the door turned away: 503 with Retry-After over HTTP, UNAVAILABLE over
+    gRPC, as the broker answers a full queue."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(ErrorCode.UNAVAILABLE, why, RETRY_AFTER_S)
+
+
 class Door:
-    """Loop-lag and in-flight admission for one event loop (started in the lifespan)."""
+    """Loop-lag and in-flight admission for one event loop (started in the lifespan).
+    The in-flight count is written by :meth:`admit` and :meth:`leave` alone."""
 
     def __init__(self, shed_lag_ms: float = 50.0, max_in_flight: int = 2048) -> None:
         self.shed_lag_s = shed_lag_ms / 1000.0     # 0: never shed for lag
         self.max_in_flight = max_in_flight          # 0: no bound
-        self.in_flight = 0
+        self._in_flight = 0
         self.lag_s = 0.0
         self._due = 0.0
         self._handle: asyncio.TimerHandle | None = None
@@ -88,7 +99,7 @@ class Door:
         now = time.monotonic()
         self.lag_s = max(0.0, now - self._due)
         LAG.set(self.lag_s)
-        IN_FLIGHT.set(self.in_flight)
+        IN_FLIGHT.set(self._in_flight)
         self._schedule()
 
     def current_lag_s(self) -> float:
@@ -97,11 +108,29 @@ class Door:
             return 0.0
         return max(self.lag_s, time.monotonic() - self._due)
 
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def admit(self) -> float:
+        """A request arriving now, let in and counted in flight until its :meth:`leave`:
+        its arrival (now less the loop's lag), which its deadline counts from. Shed
+        (counted) when the bound is reached or the loop is far behind."""
+        accepted = time.monotonic() - self.current_lag_s()
+        why = self.refuse()
+        if why is not None:
+            raise Shed(why)
+        self._in_flight += 1
+        return accepted
+
+    def leave(self) -> None:
+        self._in_flight -= 1
+
     def refuse(self) -> str | None:
         """Why a request arriving now is shed (and counted), or None to let it in."""
-        if self.max_in_flight and self.in_flight >= self.max_in_flight:
+        if self.max_in_flight and self._in_flight >= self.max_in_flight:
             SHED_IN_FLIGHT.inc()
-            return f"the gateway has {self.in_flight} requests in flight (its bound); retry"
+            return f"the gateway has {self._in_flight} requests in flight (its bound); retry"
         return self._lagging(FAR * self.shed_lag_s)
 
     def refuse_priority(self, priority: int, deadline: bool) -> str | None:

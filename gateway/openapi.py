@@ -322,7 +322,7 @@ def route(routes: Sequence[BaseRoute]) -> Route:
         logger.warning("routes missing from openapi.ROUTES: %s", extra)
 
     async def openapi(request: Request) -> Response:
-        doc = document(await _example(request.app.state.gateway.control))
+        doc = document(await _example(request.app.state.facade.control))
         for method, path in extra:
             doc["paths"].setdefault(path, {})[method] = _operation(
                 method, path, "", [200, 400, 404, 500, 503], None, None, None)

@@ -55,7 +55,8 @@ class GatewayServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, gateway: Gateway,
                  grpc_listen: GrpcListen | None = None) -> None:
         super().__init__(config)
-        self.gateway = gateway
+        self.gateway = gateway          # its parts, for the gRPC server
+        self.facade = gateway.facade    # readiness, the drain
         self.grpc_listen = grpc_listen
         self.grpc: Any = None          # the GrpcServer once started
         self.failed = False            # a listener could not start: exit 2
@@ -92,7 +93,7 @@ class GatewayServer(uvicorn.Server):
         units ordered after the gateway start when its models serve."""
         said = None
         while not self.should_exit:
-            why = await self.gateway.not_ready()
+            why = await self.facade.not_ready()
             if why is None:
                 self.notifier.ready(f"serving ({self.gateway.settings.readiness} readiness)")
                 logger.info("ready (%s readiness)", self.gateway.settings.readiness)
@@ -139,7 +140,7 @@ class GatewayServer(uvicorn.Server):
         """On the same socket as the requests, so the broker hears it before any request
         sent after it; a broker that is down has nothing to hear."""
         try:
-            await self.gateway.control("draining")
+            await self.facade.control("draining")
         except Exception as exc:  # noqa: BLE001 - best effort: an old broker, or none
             logger.info("the broker did not take the drain notice: %s", exc)
 
@@ -155,7 +156,7 @@ class GatewayServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
             logger.info("signal %d: draining in-flight requests", sig)
-            self.gateway.draining = True
+            self.facade.start_draining()
             self.notifier.stopping()
             if self.started:
                 self.drain_notice = asyncio.ensure_future(self.tell_broker_draining())

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import re
 import time
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
@@ -37,6 +38,9 @@ ACCESS_TTL_S = 1.0
 DEFAULT_METRICS_ALLOW = METRICS_ALLOW
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 NEEDS_KEY = "an API key is required (Authorization: Bearer <key>, or X-API-Key)"
+# the inference routes, which ask the gate themselves on the inference path
+# (gateway/inference.py), after its door
+INFERENCE = re.compile(r"^/v2/models/[^/]+(?:/versions/[^/]+)?/(?:infer|generate|generate_stream)$")
 
 
 def _retrieved(asked: "asyncio.Future[bool]") -> None:
@@ -144,8 +148,9 @@ def key_of(request: Request) -> str | None:
 
 
 class GateMiddleware:
-    """Every ``/v2`` route but health and infer (whose endpoint asks the gate itself,
-    for the fast path reaches it without this middleware): 401 before the route runs."""
+    """Every ``/v2`` route but health and inference (which asks the gate itself on the
+    inference path, after the door; the fast path reaches infer without this
+    middleware): 401 before the route runs."""
 
     def __init__(self, app: ASGIApp, gate: TenantGate,
                  refuse: Callable[[Scope, Receive, Send, InferError], Awaitable[None]]) -> None:
@@ -156,7 +161,7 @@ class GateMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
         if path.startswith("/v2") and not path.startswith("/v2/health/") and \
-                not path.endswith("/infer"):
+                INFERENCE.match(path) is None:
             try:
                 scope.setdefault("state", {})["api_key"] = \
                     await self.gate.admit(Headers(scope=scope))

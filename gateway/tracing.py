@@ -5,7 +5,7 @@ to the trace file.
 The broker holds the server's settings (broker/tracesettings.py, its ``trace_settings``
 verbs); the gateway changes them there and samples by its copy (:class:`TraceSettings`),
 which it replaces with the broker's after each change it makes, on each GET, and
-whenever the broker's PONG names a version other than its copy's (gateway/app.py), so
+whenever the broker's PONG names a version other than its copy's (gateway/facade.py), so
 the hot path never asks the broker. Both front ends read the same copy: HTTP's
 ``/v2[/models/{m}]/trace/setting`` as Triton's JSON (:meth:`TraceSettings.get`), gRPC's
 ``TraceSetting`` as its map of string lists (:meth:`TraceSettings.get_lists`). A model's

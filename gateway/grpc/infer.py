@@ -1,5 +1,8 @@
 """ModelInfer and ModelStreamInfer: a gRPC request becomes the same broker request as an
-HTTP one (the door, the deadline rule, priority, the caller's key, cancellation).
+HTTP one, through the same inference path (gateway/inference.py: the door, the tenant
+gate, the lag shed by priority, the deadline rule, the trace, the classification); a
+shed request is UNAVAILABLE with a ``retry-after`` trailer. Each request of a stream
+passes the door on its own.
 
 The deadline counts from the door, as over HTTP: ``parameters.timeout`` (µs) and the
 call's own gRPC deadline, whichever ends first, less what the request spent in the
@@ -21,20 +24,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from zeroserve.broker import wording
 from zeroserve.broker.client import InferError
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway import errors
 from zeroserve.gateway.apikey import api_key_of
-from zeroserve.gateway.door import SHED_DEADLINE
 from zeroserve.gateway.grpc import tensors
+from zeroserve.gateway.inference import InferencePath
+from zeroserve.gateway.shm import SharedMemory
 from zeroserve.models.proto import grpc_service_pb2 as pb
 from zeroserve.gateway.routes.infer import clamped
-
-if TYPE_CHECKING:
-    from zeroserve.gateway.app import Gateway
 
 logger = logging.getLogger(__name__)
 
@@ -51,22 +52,6 @@ def metadata_of(context: Any) -> dict[str, str]:
     return out
 
 
-def budget_ms(timeout_us: int, remaining_s: float | None, accepted: float) -> float:
-    """What is left of the request's budget, 0 for none; InferError(deadline) when it
-    ran out in the gateway."""
-    limits = [timeout_us / 1000.0] if timeout_us else []
-    if remaining_s is not None:   # the call's deadline, counted from now: move it back
-        limits.append(remaining_s * 1000.0 + (time.monotonic() - accepted) * 1000.0)
-    if not limits:
-        return 0.0
-    left = min(limits) - (time.monotonic() - accepted) * 1000.0
-    if left <= 0:
-        SHED_DEADLINE.inc()
-        raise InferError(ErrorCode.DEADLINE, "deadline exceeded in the gateway, before the "
-                         "request reached the broker")
-    return left
-
-
 class Malformed:
     """A request whose bytes do not parse as its message: a unary call is answered
     INVALID_ARGUMENT, a stream answers it with an error and goes on."""
@@ -76,53 +61,48 @@ class Malformed:
 
 
 class Inference:
-    def __init__(self, gateway: "Gateway") -> None:
-        self.gw = gateway
+    def __init__(self, inference: InferencePath, shm: SharedMemory) -> None:
+        self.inference = inference
+        self.shm = shm
 
-    async def _admit(self, request: Any, context: Any,
-                     metadata: dict[str, str]) -> tuple[tensors.GrpcRequest, float]:
-        """The request decoded and let through the door, with what is left of its
-        budget; raises the errors of the table (gateway/errors.py). With tenants, a
-        caller without a key learns nothing, not even what is wrong with its request."""
-        door = self.gw.door
-        accepted = time.monotonic() - door.current_lag_s()
-        why = door.refuse()
-        if why is not None:
-            raise InferError(ErrorCode.UNAVAILABLE, why)
-        await self.gw.gate.caller(metadata)
-        req = tensors.decode(request, self.gw.shm.read if self.gw.shm.enabled else None)
-        why = door.refuse_priority(req.priority, req.timeout_us > 0)
-        if why is not None:
-            raise InferError(ErrorCode.UNAVAILABLE, why)
-        return req, budget_ms(req.timeout_us, context.time_remaining(), accepted)
+    async def _admit(self, request: Any, context: Any, metadata: dict[str, str],
+                     accepted: float) -> tuple[tensors.GrpcRequest, float]:
+        """The request (let in at ``accepted``) decoded, with what is left of its budget;
+        raises the errors of the table (gateway/errors.py). With tenants, a caller
+        without a key learns nothing, not even what is wrong with its request."""
+        inference = self.inference
+        await inference.caller(metadata)
+        req = tensors.decode(request, self.shm.read if self.shm.enabled else None)
+        inference.check_priority(req.priority, req.timeout_us > 0)
+        return req, inference.budget_ms(req.timeout_us / 1000.0, accepted,
+                                        context.time_remaining())
 
     async def _encode(self, req: tensors.GrpcRequest, model: str, version: int,
                       out: Sequence[Any], stats: dict[str, float], api_key: str) -> Any:
         if req.classified and out:
-            out = await self.gw.classify(model, version, list(out), req.classified, api_key)
+            out = await self.inference.classify(model, version, list(out), req.classified,
+                                                api_key)
         return tensors.encode(model, version, req, out,
-                              self.gw.shm.write if self.gw.shm.enabled else None,
+                              self.shm.write if self.shm.enabled else None,
                               clamped(stats))
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
-        gw = self.gw
-        gw.door.in_flight += 1
+        inference = self.inference
+        accepted = inference.enter()
         try:
             metadata = metadata_of(context)
-            trace = gw.tracer.begin(request.model_name, metadata.get("traceparent"),
-                                    metadata.get("tracestate"), "GRPC_WAITREAD_END") \
-                if gw.tracer.active else None
-            req, timeout_ms = await self._admit(request, context, metadata)
+            trace = inference.trace(request.model_name, metadata, "GRPC_WAITREAD_END")
+            req, timeout_ms = await self._admit(request, context, metadata, accepted)
             api_key = api_key_of(metadata)
             sent_ns = time.monotonic_ns() if trace is not None else 0
             try:
-                reply = await gw.client.infer_tensors(
+                reply = await inference.infer(
                     req.model, req.tensors, version=req.version, priority=req.priority,
                     timeout_ms=timeout_ms, outputs=req.output_names, api_key=api_key,
                     trace=trace.context if trace is not None else None)
             except InferError as exc:
                 if trace is not None:
-                    gw.tracer.finish(trace, None, sent_ns, time.monotonic_ns(), req.id or "",
+                    inference.finish(trace, None, sent_ns, time.monotonic_ns(), req.id or "",
                                      error=exc.message)
                 raise tritons(exc, req.id, wording.DECOUPLED_GRPC) from None
             if trace is None:
@@ -133,11 +113,11 @@ class Inference:
             out = await self._encode(req, reply.model, reply.version, reply.tensors,
                                      reply.stats, api_key)
             trace.stamp("GRPC_SEND_END")   # handed to gRPC, which sends it after we return
-            gw.tracer.finish(trace, reply, sent_ns, received_ns, req.id or "", req.tensors,
+            inference.finish(trace, reply, sent_ns, received_ns, req.id or "", req.tensors,
                              list(reply.tensors))
             return out
         finally:
-            gw.door.in_flight -= 1
+            inference.leave()
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Any],
                                context: Any) -> AsyncIterator[Any]:
@@ -193,21 +173,24 @@ class Inference:
         """Every response of one request of the stream into ``answers``: one for a plain
         model, as many as it yields for a decoupled one (the empty final response only
         when the request asks with ``triton_enable_empty_final_response``)."""
-        gw = self.gw
+        inference = self.inference
         if isinstance(request, Malformed):
             await answers.put(error_answer(None, errors.BadRequest(request.message)))
             return
-        gw.door.in_flight += 1
+        try:
+            accepted = inference.enter()
+        except InferError as exc:   # shed: this request's answer; the stream goes on
+            await answers.put(error_answer(request, tritons(exc, request.id, "")))
+            return
         req = None
         metadata = metadata_of(context)
-        trace = gw.tracer.begin_stream(request.model_name, metadata.get("traceparent"),
-                                       metadata.get("tracestate"), "GRPC_WAITREAD_END")
+        trace = inference.trace_stream(request.model_name, metadata, "GRPC_WAITREAD_END")
         error = "cancelled"   # unless it ends otherwise
         try:
-            req, timeout_ms = await self._admit(request, context, metadata)
+            req, timeout_ms = await self._admit(request, context, metadata, accepted)
             empty_final = bool(req.parameters.get(EMPTY_FINAL))
             api_key = api_key_of(metadata)
-            async with gw.client.stream(req.model, req.tensors, version=req.version,
+            async with inference.stream(req.model, req.tensors, version=req.version,
                                         priority=req.priority, timeout_ms=timeout_ms,
                                         outputs=req.output_names, api_key=api_key,
                                         trace=trace.context if trace else None) as stream:
@@ -227,9 +210,8 @@ class Inference:
             error = str(exc)
             await answers.put(error_answer(request, exc))
         finally:
-            gw.door.in_flight -= 1
-            if trace is not None:
-                gw.tracer.finish_stream(trace, error)
+            inference.leave()
+            inference.finish_stream(trace, error)
 
 
 _ENDED = object()   # a stream request's task has put its last answer

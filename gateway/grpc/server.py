@@ -148,7 +148,8 @@ class GrpcServer:
         # names the algorithm, and sends it plain otherwise
         server = grpc.aio.server(options=options,
                                  compression=COMPRESSION[self.response_compression])
-        health = HealthService(self.gateway)
+        gw = self.gateway
+        health = HealthService(gw.facade)
         # grpc's health protocol has Watch; Triton's health.proto (vendored as it is)
         # declares only Check, so Watch is added here with the same messages
         watch = grpc.unary_stream_rpc_method_handler(
@@ -156,7 +157,8 @@ class GrpcServer:
             request_deserializer=_parser(health_pb2.HealthCheckRequest),
             response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
         server.add_generic_rpc_handlers((
-            _handler(InferenceService(self.gateway),
+            _handler(InferenceService(gw.inference, gw.shm, gw.facade, gw.gate,
+                                      gw.settings.admin_token),
                      pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], pb),
             _handler(health, health_pb2.DESCRIPTOR.services_by_name["Health"], health_pb2,
                      {"Watch": watch})))

@@ -1,19 +1,24 @@
 """``inference.GRPCInferenceService`` (every RPC but inference, which is in infer.py)
-and ``grpc.health.v1.Health``, answered from the same :class:`Gateway` methods as
-the HTTP routes, so both follow one set of rules: readiness, metadata, the admin rule
-for what changes state, the caller's key for what a tenant may see."""
+and ``grpc.health.v1.Health``, answered from the same
+:class:`~zeroserve.gateway.facade.Facade` methods as the HTTP routes, so both follow
+one set of rules: readiness, metadata, the admin rule for what changes state, the
+caller's key for what a tenant may see."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from zeroserve.broker import wording
 from zeroserve.broker.client import InferError
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.access import check_admin
 from zeroserve.gateway.errors import BadRequest
+from zeroserve.gateway.facade import Facade
+from zeroserve.gateway.inference import InferencePath
+from zeroserve.gateway.shm import SharedMemory
+from zeroserve.gateway.tenantgate import TenantGate
 from zeroserve.gateway.tracing import TraceSettingError, from_lists
 from zeroserve.gateway.grpc import messages
 from zeroserve.gateway.grpc.infer import Inference, metadata_of
@@ -22,9 +27,6 @@ from zeroserve.models.proto import health_pb2
 from zeroserve.gateway.grpc.tensors import value
 from zeroserve.gateway.http import parse_version
 from zeroserve.gateway.routes.repository import file_path
-
-if TYPE_CHECKING:
-    from zeroserve.gateway.app import Gateway
 
 logger = logging.getLogger(__name__)
 
@@ -51,28 +53,32 @@ def _version(raw: str) -> int | None:
 class InferenceService(Inference):
     """The servicer: methods named as the proto's RPCs, each ``(request, context)``."""
 
-    def __init__(self, gateway: "Gateway") -> None:
-        super().__init__(gateway)
+    def __init__(self, inference: InferencePath, shm: SharedMemory, facade: Facade,
+                 gate: TenantGate, admin_token: str) -> None:
+        super().__init__(inference, shm)
+        self.facade = facade
+        self.gate = gate
+        self.admin_token = admin_token
 
     async def _caller(self, context: Any) -> str | None:
         """The key the broker judges the caller by (None: the operator); with tenants,
         UNAUTHENTICATED at once without one, as every /v2 route but health."""
-        return await self.gw.gate.admit(metadata_of(context))
+        return await self.gate.admit(metadata_of(context))
 
     def _admin(self, context: Any) -> None:
         check_admin(peer_host(context), metadata_of(context).get("authorization", ""),
-                    self.gw.settings.admin_token)
+                    self.admin_token)
 
     # -- health and metadata ---------------------------------------------------
     async def ServerLive(self, request: Any, context: Any) -> Any:
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
-        return pb.ServerReadyResponse(ready=await self.gw.not_ready() is None)
+        return pb.ServerReadyResponse(ready=await self.facade.not_ready() is None)
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         try:
-            why = await self.gw.model_not_ready(request.name, _version(request.version),
+            why = await self.facade.model_not_ready(request.name, _version(request.version),
                                                 await self._caller(context))
         except InferError as exc:
             if exc.code is not ErrorCode.NOT_FOUND:
@@ -82,28 +88,28 @@ class InferenceService(Inference):
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
         await self._caller(context)
-        meta = self.gw.server_metadata()
+        meta = self.facade.server_metadata()
         return pb.ServerMetadataResponse(name=meta["name"], version=meta["version"],
                                          extensions=meta["extensions"])
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
-        return messages.model_metadata(await self.gw.model_metadata(
+        return messages.model_metadata(await self.facade.model_metadata(
             request.name, _version(request.version), await self._caller(context)))
 
     async def ModelConfig(self, request: Any, context: Any) -> Any:
-        doc = await self.gw.model_config(request.name, _version(request.version),
+        doc = await self.facade.model_config(request.name, _version(request.version),
                                          await self._caller(context))
         return pb.ModelConfigResponse(config=messages.model_config(doc))
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
         name = request.name or None
         version = _version(request.version) if name else None
-        return messages.statistics(await self.gw.stats(name, version,
+        return messages.statistics(await self.facade.stats(name, version,
                                                        await self._caller(context)))
 
     # -- model repository ------------------------------------------------------
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
-        return messages.repository_index(await self.gw.repository_index(
+        return messages.repository_index(await self.facade.repository_index(
             bool(request.ready), await self._caller(context)))
 
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
@@ -120,20 +126,20 @@ class InferenceService(Inference):
                 if not isinstance(got, bytes):
                     raise BadRequest(f"parameter {key!r} must be bytes_param file contents")
                 files[file_path(key)] = got
-        await self.gw.load_model(request.model_name, config, files)
+        await self.facade.load_model(request.model_name, config, files)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
         await self._caller(context)
         self._admin(context)
-        await self.gw.admin.control("repository_unload", model=request.model_name)
+        await self.facade.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     # -- shared memory ---------------------------------------------------------
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         await self._caller(context)
         out = pb.SystemSharedMemoryStatusResponse()
-        for region in self.gw.shm.status(request.name or None):
+        for region in self.shm.status(request.name or None):
             out.regions[region["name"]].CopyFrom(
                 pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
         return out
@@ -141,7 +147,7 @@ class InferenceService(Inference):
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
         await self._caller(context)
         self._admin(context)
-        self.gw.shm.register(request.name, request.key, request.offset, request.byte_size)
+        self.shm.register(request.name, request.key, request.offset, request.byte_size)
         logger.info("shared-memory region %r registered over gRPC (key %r)", request.name,
                     request.key)
         return pb.SystemSharedMemoryRegisterResponse()
@@ -149,7 +155,7 @@ class InferenceService(Inference):
     async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
         await self._caller(context)
         self._admin(context)
-        self.gw.shm.unregister(request.name or None)
+        self.shm.unregister(request.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
@@ -177,9 +183,9 @@ class InferenceService(Inference):
         update = {key: value(setting) for key, setting in request.settings.items()}
         if update:
             self._admin(context)
-            current = await self.gw.change_log_settings(update)
+            current = await self.facade.change_log_settings(update)
         else:
-            current = await self.gw.log_settings()
+            current = await self.facade.log_settings()
         out = pb.LogSettingsResponse()
         for key, val in current.items():
             setting = out.settings[key]
@@ -197,7 +203,7 @@ class InferenceService(Inference):
         model = request.model_name or None
         if model is not None:
             try:
-                why = await self.gw.model_not_ready(model, None, None)
+                why = await self.facade.model_not_ready(model, None, None)
             except InferError as exc:
                 if exc.code is not ErrorCode.NOT_FOUND:
                     raise
@@ -208,11 +214,11 @@ class InferenceService(Inference):
             self._admin(context)
             changes = from_lists({k: list(v.value) for k, v in request.settings.items()})
             try:
-                settings = await self.gw.update_trace_settings(model, changes)
+                settings = await self.facade.update_trace_settings(model, changes)
             except TraceSettingError as exc:
                 raise BadRequest(str(exc)) from None
         else:
-            settings = await self.gw.trace_settings()
+            settings = await self.facade.trace_settings()
         got = settings.get_lists(model)
         out = pb.TraceSettingResponse()
         for key, values in got.items():
@@ -228,8 +234,8 @@ class HealthService:
     out) streams the status now and then each change, SERVICE_UNKNOWN for an unknown
     name, until the client ends the call."""
 
-    def __init__(self, gateway: "Gateway", watch_poll_s: float = WATCH_POLL_S) -> None:
-        self.gw = gateway
+    def __init__(self, facade: Facade, watch_poll_s: float = WATCH_POLL_S) -> None:
+        self.facade = facade
         self.watch_poll_s = watch_poll_s
 
     async def _status(self, service: str) -> int:
@@ -238,7 +244,7 @@ class HealthService:
             return int(status.SERVING)
         if service not in ("", SERVICE, "ready"):
             return int(status.SERVICE_UNKNOWN)
-        ready = await self.gw.not_ready() is None
+        ready = await self.facade.not_ready() is None
         return int(status.SERVING if ready else status.NOT_SERVING)
 
     async def Check(self, request: Any, context: Any) -> Any:
@@ -256,6 +262,6 @@ class HealthService:
             if got != last:
                 yield health_pb2.HealthCheckResponse(status=got)
                 last = got
-            if self.gw.draining:   # said NOT_SERVING; ending lets the gRPC drain finish
+            if self.facade.draining:   # said NOT_SERVING; ending lets the gRPC drain finish
                 return
             await asyncio.sleep(self.watch_poll_s)

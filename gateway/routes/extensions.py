@@ -4,7 +4,7 @@ rule of every state-changing route (gateway/access.py)."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -15,10 +15,9 @@ from zeroserve.broker import wording
 from zeroserve.broker.client import InferError
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.access import require_admin
+from zeroserve.gateway.facade import Facade
 from zeroserve.gateway.http import BodyTooLarge, BadRequest, json_response, read_body
-
-if TYPE_CHECKING:
-    from zeroserve.gateway.app import Gateway
+from zeroserve.gateway.shm import SharedMemory
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +40,10 @@ async def json_body(request: Request, empty_ok: bool = False) -> Any:
 
 
 class Extensions:
-    def __init__(self, gateway: "Gateway") -> None:
-        self.gw = gateway
+    def __init__(self, shm: SharedMemory, facade: Facade, admin_token: str) -> None:
+        self.shm = shm
+        self.facade = facade
+        self.admin_token = admin_token
 
     def routes(self) -> list[Route]:
         return [
@@ -65,23 +66,23 @@ class Extensions:
 
     # -- system shared memory ------------------------------------------------
     async def shm_status(self, request: Request) -> Response:
-        return json_response(self.gw.shm.status(request.path_params.get("region")))
+        return json_response(self.shm.status(request.path_params.get("region")))
 
     async def shm_register(self, request: Request) -> Response:
-        require_admin(request, self.gw.settings.admin_token)
+        require_admin(request, self.admin_token)
         name = request.path_params["region"]
-        self.gw.shm.check_enabled()
+        self.shm.check_enabled()
         doc = await json_body(request)
         if not isinstance(doc, dict) or "key" not in doc or "byte_size" not in doc:
             raise BadRequest("the body must be {\"key\": ..., \"offset\": ..., "
                              "\"byte_size\": ...}")
-        self.gw.shm.register(name, doc["key"], doc.get("offset", 0), doc["byte_size"])
+        self.shm.register(name, doc["key"], doc.get("offset", 0), doc["byte_size"])
         logger.info("shared-memory region %r registered (key %r)", name, doc["key"])
         return Response(status_code=200)
 
     async def shm_unregister(self, request: Request) -> Response:
-        require_admin(request, self.gw.settings.admin_token)
-        self.gw.shm.unregister(request.path_params.get("region"))
+        require_admin(request, self.admin_token)
+        self.shm.unregister(request.path_params.get("region"))
         return Response(status_code=200)
 
     # -- CUDA shared memory: answered as a Triton built without GPUs answers ----
@@ -95,18 +96,18 @@ class Extensions:
         return json_response([])
 
     async def cuda_register(self, request: Request) -> Response:
-        require_admin(request, self.gw.settings.admin_token)
+        require_admin(request, self.admin_token)
         raise BadRequest(wording.cuda_shm_unsupported(request.path_params["region"]))
 
     async def cuda_unregister(self, request: Request) -> Response:
-        require_admin(request, self.gw.settings.admin_token)
+        require_admin(request, self.admin_token)
         return Response(status_code=200)
 
     # -- logging ---------------------------------------------------------------
     async def log_settings(self, request: Request) -> Response:
-        return json_response(await self.gw.log_settings())
+        return json_response(await self.facade.log_settings())
 
     async def change_log_settings(self, request: Request) -> Response:
-        require_admin(request, self.gw.settings.admin_token)
+        require_admin(request, self.admin_token)
         doc = await json_body(request, empty_ok=True)
-        return json_response(await self.gw.change_log_settings(doc))
+        return json_response(await self.facade.change_log_settings(doc))

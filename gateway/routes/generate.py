@@ -12,37 +12,39 @@ models and plain ones alike (a plain model's one reply is its final response).
   error with its status, as for any route; an error after it is an event
   ``data: {"error": "..."}`` and the end of the stream. A client that closes the
   connection cancels the request, which stops the generation at its worker.
+
+Both take the one inference path (gateway/inference.py) as every entry point does; a
+request counts in flight until its last event is sent.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from zeroserve.broker import wording
 from zeroserve.broker.client import AsyncStream, InferError, StreamResponse
-from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway import generate
 from zeroserve.gateway.apikey import api_key_of
-from zeroserve.gateway.door import RETRY_AFTER_S
 from zeroserve.gateway.errors import BadRequest
-from zeroserve.gateway.http import bounded_int, error_response, path_version, read_body
-from zeroserve.gateway.tracing import Trace, Tracer
-
-if TYPE_CHECKING:
-    from zeroserve.gateway.app import Gateway
+from zeroserve.gateway.http import bounded_int, path_version, read_body
+from zeroserve.gateway.inference import InferencePath
+from zeroserve.gateway.tracing import Trace
 
 SSE = "text/event-stream; charset=utf-8"
 
 
 class GenerateRoutes:
-    def __init__(self, gateway: "Gateway") -> None:
-        self.gw = gateway
+    def __init__(self, inference: InferencePath, control: Callable[..., Awaitable[Any]],
+                 max_body_bytes: int) -> None:
+        self.inference = inference
+        self.control = control   # the model's metadata, which maps the JSON to tensors
+        self.max_body_bytes = max_body_bytes
 
     def routes(self) -> list[Route]:
         out = []
@@ -52,86 +54,99 @@ class GenerateRoutes:
                              methods=["POST"]))
         return out
 
-    async def _start(self, request: Request) -> tuple[AsyncStream, Trace | None] | Response:
-        accepted = time.monotonic() - self.gw.door.current_lag_s()
-        why = self.gw.door.refuse()
-        if why is not None:
-            return error_response(503, why, {"Retry-After": str(RETRY_AFTER_S)})
+    async def _start(self, request: Request, accepted: float
+                     ) -> tuple[AsyncStream, Trace | None]:
         name, version = request.path_params["name"], path_version(request)
-        trace = self.gw.tracer.begin_stream(name, request.headers.get("traceparent"),
-                                            request.headers.get("tracestate"),
-                                            "HTTP_RECV_START")
+        trace = self.inference.trace_stream(name, request.headers, "HTTP_RECV_START")
         try:
             return await self._send(request, name, version, accepted, trace), trace
         except BaseException as exc:
-            if trace is not None:
-                self.gw.tracer.finish_stream(trace, str(exc))
+            self.inference.finish_stream(trace, str(exc))
             raise
 
     async def _send(self, request: Request, name: str, version: int | None, accepted: float,
                     trace: Trace | None) -> AsyncStream:
-        body = await read_body(request, self.gw.settings.max_body_bytes)
+        inference = self.inference
+        await inference.caller(request.headers)   # with tenants: 401 without a key
+        api_key = api_key_of(request.headers)
+        body = await read_body(request, self.max_body_bytes)
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise BadRequest(wording.bad_json(exc.msg, exc.pos)) from None
         # the caller's key: with tenants, the broker shows it only models it may call
-        meta = await self.gw.control("metadata", model=name, version=version,
-                                     api_key=api_key_of(request.headers))
+        meta = await self.control("metadata", model=name, version=version, api_key=api_key)
         tensors, params = generate.request_tensors(doc, meta)
         priority = bounded_int(params.get("priority", 0), "priority")
         timeout_us = bounded_int(params.get("timeout", 0), "timeout")
-        timeout_ms = 0.0
-        if timeout_us:   # what is left of it: the wire carries a remaining budget
-            timeout_ms = timeout_us / 1000.0 - (time.monotonic() - accepted) * 1000.0
-            if timeout_ms <= 0:
-                raise InferError(ErrorCode.DEADLINE, "deadline exceeded in the gateway, "
-                                 "before the request reached the broker")
-        return self.gw.client.stream(name, tensors, version=version, priority=priority,
-                                     timeout_ms=timeout_ms,
-                                     api_key=api_key_of(request.headers),
-                                     trace=trace.context if trace is not None else None)
+        inference.check_priority(priority, timeout_us > 0)
+        # what is left of it: the wire carries a remaining budget
+        timeout_ms = inference.budget_ms(timeout_us / 1000.0, accepted) if timeout_us else 0.0
+        return inference.stream(name, tensors, version=version, priority=priority,
+                                timeout_ms=timeout_ms,
+                                api_key=api_key,
+                                trace=trace.context if trace is not None else None)
 
     async def generate(self, request: Request) -> Response:
-        started = await self._start(request)
-        if isinstance(started, Response):
-            return started
-        stream, trace = started
-        last: StreamResponse | None = None
-        error = ""
+        inference = self.inference
+        accepted = inference.enter()
         try:
-            async with stream:
-                async for response in stream:
-                    if response.tensors or last is None:
-                        last = response
-        except BaseException as exc:
-            error = str(exc)
-            raise
+            stream, trace = await self._start(request, accepted)
+            last: StreamResponse | None = None
+            error = ""
+            try:
+                async with stream:
+                    async for response in stream:
+                        if response.tensors or last is None:
+                            last = response
+            except BaseException as exc:
+                error = str(exc)
+                raise
+            finally:
+                inference.finish_stream(trace, error)
         finally:
-            if trace is not None:
-                self.gw.tracer.finish_stream(trace, error)
+            inference.leave()
         assert last is not None   # a stream ends with a final response or raises
         return Response(generate.response_body(last.model, last.version, last.tensors),
                         media_type="application/json")
 
     async def generate_stream(self, request: Request) -> Response:
-        started = await self._start(request)
-        if isinstance(started, Response):
-            return started
-        stream, trace = started
+        inference = self.inference
+        accepted = inference.enter()
         try:
-            first = await stream.__anext__()   # an error now is a plain JSON answer
-        except BaseException as exc:
-            stream.close()
-            if trace is not None:
-                self.gw.tracer.finish_stream(trace, str(exc))
+            stream, trace = await self._start(request, accepted)
+            try:
+                first = await stream.__anext__()   # an error now is a plain JSON answer
+            except BaseException as exc:
+                stream.close()
+                inference.finish_stream(trace, str(exc))
+                raise
+        except BaseException:
+            inference.leave()
             raise
-        return StreamingResponse(_events(stream, first, self.gw.tracer, trace),
-                                 media_type=SSE, headers={"Cache-Control": "no-cache",
+        return Events(_events(stream, first, inference, trace), stream, inference)
+
+
+class Events(StreamingResponse):
+    """The event stream, which holds its request in flight until it ends however it
+    ends (its generator may never start when the client leaves first)."""
+
+    def __init__(self, events: AsyncIterator[bytes], stream: AsyncStream,
+                 inference: InferencePath) -> None:
+        super().__init__(events, media_type=SSE, headers={"Cache-Control": "no-cache",
                                                           "X-Accel-Buffering": "no"})
+        self._stream = stream
+        self._inference = inference
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
+            self._inference.leave()
 
 
-async def _events(stream: AsyncStream, first: StreamResponse, tracer: Tracer,
+async def _events(stream: AsyncStream, first: StreamResponse, inference: InferencePath,
                   trace: Trace | None) -> AsyncIterator[bytes]:
     """Each response as an event; an error after the first as an error event. Closing
     the stream (the client left: Starlette cancels this generator) cancels the request."""
@@ -152,6 +167,4 @@ async def _events(stream: AsyncStream, first: StreamResponse, tracer: Tracer,
         yield generate.event(orjson.dumps({"error": str(exc)}))
     finally:
         stream.close()
-        if trace is not None:
-            tracer.finish_stream(trace, error)
-
+        inference.finish_stream(trace, error)

@@ -8,13 +8,13 @@ py-spy), and the Starlette route calls it for an app used without the fast path
 (tests, embedding). The body is read once, with one size check; the answer is
 written with two ``send`` calls and no Response object.
 
-The deadline counts from the door: ``parameters.timeout`` is turned into what is
-left of it when the request is handed to the broker (the wire carries a remaining
-budget), counted from the request's arrival (its start here less the event loop's
-current lag, the wait in the gateway's line), and a request whose budget ran out
-inside the gateway is answered 504 here without reaching the broker. A request that
-arrives while the gateway is behind is shed with 503 before its body is decoded (see
-:mod:`zeroserve.gateway.door`).
+It takes the one inference path (gateway/inference.py) as every entry point does: the
+door before the body is read (503 with Retry-After past the in-flight bound or far
+behind), the tenant gate, the lag shed of the lower priorities once the JSON header is
+parsed and before the tensors are decoded, then the deadline: ``parameters.timeout``
+becomes what is left of it when the request is handed to the broker (the wire carries
+a remaining budget), counted from the request's arrival, and a request whose budget
+ran out inside the gateway is answered 504 here without reaching the broker.
 
 A request whose HTTP client went away is withdrawn: once it has waited for the broker
 a while, a task waits for ``http.disconnect`` and cancels the handler, and cancelling
@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import orjson
 from starlette.types import Receive, Scope, Send
@@ -37,16 +37,14 @@ from zeroserve.broker import wording
 from zeroserve.broker.client import ErrorCode, InferError
 from zeroserve.gateway import v2
 from zeroserve.gateway.apikey import api_key_of
-from zeroserve.gateway.door import RETRY_AFTER_S, SHED_DEADLINE
 from zeroserve.gateway import errors
-from zeroserve.gateway.errors import STATUS, BadRequest, BodyTooLarge
+from zeroserve.gateway.errors import BadRequest, BodyTooLarge
+from zeroserve.gateway.inference import InferencePath
+from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.tracing import Trace
 from zeroserve.gateway.leaving import Leaving
 from zeroserve.gateway.http import bounded_int, compress, decompress, encoding_of, \
     parse_version
-
-if TYPE_CHECKING:
-    from zeroserve.gateway.app import Gateway
 
 logger = logging.getLogger(__name__)
 
@@ -121,21 +119,21 @@ async def read_all(receive: Receive, declared: str | None, limit: int) -> bytes:
 class InferEndpoint:
     """The ASGI endpoint; ``scope["path_params"]`` names the model (and version)."""
 
-    def __init__(self, gateway: "Gateway") -> None:
-        self.gw = gateway
+    def __init__(self, inference: InferencePath, shm: SharedMemory,
+                 max_body_bytes: int) -> None:
+        self.inference = inference
+        self.shm = shm
+        self.max_body_bytes = max_body_bytes
         self.leaving = Leaving(WATCH_AFTER_S)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        door = self.gw.door
-        # the request arrived about one loop lag ago: its deadline counts from then
-        accepted = time.monotonic() - door.current_lag_s()
-        status = 500
-        why = door.refuse()
-        if why is not None:
-            scope[STATUS_KEY] = await send_error(send, 503, why,
-                                                 {"Retry-After": str(RETRY_AFTER_S)})
+        inference = self.inference
+        try:
+            accepted = inference.enter()
+        except InferError as exc:   # shed at the door
+            scope[STATUS_KEY] = await send_answer_of(send, errors.infer_answer(exc))
             return
-        door.in_flight += 1
+        status = 500
         try:
             status = await self._infer(scope, receive, send, accepted)
         except Disconnected:
@@ -144,20 +142,19 @@ class InferEndpoint:
             logger.exception("unexpected error on POST %s", scope.get("path"))
             status = await send_error(send, 500, "internal error")
         finally:
-            door.in_flight -= 1
+            inference.leave()
             scope[STATUS_KEY] = status
 
     async def _infer(self, scope: Scope, receive: Receive, send: Send,
                      accepted: float) -> int:
-        gw, limit = self.gw, self.gw.settings.max_body_bytes
+        inference, limit = self.inference, self.max_body_bytes
         headers = wanted_headers(scope["headers"])
         path = scope["path_params"]
         try:   # with tenants, a caller without a key learns nothing, not even a 400
-            await gw.gate.caller(headers)
+            await inference.caller(headers)
         except InferError as exc:
             return await send_answer_of(send, errors.infer_answer(exc))
-        trace = gw.tracer.begin(path["name"], headers.get("traceparent"),
-                                headers.get("tracestate")) if gw.tracer.active else None
+        trace = inference.trace(path["name"], headers)
         try:
             version = parse_version(path.get("version"))
             body = await read_all(receive, headers.get("content-length"), limit)
@@ -173,21 +170,17 @@ class InferEndpoint:
             priority = bounded_int(params.get("priority", 0), "priority")
             timeout_us = bounded_int(params.get("timeout", 0), "timeout")
             # before the costly part: the tensors
-            why = gw.door.refuse_priority(priority, timeout_us > 0)
-            if why is not None:
-                return await send_error(send, 503, why, {"Retry-After": str(RETRY_AFTER_S)})
-            req = v2.decode_document(doc, binary, gw.shm.read if gw.shm.enabled else None)
+            inference.check_priority(priority, timeout_us > 0)
+            req = v2.decode_document(doc, binary, self.shm.read if self.shm.enabled else None)
             if req.parameters.get("sequence_id"):
                 raise BadRequest("sequence batching is not supported")
+            # what is left of the budget: the wire carries a remaining time
+            timeout_ms = inference.budget_ms(timeout_us / 1000.0, accepted) if timeout_us \
+                else 0.0
         except (BodyTooLarge, ValueError) as exc:   # a ValueError of a codec: bad input
             return await send_answer_of(send, errors.bad_input(exc))
-        timeout_ms = 0.0
-        if timeout_us:   # what is left of the budget: the wire carries a remaining time
-            timeout_ms = timeout_us / 1000.0 - (time.monotonic() - accepted) * 1000.0
-            if timeout_ms <= 0:
-                SHED_DEADLINE.inc()
-                return await send_error(send, STATUS[ErrorCode.DEADLINE], "deadline exceeded "
-                                        "in the gateway, before the request reached the broker")
+        except InferError as exc:   # shed behind, or the deadline spent in the gateway
+            return await send_answer_of(send, errors.infer_answer(exc))
         sent_ns = time.monotonic_ns() if trace is not None else 0
         got = await self._forward(receive, path["name"], req, version, priority,
                                   timeout_ms, api_key_of(headers),
@@ -218,7 +211,7 @@ class InferEndpoint:
             status = await self._answer(send, req, *got, headers.get("accept-encoding"))
             (reply, outputs), error = got, ""
         trace.stamp("HTTP_SEND_END")
-        self.gw.tracer.finish(trace, reply, sent_ns, received_ns, req.id or "",
+        self.inference.finish(trace, reply, sent_ns, received_ns, req.id or "",
                               req.tensors, outputs, error)
         return status
 
@@ -232,12 +225,12 @@ class InferEndpoint:
         assert task is not None   # uvicorn runs each request in a task of its own
         waiting = self.leaving.add(task, receive)
         try:
-            reply = await self.gw.client.infer_tensors(
+            reply = await self.inference.infer(
                 name, req.tensors, version=version, priority=priority, timeout_ms=timeout_ms,
                 outputs=req.output_names, api_key=api_key, trace=trace)
             tensors = list(reply.tensors)
             if req.classified:
-                tensors = await self.gw.classify(reply.model, reply.version, tensors,
+                tensors = await self.inference.classify(reply.model, reply.version, tensors,
                                                  req.classified, api_key)
             return reply, tensors
         except InferError as exc:
@@ -254,7 +247,7 @@ class InferEndpoint:
                       tensors: list[p.Tensor], accept: str | None) -> int:
         try:
             body, json_len = v2.encode_response(reply.model, reply.version, req.id, tensors,
-                                                req, self.gw.shm.write, clamped(reply.stats))
+                                                req, self.shm.write, clamped(reply.stats))
         except v2.DecodeError as exc:
             return await send_answer_of(send, errors.bad_input(exc))
         ctype, extra = JSON, None

@@ -3,22 +3,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from zeroserve.gateway.facade import Facade
 from zeroserve.gateway.http import error_response, json_response, path_version
 from zeroserve.gateway.tenantgate import key_of
 
-if TYPE_CHECKING:
-    from zeroserve.gateway.app import Gateway
-
 
 class ModelRoutes:
-    def __init__(self, gateway: "Gateway") -> None:
-        self.gw = gateway
+    def __init__(self, facade: Facade) -> None:
+        self.facade = facade
 
     def routes(self) -> list[Route]:
         m = "/v2/models/{name}"
@@ -41,22 +39,22 @@ class ModelRoutes:
         return Response(status_code=200)
 
     async def ready(self, request: Request) -> Response:
-        why = await self.gw.not_ready()
+        why = await self.facade.not_ready()
         if why:
             return error_response(503, why)
         return Response(status_code=200)
 
     async def server_metadata(self, request: Request) -> Response:
-        return json_response(self.gw.server_metadata())
+        return json_response(self.facade.server_metadata())
 
     async def model_metadata(self, request: Request) -> Response:
-        return json_response(await self.gw.model_metadata(*self._model(request)))
+        return json_response(await self.facade.model_metadata(*self._model(request)))
 
     async def model_config(self, request: Request) -> Response:
-        return json_response(await self.gw.model_config(*self._model(request)))
+        return json_response(await self.facade.model_config(*self._model(request)))
 
     async def model_ready(self, request: Request) -> Response:
-        why = await self.gw.model_not_ready(*self._model(request))
+        why = await self.facade.model_not_ready(*self._model(request))
         if why:
             return error_response(503, why)
         return Response(status_code=200)

@@ -7,12 +7,14 @@
 Both take simple JSON (see gateway/simple.py); the datatypes come from the model's
 metadata, cached briefly so a request costs no extra round trip. Headers
 ``X-Priority`` (1 is highest) and ``X-Timeout-Ms`` carry what v2 puts in parameters.
+Both take the one inference path (gateway/inference.py) as every entry point does: the
+door, the tenant gate, the lag shed by priority and the deadline counted from the door.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import orjson
 from starlette.requests import Request
@@ -22,11 +24,10 @@ from starlette.routing import Route
 from zeroserve.broker import protocol as p
 from zeroserve.gateway import simple
 from zeroserve.gateway.apikey import api_key_of
+from zeroserve.gateway.facade import Facade
 from zeroserve.gateway.http import MAX_INT, BadRequest, compressed, header_int, \
     json_response, read_body
-
-if TYPE_CHECKING:
-    from zeroserve.gateway.app import Gateway
+from zeroserve.gateway.inference import InferencePath
 
 METADATA_TTL_S = 2.0
 
@@ -35,8 +36,9 @@ class ModelInfoCache:
     """Model metadata by (name, version), kept ``ttl_s``: datatypes change only with a
     new config, and the broker re-validates every request anyway."""
 
-    def __init__(self, gw: "Gateway", ttl_s: float = METADATA_TTL_S) -> None:
-        self.gw = gw
+    def __init__(self, control: Callable[..., Awaitable[Any]],
+                 ttl_s: float = METADATA_TTL_S) -> None:
+        self.control = control
         self.ttl_s = ttl_s
         # by caller too: with tenants, what a key may see is the broker's to say
         self._cache: dict[tuple[str, int | None, str], tuple[float, simple.ModelInfo]] = {}
@@ -46,7 +48,7 @@ class ModelInfoCache:
         hit = self._cache.get((name, version, api_key))
         if hit is not None and now - hit[0] < self.ttl_s:
             return hit[1]
-        meta = await self.gw.control("metadata", model=name, version=version,
+        meta = await self.control("metadata", model=name, version=version,
                                      api_key=api_key)
         info = simple.ModelInfo.from_metadata(meta)
         if len(self._cache) > 4096:  # unknown names are not cached, so this is a bound
@@ -66,41 +68,52 @@ def _version(raw: str | None, prefix: str = "") -> int | None:
     return int(text)
 
 
-Handler = Callable[[Request, Any, simple.ModelInfo, int | None], Awaitable[Response]]
+Handler = Callable[[Request, Any, simple.ModelInfo, int | None, float], Awaitable[Response]]
 
 
 class SimpleRoutes:
-    def __init__(self, gw: "Gateway") -> None:
-        self.gw = gw
-        self.infos = ModelInfoCache(gw)
+    def __init__(self, inference: InferencePath, facade: Facade, max_body_bytes: int) -> None:
+        self.inference = inference
+        self.facade = facade
+        self.max_body_bytes = max_body_bytes
+        self.infos = ModelInfoCache(facade.control)
 
     async def _serve(self, request: Request, handler: Handler, prefix: str = "") -> Response:
-        """Everything the two route families share: body, JSON, metadata."""
-        name = request.path_params["name"]
-        version = _version(request.path_params.get("version"), prefix)
-        body = await read_body(request, self.gw.settings.max_body_bytes)
+        """Everything the two route families share: the door, body, JSON, metadata."""
+        inference = self.inference
+        accepted = inference.enter()
         try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"malformed JSON: {exc}") from None
-        info = await self.infos.get(name, version, api_key_of(request.headers))
-        return await handler(request, doc, info, version)
+            await inference.caller(request.headers)   # with tenants: 401 without a key
+            inference.check_priority(header_int(request, "x-priority"),
+                                     header_int(request, "x-timeout-ms") > 0)
+            name = request.path_params["name"]
+            version = _version(request.path_params.get("version"), prefix)
+            body = await read_body(request, self.max_body_bytes)
+            try:
+                doc = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise BadRequest(f"malformed JSON: {exc}") from None
+            info = await self.infos.get(name, version, api_key_of(request.headers))
+            return await handler(request, doc, info, version, accepted)
+        finally:
+            inference.leave()
 
     async def _infer(self, request: Request, tensors: list[p.Tensor], version: int | None,
-                     outputs: list[str] | None = None) -> p.InferReply:
-        priority = header_int(request, "x-priority")
+                     accepted: float, outputs: list[str] | None = None) -> p.InferReply:
         timeout_ms = header_int(request, "x-timeout-ms")
-        return await self.gw.client.infer_tensors(
-            request.path_params["name"], tensors, version=version, priority=priority,
-            timeout_ms=float(timeout_ms), outputs=outputs, api_key=api_key_of(request.headers))
+        return await self.inference.infer(
+            request.path_params["name"], tensors, version=version,
+            priority=header_int(request, "x-priority"),
+            timeout_ms=self.inference.budget_ms(timeout_ms, accepted) if timeout_ms else 0.0,
+            outputs=outputs, api_key=api_key_of(request.headers))
 
     async def predict(self, request: Request) -> Response:
         return await self._serve(request, self._predict, prefix="v")
 
     async def _predict(self, request: Request, doc: Any, info: simple.ModelInfo,
-                       version: int | None) -> Response:
+                       version: int | None, accepted: float) -> Response:
         tensors, single, outputs, rid = simple.decode_seed(doc, info)
-        reply = await self._infer(request, tensors, version, outputs)
+        reply = await self._infer(request, tensors, version, accepted, outputs)
         out = simple.encode_seed(reply.model, reply.version, rid, reply.tensors, single)
         return compressed(request, orjson.dumps(out))
 
@@ -108,22 +121,22 @@ class SimpleRoutes:
         return await self._serve(request, self._predictions)
 
     async def _predictions(self, request: Request, doc: Any, info: simple.ModelInfo,
-                           version: int | None) -> Response:
+                           version: int | None, accepted: float) -> Response:
         tensors, single = simple.decode_torchserve(doc, info)
-        reply = await self._infer(request, tensors, version)
+        reply = await self._infer(request, tensors, version, accepted)
         return compressed(request, orjson.dumps(simple.encode_torchserve(reply.tensors,
                                                                          single)))
 
     async def ping(self, request: Request) -> Response:
         """TorchServe's health check; not ready answers 503 with the reason."""
-        why = await self.gw.not_ready()
+        why = await self.facade.not_ready()
         if why:
             return json_response({"status": "Unhealthy", "error": why}, 503)
         return json_response({"status": "Healthy"})
 
 
-def routes(gw: "Gateway") -> list[Route]:
-    r = SimpleRoutes(gw)
+def routes(inference: InferencePath, facade: Facade, max_body_bytes: int) -> list[Route]:
+    r = SimpleRoutes(inference, facade, max_body_bytes)
     return [
         Route("/models/{name}/predict", r.predict, methods=["POST"]),
         Route("/models/{name}/{version}/predict", r.predict, methods=["POST"]),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Awaitable, Callable
 
 import orjson
 from starlette.requests import Request
@@ -20,14 +20,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from zeroserve.broker import wording
-from zeroserve.broker.client import InferError
+from zeroserve.broker.client import AsyncClient, InferError
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.access import require_admin
 from zeroserve.gateway.http import BadRequest, error_response, json_response, path_version, \
     read_body
-
-if TYPE_CHECKING:
-    from zeroserve.gateway.app import Gateway
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +34,11 @@ STATUS_POLL_S = 0.05
 
 
 class Registration:
-    def __init__(self, gateway: "Gateway") -> None:
-        self.gw = gateway
+    def __init__(self, control: Callable[..., Awaitable[Any]], admin: AsyncClient,
+                 admin_token: str) -> None:
+        self.control = control   # read-only verbs, on the frontend
+        self.admin = admin       # what changes state, on the control socket
+        self.admin_token = admin_token
 
     def routes(self) -> list[Route]:
         return [
@@ -50,7 +50,7 @@ class Registration:
         ]
 
     async def create(self, request: Request) -> Response:
-        require_admin(request, self.gw.settings.admin_token)
+        require_admin(request, self.admin_token)
         try:
             doc = orjson.loads(await read_body(request, MAX_BODY_BYTES))
         except orjson.JSONDecodeError as exc:
@@ -58,7 +58,7 @@ class Registration:
         if not isinstance(doc, dict):
             raise BadRequest("body must be a JSON object with name, platform, "
                              "model_path, inputs (or input_shape) and optionally outputs")
-        job = await self.gw.admin.control("register", body=doc)
+        job = await self.admin.control("register", body=doc)
         status = await self._follow(str(job["token"]))
         if status["state"] == "published":
             # inputs and outputs as published: what a trial load found, where the body
@@ -75,30 +75,30 @@ class Registration:
     async def _follow(self, token: str) -> dict[str, Any]:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         while True:
-            status: dict[str, Any] = await self.gw.admin.control("register_status",
+            status: dict[str, Any] = await self.admin.control("register_status",
                                                                   token=token)
             if status["state"] in ("published", "failed") or time.monotonic() > deadline:
                 return status
             await asyncio.sleep(STATUS_POLL_S)  # the broker answers at once: poll the job
 
     async def list(self, request: Request) -> Response:
-        doc = await self.gw.client.control("models")
+        doc = await self.control("models")
         return json_response({"models": [_summary(n, m) for n, m in doc["models"].items()],
                               "errors": doc["errors"]})
 
     async def get(self, request: Request) -> Response:
         name = request.path_params["name"]
-        doc = await self.gw.client.control("models")
+        doc = await self.control("models")
         if name not in doc["models"]:
             error = doc["errors"].get(name)
             raise InferError(ErrorCode.NOT_FOUND, wording.unknown_model(name) +
                              (f": {error}" if error else ""))
-        config = await self.gw.client.control("config", model=name)
+        config = await self.control("config", model=name)
         return json_response({**_summary(name, doc["models"][name]), "config": config})
 
     async def delete(self, request: Request) -> Response:
-        require_admin(request, self.gw.settings.admin_token)
-        doc = await self.gw.admin.control("unregister", model=request.path_params["name"],
+        require_admin(request, self.admin_token)
+        doc = await self.admin.control("unregister", model=request.path_params["name"],
                                           version=path_version(request))
         return json_response(doc)
 

@@ -2,16 +2,16 @@
 
 Statistics are read-only (the broker's ``stats`` verb). Load and unload change state:
 the admin rule of every state-changing route (gateway/access.py), and the verbs go
-to the broker's control socket with the admin token (``gw.admin``). A load answers
+to the broker's control socket with the admin token (the facade's ``admin``). A load answers
 once the broker has loaded the model or failed to (Triton's load call blocks too);
-the gRPC service calls the same :class:`~zeroserve.gateway.app.Gateway` methods.
+the gRPC service calls the same :class:`~zeroserve.gateway.facade.Facade` methods.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -19,18 +19,18 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from zeroserve.gateway.access import require_admin
+from zeroserve.gateway.facade import Facade
 from zeroserve.gateway.http import BadRequest, json_response, path_version, read_body
 from zeroserve.gateway.tenantgate import key_of
-
-if TYPE_CHECKING:
-    from zeroserve.gateway.app import Gateway
 
 REPO = "/v2/repository"
 
 
 class RepositoryRoutes:
-    def __init__(self, gateway: "Gateway") -> None:
-        self.gw = gateway
+    def __init__(self, facade: Facade, admin_token: str, max_body_bytes: int) -> None:
+        self.facade = facade
+        self.admin_token = admin_token
+        self.max_body_bytes = max_body_bytes
 
     def stats_routes(self) -> list[Route]:
         """Before ``/v2/models/{name}``, which would take ``stats`` for a model name."""
@@ -48,7 +48,7 @@ class RepositoryRoutes:
         ]
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        body = await read_body(request, self.gw.settings.max_body_bytes)
+        body = await read_body(request, self.max_body_bytes)
         if not body.strip():
             return {}
         try:
@@ -63,7 +63,7 @@ class RepositoryRoutes:
     async def stats(self, request: Request) -> Response:
         name = request.path_params.get("name")
         version = path_version(request)
-        return json_response(await self.gw.stats(name, version, key_of(request)))
+        return json_response(await self.facade.stats(name, version, key_of(request)))
 
     # -- repository ------------------------------------------------------------
     async def index(self, request: Request) -> Response:
@@ -71,18 +71,18 @@ class RepositoryRoutes:
         ready = doc.get("ready", False)
         if not isinstance(ready, bool):
             raise BadRequest(f"'ready' must be true or false, got {ready!r}")
-        return json_response(await self.gw.repository_index(ready, key_of(request)))
+        return json_response(await self.facade.repository_index(ready, key_of(request)))
 
     async def load(self, request: Request) -> Response:
-        require_admin(request, self.gw.settings.admin_token)
+        require_admin(request, self.admin_token)
         config, files = load_parameters(await self._body(request))
-        await self.gw.load_model(request.path_params["name"], config, files)
+        await self.facade.load_model(request.path_params["name"], config, files)
         return Response(status_code=200)
 
     async def unload(self, request: Request) -> Response:
-        require_admin(request, self.gw.settings.admin_token)
+        require_admin(request, self.admin_token)
         await self._body(request)   # unload_dependents: there are no dependents here
-        await self.gw.admin.control("repository_unload", model=request.path_params["name"])
+        await self.facade.unload_model(request.path_params["name"])
         return Response(status_code=200)
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from zeroserve.gateway.door import Door
+from zeroserve.gateway.door import Door, Shed
 from tests.conftest import Server, http, linear_config, short_tmpdir, write_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -56,10 +56,22 @@ def test_a_stalled_loop_closes_the_door_until_it_catches_up() -> None:
 
 def test_the_in_flight_bound_sheds_past_it() -> None:
     door = Door(shed_lag_ms=0, max_in_flight=2)
-    door.in_flight = 1
+    door.admit()
     assert door.refuse() is None
-    door.in_flight = 2
+    door.admit()
     assert "in flight" in (door.refuse() or "")
+    with pytest.raises(Shed) as shed:
+        door.admit()
+    assert shed.value.retry_after_s == 1 and door.in_flight == 2
+    door.leave()
+    door.admit()   # a request that left makes room for one
+    assert door.in_flight == 2
+
+
+def test_the_count_has_one_writer() -> None:
+    # every entry point counts through the inference path, which admits and leaves
+    with pytest.raises(AttributeError):
+        Door().in_flight = 1
 
 
 @pytest.fixture(scope="module")

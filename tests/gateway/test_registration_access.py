@@ -49,14 +49,16 @@ def test_with_a_token_anyone_holding_it_may_manage() -> None:
 
 
 def test_shared_memory_and_log_writes_follow_the_same_rule() -> None:
-    ext = Extensions(Gateway(Settings("ipc:///tmp/zs-unused", allow_shared_memory=True)))
+    gw = Gateway(Settings("ipc:///tmp/zs-unused", allow_shared_memory=True))
+    ext = Extensions(gw.shm, gw.facade, gw.settings.admin_token)
     for handler in (ext.shm_register, ext.shm_unregister, ext.change_log_settings):
         req = request("10.1.2.3")
         req.scope["path_params"] = {"region": "r"}
         with pytest.raises(InferError) as got:
             asyncio.run(handler(req))
         assert got.value.code is ErrorCode.FORBIDDEN and "only on loopback" in got.value.message
-    ext = Extensions(Gateway(Settings("ipc:///tmp/zs-unused", admin_token="tok")))
+    gw = Gateway(Settings("ipc:///tmp/zs-unused", admin_token="tok"))
+    ext = Extensions(gw.shm, gw.facade, gw.settings.admin_token)
     with pytest.raises(InferError) as got:
         asyncio.run(ext.change_log_settings(request("127.0.0.1")))
     assert got.value.code is ErrorCode.UNAUTHORIZED

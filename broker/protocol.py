@@ -337,6 +337,10 @@ class WorkerReady:
     # the memory planner's inputs, as in heartbeats: device, headroom_bytes, context_bytes,
     # gpu_free_bytes, models/plans of what is loaded (see models/footprint.py)
     memory: dict[str, Any] = field(default_factory=dict)
+    # the protocol versions the worker speaks; absent from an older worker's READY,
+    # which speaks version 1 only: the broker sends a worker a kind newer than that only
+    # where it is listed here (WorkerPool.speaks), so hosts can be upgraded one by one
+    versions: list[int] = field(default_factory=lambda: [1])
 
 
 @dataclass(frozen=True)

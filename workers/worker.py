@@ -180,7 +180,7 @@ class Worker:
         self._send(p.encode(p.WorkerReady(
             self.worker_id, self.credits, os.getpid(), socket.gethostname(), self.device,
             [[m, v] for (m, v), _ in self._loaded()], self.memory_budget_bytes,
-            self._plan_report())))
+            self._plan_report(), list(p.SUPPORTED_VERSIONS))))
 
     def _plan_report(self) -> dict[str, Any]:
         """The memory planner's inputs (READY and heartbeats): device, headroom, context,

@@ -137,7 +137,8 @@ class WorkerState:
             "load_errors": {str(k): e for k, e in self._load_errors.items()},
             "last_seen_s": round(now - self._last_seen_s, 3),
             "memory": self._memory,
-            **{k: v for k, v in self._info.items() if k in ("pid", "host", "device")},
+            **{k: v for k, v in self._info.items()
+               if k in ("pid", "host", "device", "protocol_versions")},
         }
 
 
@@ -167,7 +168,8 @@ class WorkerPool:
         worker = WorkerState(identity, ready.worker_id or identity.decode(errors="replace"),
                              max(1, min(ready.credits, 64)), now,
                              {"pid": ready.pid, "host": ready.host, "device": ready.device,
-                              "memory_budget_bytes": ready.memory_budget_bytes})
+                              "memory_budget_bytes": ready.memory_budget_bytes,
+                              "protocol_versions": sorted(set(ready.versions))})
         for m, v in ready.models:
             self._hold(worker, ModelVersion(str(m), int(v)))
         worker._memory = dict(ready.memory)   # the memory planner's inputs until a heartbeat
@@ -177,6 +179,12 @@ class WorkerPool:
         logger.info("worker %s ready (pid %s, %s, %d credits)", worker.worker_id, ready.pid,
                     ready.device, worker.credits)
         return worker
+
+    @staticmethod
+    def speaks(worker: WorkerState, version: int) -> bool:
+        """Whether a worker reads messages of protocol ``version`` (its READY said so): a
+        kind newer than version 1 goes only to a worker that does."""
+        return version in worker.info.get("protocol_versions", (1,))
 
     def get(self, identity: bytes) -> WorkerState | None:
         return self.workers.get(identity)

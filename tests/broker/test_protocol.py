@@ -223,3 +223,12 @@ def test_version_1_kinds_stay_stamped_1_and_pong_lists_the_versions():
     # the log settings' too (broker/server/extverbs.py), 0 from a broker without them
     assert p.decode(p.Pong, p.unpack(p.encode(p.Pong(logs=9)))[1]).logs == 9
     assert p.decode(p.Pong, {"v": 1, "versions": [1], "settings": 3}).logs == 0
+
+
+def test_a_worker_says_which_protocol_versions_it_speaks() -> None:
+    """An older worker's READY has no versions: it speaks version 1 only, so the broker
+    sends it no newer kind; a current one lists every version it reads."""
+    kind, header, _ = p.unpack(p.encode(p.WorkerReady("h/0", versions=[1, 2])))
+    assert p.decode(p.WorkerReady, header).versions == [1, 2]
+    del header["versions"]
+    assert p.decode(p.WorkerReady, header).versions == [1]

@@ -1,8 +1,10 @@
 """The ``bert`` workload (WORKLOADS.md): BERT-mini, random weights, lengths drawn per request
 uniformly from a range, over HTTP (binary tensors) at C=1, 16, 64, against one server that
-holds the model twice: batched by shape only, and padded to buckets. Beside each level:
-the server's mean batch, and the model in-process at that batch size, lengths from the
-same draw (shape-only: a batch of one length; padded: a batch padded to its bucket).
+holds the model three times: batched by shape only, padded (to the longest in a batch,
+where the latency model says it pays), and padded to buckets. Beside each level: the
+server's mean batch, and the model in-process at that batch size, lengths from the same
+draw (shape-only: a batch of one length; padded: a batch of mixed lengths padded to its
+longest, or to its bucket).
 
     python tests/bench/bench_bert.py [--lengths 8-32,8-128] [--duration-s 20]
 
@@ -38,7 +40,8 @@ from zeroserve.broker.bench.main import scrape  # noqa: E402
 
 BUCKETS = [16, 32, 64, 128]
 VOCAB = bert.MINI["vocab_size"]
-MODELS = {"bert": None, "bert_pad": {**bert.PADDING, "buckets": BUCKETS}}
+MODELS = {"bert": None, "bert_pad": bert.PADDING,
+          "bert_bucket": {**bert.PADDING, "buckets": BUCKETS}}
 
 
 def build(repo: Path, delay_ms: float) -> Any:
@@ -104,7 +107,7 @@ async def closed_loop(url: Url, model: str, lengths: tuple[int, int], streams: i
             "errors": errors}
 
 
-def in_process(module: Any, batch: int, lengths: tuple[int, int], padded: bool,
+def in_process(module: Any, batch: int, lengths: tuple[int, int], padding: Any,
                seconds: float = 3.0) -> float:
     """Samples/s of the model called directly at ``batch``, lengths from the same draw:
     padded, a batch of mixed lengths padded to its bucket; else a batch of one length."""
@@ -114,9 +117,10 @@ def in_process(module: Any, batch: int, lengths: tuple[int, int], padded: bool,
     done, spent = 0, 0.0
     with torch.inference_mode():
         while spent < seconds:
-            if padded:
+            if padding is not None:
                 own = rng.integers(lengths[0], lengths[1] + 1, batch)
-                n = next(b for b in BUCKETS + [int(own.max())] if b >= own.max())
+                n = next(b for b in padding.get("buckets", []) + [int(own.max())]
+                         if b >= own.max())
                 mask = torch.from_numpy((np.arange(n)[None, :] < own[:, None]).astype(np.int64))
             else:
                 n = int(rng.integers(lengths[0], lengths[1] + 1))
@@ -176,11 +180,11 @@ def main() -> int:
                     split = br.metrics_split(before, scrape(base, model))
                     b = max(1, round(split.get("server_batch_mean") or 1))
                     got.update(lengths=spec, c=c, model=model, batch=b,
-                               inproc=in_process(module, b, (lo, hi), padding is not None))
+                               inproc=in_process(module, b, (lo, hi), padding))
                     rows.append(got)
                     for err, n in got["errors"].items():
                         print(f"    {n} x {err}")
-                    print(f"{spec:>7} C={c:<3} {model:<9} {got['rps']:8.1f} req/s  "
+                    print(f"{spec:>7} C={c:<3} {model:<11} {got['rps']:8.1f} req/s  "
                           f"p50 {got['p50_ms']:7.1f}  p99 {got['p99_ms']:7.1f} ms  "
                           f"err {sum(got['errors'].values())}  batch {b:>2}  in-process at it "
                           f"{got['inproc']:7.1f}/s ({got['rps'] / got['inproc']:.0%})",

@@ -210,7 +210,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="zsbench") as tmp:
         for make in workloads:
             module, config, inputs = make()
-            loaded = build(Path(tmp) / config["name"], module, config, inputs)
+            loaded = build(Path(tmp) / "repo", module, config, inputs)
             results[config["name"]] = measure(loaded, inputs, args.rounds)
             print(json.dumps(results) if args.json else table(config["name"],
                                                               results[config["name"]]))
@@ -219,7 +219,7 @@ def main() -> int:
                 lm.release()
         if args.served:
             names = [f"{m}_{f}" for m in results for f in FORMATS]
-            got = served(Path(tmp), names, {"bert": bert_body(Path(tmp) / "bert.json")},
+            got = served(Path(tmp) / "repo", names, {"bert": bert_body(Path(tmp) / "bert.json")},
                          args.duration_s)
             print("| served, direct | C=1 p50 ms | C=16 req/s |\n|---|---:|---:|")
             for name, row in got.items():

@@ -84,12 +84,12 @@ def direct(srv: Running, conc: int, warmup_s: float, duration_s: float,
            "--duration-s", str(duration_s), "--json", str(out), "--quiet"]
     if in_process:
         cmd += ["--in-process", "--in-process-threads", "1"]
-    before = {k: cpu_s(pid) for k, pid in procs.items()}
+    before = {k: cpu_s([pid]) for k, pid in procs.items()}
     subprocess.run(cmd, check=True)
     level = json.loads(out.read_text())
     row = level["levels"][0]
     n = row["requests"] * (warmup_s + duration_s + 0.3) / duration_s  # warm-up ran alike
-    row["cpu_us"] = {k: (cpu_s(pid) - before[k]) / n * 1e6 for k, pid in procs.items()}
+    row["cpu_us"] = {k: (cpu_s([pid]) - before[k]) / n * 1e6 for k, pid in procs.items()}
     row["baseline"] = level.get("baseline")
     return row
 

@@ -73,6 +73,7 @@ class Load:
         self._stop.set()
         for t in self._threads:
             t.join(60)
+        assert not any(t.is_alive() for t in self._threads), "a request hung"
 
     def answered(self) -> int:
         with self._lock:

@@ -67,6 +67,7 @@ class InferResult:
     # a traced request (``traceparent=``): Triton's JSON trace records of it, the broker's
     # and worker's timestamps on this process's monotonic clock (broker/tracing.py)
     trace: list[dict[str, Any]] | None = None
+    build: str = ""   # the sha256 of the version's files that answered (InferReply.build)
 
 
 def _tensors(inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor]) -> list[p.Tensor]:
@@ -77,7 +78,8 @@ def _tensors(inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor]) -> list[p.Te
 
 def to_result(reply: p.InferReply, traceparent: str = "", sent_ns: int = 0) -> InferResult:
     out = InferResult(reply.model, reply.version,
-                      {t.meta.name: p.to_numpy(t) for t in reply.tensors}, dict(reply.stats))
+                      {t.meta.name: p.to_numpy(t) for t in reply.tensors}, dict(reply.stats),
+                      build=reply.build)
     if reply.trace is not None:
         stamps = tracing.core_stamps(reply.trace, sent_ns, time.monotonic_ns())
         trace_id = int(reply.request_id) if reply.request_id.isdigit() else 0

@@ -167,6 +167,9 @@ class InferReply:
     tensors: Sequence[Tensor]
     stats: dict[str, float] = field(default_factory=dict)
     trace: dict[str, Any] | None = None   # a traced request's stamps (broker/tracing.py)
+    # the sha256 of the version's files that answered (the catalog's), empty from a peer
+    # that does not say
+    build: str = ""
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,7 @@ class StreamPart:
     final: bool
     tensors: Sequence[Tensor]
     stats: dict[str, float] = field(default_factory=dict)
+    build: str = ""   # as InferReply.build
 
 
 @dataclass(frozen=True)
@@ -829,12 +833,12 @@ def request_id_of(header: dict[str, Any]) -> str | None:
 
 def reply_header(rep: InferReply) -> tuple[dict[str, Any], list[Buffer]]:
     return reply_part(rep.request_id, rep.model, rep.version, rep.tensors, rep.stats,
-                      rep.trace)
+                      rep.trace, rep.build)
 
 
 def reply_part(request_id: str, model: str, version: int, tensors: Sequence[Tensor],
-               stats: dict[str, float], trace: dict[str, Any] | None = None
-               ) -> tuple[dict[str, Any], list[Buffer]]:
+               stats: dict[str, float], trace: dict[str, Any] | None = None,
+               build: str = "") -> tuple[dict[str, Any], list[Buffer]]:
     """An InferReply's header and frames without the InferReply, for
     :func:`encode_reply_parts`: the broker makes one for every request it answers."""
     metas, bufs = _encode_tensors(tensors)
@@ -842,6 +846,8 @@ def reply_part(request_id: str, model: str, version: int, tensors: Sequence[Tens
               "stats": stats}
     if trace is not None:
         header["trace"] = trace
+    if build:
+        header["build"] = build
     return header, bufs
 
 
@@ -875,6 +881,7 @@ def decode_reply(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReply
         tensors=_decode_tensors(header.get("tensors"), frames),
         stats=_field(header, "stats", dict, {}),
         trace=_field(header, "trace", dict, None),
+        build=_field(header, "build", str, ""),
     )
 
 
@@ -1007,6 +1014,8 @@ def part_header(part: StreamPart) -> tuple[dict[str, Any], list[Buffer]]:
                               "final": part.final, "tensors": metas}
     if part.stats:
         header["stats"] = part.stats
+    if part.build:
+        header["build"] = part.build
     return header, bufs
 
 
@@ -1022,7 +1031,7 @@ def decode_part(header: dict[str, Any], frames: Sequence[Buffer]) -> StreamPart:
     return StreamPart(_field(header, "id", str), _field(header, "model", str),
                       _field(header, "version", int), index, _field(header, "final", bool),
                       _decode_tensors(header.get("tensors"), frames),
-                      _field(header, "stats", dict, {}))
+                      _field(header, "stats", dict, {}), _field(header, "build", str, ""))
 
 
 def decode_parts(header: dict[str, Any], frames: Sequence[Buffer]) -> list[StreamPart]:

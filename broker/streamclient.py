@@ -42,6 +42,7 @@ class StreamResponse:
     # the raw tensors (datatype and bytes as sent; BF16 has no numpy dtype), for front
     # ends that forward them without converting
     tensors: list[p.Tensor] = field(default_factory=list)
+    build: str = ""   # the sha256 of the version's files that answered
 
 
 def response_of(answer: p.StreamPart | p.InferReply) -> StreamResponse:
@@ -49,9 +50,9 @@ def response_of(answer: p.StreamPart | p.InferReply) -> StreamResponse:
     outputs = {t.meta.name: p.to_numpy(t) for t in tensors if t.meta.datatype != "BF16"}
     if isinstance(answer, p.InferReply):   # a model that is not decoupled: one reply
         return StreamResponse(answer.model, answer.version, outputs, True, 0,
-                              dict(answer.stats), tensors)
+                              dict(answer.stats), tensors, answer.build)
     return StreamResponse(answer.model, answer.version, outputs, answer.final, answer.index,
-                          dict(answer.stats), tensors)
+                          dict(answer.stats), tensors, answer.build)
 
 
 # end(cancel): the client forgets the stream; with cancel, it tells the broker too

@@ -18,6 +18,13 @@ __all__ = ["BadRequest", "BodyTooLarge", "json_response", "error_response", "rea
 
 # msgpack carries integers up to 64 bits; keep what the wire sees well inside that
 MAX_INT = 2**31 - 1
+# which build answered, on every inference answer: "<version>/<sha256 of its files>"
+BUILD_HEADER = "X-Model-Build"
+
+
+def build_headers(version: int, build: str) -> dict[str, str]:
+    """The build header of an answer; none when the broker did not name the build."""
+    return {BUILD_HEADER: f"{version}/{build}"} if build else {}
 
 
 def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -185,6 +185,8 @@ class Catalog:
         self.models: dict[str, CatalogModel] = {}
         self.errors: dict[str, str] = {}                   # folders not served, and why
         self.shas: dict[str, dict[int, str]] = {}         # committed sha256 per version
+        # the commit before: versions it retired still answer their batches in flight
+        self._previous: dict[str, dict[int, str]] = {}
         self.failures: dict[str, dict[str, Any]] = {}     # the last failed swap or load
         self.failed: set[tuple[str, int, str]] = set()    # content that failed: not again
 
@@ -214,6 +216,12 @@ class Catalog:
     def get(self, name: str) -> CatalogModel | None:
         return self.models.get(name)
 
+    def build(self, name: str, version: int) -> str:
+        """The sha256 of the files of ``version`` that answers: committed, or retired by
+        the last commit and finishing its batches; empty if unknown."""
+        sha = self.shas.get(name, {}).get(version)
+        return sha if sha is not None else self._previous.get(name, {}).get(version, "")
+
     # -- changes --------------------------------------------------------------
     def commit(self, rm: RepoModel, shas: dict[int, str], ready: Iterable[int] = ()
                ) -> tuple[CatalogModel, bool]:
@@ -228,6 +236,7 @@ class Catalog:
             model.config, model.path, model.versions = rm.config, rm.path, rm.versions
         model.labels = load_labels(rm.path)
         model.ready = set(ready) & set(rm.versions)
+        self._previous[name] = self.shas.get(name, {})
         self.shas[name] = dict(shas)
         self.failures.pop(name, None)
         self.errors.pop(name, None)
@@ -260,6 +269,7 @@ class Catalog:
         self.failures.pop(name, None)
         self.errors.pop(name, None)
         self.shas.pop(name, None)
+        self._previous.pop(name, None)
         return self.models.pop(name, None) is not None
 
     def restrict(self, wanted: set[str], missing: str) -> None:

@@ -152,7 +152,7 @@ class RequestPath:
             tracing.broker_stamps(now, now, self.clock(), None)
         part = p.reply_part(req.request_id, req.model, answer.version, answer.tensors,
                             {"queue_ms": 0.0, "compute_ms": 0.0, "cache_hit": 1,
-                             **grant.notes}, trace)
+                             **grant.notes}, trace, self.catalog.build(req.model, answer.version))
         self.tenancy.release(key)
         self._reply(client, p.encode_reply_parts([part]))
         self.answers.answered(req.model, hit, max(0.0, self.clock() - now))
@@ -240,6 +240,7 @@ class RequestPath:
         self.metrics.batch_done(rec.model, rec.samples, compute_s, result.phases_ms)
         self.stats.batch_done(rec.model, rec.version, rec.samples, result.phases_ms,
                               result.compute_ms)
+        build = self.catalog.build(rec.model, rec.version)
         bundles: dict[bytes, list[tuple[dict[str, Any], list[Any]]]] = {}
         totals_s: list[float] = []   # the metrics and statistics take the batch's at once
         queued_s = 0.0
@@ -257,7 +258,7 @@ class RequestPath:
             if pl.request is not None and pl.request.trace is not None:
                 trace = tracing.broker_stamps(entry.arrival_s, rec.sent_s, now, result.trace)
             part = p.reply_part(pl.request_id, rec.model, rec.version, rep.tensors, stats,
-                                trace)
+                                trace, build)
             frames = None if pl.bundled else p.encode_reply_parts([part])
             if pl.digest is not None:
                 self.answers.keep(rec.model, rec.version, pl.digest, rep.tensors)

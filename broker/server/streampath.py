@@ -135,7 +135,8 @@ class StreamPath:
                      "responses": index + 1, **pl.notes}
             pl.release()
         out.setdefault(pl.client, []).append(p.StreamPart(
-            pl.request_id, rec.model, rec.version, index, final, tensors, stats))
+            pl.request_id, rec.model, rec.version, index, final, tensors, stats,
+            self.catalog.build(rec.model, rec.version)))
 
     def _send_parts(self, model: str, out: Parts) -> None:
         for client, parts in out.items():

@@ -32,6 +32,7 @@ from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway import errors
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.grpc import tensors
+from zeroserve.gateway.http import BUILD_HEADER
 from zeroserve.gateway.inference import InferencePath
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.models.proto import grpc_service_pb2 as pb
@@ -105,6 +106,9 @@ class Inference:
                     inference.finish(trace, None, sent_ns, time.monotonic_ns(), req.id or "",
                                      error=exc.message)
                 raise tritons(exc, req.id, wording.DECOUPLED_GRPC) from None
+            if reply.build:
+                context.set_trailing_metadata(
+                    ((BUILD_HEADER.lower(), f"{reply.version}/{reply.build}"),))
             if trace is None:
                 return await self._encode(req, reply.model, reply.version, reply.tensors,
                                           reply.stats, api_key)

@@ -32,7 +32,7 @@ from zeroserve.broker.client import AsyncStream, InferError, StreamResponse
 from zeroserve.gateway import generate
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.errors import BadRequest
-from zeroserve.gateway.http import bounded_int, path_version, read_body
+from zeroserve.gateway.http import bounded_int, build_headers, path_version, read_body
 from zeroserve.gateway.inference import InferencePath
 from zeroserve.gateway.tracing import Trace
 
@@ -108,6 +108,7 @@ class GenerateRoutes:
             inference.leave()
         assert last is not None   # a stream ends with a final response or raises
         return Response(generate.response_body(last.model, last.version, last.tensors),
+                        headers=build_headers(last.version, last.build),
                         media_type="application/json")
 
     async def generate_stream(self, request: Request) -> Response:
@@ -124,7 +125,8 @@ class GenerateRoutes:
         except BaseException:
             inference.leave()
             raise
-        return Events(_events(stream, first, inference, trace), stream, inference)
+        return Events(_events(stream, first, inference, trace), stream, inference,
+                      build_headers(first.version, first.build))
 
 
 class Events(StreamingResponse):
@@ -132,9 +134,9 @@ class Events(StreamingResponse):
     ends (its generator may never start when the client leaves first)."""
 
     def __init__(self, events: AsyncIterator[bytes], stream: AsyncStream,
-                 inference: InferencePath) -> None:
+                 inference: InferencePath, build: dict[str, str]) -> None:
         super().__init__(events, media_type=SSE, headers={"Cache-Control": "no-cache",
-                                                          "X-Accel-Buffering": "no"})
+                                                          "X-Accel-Buffering": "no", **build})
         self._stream = stream
         self._inference = inference
 

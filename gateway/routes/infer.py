@@ -43,8 +43,8 @@ from zeroserve.gateway.inference import InferencePath
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.tracing import Trace
 from zeroserve.gateway.leaving import Leaving
-from zeroserve.gateway.http import bounded_int, compress, decompress, encoding_of, \
-    parse_version
+from zeroserve.gateway.http import bounded_int, build_headers, compress, decompress, \
+    encoding_of, parse_version
 
 logger = logging.getLogger(__name__)
 
@@ -250,13 +250,14 @@ class InferEndpoint:
                                                 req, self.shm.write, clamped(reply.stats))
         except v2.DecodeError as exc:
             return await send_answer_of(send, errors.bad_input(exc))
-        ctype, extra = JSON, None
+        ctype, extra = JSON, build_headers(reply.version, reply.build)
         if json_len is not None:
-            ctype, extra = OCTETS, {"Inference-Header-Content-Length": str(json_len)}
+            ctype = OCTETS
+            extra["Inference-Header-Content-Length"] = str(json_len)
         encoding = encoding_of(accept)
         if encoding is not None:
             body = compress(body, encoding)
-            extra = {**(extra or {}), "Content-Encoding": encoding, "Vary": "Accept-Encoding"}
+            extra.update({"Content-Encoding": encoding, "Vary": "Accept-Encoding"})
         await send_answer(send, 200, body, ctype, extra)
         return 200
 

@@ -25,8 +25,8 @@ from zeroserve.broker import protocol as p
 from zeroserve.gateway import simple
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.facade import Facade
-from zeroserve.gateway.http import MAX_INT, BadRequest, compressed, header_int, \
-    json_response, read_body
+from zeroserve.gateway.http import MAX_INT, BadRequest, build_headers, compressed, \
+    header_int, json_response, read_body
 from zeroserve.gateway.inference import InferencePath
 
 METADATA_TTL_S = 2.0
@@ -115,7 +115,8 @@ class SimpleRoutes:
         tensors, single, outputs, rid = simple.decode_seed(doc, info)
         reply = await self._infer(request, tensors, version, accepted, outputs)
         out = simple.encode_seed(reply.model, reply.version, rid, reply.tensors, single)
-        return compressed(request, orjson.dumps(out))
+        return compressed(request, orjson.dumps(out),
+                          headers=build_headers(reply.version, reply.build))
 
     async def predictions(self, request: Request) -> Response:
         return await self._serve(request, self._predictions)
@@ -124,8 +125,8 @@ class SimpleRoutes:
                            version: int | None, accepted: float) -> Response:
         tensors, single = simple.decode_torchserve(doc, info)
         reply = await self._infer(request, tensors, version, accepted)
-        return compressed(request, orjson.dumps(simple.encode_torchserve(reply.tensors,
-                                                                         single)))
+        return compressed(request, orjson.dumps(simple.encode_torchserve(reply.tensors, single)),
+                          headers=build_headers(reply.version, reply.build))
 
     async def ping(self, request: Request) -> Response:
         """TorchServe's health check; not ready answers 503 with the reason."""

@@ -37,6 +37,19 @@ def test_reply_and_error_roundtrip():
     assert err.code.retryable
 
 
+def test_replies_and_parts_name_their_build_and_old_peers_still_decode():
+    sha = "ab" * 32
+    _, header, bufs = roundtrip(p.encode_reply(p.InferReply("r", "m", 3, [], build=sha)))
+    assert p.decode_reply(header, bufs).build == sha
+    _, header, bufs = roundtrip(p.encode_reply(p.InferReply("r", "m", 3, [])))
+    assert "build" not in header and p.decode_reply(header, bufs).build == ""
+    _, header, bufs = roundtrip(p.encode_parts([p.StreamPart("r", "m", 2, 0, True, [], {},
+                                                             sha)]))
+    assert [x.build for x in p.decode_parts(header, bufs)] == [sha]
+    with pytest.raises(p.ProtocolError, match="build"):
+        p.decode_reply({"id": "r", "model": "m", "version": 1, "tensors": [], "build": 7}, [])
+
+
 def test_batch_and_result_roundtrip_keep_item_boundaries():
     a = p.from_numpy("input", np.zeros((2, 4), np.float32))
     b = p.from_numpy("input", np.ones((1, 4), np.float32))

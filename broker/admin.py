@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from zeroserve.broker import options
@@ -132,8 +133,33 @@ def _restart(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
                    f"{after.get('pid')}), serving {', '.join(after['models']) or 'nothing'}")
 
 
+def push(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    """A model file is uploaded; a folder is named for the broker to copy (it must lie
+    under one of its import roots)."""
+    path = Path(args.path)
+    try:
+        files: dict[str, Any] = {"data": path.read_bytes()} if path.is_file() else \
+            {"model_path": str(path.resolve())}
+    except OSError as exc:
+        raise InferError(ErrorCode.BAD_INPUT, f"cannot read {args.path}: {exc}") from None
+    job = client.control("push", model=args.model, version=args.push_version, **files)
+    deadline = time.monotonic() + args.wait_timeout
+    while (st := client.control("register_status", token=job["token"]))["state"] \
+            not in ("published", "failed"):
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"push of {args.model} still {st['state']} after "
+                              f"{args.wait_timeout:g} s")
+        time.sleep(0.05)   # the broker answers at once: poll the job
+    if st["state"] == "failed":
+        code = {"conflict": ErrorCode.CONFLICT, "publish": ErrorCode.CONFLICT}.get(
+            st["kind"], ErrorCode.BAD_INPUT)
+        raise InferError(code, st["error"])
+    done = "unchanged (the same files)" if st["kind"] == "same" else "published"
+    return st, f"{args.model}: version {st['versions'][0]} {done}, sha256 {st['sha256'][:12]}"
+
+
 VERBS: dict[str, Callable[[Client, argparse.Namespace], tuple[Any, str]]] = {
-    "drain": drain, "undrain": undrain, "reload": reload,
+    "drain": drain, "undrain": undrain, "reload": reload, "push": push,
 }
 
 

@@ -285,6 +285,16 @@ def _operate_parsers(sub: Any) -> None:
     p.add_argument("--wait", action="store_true",
                    help="return once the loads finished or the worker is back")
     p.add_argument("--wait-timeout", type=float, default=120.0)
+    p = verb("push", "add a version to a served MODEL: PATH is its model file (uploaded) "
+             "or a version folder under the broker's --import-root; trial-loaded, then "
+             "published")
+    p.add_argument("model", help="the model's name")
+    p.add_argument("path", help="the model file, or a version folder on the broker's host")
+    p.add_argument("--version", type=int, default=None, dest="push_version", metavar="N",
+                   help="the version number (default: the next one); one that exists is "
+                        "refused unless its files are the same")
+    p.add_argument("--wait-timeout", type=float, default=300.0,
+                   help="seconds to wait for the copy and the trial load")
 
 
 def subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

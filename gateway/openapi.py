@@ -73,6 +73,8 @@ REGISTER = {"type": "object", "required": ["name", "platform", "model_path"], "p
     "model_path": {"type": "string"}, "max_batch_size": {"type": "integer", "minimum": 0},
     "input_shape": {"type": "object"}, "inputs": {"type": "array"},
     "outputs": {"type": "array"}}}
+PUSH = {"type": "object", "properties": {
+    "model_path": {"type": "string"}, "version": {"type": "integer", "minimum": 1}}}
 SHM_REGISTER = {"type": "object", "required": ["key", "byte_size"], "properties": {
     "key": {"type": "string", "description": "POSIX shm name, /dev/shm/<key>"},
     "offset": {"type": "integer", "minimum": 0},
@@ -161,6 +163,9 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
      "application/json"),
     ("delete", "/v1/models/{name}", "Remove a model from the repository",
      [200, 400, 401, 403, 404, 503], None, "application/json"),
+    ("post", "/v1/models/{name}/versions", "Push a version: model_path (or the model file "
+     "as application/octet-stream, ?version=N) trial-loaded, then published",
+     [200, 201, 400, 401, 403, 404, 409, 413, 422, 503, 504], PUSH, "application/json"),
     ("delete", "/v1/models/{name}/versions/{version}", "Remove one version",
      [200, 400, 401, 403, 404, 503], None, "application/json"),
     ("get", SHM + "/status", "Registered system shared-memory regions", [200, 403], None,

@@ -57,7 +57,8 @@ class Broker:
         # tensors; control calls carry configs; workers' heartbeats carry metrics text
         self.limits = {
             "frontend": p.Limits(message_bytes=max_message_bytes),
-            "control": p.Limits(header_bytes=4 << 20, message_bytes=0),
+            # a push may upload a model file in its header (behind the admin token)
+            "control": p.Limits(header_bytes=max(4 << 20, max_message_bytes), message_bytes=0),
             "backend": p.Limits(header_bytes=32 << 20, message_bytes=max_message_bytes)}
         self.drain_timeout_s = drain_timeout_s
         self._to_client = to_client
@@ -485,6 +486,7 @@ class Broker:
         c.add("register", self.registrar.register, mutates=True)
         c.add("register_status", self.registrar.status, mutates=True)
         c.add("unregister", self.registrar.unregister, mutates=True)
+        c.add("push", self.registrar.push, mutates=True)
         c.add("tenants", self.tenancy.describe)
         c.add("reload_tenants", self.tenancy.reload_verb, mutates=True)
 

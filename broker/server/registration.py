@@ -1,4 +1,5 @@
-"""Registration (``POST /v1/models``), run by the broker, which owns the repository.
+"""Registration (``POST /v1/models``) and pushes (``POST /v1/models/{name}/versions``),
+run by the broker, which owns the repository.
 
 ``register`` copies ``model_path`` (only from under the configured import roots) into
 the repository under a temp name, has one worker trial-load the newest version, and
@@ -6,6 +7,12 @@ only then publishes it by an atomic rename, so the watcher's own path loads it. 
 failure anywhere removes the temp folder: nothing is left half-registered. The copy
 runs in a thread so a large model never stalls the loop; the gateway follows the
 job with ``register_status``.
+
+A push adds one version to a served model the same way: the files (from an import
+root, or uploaded) go to a temp folder inside the model's folder, a worker trial-loads
+them under the model's config, and one rename makes them ``<model>/<version>``, which
+the watcher's swap serves. A version that exists is refused, unless its files are the
+same (sha256): then the push is answered as done and nothing changes.
 """
 
 from __future__ import annotations
@@ -27,11 +34,12 @@ from zeroserve.broker.server.control import ControlError
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import NAME_RE, ConfigError, ModelConfig, is_temp_name, \
-    parse_config, undeclared_datatypes
+    parse_config, undeclared_datatypes, version_sha256
 
 logger = logging.getLogger(__name__)
 
 _TRIAL_PREFIX = ".trial-"
+MAX_VERSION = 2**31 - 1   # what the wire and Triton's int64 version strings both carry
 
 
 @dataclass
@@ -48,6 +56,9 @@ class Job:
     worker: bytes = b""
     # what the trial load is to find (LoadModel.discover): empty when the body said all
     discover: dict[str, Any] = field(default_factory=dict)
+    push: int = 0                      # the version a push adds; 0 for a registration
+    data: bytes | None = None          # a push's uploaded model file
+    sha256: str = ""                   # a push's content, once copied
 
 
 class Registrar:
@@ -66,32 +77,23 @@ class Registrar:
 
     # -- register -----------------------------------------------------------
     def register(self, args: dict[str, Any]) -> dict[str, Any]:
-        roots = self.import_roots
-        if not roots:
-            raise ControlError("forbidden", "registration is disabled: start the broker with "
-                               "--import-root DIR to allow copying models from DIR")
+        if not self.import_roots:
+            self._source(None)   # refused: no import roots
         body = args.get("body")
         if not isinstance(body, dict):
             raise ControlError("bad_input", "the body must be a JSON object")
         body = dict(body)
         source_raw = body.pop("model_path", None)
         if not isinstance(source_raw, str) or not source_raw:
-            raise ControlError("bad_input", "field 'model_path': required, a path on the "
-                               "broker's host")
+            self._source(source_raw)   # refused: the message names the field
         try:
             cfg = parse_config(body, "registration", discover=True)
         except ConfigError as exc:
             raise ControlError("bad_input", str(exc)) from None
         guessed = undeclared_datatypes(body)
-        source = Path(source_raw).resolve()
-        if not any(source.is_relative_to(r.resolve()) for r in roots):
-            raise ControlError("forbidden", f"model_path {source_raw!r} is outside the import "
-                               f"roots ({', '.join(str(r) for r in roots)})")
-        if not source.exists():
-            raise ControlError("bad_input", f"model_path {source_raw!r} does not exist")
-        if (self.root / cfg.name).exists() or cfg.name in self.catalog.models or any(
-                j.config.name == cfg.name and j.state in ("copying", "loading")
-                for j in self.jobs.values()):
+        source = self._source(source_raw)
+        if (self.root / cfg.name).exists() or cfg.name in self.catalog.models or \
+                self._busy(cfg.name):
             raise ControlError("conflict", f"model {cfg.name!r} already exists")
         token = f"{next(self._ids)}-{os.getpid()}"
         job = Job(token, cfg, source, self.root / f".register-{cfg.name}-{token}")
@@ -103,8 +105,100 @@ class Registrar:
         job.copier.start()
         return {"token": token, "state": job.state}
 
+    def _busy(self, name: str) -> bool:
+        return any(j.config.name == name and j.state in ("copying", "loading")
+                   for j in self.jobs.values())
+
+    def _source(self, raw: Any) -> Path:
+        roots = self.import_roots
+        if not roots:
+            raise ControlError("forbidden", "registration is disabled: start the broker with "
+                               "--import-root DIR to allow copying models from DIR")
+        if not isinstance(raw, str) or not raw:
+            raise ControlError("bad_input", "field 'model_path': required, a path on the "
+                               "broker's host")
+        source = Path(raw).resolve()
+        if not any(source.is_relative_to(r.resolve()) for r in roots):
+            raise ControlError("forbidden", f"model_path {raw!r} is outside the import "
+                               f"roots ({', '.join(str(r) for r in roots)})")
+        if not source.exists():
+            raise ControlError("bad_input", f"model_path {raw!r} does not exist")
+        return source
+
+    # -- push ---------------------------------------------------------------
+    def push(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Add a version to a served model: ``model``, ``version`` (the next one if left
+        out), and the files: ``model_path`` under an import root (the model file, or a
+        version folder), or ``data``, the model file's bytes."""
+        name = args.get("model")
+        if not isinstance(name, str) or not NAME_RE.match(name) or is_temp_name(name):
+            raise ControlError("not_found", wording.unknown_model(name))
+        model = self.catalog.get(name)
+        folder = self.root / name
+        if model is None or not folder.is_dir():
+            raise ControlError("not_found", wording.unknown_model(name) + ": push adds a "
+                               "version to a served model; register a new one")
+        data = args.get("data")
+        if data is not None:
+            if not isinstance(data, bytes) or not data:
+                raise ControlError("bad_input", "'data' must be the model file's bytes")
+            source = Path("upload")
+        else:
+            source = self._source(args.get("model_path"))
+        version = args.get("version")
+        if version is None:
+            version = max([int(d.name) for d in folder.iterdir() if d.name.isdigit()] +
+                          list(model.versions) + [0]) + 1
+        if isinstance(version, bool) or not isinstance(version, int) or \
+                not 0 < version <= MAX_VERSION:
+            raise ControlError("bad_input", f"version must be an integer in [1, {MAX_VERSION}]")
+        if self._busy(name):
+            raise ControlError("conflict", f"a push or registration of {name!r} is under way")
+        token = f"{next(self._ids)}-{os.getpid()}"
+        job = Job(token, model.config, source, folder / f".push-{version}-{token}",
+                  push=version, data=data)
+        job.copier = threading.Thread(target=self._copy, args=(job,), daemon=True,
+                                      name="push-copy")
+        self.jobs[token] = job
+        job.copier.start()
+        return {"token": token, "state": job.state}
+
+    def _copy_push(self, job: Job) -> None:
+        """Thread: the version folder at <temp>; the same content as the version's folder
+        ends the job at once (published: nothing to do), other content is a conflict."""
+        cfg, src, dst = job.config, job.source, job.temp
+        if job.data is not None:
+            dst.mkdir()
+            (dst / cfg.model_file).write_bytes(job.data)
+            job.data = None
+        else:
+            self._check_links(src)
+            if src.is_file():
+                dst.mkdir()
+                shutil.copy2(src, dst / cfg.model_file)
+            elif (src / cfg.model_file).is_file():
+                shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                raise ValueError(f"model_path {str(src)!r} holds no {cfg.model_file}")
+        job.sha256 = version_sha256(dst)
+        job.versions = [job.push]
+        existing = dst.parent / str(job.push)
+        if existing.is_dir():
+            if version_sha256(existing) != job.sha256:
+                job.kind, job.error = "conflict", (
+                    f"version {job.push} of model {cfg.name!r} exists with other content "
+                    f"(sha256 {version_sha256(existing)[:12]}); push a new version number")
+            else:
+                job.kind = "same"
+
     def _copy(self, job: Job) -> None:
         """Thread: lay the files out as <temp>/config.json and <temp>/<version>/."""
+        if job.push:
+            try:
+                self._copy_push(job)
+            except (OSError, ValueError) as exc:
+                job.kind, job.error = "copy", str(exc)
+            return
         cfg, src, dst = job.config, job.source, job.temp
         try:
             self._check_links(src)
@@ -141,6 +235,8 @@ class Registrar:
         """Temp folders of registrations and deletions cut short by a crash."""
         for entry in self.root.glob(".register-*"):
             shutil.rmtree(entry, ignore_errors=True)
+        for entry in self.root.glob("*/.push-*"):
+            shutil.rmtree(entry, ignore_errors=True)
         for entry in self.root.glob("*/.deleted-*"):
             shutil.rmtree(entry, ignore_errors=True)
         for entry in self.root.glob(".deleted-*"):
@@ -152,6 +248,9 @@ class Registrar:
                 job.copier = None
                 if job.error:
                     self._finish(job, ok=False)
+                elif job.kind == "same":
+                    shutil.rmtree(job.temp, ignore_errors=True)
+                    job.state = "published"
                 else:
                     self._trial(job)
 
@@ -167,8 +266,8 @@ class Registrar:
             return
         version = job.versions[-1]
         job.state, job.worker = "loading", worker.identity
-        self.pool.load(worker, p.LoadModel(_TRIAL_PREFIX + job.token, version,
-                                           str(job.temp / str(version)),
+        path = job.temp if job.push else job.temp / str(version)
+        self.pool.load(worker, p.LoadModel(_TRIAL_PREFIX + job.token, version, str(path),
                                            job.config.to_json(), discover=job.discover))
 
     def on_loaded(self, worker: WorkerState, msg: p.ModelLoaded) -> bool:
@@ -214,17 +313,24 @@ class Registrar:
         if ok:
             try:
                 # the publish: one rename; the watcher sees MOVED_TO and loads it
-                os.rename(job.temp, self.root / job.config.name)
+                target = self.root / job.config.name
+                if job.push:
+                    target = target / str(job.push)
+                    if target.exists():   # pushed meanwhile by hand: never replaced
+                        raise OSError(f"{target} appeared meanwhile")
+                os.rename(job.temp, target)
                 job.state = "published"
                 self._published(job.config.name)
-                logger.info("registered model %s (versions %s) from %s", job.config.name,
+                logger.info("%s model %s (versions %s) from %s",
+                            "pushed to" if job.push else "registered", job.config.name,
                             job.versions, job.source)
                 return
             except OSError as exc:
                 job.kind, job.error = "publish", f"cannot publish: {exc}"
         job.state = "failed"
         shutil.rmtree(job.temp, ignore_errors=True)
-        logger.error("registration of %s failed (%s): %s", job.config.name, job.kind, job.error)
+        logger.error("%s of %s failed (%s): %s", "push" if job.push else "registration",
+                     job.config.name, job.kind, job.error)
 
     def status(self, args: dict[str, Any]) -> dict[str, Any]:
         job = self.jobs.get(str(args.get("token")))
@@ -233,7 +339,7 @@ class Registrar:
         if job.state in ("published", "failed"):
             del self.jobs[job.token]  # reported once; the gateway asks until it ends
         return {"state": job.state, "name": job.config.name, "versions": job.versions,
-                "error": job.error, "kind": job.kind,
+                "error": job.error, "kind": job.kind, "sha256": job.sha256,
                 "inputs": [t.to_json() for t in job.config.inputs],
                 "outputs": [t.to_json() for t in job.config.outputs]}
 

@@ -1,5 +1,8 @@
 """The registration API (the seed's): ``POST /v1/models``, ``GET /v1/models``,
-``GET|DELETE /v1/models/{name}``, ``DELETE /v1/models/{name}/versions/{v}``.
+``GET|DELETE /v1/models/{name}``, ``DELETE /v1/models/{name}/versions/{v}``, and
+pushes: ``POST /v1/models/{name}/versions`` adds a version (JSON ``{"model_path": ...,
+"version": N}``, or the model file itself as ``application/octet-stream`` with
+``?version=N``; the next version when left out).
 
 The broker owns the repository: these routes only forward to its control verbs.
 Routes that change state answer only to loopback clients, unless an admin token is
@@ -23,13 +26,15 @@ from zeroserve.broker import wording
 from zeroserve.broker.client import AsyncClient, InferError
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.access import require_admin
-from zeroserve.gateway.http import BadRequest, error_response, json_response, path_version, \
-    read_body
+from zeroserve.gateway.http import MAX_INT, BadRequest, error_response, json_response, \
+    parse_version, path_version, read_body
 
 logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 300.0
 MAX_BODY_BYTES = 1 << 20
+PUSH_MAX_BYTES = 256 << 20   # an uploaded model file; larger ones come by model_path
+PUSH_FIELDS = frozenset({"model_path", "version"})
 STATUS_POLL_S = 0.05
 
 
@@ -47,6 +52,7 @@ class Registration:
             Route("/v1/models/{name}", self.get, methods=["GET"]),
             Route("/v1/models/{name}", self.delete, methods=["DELETE"]),
             Route("/v1/models/{name}/versions/{version}", self.delete, methods=["DELETE"]),
+            Route("/v1/models/{name}/versions", self.push, methods=["POST"]),
         ]
 
     async def create(self, request: Request) -> Response:
@@ -71,6 +77,44 @@ class Registration:
         if status["kind"] == "publish":
             code = 409
         return error_response(code, status["error"] or "registration failed")
+
+    async def push(self, request: Request) -> Response:
+        require_admin(request, self.admin_token)
+        name = request.path_params["name"]
+        args = await self._push_args(request)
+        job = await self.admin.control("push", model=name, **args)
+        status = await self._follow(str(job["token"]))
+        if status["state"] == "published":
+            same = status["kind"] == "same"
+            return json_response({"name": name, "version": status["versions"][0],
+                                  "sha256": status["sha256"],
+                                  "state": "unchanged" if same else "published"},
+                                 200 if same else 201,
+                                 {"Location": f"/v1/models/{name}"})
+        code = {"load": 422, "conflict": 409, "publish": 409}.get(status["kind"], 400)
+        return error_response(code, status["error"] or "push failed")
+
+    async def _push_args(self, request: Request) -> dict[str, Any]:
+        """The push's files and version, from an upload or a JSON body."""
+        raw = request.query_params.get("version")
+        version = parse_version(raw) if raw is not None else None
+        if request.headers.get("content-type", "").startswith("application/octet-stream"):
+            data = await read_body(request, PUSH_MAX_BYTES)
+            if not data:
+                raise BadRequest("the body is empty: upload the model file")
+            return {"data": data, "version": version}
+        try:
+            doc = orjson.loads(await read_body(request, MAX_BODY_BYTES))
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"body is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict) or set(doc) - PUSH_FIELDS:
+            raise BadRequest("body must be a JSON object with model_path and optionally "
+                             "version (a push takes the model's config as it is)")
+        got = doc.get("version", version)
+        if got is not None and (isinstance(got, bool) or not isinstance(got, int)
+                                or not 0 < got <= MAX_INT):
+            raise BadRequest(f"version must be an integer in [1, {MAX_INT}]")
+        return {"model_path": doc.get("model_path"), "version": got}
 
     async def _follow(self, token: str) -> dict[str, Any]:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S

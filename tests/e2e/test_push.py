@@ -1,0 +1,161 @@
+"""Pushing a version over the API (``POST /v1/models/{name}/versions`` and ``zeroserve
+push``), and the build every answer names: HTTP's X-Model-Build, gRPC's trailing
+metadata, the direct client's ``InferResult.build``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import ZEROSERVE, http, linear_config, short_tmpdir, wait_for
+from tests.e2e.test_lifecycle import save_versioned
+from zeroserve.broker.client import Client
+from zeroserve.models.proto import grpc_service_pb2 as pb
+from zeroserve.models.repository import version_sha256
+
+pytestmark = pytest.mark.timeout(150)
+
+X = {"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+
+
+@pytest.fixture
+def dirs():
+    repo, imports = short_tmpdir("zsrepo"), short_tmpdir("zsimp")
+    save_versioned(repo / "m" / "1", 1.0)
+    (repo / "m" / "config.json").write_text(json.dumps(linear_config("m")))
+    yield repo, imports
+    shutil.rmtree(repo, ignore_errors=True)
+    shutil.rmtree(imports, ignore_errors=True)
+
+
+def push(url: str, name: str, doc: object = None, raw: bytes | None = None,
+         query: str = "", **headers: str) -> tuple[int, dict]:
+    body = raw if raw is not None else json.dumps(doc).encode()
+    ctype = "application/octet-stream" if raw is not None else "application/json"
+    status, _, out = http("POST", f"{url}/v1/models/{name}/versions{query}", body,
+                          {"Content-Type": ctype, **headers})
+    return status, json.loads(out)
+
+
+def infer(url: str) -> tuple[int, str, float]:
+    """The version that answered, its X-Model-Build, and the output's first value."""
+    status, headers, out = http("POST", url + "/v2/models/m/infer", json.dumps(X).encode())
+    assert status == 200, out
+    doc = json.loads(out)
+    build = {k.lower(): v for k, v in headers.items()}.get("x-model-build", "")
+    return int(doc["model_version"]), build, \
+        doc["outputs"][0]["data"][0]
+
+
+def serving(url: str, version: int) -> bool:
+    return infer(url)[0] == version
+
+
+def leftovers(repo: Path) -> list[str]:
+    return sorted(str(p.relative_to(repo)) for p in repo.rglob(".*"))
+
+
+def test_push_build_identity_and_bad_pushes(dirs, serve) -> None:
+    repo, imports = dirs
+    srv = serve(repo, extra=["--import-root", str(imports)])
+    sha1 = version_sha256(repo / "m" / "1")
+    version, build, value = infer(srv.url)
+    assert (version, build, value) == (1, f"1/{sha1}", 1.0)
+
+    save_versioned(imports / "v2", 2.0)
+    status, doc = push(srv.url, "m", {"model_path": str(imports / "v2")})
+    sha2 = version_sha256(imports / "v2")
+    assert status == 201 and doc == {"name": "m", "version": 2, "sha256": sha2,
+                                     "state": "published"}, doc
+    assert version_sha256(repo / "m" / "2") == sha2
+    wait_for(lambda: serving(srv.url, 2), 30, "version 2 to serve")
+    assert infer(srv.url) == (2, f"2/{sha2}", 2.0)
+
+    # the direct client and gRPC name the same build
+    with Client(srv.frontend) as c:
+        got = c.infer("m", {"input": np.ones((1, 4), np.float32)})
+        assert (got.version, got.build) == (2, sha2)
+    with grpc.insecure_channel(srv.grpc_url) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=pb.ModelInferRequest.SerializeToString,
+                                   response_deserializer=pb.ModelInferResponse.FromString)
+        req = pb.ModelInferRequest(model_name="m",
+                                   raw_input_contents=[np.ones((1, 4), np.float32).tobytes()])
+        req.inputs.add(name="input", datatype="FP32", shape=[1, 4])
+        _, rpc = call.with_call(req, timeout=30)
+        assert ("x-model-build", f"2/{sha2}") in tuple(rpc.trailing_metadata())
+
+    # the same content again: done already, nothing changes; other content: a conflict
+    status, doc = push(srv.url, "m", {"model_path": str(imports / "v2"), "version": 2})
+    assert status == 200 and doc["state"] == "unchanged" and doc["sha256"] == sha2
+    save_versioned(imports / "other", 7.0)
+    status, doc = push(srv.url, "m", {"model_path": str(imports / "other")}, query="?version=2")
+    assert status == 409 and "exists with other content" in doc["error"], doc
+
+    # bad pushes: a clear 4xx, nothing published, version 2 still serving
+    (imports / "corrupt").mkdir()
+    (imports / "corrupt" / "model.pt").write_bytes(b"not a torchscript archive")
+    status, doc = push(srv.url, "m", {"model_path": str(imports / "corrupt")})
+    assert status == 422 and "m/3" in doc["error"], doc
+    wrong = imports / "wrong"
+    wrong.mkdir()
+    torch.jit.save(torch.jit.script(torch.nn.Linear(5, 3)), str(wrong / "model.pt"))
+    status, doc = push(srv.url, "m", {"model_path": str(wrong)})
+    assert status == 422, doc   # 4 inputs in the model's config, 5 in the model
+    status, doc = push(srv.url, "m", {"model_path": str(imports / "v2"),
+                                      "config": {"max_batch_size": 2}})
+    assert status == 400 and "config as it is" in doc["error"]
+    status, doc = push(srv.url, "m", {"model_path": str(imports / "v2"), "version": 0})
+    assert status == 400 and "version" in doc["error"]
+    status, doc = push(srv.url, "m", raw=b"garbage", query="?version=3")
+    assert status == 422, doc
+    status, doc = push(srv.url, "nope", {"model_path": str(imports / "v2")})
+    assert status == 404
+    status, doc = push(srv.url, "m", {"model_path": str(repo / "m" / "1")})
+    assert status == 403 and "outside the import roots" in doc["error"]
+    assert sorted(p.name for p in (repo / "m").iterdir()) == ["1", "2", "config.json"]
+    assert leftovers(repo) == []
+    assert infer(srv.url) == (2, f"2/{sha2}", 2.0)
+
+    # an upload (no import root needed for it) as version 5
+    save_versioned(imports / "v5", 5.0)
+    data = (imports / "v5" / "model.pt").read_bytes()
+    status, doc = push(srv.url, "m", raw=data, query="?version=5")
+    assert status == 201 and doc["version"] == 5, doc
+    wait_for(lambda: serving(srv.url, 5), 30, "version 5 to serve")
+    assert infer(srv.url)[1] == f"5/{version_sha256(repo / 'm' / '5')}"
+
+
+def test_push_from_the_command_line_with_the_admin_token(dirs, serve) -> None:
+    repo, imports = dirs
+    srv = serve(repo, extra=["--import-root", str(imports)],
+                env={"ZEROSERVE_ADMIN_TOKEN": "s3cret"})
+    save_versioned(imports / "v2", 2.0)
+    status, doc = push(srv.url, "m", {"model_path": str(imports / "v2")})
+    assert status == 401
+    status, doc = push(srv.url, "m", {"model_path": str(imports / "v2")},
+                       Authorization="Bearer nope")
+    assert status == 403
+
+    def cli(*argv: str, token: str = "s3cret") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*ZEROSERVE, "push", *argv, "--runtime-dir", str(srv.runtime),
+                               "--timeout", "10"], capture_output=True, text=True, timeout=60,
+                              env={"ZEROSERVE_ADMIN_TOKEN": token, "PATH": "/usr/bin:/bin"})
+
+    out = cli("m", str(imports / "v2" / "model.pt"), token="wrong")
+    assert out.returncode != 0 and "token" in out.stderr
+    out = cli("m", str(imports / "v2" / "model.pt"), "--version", "3")
+    assert out.returncode == 0 and "version 3 published" in out.stdout, out.stderr
+    out = cli("m", str(imports / "v2"), "--version", "3", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["kind"] == "same", out.stderr
+    out = cli("m", str(repo / "m" / "1" / "model.pt"), "--version", "3")
+    assert out.returncode != 0 and "exists with other content" in out.stderr
+    wait_for(lambda: serving(srv.url, 3), 30, "version 3 to serve")
+    assert infer(srv.url)[2] == 2.0

@@ -8,9 +8,12 @@ its files; load and unload calls are refused, as Triton does when it polls.
 the models named by ``--load-model`` are loaded at start; the repository is not
 watched; a load call loads a model (or reloads one already loaded, two-phase, from
 its files as they are now), an unload call unloads it. A load may override the
-config (``parameters.config``) and carry files (``file:<path>`` parameters, written
-to a private folder, never into the repository); the override holds until the next
-load or unload of that model.
+config (``parameters.config``); the override holds until the next load or unload of
+that model. A load that carries files (``file:<path>`` parameters, with the config
+they need) persists like a push: the files and the config become the model's folder
+in the repository by rename, the folder before them set aside; if the load fails the
+folder before is put back, so nothing of a failed load stays. A file that cannot be
+written fails as Triton's does, an internal error that failed to poll the repository.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +81,8 @@ class RepositoryControl:
         self.unloaded: set[str] = set()
         self.jobs: dict[str, LoadJob] = {}
         self._ids = itertools.count(1)
-        self._files: Path | None = None
+        # a load with files: the folder it replaced (None: there was none), until it ends
+        self._replaced: dict[str, Path | None] = {}
 
     def add_verbs(self, control: ControlTable) -> None:
         control.add("repository_index", self.index)
@@ -111,8 +115,8 @@ class RepositoryControl:
         self._rescan(name)
 
     def close(self) -> None:
-        if self._files is not None:
-            shutil.rmtree(self._files, ignore_errors=True)
+        for name in list(self._replaced):
+            self._settle(name, ok=True)   # what is in place now was asked for last
 
     # -- verbs ----------------------------------------------------------------
     def _check_mode(self, verb: str) -> None:
@@ -124,12 +128,14 @@ class RepositoryControl:
     def load(self, args: dict[str, Any]) -> dict[str, Any]:
         name = _name(args)
         self._check_mode("load")
+        if name in self._replaced:
+            raise ControlError("conflict", f"a load of '{name}' with files is under way")
         rm = self._repo_model(name, args.get("config"), args.get("files") or {})
         self.wanted.add(name)
         self.unloaded.discard(name)
-        if args.get("config") is not None or args.get("files"):
+        if args.get("config") is not None and not args.get("files"):
             self.overrides[name] = rm
-        else:
+        else:   # from the repository, where a load with files has just put them
             self.overrides.pop(name, None)
         self.stats.forget(name)      # statistics count since load
         self.catalog.clear_error(name)
@@ -149,6 +155,18 @@ class RepositoryControl:
         folder = self.root / name
         if files:
             folder = self._write_files(name, files)
+        try:
+            rm = self._configured(name, config, folder)
+        except ControlError:
+            if files:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
+        if files:
+            (folder / "config.json").write_text(json.dumps(rm.config.to_json(), indent=2))
+            rm = RepoModel(rm.config, self._persist(name, folder), rm.versions)
+        return rm
+
+    def _configured(self, name: str, config: Any, folder: Path) -> RepoModel:
         if config is None:
             found, errors = scan(self.root)
             if name not in found:
@@ -169,9 +187,9 @@ class RepositoryControl:
         return RepoModel(cfg, folder, tuple(versions))
 
     def _write_files(self, name: str, files: dict[str, bytes]) -> Path:
-        if self._files is None:
-            self._files = Path(tempfile.mkdtemp(prefix="zeroserve-load-"))
-        folder = self._files / f"{name}-{next(self._ids)}"
+        # a temp name in the repository (so the publish is a rename), which a broker
+        # cut short removes at its next start (registration.py's clean_leftovers)
+        folder = self.root / f".register-load-{name}-{next(self._ids)}"
         for rel, data in files.items():
             try:
                 target = (folder / rel).resolve()
@@ -179,10 +197,43 @@ class RepositoryControl:
                     raise _failed(name, f"file:{rel} leaves the model folder")
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(data)
-            except (OSError, ValueError) as exc:   # ValueError: a NUL in the name
+            except ValueError as exc:   # a NUL in the name
                 shutil.rmtree(folder, ignore_errors=True)
                 raise _failed(name, f"file:{rel} cannot be written: {exc}") from None
+            except OSError as exc:   # a name too long, a full disk: Triton's words
+                shutil.rmtree(folder, ignore_errors=True)
+                raise ControlError("internal", "failed to poll from model repository: "
+                                   f"failed to load '{name}': file:{rel[:80]} cannot be "
+                                   f"written: {exc.strerror}") from None
         return folder
+
+    def _persist(self, name: str, folder: Path) -> Path:
+        """The written folder becomes the model's; the one before waits aside until the
+        load ends (:meth:`_settle`)."""
+        target = self.root / name
+        aside: Path | None = None
+        if target.exists():
+            aside = self.root / f".deleted-{name}-load{next(self._ids)}"
+            os.rename(target, aside)
+        os.rename(folder, target)
+        self._replaced[name] = aside
+        return target
+
+    def _settle(self, name: str, ok: bool) -> None:
+        """A load with files ended: the folder before goes, or comes back."""
+        if name not in self._replaced:
+            return
+        aside = self._replaced.pop(name)
+        if ok:
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+            return
+        failed = self.root / f".deleted-{name}-failed{next(self._ids)}"
+        os.rename(self.root / name, failed)
+        if aside is not None:
+            os.rename(aside, self.root / name)
+        shutil.rmtree(failed, ignore_errors=True)
+        logger.info("model %s: the load with files failed; its folder before is back", name)
 
     def load_status(self, args: dict[str, Any]) -> dict[str, Any]:
         job = self.jobs.get(str(args.get("token")))
@@ -191,6 +242,7 @@ class RepositoryControl:
         state, error = self._outcome(job)
         if state != "loading":
             del self.jobs[job.token]   # reported once; the gateway asks until it ends
+            self._settle(job.model, ok=state == "ready")
         return {"state": state, "model": job.model,
                 "error": f"failed to load '{job.model}': {error}" if error else ""}
 

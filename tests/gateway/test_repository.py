@@ -18,6 +18,7 @@ import tritonclient.http.aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Server, linear_config, short_tmpdir, write_model
+from zeroserve.models.repository import version_sha256
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -157,6 +158,47 @@ def test_a_load_with_files_and_one_that_fails_on_the_worker(client, tmp_path) ->
     assert not client.is_model_ready("broken")
     with pytest.raises(InferenceServerException, match="need a config"):
         client.load_model("fresh", files={"file:1/model.pt": b"x"})
+
+
+def test_a_load_with_files_persists_and_a_failed_one_leaves_the_folder_as_it_was(
+        client, srv, tmp_path) -> None:
+    """As a push: the files and their config are the model's folder from then on, past
+    an unload and a plain load; a load with files that fails puts the folder back."""
+    vdir = write_model(tmp_path, "kept", 1, "nn.Linear(4, 3)")
+    client.load_model("kept", config=json.dumps(linear_config("kept", mbs=4)),
+                      files={"file:1/model.pt": (vdir / "model.pt").read_bytes()})
+    folder = srv.model_dir / "kept"
+    assert (folder / "1" / "model.pt").read_bytes() == (vdir / "model.pt").read_bytes()
+    client.unload_model("kept")
+    client.load_model("kept")   # from the repository: what the load with files left
+    assert client.is_model_ready("kept") and client.get_model_config("kept")[
+        "max_batch_size"] == 4
+    before = version_sha256(folder / "1")
+    with pytest.raises(InferenceServerException, match="failed to load 'kept'"):
+        client.load_model("kept", config=json.dumps(linear_config("kept")),
+                          files={"file:1/model.pt": b"not a torchscript archive"})
+    assert version_sha256(folder / "1") == before
+    assert client.is_model_ready("kept") and infer(client, "kept").shape == (3, 3)
+    assert not [p.name for p in srv.model_dir.iterdir() if p.name.startswith(".")]
+
+
+def test_a_file_path_too_long_fails_as_triton_does(client, srv) -> None:
+    """NVIDIA's simple_grpc_model_control.py expects INTERNAL and these words."""
+    import tritonclient.grpc as tg
+    grpc_client = tg.InferenceServerClient(srv.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException) as got:
+            grpc_client.load_model("linear", config="{}", files={"file:" + "A" * 256: b"a"})
+        assert got.value.status() == "StatusCode.INTERNAL"
+        assert "failed to poll from model repository" in got.value.message()
+        assert grpc_client.is_server_live()
+    finally:
+        grpc_client.close()
+    with pytest.raises(InferenceServerException,
+                       match="failed to poll from model repository") as over_http:
+        client.load_model("linear", config="{}", files={"file:" + "A" * 256: b"a"})
+    assert over_http.value.status() == "500"
+    assert client.is_model_ready("linear")
 
 
 def test_model_control_none_loads_everything_and_refuses_changes() -> None:

@@ -187,6 +187,7 @@ class Catalog:
         self.shas: dict[str, dict[int, str]] = {}         # committed sha256 per version
         # the commit before: versions it retired still answer their batches in flight
         self._previous: dict[str, dict[int, str]] = {}
+        self._committed_s: dict[str, float] = {}   # the last swap's commit, monotonic
         self.failures: dict[str, dict[str, Any]] = {}     # the last failed swap or load
         self.failed: set[tuple[str, int, str]] = set()    # content that failed: not again
 
@@ -223,10 +224,11 @@ class Catalog:
         return sha if sha is not None else self._previous.get(name, {}).get(version, "")
 
     # -- changes --------------------------------------------------------------
-    def commit(self, rm: RepoModel, shas: dict[int, str], ready: Iterable[int] = ()
-               ) -> tuple[CatalogModel, bool]:
+    def commit(self, rm: RepoModel, shas: dict[int, str], ready: Iterable[int] = (),
+               at_s: float | None = None) -> tuple[CatalogModel, bool]:
         """``rm`` is served from now on, with these sha256s and ``ready`` routable; its
-        failure and error are cleared. Returns the entry and whether it replaced one."""
+        failure and error are cleared. Returns the entry and whether it replaced one.
+        ``at_s``: when, on the broker's monotonic clock (what measures a switch)."""
         name = rm.config.name
         model = self.models.get(name)
         replaced = model is not None
@@ -238,6 +240,8 @@ class Catalog:
         model.ready = set(ready) & set(rm.versions)
         self._previous[name] = self.shas.get(name, {})
         self.shas[name] = dict(shas)
+        if at_s is not None:
+            self._committed_s[name] = at_s
         self.failures.pop(name, None)
         self.errors.pop(name, None)
         return model, replaced
@@ -270,6 +274,7 @@ class Catalog:
         self.errors.pop(name, None)
         self.shas.pop(name, None)
         self._previous.pop(name, None)
+        self._committed_s.pop(name, None)
         return self.models.pop(name, None) is not None
 
     def restrict(self, wanted: set[str], missing: str) -> None:
@@ -310,6 +315,8 @@ class Catalog:
                                           sorted(self.shas.get(name, {}).items())}}
         if name in self.failures:
             out["last_failure"] = self.failures[name]
+        if name in self._committed_s:
+            out["committed_s"] = self._committed_s[name]
         return out
 
 

@@ -167,7 +167,8 @@ class Swaps:
         served = set(rm.versions)
         workers = list(self.pool.workers.values())
         _, replaced = self.catalog.commit(
-            rm, swap.shas, {v for v in served if any(w.holds(name, v) for w in workers)})
+            rm, swap.shas, {v for v in served if any(w.holds(name, v) for w in workers)},
+            self.clock())
         gone: set[int] = set()
         for w in workers:
             for v in w.versions_of(name) - served:

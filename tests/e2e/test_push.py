@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -159,3 +161,50 @@ def test_push_from_the_command_line_with_the_admin_token(dirs, serve) -> None:
     assert out.returncode != 0 and "exists with other content" in out.stderr
     wait_for(lambda: serving(srv.url, 3), 30, "version 3 to serve")
     assert infer(srv.url)[2] == 2.0
+
+
+def test_no_request_sent_after_the_commit_is_answered_by_the_old_build(dirs, serve) -> None:
+    """Two workers under load while version 2 is pushed: every answer's build is the
+    one that computed it (the outputs tell), and every request sent once the broker
+    committed (its monotonic clock is this host's) is answered by version 2."""
+    repo, imports = dirs
+    srv = serve(repo, workers=2, extra=["--import-root", str(imports)])
+    sha1 = version_sha256(repo / "m" / "1")
+    save_versioned(imports / "v2", 2.0)
+    sha2 = version_sha256(imports / "v2")
+    got: list[tuple[float, float, str]] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with Client(srv.frontend) as c:
+            while not stop.is_set():
+                sent = time.monotonic()
+                try:
+                    r = c.infer("m", {"input": np.ones((1, 4), np.float32)})
+                except Exception as exc:  # noqa: BLE001 - counted, and fails the test
+                    errors.append(repr(exc))
+                    continue
+                got.append((sent, float(r.outputs["output"][0, 0]), r.build))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(got) > 50, 30, "answers from version 1")
+        status, doc = push(srv.url, "m", {"model_path": str(imports / "v2")})
+        assert status == 201, doc
+
+        def committed() -> float | None:
+            with Client(srv.control) as c:
+                m = c.control("models")["models"]["m"]
+            return m.get("committed_s") if m["versions"] == [2] else None
+        commit_s = wait_for(committed, 30, "the commit of version 2")
+        wait_for(lambda: sum(1 for s, _, _ in got if s > commit_s) > 50, 30, "answers after")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors[:3]
+    assert {(value, build) for _, value, build in got} == {(1.0, sha1), (2.0, sha2)}
+    assert all(build == sha2 for sent, _, build in got if sent > commit_s)

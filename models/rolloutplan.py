@@ -31,14 +31,17 @@ class Plan:
     steps: tuple[int, ...] = (5, 25, 50, 100)
     dwell_s: float = 60.0
     thresholds: Thresholds = field(default_factory=Thresholds)
+    # a request the canary fails runs again on the stable version (its one retry): the
+    # error still counts against the canary, and the caller does not see it
+    retry: bool = True
 
     def to_json(self) -> dict[str, Any]:
-        return {"steps": list(self.steps), "dwell_s": self.dwell_s,
+        return {"steps": list(self.steps), "dwell_s": self.dwell_s, "retry": self.retry,
                 **{f.name: getattr(self.thresholds, f.name) for f in fields(Thresholds)}}
 
 
 _INTS = {"min_requests", "min_errors"}
-PLAN_FIELDS = ("steps", "dwell_s", *(f.name for f in fields(Thresholds)))
+PLAN_FIELDS = ("steps", "dwell_s", "retry", *(f.name for f in fields(Thresholds)))
 
 
 def parse_plan(raw: Any) -> Plan:
@@ -59,6 +62,9 @@ def parse_plan(raw: Any) -> Plan:
         raise PlanError(f"steps must end at 100 (the canary takes all the traffic), "
                         f"got {steps}")
     dwell_s = _number(raw, "dwell_s", Plan.dwell_s)
+    retry = raw.get("retry", Plan.retry)
+    if not isinstance(retry, bool):
+        raise PlanError(f"retry must be true or false, got {retry!r}")
     kw: dict[str, Any] = {}
     for f in fields(Thresholds):
         if f.name in raw:
@@ -68,7 +74,7 @@ def parse_plan(raw: Any) -> Plan:
                     raise PlanError(f"{f.name} must be a positive integer, got {raw[f.name]!r}")
                 value = int(value)
             kw[f.name] = value
-    return Plan(tuple(steps), dwell_s, Thresholds(**kw))
+    return Plan(tuple(steps), dwell_s, Thresholds(**kw), retry)
 
 
 def _number(raw: dict[str, Any], name: str, default: float) -> float:

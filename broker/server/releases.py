@@ -60,7 +60,11 @@ class Releases:
 
     def fallback(self, model: str, version: int) -> int | None:
         """Where a request that ``version`` failed runs again: the stable version, when
-        ``version`` has been rolled back (its errors after the verdict reach no one)."""
+        ``version`` is the canary of a rollout whose plan retries, or has been rolled
+        back (its errors after the verdict reach no one)."""
+        running = self.rollouts.get(model)
+        if running is not None and version == running.canary and running.plan.retry:
+            return running.stable
         entry = self.catalog.get(model)
         if entry is None or version not in entry.failed:
             return None

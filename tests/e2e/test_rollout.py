@@ -1,7 +1,9 @@
 """A rollout end to end under load, HTTP and direct clients, real processes: version 2
 canaried by key, stepped to 100% and promoted; version 3, which raises on a fifth of its
-inputs, rolled back by itself, no request failed by it after the verdict; version 4, ten
-times slower, rolled back on latency. Every request is answered exactly once.
+inputs, rolled back by itself, no request failed by it (the plan retries a canary's
+failures on the stable version; tests/broker/test_releases.py shows a plan that does not,
+failing no request after the verdict); version 4, ten times slower, rolled back on
+latency. Every request is answered exactly once, none fails.
 
 Versions are Python handlers whose output is their version number, added to the
 repository folder by rename as an operator (or a release pipeline) would."""
@@ -198,14 +200,10 @@ def test_canary_promoted_then_faulty_and_slow_ones_rolled_back(server: Server) -
 
     got = answers.all()
     assert len(got) == answers.sent, "a request was not answered exactly once"
-    failed_by_3 = [(t, o) for t, o in got if isinstance(o, str) and "version 3 fails" in o]
-    assert failed_by_3, "version 3 never failed: the test cannot tell a rollback"
-    # an answer sent just before the verdict may arrive a little after it (the gateway's
-    # hop, a loaded host): half a second of grace, against answers every few ms
-    late = [(t - decided_s, o) for t, o in failed_by_3 if t > decided_s + 0.5]
-    assert not late, f"version 3 failed requests after its rollback: {late[:3]}"
-    other = [o for _, o in got if isinstance(o, str) and "version 3 fails" not in o]
-    assert not other, other[:3]
+    # the plan retries (the default): what version 3 failed, before its rollback and
+    # after, ran again on version 2; nothing failed at all
+    failed = [(t - decided_s, o) for t, o in got if isinstance(o, str)]
+    assert not failed, failed[:3]
     # sticky: while version 2 grew, no key went back from 2 to 1
     for key, seq in answers.by_key.items():
         versions = [o for _, o in seq if o in (1, 2)]

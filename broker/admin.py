@@ -1,4 +1,5 @@
-"""The operator's verbs over the control socket: status, models, drain, undrain, reload.
+"""The operator's verbs over the control socket: status, models, drain, undrain, reload,
+rollout, rollback, promote.
 
 Exit codes: 0 done; 1 the broker refused (unknown worker or model, bad input, a
 load failed); 3 the broker is unreachable or stopped answering; 4 a ``--wait``
@@ -158,8 +159,43 @@ def push(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
     return st, f"{args.model}: version {st['versions'][0]} {done}, sha256 {st['sha256'][:12]}"
 
 
+
+def rollout(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    """``zeroserve rollout MODEL VERSION``: the config's plan, or the one given here."""
+    plan: dict[str, Any] = {}
+    if args.steps is not None:
+        try:
+            plan["steps"] = [int(s) for s in args.steps.split(",")]
+        except ValueError:
+            raise InferError(ErrorCode.BAD_INPUT, f"--steps takes weights such as "
+                             f"5,25,50,100, got {args.steps!r}") from None
+    for name in ("dwell", "min_requests", "max_error_rate", "max_latency_ratio"):
+        value = getattr(args, name)
+        if value is not None:
+            plan["dwell_s" if name == "dwell" else name] = value
+    res = client.control("rollout", model=args.model, version=args.version,
+                         **({"stable": args.stable} if args.stable is not None else {}), **plan)
+    return res, (f"{args.model}: version {res['canary']} takes "
+                 f"{res['weights'][str(res['canary'])]}% of the traffic, version "
+                 f"{res['stable']} the rest; steps {res['plan']['steps']} every "
+                 f"{res['plan']['dwell_s']:g} s while it stays healthy")
+
+
+def rollback(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    res = client.control("rollback", model=args.model, version=args.version)
+    return res, (f"{args.model}: version {res['rolled_back']} rolled back; version "
+                 f"{res['serving']} serves")
+
+
+def promote(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
+    res = client.control("promote", model=args.model, version=args.version)
+    retired = f"; version {res['retired']} retired" if res["retired"] is not None else ""
+    return res, f"{args.model}: version {res['promoted']} takes all the traffic{retired}"
+
+
 VERBS: dict[str, Callable[[Client, argparse.Namespace], tuple[Any, str]]] = {
-    "drain": drain, "undrain": undrain, "reload": reload, "push": push,
+    "drain": drain, "undrain": undrain, "reload": reload, "rollout": rollout,
+    "rollback": rollback, "promote": promote, "push": push,
 }
 
 
@@ -169,7 +205,7 @@ def admin_token() -> str:
 
 
 def run_verb(args: argparse.Namespace) -> int:
-    """``zeroserve drain|undrain|reload``."""
+    """``zeroserve drain|undrain|reload|rollout|rollback|promote``."""
     endpoint = options.endpoints(args).control
     try:
         with Client(endpoint, timeout_s=args.timeout, connect_timeout_s=args.timeout,

@@ -232,14 +232,16 @@ class Client:
               version: int | None = None, priority: int = 0, timeout_ms: float = 0.0,
               outputs: Sequence[str] | None = None, tenant: str = "",
               api_key: str | None = None, traceparent: str = "",
-              tracestate: str = "") -> InferResult:
+              tracestate: str = "", routing_key: str = "") -> InferResult:
         """``traceparent`` (W3C, with ``tracestate``) traces the request: the result's
-        ``trace`` holds its records."""
+        ``trace`` holds its records. ``routing_key`` keeps a caller on one version of a
+        traffic split (docs/rollouts.md); without it the broker uses the API key, else
+        this client's connection."""
         rid = str(next(self._ids))
         trace = tracing.context(traceparent, tracestate) if traceparent else None
         req = p.InferRequest(rid, model, _tensors(inputs), version, priority, timeout_ms,
                              tenant, outputs, self.api_key if api_key is None else api_key,
-                             trace=trace)
+                             trace=trace, routing_key=routing_key)
         wait_s = timeout_ms / 1000.0 + 5.0 if timeout_ms else self.timeout_s
         sent_ns = time.monotonic_ns()
         answer = self._roundtrip(p.encode_request(req), rid, wait_s)
@@ -257,7 +259,7 @@ class Client:
                version: int | None = None, priority: int = 0, timeout_ms: float | None = None,
                outputs: Sequence[str] | None = None, tenant: str = "",
                api_key: str | None = None, traceparent: str = "",
-               tracestate: str = "") -> Stream:
+               tracestate: str = "", routing_key: str = "") -> Stream:
         """A request whose responses come as a stream (a decoupled model's), iterated as
         :class:`StreamResponse` objects (see :mod:`zeroserve.broker.streamclient`).
         ``timeout_ms`` bounds the first response; each later one may take up to the
@@ -268,7 +270,7 @@ class Client:
         trace = tracing.context(traceparent, tracestate) if traceparent else None
         req = p.InferRequest(rid, model, _tensors(inputs), version, priority, timeout_ms or 0.0,
                              tenant, outputs, self.api_key if api_key is None else api_key,
-                             stream=True, trace=trace)
+                             stream=True, trace=trace, routing_key=routing_key)
         first_wait_s = timeout_ms / 1000.0 + 5.0 if timeout_ms else self.timeout_s
         self._send_request(p.encode_request(req), first_wait_s)
         self._inbox[rid] = collections.deque()
@@ -423,12 +425,14 @@ class AsyncClient:
                             version: int | None = None, priority: int = 0,
                             timeout_ms: float = 0.0, outputs: Sequence[str] | None = None,
                             tenant: str = "", api_key: str | None = None,
-                            trace: dict[str, str] | None = None) -> p.InferReply:
+                            trace: dict[str, str] | None = None,
+                            routing_key: str = "") -> p.InferReply:
         """Like :meth:`infer` but with raw tensors in and out (no numpy conversion);
         ``trace`` is the wire's trace context (:func:`zeroserve.broker.tracing.context`)."""
         rid = str(next(self._ids))
         req = p.InferRequest(rid, model, tensors, version, priority, timeout_ms, tenant, outputs,
-                             self.api_key if api_key is None else api_key, trace=trace)
+                             self.api_key if api_key is None else api_key, trace=trace,
+                             routing_key=routing_key)
         answer = await self._call(req, rid, cancel=True)
         if isinstance(answer, InferError):
             raise answer
@@ -446,7 +450,7 @@ class AsyncClient:
                version: int | None = None, priority: int = 0, timeout_ms: float | None = None,
                outputs: Sequence[str] | None = None, tenant: str = "",
                api_key: str | None = None, traceparent: str = "", tracestate: str = "",
-               trace: dict[str, str] | None = None) -> AsyncStream:
+               trace: dict[str, str] | None = None, routing_key: str = "") -> AsyncStream:
         """A request whose responses come as a stream, iterated with ``async for`` as
         :class:`StreamResponse` objects (see :mod:`zeroserve.broker.streamclient`);
         errors, the broker's refusal included, are raised out of the iteration.
@@ -465,7 +469,7 @@ class AsyncClient:
             tensors = list(inputs) if not isinstance(inputs, Mapping) else _tensors(inputs)
             req = p.InferRequest(rid, model, tensors, version, priority, timeout_ms or 0.0,
                                  tenant, outputs, self.api_key if api_key is None else api_key,
-                                 stream=True, trace=trace)
+                                 stream=True, trace=trace, routing_key=routing_key)
             if not self._submit(req, rid):
                 queue.put_nowait(InferError(*_FULL))
         return AsyncStream(queue, lambda cancel: self._end_stream(rid, cancel))

@@ -295,6 +295,29 @@ def _operate_parsers(sub: Any) -> None:
                         "refused unless its files are the same")
     p.add_argument("--wait-timeout", type=float, default=300.0,
                    help="seconds to wait for the copy and the trial load")
+    p = verb("rollout", "canary VERSION of MODEL: a growing share of the traffic, step by "
+             "step, rolled back by itself if it does worse (docs/rollouts.md)")
+    p.add_argument("model", help="the model")
+    p.add_argument("version", type=int, help="the version to roll out (loaded already)")
+    p.add_argument("--steps", default=None,
+                   help="the canary's weight at each step, e.g. 5,25,50,100 (the config's "
+                        "rollout plan, else 5,25,50,100)")
+    p.add_argument("--dwell", type=float, default=None, help="seconds each step lasts")
+    p.add_argument("--stable", type=int, default=None,
+                   help="the version to compare with (default: the one serving now)")
+    p.add_argument("--min-requests", type=int, default=None,
+                   help="canary answers needed before a verdict or a step")
+    p.add_argument("--max-error-rate", type=float, default=None,
+                   help="how far the canary's error rate may exceed the stable's")
+    p.add_argument("--max-latency-ratio", type=float, default=None,
+                   help="how many times the stable's p99 compute time the canary's may be")
+    for name, text in (("rollback", "take VERSION of MODEL (default: the canary of its "
+                                    "rollout) out of the traffic at once"),
+                       ("promote", "give VERSION of MODEL (default: the canary of its "
+                                   "rollout) all the traffic and retire the one it replaces")):
+        p = verb(name, text)
+        p.add_argument("model", help="the model")
+        p.add_argument("version", type=int, nargs="?", default=None, help="the version")
 
 
 def subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -155,6 +155,9 @@ class InferRequest:
     stream: bool = False
     # a traced request: the caller's W3C context (broker/tracing.py); absent otherwise
     trace: dict[str, str] | None = None
+    # what sticks a caller to one version of a traffic split (docs/rollouts.md): empty
+    # means the broker uses the API key, else the client's connection
+    routing_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -750,6 +753,7 @@ def decode_request(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReq
         api_key=_field(header, "api_key", str, ""),
         stream=_stream_flag(header),
         trace=_trace_context(header),
+        routing_key=_field(header, "routing_key", str, ""),
     )
 
 
@@ -791,6 +795,8 @@ def request_header(req: InferRequest) -> tuple[dict[str, Any], list[Buffer]]:
         header["stream"] = True
     if req.trace is not None:   # likewise: an untraced request carries nothing
         header["trace"] = req.trace
+    if req.routing_key:   # likewise; an older broker ignores a field it does not know
+        header["routing_key"] = req.routing_key
     return header, bufs
 
 

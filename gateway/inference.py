@@ -34,7 +34,9 @@ from zeroserve.gateway.door import SHED_DEADLINE, Door, Shed
 from zeroserve.gateway.tenantgate import TenantGate
 from zeroserve.gateway.tracing import Trace, Tracer
 
-__all__ = ["InferencePath", "Shed", "as_caller"]
+__all__ = ["InferencePath", "Shed", "as_caller", "routing_key"]
+
+ROUTING_HEADER = "x-routing-key"   # also gRPC metadata; a v2 parameter "routing_key"
 
 Control = Callable[..., Awaitable[Any]]
 
@@ -42,6 +44,27 @@ Control = Callable[..., Awaitable[Any]]
 def as_caller(api_key: str | None) -> dict[str, str]:
     """A control call's args for a caller: its key, or none at all for the operator."""
     return {} if api_key is None else {"api_key": api_key}
+
+
+def routing_key(headers: Mapping[str, str], params: Mapping[str, Any], api_key: str,
+                peer: str) -> str:
+    """What sticks a caller to one version of a model's traffic split: the
+    ``X-Routing-Key`` header (gRPC metadata alike), else the ``routing_key`` parameter,
+    else the API key, else the client's address (without its port, which changes with
+    each connection)."""
+    key = headers.get(ROUTING_HEADER) or params.get("routing_key")
+    if isinstance(key, str) and key:
+        return key
+    return api_key or peer
+
+
+def peer_host(peer: Any) -> str:
+    """The host of an ASGI ``client`` pair or a gRPC peer (``ipv4:1.2.3.4:5``)."""
+    if isinstance(peer, (tuple, list)) and peer:
+        return str(peer[0])
+    if isinstance(peer, str):
+        return peer.rpartition(":")[0] or peer
+    return ""
 
 
 class InferencePath:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from zeroserve.models import formats
+from zeroserve.models.rolloutplan import PlanError, parse_plan
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
              "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES")
@@ -117,9 +118,14 @@ class ModelConfig:
     # Triton's response_cache.enable: identical requests answered by the broker from
     # its response cache (docs/many-models.md)
     response_cache: bool = False
+    # a new build is canaried against the previous version by this plan (models/
+    # rolloutplan.py, docs/rollouts.md), in its normalized JSON form
+    rollout: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        if out["rollout"] is None:
+            del out["rollout"]
         out["model_transaction_policy"] = {"decoupled": out.pop("decoupled")}
         out["response_cache"] = {"enable": out.pop("response_cache")}
         out["inputs"] = [t.to_json() for t in self.inputs]
@@ -196,7 +202,8 @@ def _tensors(where: str, fld: str, raw: Any) -> tuple[TensorSpec, ...]:
 _DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
 _TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
                "version_policy", "traffic", "instances", "warmup", "input_shape", "backend",
-               "optional", "autoscaling", "model_transaction_policy", "response_cache"}
+               "optional", "autoscaling", "model_transaction_policy", "response_cache",
+               "rollout"}
 
 
 def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
@@ -430,6 +437,8 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
         _check_discoverable(where, inputs, decoupled)
     cache = _response_cache(where, raw.get("response_cache"), decoupled)
     batching = _dynamic_batching(where, raw.get("dynamic_batching"))
+    version_policy = _version_policy(where, raw.get("version_policy"))
+    rollout = _rollout(where, raw.get("rollout"), version_policy)
     padding = _padding(where, (raw.get("dynamic_batching") or {}).get("padding"), inputs,
                        outputs, mbs)
     if padding is not None:
@@ -437,12 +446,27 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     return ModelConfig(
         name=name, platform=platform, inputs=inputs, outputs=outputs,
         max_batch_size=mbs, dynamic_batching=batching,
-        version_policy=_version_policy(where, raw.get("version_policy")),
+        version_policy=version_policy, rollout=rollout,
         traffic={k: int(v) for k, v in traffic.items()}, instances=instances,
         autoscaling=autoscaling,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
         optional=optional, decoupled=decoupled, response_cache=cache)
+
+
+def _rollout(where: str, raw: Any, version_policy: dict[str, Any]) -> dict[str, Any] | None:
+    """``rollout``: a plan whose canary is compared with the previous version, which the
+    version policy must therefore keep loaded."""
+    if raw is None:
+        return None
+    try:
+        plan = parse_plan(raw)
+    except PlanError as exc:
+        raise _fail(where, "rollout", str(exc)) from None
+    if version_policy.get("latest") == 1:
+        raise _fail(where, "rollout", 'compares a new version with the previous one, which '
+                    'the version policy must keep: set "version_policy": {"latest": 2}')
+    return plan.to_json()
 
 
 def _check_discoverable(where: str, inputs: tuple[TensorSpec, ...], decoupled: bool) -> None:

@@ -9,7 +9,6 @@ to answer at once."""
 from __future__ import annotations
 
 import math
-import random
 from typing import Callable, Hashable, NamedTuple, Sequence
 
 from zeroserve.broker import protocol as p
@@ -65,8 +64,7 @@ class Admission:
 
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
                  latency: LatencyBook, tenancy: Tenancy, stop: StopState, gate: DispatchGate,
-                 soonest_free: SoonestFree, rng: random.Random,
-                 answers: CachedAnswers) -> None:
+                 soonest_free: SoonestFree, answers: CachedAnswers) -> None:
         self.catalog = catalog
         self.scheduler = scheduler
         self.pool = pool
@@ -75,7 +73,6 @@ class Admission:
         self.stop = stop
         self.gate = gate
         self._soonest_free = soonest_free
-        self._rng = rng
         self.answers = answers
 
     def admit(self, client: bytes, req: p.InferRequest, now: float
@@ -131,8 +128,8 @@ class Admission:
                                f"needs about {wait_s * 1000:.1f} ms", grant.tenant)
         self.gate.note(req.model, priority, now)
         version = req.version
-        if version is None and cfg.traffic:
-            version = model.route(self._rng)
+        if version is None and model.routed:
+            version = model.route(req.routing_key or req.api_key or client.hex())
         return Entry(key=(client, req.request_id), model=req.model, priority=priority,
                      arrival_s=now, deadline_s=deadline, samples=samples, version=version,
                      payload=Payload(client, req, req.version is not None), shape=shape,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -29,6 +28,7 @@ from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.readverbs import ReadVerbs
 from zeroserve.broker.server.registration import Registrar
+from zeroserve.broker.server.releases import Releases
 from zeroserve.broker.server.replicas import Replicas
 from zeroserve.broker.server.repoctl import RepositoryControl
 from zeroserve.broker.server.requests import RequestPath
@@ -73,9 +73,12 @@ class Broker:
         self.stop = StopState()
         cache = ResponseCache(response_cache_bytes)
         self.metrics.registry.register(CacheSize(cache.describe))
+        self.releases = Releases(self.catalog, self.pool, clock, self.metrics.registry,
+                                 reroute=lambda name, gone, to: self.requests.reroute(
+                                     name, gone, to))
         self.requests = RequestPath(self.catalog, self.scheduler, self.pool,
                                     LatencyBook(enabled=latency_model), self.metrics, to_client,
-                                    random.Random(), self.tenancy, self.stop, clock, cache)
+                                    self.tenancy, self.stop, clock, cache, self.releases)
         self.lifecycle = self._compose(clock, ctx or zmq.Context.instance(),
                                        lifecycle or LifecycleOptions())
         self.control = ControlTable(admin_token, TenantScope(self.tenancy, admin_token))
@@ -383,6 +386,7 @@ class Broker:
                 self._lose(worker, Loss.HUNG)
         self.notifier.watchdog(now)
         self.lifecycle.tick(now)
+        self.releases.tick(now)
         self.replicas.tick(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.pool.heartbeat_s
@@ -422,7 +426,7 @@ class Broker:
     def next_due(self, now: float) -> float:
         due = [self._next_heartbeat]
         for d in (self.requests.next_due(now), self.lifecycle.next_due(),
-                  self.replicas.next_due()):
+                  self.replicas.next_due(), self.releases.next_due()):
             if d is not None:
                 due.append(d)
         if self.stop.exiting:
@@ -469,7 +473,8 @@ class Broker:
     def _add_verbs(self) -> None:
         c = self.control
         ReadVerbs(self.catalog, self.pool, self.scheduler, self.metrics, self.clock,
-                  describe_model=self.lifecycle.describe, status=self._status).add_verbs(c)
+                  describe_model=self._describe_model, status=self._status).add_verbs(c)
+        self.releases.add_verbs(c)
         c.add("census", lambda _: self.requests.census())
         # apart from the census, which is 0 once every request is answered: the cache
         # holds answers for good, within its bound
@@ -498,6 +503,9 @@ class Broker:
         described = worker.describe(self.clock())
         self.pool.leave(worker)
         return described
+
+    def _describe_model(self, name: str) -> dict[str, Any]:
+        return {**self.lifecycle.describe(name), **self.releases.describe(name)}
 
     def _status(self) -> dict[str, Any]:
         """The broker's own sections of ``zeroserve status`` (see readverbs.py)."""

@@ -51,7 +51,7 @@ class CachedAnswers:
             return None
         version = req.version
         if version is None:
-            if cfg.traffic:
+            if model.split():   # a traffic split or a rollout: versions vary by caller
                 return None
             version = model.default_version
         sha = self.catalog.shas.get(cfg.name, {}).get(version)

@@ -10,7 +10,6 @@ to change it. What each worker holds, loads and retires is the worker pool's (po
 from __future__ import annotations
 
 import functools
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from zeroserve.broker import wording
 from zeroserve.broker.protocol import TensorMeta
 from zeroserve.broker.server.pool import WorkerState
 from zeroserve.broker.server.scheduler import Policy
+from zeroserve.broker.server.split import pick, point
 from zeroserve.models.repository import ConfigError, ModelConfig, RepoModel, TensorSpec, \
     load_config, load_labels, scan
 
@@ -35,25 +35,40 @@ class CatalogModel:
     versions: tuple[int, ...]          # versions the policy serves
     ready: set[int] = field(default_factory=set)  # versions routable (loaded somewhere)
     labels: list[str] | None = None    # labels.txt, read once per commit (classification)
+    weights: dict[int, int] | None = None   # a rollout's split, in place of ``traffic``
+    failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # rolled back: why, sha
 
     @property
     def default_version(self) -> int:
-        ready = sorted(self.ready) or sorted(self.versions)
+        """Where a request without a version goes when the split names none: the
+        heaviest of the split, else the newest ready version not rolled back."""
+        weights = self.split()
+        if weights:
+            return max(weights, key=lambda v: (weights[v], v))
+        ready = sorted(self.ready - set(self.failed)) or sorted(self.ready) \
+            or sorted(self.versions)
         return ready[-1]
 
-    def route(self, rng: random.Random) -> int:
-        """The version an unpinned request goes to: a weighted draw over ``traffic``
-        among ready versions, else the newest ready one."""
-        weights = {int(v): w for v, w in self.config.traffic.items()
-                   if int(v) in self.ready and w > 0}
+    @property
+    def routed(self) -> bool:
+        """Whether unpinned requests are routed by key (a split, or a rolled-back version
+        to keep them from)."""
+        return bool(self.config.traffic) or self.weights is not None or bool(self.failed)
+
+    def split(self) -> dict[int, int]:
+        """The weights in force among ready versions not rolled back."""
+        raw = self.weights if self.weights is not None else \
+            {int(v): w for v, w in self.config.traffic.items()}
+        return {v: w for v, w in raw.items()
+                if w > 0 and v in self.ready and v not in self.failed}
+
+    def route(self, key: str) -> int:
+        """The version an unpinned request goes to: by its routing key's place in the
+        split among ready versions (broker/server/split.py), else the default."""
+        weights = self.split()
         if not weights:
             return self.default_version
-        pick = rng.uniform(0, sum(weights.values()))
-        for version, weight in sorted(weights.items()):
-            pick -= weight
-            if pick <= 0:
-                return version
-        return max(weights)
+        return pick(weights, point(self.config.name, key))
 
     def policy(self) -> Policy:
         db = self.config.dynamic_batching
@@ -239,6 +254,8 @@ class Catalog:
         model.labels = load_labels(rm.path)
         model.ready = set(ready) & set(rm.versions)
         self._previous[name] = self.shas.get(name, {})
+        # a version rolled back stays so until new content comes under its number
+        model.failed = {v: f for v, f in model.failed.items() if shas.get(v) == f[1]}
         self.shas[name] = dict(shas)
         if at_s is not None:
             self._committed_s[name] = at_s
@@ -309,6 +326,25 @@ class Catalog:
             model.ready = {v for v in model.ready
                            if any(w.holds(model.config.name, v) for w in holders)}
 
+    # -- releases (broker/server/releases.py) -----------------------------------
+    def set_weights(self, name: str, weights: dict[int, int] | None) -> None:
+        """A rollout's split in place of the config's ``traffic`` (None: the config's)."""
+        self.models[name].weights = None if weights is None else dict(weights)
+
+    def mark_failed(self, name: str, version: int, reason: str) -> None:
+        """``version`` was rolled back: no unpinned request goes to it any more."""
+        sha = self.shas.get(name, {}).get(version, "")
+        self.models[name].failed[version] = (reason, sha)
+
+    def clear_failed(self, name: str, version: int) -> None:
+        self.models[name].failed.pop(version, None)
+
+    def retire_version(self, name: str, version: int) -> None:
+        """A promotion's old version leaves the served set (until the next rescan)."""
+        model = self.models[name]
+        model.versions = tuple(v for v in model.versions if v != version)
+        model.ready.discard(version)
+
     def status(self, name: str) -> dict[str, Any]:
         """The lifecycle's part of ``zeroserve models`` for one model."""
         out: dict[str, Any] = {"sha256": {str(v): s[:12] for v, s in
@@ -317,6 +353,11 @@ class Catalog:
             out["last_failure"] = self.failures[name]
         if name in self._committed_s:
             out["committed_s"] = self._committed_s[name]
+        model = self.models.get(name)
+        if model is not None and model.weights is not None:
+            out["weights"] = {str(v): w for v, w in sorted(model.weights.items())}
+        if model is not None and model.failed:
+            out["rolled_back"] = {str(v): why for v, (why, _) in sorted(model.failed.items())}
         return out
 
 

@@ -281,6 +281,8 @@ class Lifecycle:
         self.scheduler.set_policy(name, model.policy())
         self.requests.reroute(name, gone)
         self.requests.answers.retain(name)   # a retired version's answers hold no memory
+        if self.requests.releases is not None:   # a new build may start a rollout
+            self.requests.releases.committed(name, swap.changed)
         for w in list(self.pool.workers.values()):
             if w.identity not in swap.excluded and w.identity not in swap.workers:
                 self.sync_worker(w)   # joined meanwhile: loads what is now committed

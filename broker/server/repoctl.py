@@ -309,6 +309,8 @@ class RepositoryControl:
             reason = "" if state != "UNAVAILABLE" else "; ".join(
                 e for w in workers for k, e in w.load_errors.items() if k == (name, v)
             ) or "no live worker holds it"
+            if v in model.failed:   # loaded, but no unpinned request goes to it
+                reason = f"rolled back: {model.failed[v][0]}"
             out.append({"name": name, "version": str(v), "state": state, "reason": reason})
         retiring = {key.version for _, key in self.pool.retiring if key.name == name}
         for v in sorted(retiring - set(model.versions)):

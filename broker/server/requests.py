@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -25,6 +24,7 @@ from zeroserve.broker.server.catalog import Catalog, CatalogModel
 from zeroserve.broker.server.dispatchgate import DispatchGate
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
+from zeroserve.broker.server.releases import Releases
 from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
@@ -48,10 +48,10 @@ logger = logging.getLogger(__name__)
 class RequestPath:
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
                  latency: LatencyBook, metrics: BrokerMetrics, reply: Send,
-                 rng: random.Random | None = None, tenancy: Tenancy | None = None,
-                 stop: StopState | None = None,
+                 tenancy: Tenancy | None = None, stop: StopState | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 cache: ResponseCache | None = None) -> None:
+                 cache: ResponseCache | None = None,
+                 releases: Releases | None = None) -> None:
         self.catalog = catalog
         self.tenancy = tenancy or Tenancy(None, metrics.registry, lambda: 0.0)
         self.scheduler = scheduler
@@ -62,6 +62,7 @@ class RequestPath:
         self._last_used: dict[str, float] = {}
         self.gate = DispatchGate()                     # when a worker may take a batch
         self.stop = stop or StopState()                # the broker's: asked at admission
+        self.releases = releases                       # rollouts: told what versions answer
         self.stats = ModelStatistics()                 # the statistics extension's figures
         self.clock = clock                             # the broker's (for fail times)
         self.streams = Streams()                       # decoupled models' running requests
@@ -69,8 +70,7 @@ class RequestPath:
         self.answers = CachedAnswers(cache if cache is not None else ResponseCache(0), catalog,
                                      self.stats, metrics)
         self.admission = Admission(catalog, scheduler, pool, latency, self.tenancy,
-                                   self.stop, self.gate, self._soonest_free,
-                                   rng or random.Random(), self.answers)
+                                   self.stop, self.gate, self._soonest_free, self.answers)
         self.streaming = StreamPath(self.streams, pool, catalog, metrics, self.stats,
                                     self.ledger, reply, self)
 
@@ -231,6 +231,8 @@ class RequestPath:
         if result.error is not None:
             if result.retry:
                 self.requeue(list(rec.entries.values()), result.error, now)
+            elif self.releases is not None and rec.model in self.releases.watched:
+                self._canary_failed(rec, result, now)
             else:
                 code = p.ErrorCode.DEADLINE if result.expired else p.ErrorCode.MODEL_ERROR
                 self.fail_batch(rec, code, result.error)
@@ -276,10 +278,29 @@ class RequestPath:
         for client, replies in bundles.items():
             self._send_replies(client, replies)
         if totals_s:
+            if self.releases is not None and rec.model in self.releases.watched:
+                self.releases.answered(rec.model, rec.version, len(totals_s), compute_s)
             self.metrics.requests_done(rec.model, rec.version, totals_s)
             self.stats.request_done(rec.model, rec.version, queued_s, sum(totals_s),
                                     result.phases_ms, result.compute_ms, len(totals_s))
         self.fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
+
+    def _canary_failed(self, rec: Inflight, result: p.BatchResult, now: float) -> None:
+        """A failed batch of a model in a rollout: counted, and once its version has been
+        rolled back, its unpinned requests run again on the version that replaced it."""
+        assert self.releases is not None and result.error is not None
+        self.releases.failed(rec.model, rec.version, len(rec.entries))
+        target = self.releases.fallback(rec.model, rec.version)
+        entries = list(rec.entries.values())
+        if target is not None and not result.expired:
+            rec.entries.clear()
+            self.requeue([e for e in entries if not e.payload.pinned], result.error, now,
+                         version=target)
+            entries = [e for e in entries if e.payload.pinned]
+        code = p.ErrorCode.DEADLINE if result.expired else p.ErrorCode.MODEL_ERROR
+        for entry in entries:
+            self.answer_error(entry, code, result.error)
+        rec.entries.clear()
 
     def _send_replies(self, client: bytes, parts: list[tuple[dict[str, Any], list[Any]]]
                       ) -> None:
@@ -327,7 +348,10 @@ class RequestPath:
         predict = self.latency.predictor(head.model, worker.worker_id)
         return max(STALL_MIN_S, STALL_FACTOR * predict(head.units))
 
-    def requeue(self, entries: list[Entry], why: str, now: float, spend: bool = True) -> None:
+    def requeue(self, entries: list[Entry], why: str, now: float, spend: bool = True,
+                version: int | None = None) -> None:
+        """Queued again, once, while the deadline allows; unpinned ones to ``version``
+        (None: the model's default when dispatched)."""
         for entry in entries:
             pl: Payload = entry.payload
             if (pl.attempts < 1 or not spend) and entry.deadline_s > now \
@@ -338,7 +362,7 @@ class RequestPath:
                     self.streams.forget(entry.key)   # it runs again from the start
                 pl.attempts += int(spend)
                 fresh = entry.again()
-                fresh.version = entry.version if pl.pinned else None
+                fresh.version = entry.version if pl.pinned else version
                 self._queue(fresh)
             else:
                 self.answer_error(entry, p.ErrorCode.WORKER_LOST, f"{why}; retry")
@@ -497,20 +521,22 @@ class RequestPath:
             if rec is not None:
                 self.fail_batch(rec, code, message)
 
-    def reroute(self, name: str, gone: set[int]) -> None:
-        """Queued requests for versions that left: unpinned ones follow the new default,
-        pinned ones get not found."""
+    def reroute(self, name: str, gone: set[int], to: int | None = None) -> None:
+        """Queued requests for versions that left (or were rolled back): unpinned ones go
+        to ``to`` (None: the new default), pinned ones to a retired version get not
+        found."""
         if not gone:
             return
+        model = self.catalog.get(name)
         for entry in self.scheduler.queued(name):
             if entry.version not in gone:
                 continue
-            if entry.payload.pinned:
+            if not entry.payload.pinned:
+                entry.version = to
+            elif model is None or entry.version not in model.versions:
                 if self.scheduler.cancel(entry.key) is not None:
                     self.answer_error(entry, p.ErrorCode.NOT_FOUND,
                                       f"version {entry.version} of model {name!r} was retired")
-            else:
-                entry.version = None
 
 
 def _batch_trace(entries: list[Entry], now: float) -> p.BatchTrace | None:

@@ -33,7 +33,7 @@ from zeroserve.gateway import errors
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.grpc import tensors
 from zeroserve.gateway.http import BUILD_HEADER
-from zeroserve.gateway.inference import InferencePath
+from zeroserve.gateway.inference import InferencePath, peer_host, routing_key
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.models.proto import grpc_service_pb2 as pb
 from zeroserve.gateway.routes.infer import clamped
@@ -100,7 +100,9 @@ class Inference:
                 reply = await inference.infer(
                     req.model, req.tensors, version=req.version, priority=req.priority,
                     timeout_ms=timeout_ms, outputs=req.output_names, api_key=api_key,
-                    trace=trace.context if trace is not None else None)
+                    trace=trace.context if trace is not None else None,
+                    routing_key=routing_key(metadata, req.parameters, api_key,
+                                            peer_host(context.peer())))
             except InferError as exc:
                 if trace is not None:
                     inference.finish(trace, None, sent_ns, time.monotonic_ns(), req.id or "",
@@ -197,7 +199,10 @@ class Inference:
             async with inference.stream(req.model, req.tensors, version=req.version,
                                         priority=req.priority, timeout_ms=timeout_ms,
                                         outputs=req.output_names, api_key=api_key,
-                                        trace=trace.context if trace else None) as stream:
+                                        trace=trace.context if trace else None,
+                                        routing_key=routing_key(
+                                            metadata, req.parameters, api_key,
+                                            peer_host(context.peer()))) as stream:
                 async for part in stream:
                     if not part.tensors and part.final and not empty_final:
                         continue

@@ -33,7 +33,7 @@ from zeroserve.gateway import generate
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.errors import BadRequest
 from zeroserve.gateway.http import bounded_int, build_headers, path_version, read_body
-from zeroserve.gateway.inference import InferencePath
+from zeroserve.gateway.inference import InferencePath, peer_host, routing_key
 from zeroserve.gateway.tracing import Trace
 
 SSE = "text/event-stream; charset=utf-8"
@@ -85,7 +85,9 @@ class GenerateRoutes:
         return inference.stream(name, tensors, version=version, priority=priority,
                                 timeout_ms=timeout_ms,
                                 api_key=api_key,
-                                trace=trace.context if trace is not None else None)
+                                trace=trace.context if trace is not None else None,
+                                routing_key=routing_key(request.headers, params, api_key,
+                                                        peer_host(request.scope.get("client"))))
 
     async def generate(self, request: Request) -> Response:
         inference = self.inference

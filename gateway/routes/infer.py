@@ -39,7 +39,7 @@ from zeroserve.gateway import v2
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway import errors
 from zeroserve.gateway.errors import BadRequest, BodyTooLarge
-from zeroserve.gateway.inference import InferencePath
+from zeroserve.gateway.inference import ROUTING_HEADER, InferencePath, peer_host, routing_key
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.tracing import Trace
 from zeroserve.gateway.leaving import Leaving
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 # the request headers this route reads; everything else is never decoded
 WANTED = frozenset({b"content-length", b"content-encoding", b"accept-encoding",
                     b"authorization", b"x-api-key", v2.HEADER_LENGTH.encode(),
-                    b"traceparent", b"tracestate"})
+                    b"traceparent", b"tracestate", ROUTING_HEADER.encode()})
 JSON = b"application/json"
 OCTETS = b"application/octet-stream"
 STATUS_KEY = "zeroserve.status"   # where the endpoint leaves its status for the metrics
@@ -182,9 +182,12 @@ class InferEndpoint:
         except InferError as exc:   # shed behind, or the deadline spent in the gateway
             return await send_answer_of(send, errors.infer_answer(exc))
         sent_ns = time.monotonic_ns() if trace is not None else 0
+        api_key = api_key_of(headers)
         got = await self._forward(receive, path["name"], req, version, priority,
-                                  timeout_ms, api_key_of(headers),
-                                  trace.context if trace is not None else None)
+                                  timeout_ms, api_key,
+                                  trace.context if trace is not None else None,
+                                  routing_key(headers, params, api_key,
+                                              peer_host(scope.get("client"))))
         if trace is not None:
             return await self._traced(send, req, got, headers, trace, sent_ns)
         if isinstance(got, InferError):
@@ -217,7 +220,7 @@ class InferEndpoint:
 
     async def _forward(self, receive: Receive, name: str, req: v2.V2Request,
                        version: int | None, priority: int, timeout_ms: float, api_key: str,
-                       trace: dict[str, str] | None = None
+                       trace: dict[str, str] | None = None, key: str = ""
                        ) -> tuple[p.InferReply, list[p.Tensor]] | InferError:
         """The broker's reply (and its tensors, classified where asked), or its error;
         Disconnected when the client leaves meanwhile (the request is withdrawn)."""
@@ -227,7 +230,7 @@ class InferEndpoint:
         try:
             reply = await self.inference.infer(
                 name, req.tensors, version=version, priority=priority, timeout_ms=timeout_ms,
-                outputs=req.output_names, api_key=api_key, trace=trace)
+                outputs=req.output_names, api_key=api_key, trace=trace, routing_key=key)
             tensors = list(reply.tensors)
             if req.classified:
                 tensors = await self.inference.classify(reply.model, reply.version, tensors,

@@ -27,7 +27,7 @@ from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.facade import Facade
 from zeroserve.gateway.http import MAX_INT, BadRequest, build_headers, compressed, \
     header_int, json_response, read_body
-from zeroserve.gateway.inference import InferencePath
+from zeroserve.gateway.inference import InferencePath, peer_host, routing_key
 
 METADATA_TTL_S = 2.0
 
@@ -105,7 +105,9 @@ class SimpleRoutes:
             request.path_params["name"], tensors, version=version,
             priority=header_int(request, "x-priority"),
             timeout_ms=self.inference.budget_ms(timeout_ms, accepted) if timeout_ms else 0.0,
-            outputs=outputs, api_key=api_key_of(request.headers))
+            outputs=outputs, api_key=api_key_of(request.headers),
+            routing_key=routing_key(request.headers, {}, api_key_of(request.headers),
+                                    peer_host(request.scope.get("client"))))
 
     async def predict(self, request: Request) -> Response:
         return await self._serve(request, self._predict, prefix="v")

@@ -24,6 +24,7 @@ import pytest
 
 from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for
 from zeroserve.broker.client import Client, InferError
+from zeroserve.broker.server.split import pick, point
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -210,3 +211,57 @@ def test_canary_promoted_then_faulty_and_slow_ones_rolled_back(server: Server) -
         first_two = versions.index(2) if 2 in versions else len(versions)
         assert 1 not in versions[first_two:], f"key {key} went back to version 1"
     assert control(server, "census") == {k: 0 for k in control(server, "census")}
+
+
+def test_every_door_routes_a_key_alike() -> None:
+    """One routing key, five ways (the direct client's argument, the HTTP header and v2
+    parameter, the gRPC metadata and parameter), meets the one version its hash picks."""
+    import tritonclient.grpc as tg
+
+    repo = short_tmpdir("zsrepo")
+    (repo / "s").mkdir()
+    (repo / "s" / "config.json").write_text(json.dumps(
+        {**linear_config("s"), "platform": "python", "traffic": {"1": 50, "2": 50}}))
+    for v in (1, 2):
+        (repo / "s" / str(v)).mkdir()
+        (repo / "s" / str(v) / "model.py").write_text(HANDLER.format(
+            version=v, fails=False, sleep_s=0.0))
+    srv = Server(repo, workers=1).wait_ready()
+    x = np.ones((1, 4), np.float32)
+    body = {"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                        "data": x.ravel().tolist()}]}
+    url = f"{srv.url}/v2/models/s/infer"
+
+    def by_http(key: str, header: bool) -> int:
+        doc = {**body, "parameters": {} if header else {"routing_key": key}}
+        status, _, raw = http("POST", url, json.dumps(doc).encode(),
+                              {"X-Routing-Key": key} if header else {})
+        assert status == 200, raw
+        return int(json.loads(raw)["outputs"][0]["data"][0])
+
+    try:
+        wait_for(lambda: control(srv, "models")["models"]["s"]["ready"] == [1, 2], 60,
+                 "both versions")
+        gc = tg.InferenceServerClient(srv.grpc_url)
+        inp = tg.InferInput("input", [1, 4], "FP32").set_data_from_numpy(x)
+
+        def by_grpc(key: str, header: bool) -> int:
+            res = gc.infer("s", [inp], headers={"x-routing-key": key} if header else None,
+                           parameters=None if header else {"routing_key": key})
+            return int(res.as_numpy("output").flat[0])
+
+        seen = set()
+        with Client(srv.frontend, timeout_s=10) as c:
+            for i in range(24):
+                key = f"user-{i}"
+                want = pick({1: 50, 2: 50}, point("s", key))
+                got = {c.infer("s", {"input": x}, routing_key=key).version,
+                       by_http(key, True), by_http(key, False), by_grpc(key, True),
+                       by_grpc(key, False)}
+                assert got == {want}, (key, got, want)
+                seen.add(want)
+        gc.close()
+        assert seen == {1, 2}
+    finally:
+        srv.stop()
+        shutil.rmtree(repo, ignore_errors=True)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for
+from tests.e2e.load import cli
 from zeroserve.broker.client import Client, InferError
 from zeroserve.broker.server.split import pick, point
 
@@ -262,6 +263,26 @@ def test_every_door_routes_a_key_alike() -> None:
                 seen.add(want)
         gc.close()
         assert seen == {1, 2}
+        cli_plans(srv)
     finally:
         srv.stop()
         shutil.rmtree(repo, ignore_errors=True)
+
+
+def cli_plans(srv: Server) -> None:
+    """The command line: bad plans refused, exit 1, nothing changed; then a rollout
+    started and rolled back by hand, as ``zeroserve models`` shows."""
+    ctl = ["--control", srv.control, "--timeout", "5"]
+    for argv, message in ((["s", "2", "--steps", "50,10,100"], "steps must ascend"),
+                          (["s", "2", "--steps", "10,50"], "must end at 100"),
+                          (["s", "7"], "version 7"), (["nope", "1"], "unknown model")):
+        out = cli("rollout", *argv, *ctl)
+        assert out.returncode == 1 and message in out.stderr, out.stderr
+    assert "rollout" not in control(srv, "models")["models"]["s"]
+    out = cli("rollout", "s", "2", "--steps", "5,100", "--dwell", "600", *ctl)
+    assert out.returncode == 0 and "version 2 takes 5%" in out.stdout, out.stderr
+    assert control(srv, "models")["models"]["s"]["weights"] == {"1": 95, "2": 5}
+    out = cli("rollback", "s", *ctl)
+    assert out.returncode == 0 and "version 2 rolled back; version 1 serves" in out.stdout
+    m = control(srv, "models")["models"]["s"]
+    assert m["rolled_back"] == {"2": "rolled back by hand"} and m["default_version"] == 1

@@ -73,10 +73,24 @@ class Releases:
 
     # -- time ---------------------------------------------------------------------
     def tick(self, now: float) -> None:
+        if len(self.ended) + len(self.rollouts) + len(self.watched) > 0:
+            self._forget_removed()
         for name, rollout in list(self.rollouts.items()):
             verdict = rollout.decide(now)
             if verdict is not None:
                 self._apply(name, rollout, verdict)
+
+    def _forget_removed(self) -> None:
+        """What was kept of models the catalog no longer serves goes: registrations can
+        come and go by the thousand, and the broker must not grow with them."""
+        models = self.catalog.models
+        if all(n in models for n in (*self.ended, *self.rollouts, *self.watched)):
+            return
+        self.ended = {n: e for n, e in self.ended.items() if n in models}
+        self.rollouts = {n: r for n, r in self.rollouts.items() if n in models}
+        self.watched &= set(models)
+        self.rollbacks = {k: n for k, n in self.rollbacks.items() if k[0] in models}
+        self.promotions = {k: n for k, n in self.promotions.items() if k in models}
 
     def next_due(self) -> float | None:
         return min((d for r in self.rollouts.values() if (d := r.next_due()) is not None),
@@ -180,9 +194,10 @@ class Releases:
                 raise ControlError("bad_input", f"model {name!r} has no other loaded version "
                                    f"to compare version {canary} with")
             stable = model.default_version if model.default_version in others else max(others)
-        elif not isinstance(stable, int) or stable not in model.ready or stable == canary:
+        elif not isinstance(stable, int) or stable not in model.ready or stable == canary \
+                or stable in model.failed:
             raise ControlError("bad_input", f"stable must be another loaded version of "
-                               f"{name!r}, got {stable!r}")
+                               f"{name!r} not rolled back, got {stable!r}")
         raw = {k: v for k, v in args.items() if k not in ("model", "version", "stable")}
         base = model.config.rollout or {}
         try:

@@ -245,3 +245,16 @@ def test_a_worker_says_which_protocol_versions_it_speaks() -> None:
     assert p.decode(p.WorkerReady, header).versions == [1, 2]
     del header["versions"]
     assert p.decode(p.WorkerReady, header).versions == [1]
+
+
+def test_a_routing_key_travels_only_when_set():
+    t = [p.from_numpy("x", np.ones((1, 2), np.float32))]
+    frames = p.encode_request(p.InferRequest("1", "m", t, routing_key="user-7"))
+    kind, header, bufs = p.unpack([bytes(f) for f in frames])
+    assert p.decode_request(header, bufs).routing_key == "user-7"
+    frames = p.encode_request(p.InferRequest("2", "m", t))
+    kind, header, bufs = p.unpack([bytes(f) for f in frames])
+    assert "routing_key" not in header   # an older broker sees the header it knew
+    assert p.decode_request(header, bufs).routing_key == ""
+    with pytest.raises(p.ProtocolError, match="routing_key"):
+        p.decode_request({**header, "routing_key": 7}, bufs)

@@ -100,6 +100,7 @@ def test_requests_follow_their_key_and_the_split(rig: BrokerRig) -> None:
     ({"steps": [25, 50]}, "end at 100"),
     ({"version": 7}, "version 7"),
     ({"stable": 2}, "stable must be another"),
+    ({"stable": 9}, "stable must be another"),
 ])
 def test_a_bad_plan_is_refused_and_changes_nothing(rig: BrokerRig, plan: dict[str, Any],
                                                    message: str) -> None:
@@ -201,3 +202,13 @@ def test_rollback_and_promote_by_hand(rig: BrokerRig) -> None:
     assert model.default_version == 2 and not model.failed and model.versions == (2,)
     with pytest.raises(LookupError):
         rig.b.releases.rollback_verb({"model": "nope"})
+
+
+def test_a_removed_model_leaves_nothing_behind(rig: BrokerRig) -> None:
+    start(rig, steps=[50, 100], dwell_s=60.0)
+    rig.b.releases.rollback_verb({"model": "m"})
+    assert rig.b.releases.ended and rig.b.releases.watched and rig.b.releases.rollbacks
+    rig.b.lifecycle.remove_model("m", "test")
+    rig.tick()
+    rel = rig.b.releases
+    assert not (rel.ended or rel.rollouts or rel.watched or rel.rollbacks)

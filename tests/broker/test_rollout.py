@@ -137,3 +137,19 @@ def test_a_plan_round_trips_through_its_json() -> None:
                        "max_error_rate": 0.1})
     assert parse_plan(plan.to_json()) == plan
     assert plan.thresholds.min_requests == 8 and plan.steps == (10, 100)
+
+
+def test_a_single_step_plan_watches_a_plain_swap() -> None:
+    """steps [100]: the new version takes everything at once, the old one stays loaded
+    for the dwell; errors in that window roll it back (against an error-free old
+    version: it answers nothing), a quiet window promotes it."""
+    plan = Plan((100,), 30.0, Thresholds(min_requests=20, min_errors=3))
+    r = Rollout(2, 1, plan, now=0.0)
+    assert r.weights == {2: 100, 1: 0}
+    feed(r, 2, 20, errors=3)
+    verdict = r.decide(1.0)
+    assert verdict is not None and verdict.action == "rollback"
+    quiet = Rollout(2, 1, plan, now=0.0)
+    feed(quiet, 2, 100)
+    assert quiet.decide(10.0) is None
+    assert quiet.decide(30.0) == Verdict("promote", {2: 100})

@@ -405,7 +405,9 @@ class RequestPath:
         exec_s = model.config.dynamic_batching.max_execution_ms / 1000.0
         rec = self.pool.send_batch(worker, model.config.name, version, entries, items, reason,
                                    now, exec_s, model.config.decoupled,
-                                   _batch_trace(entries, now))
+                                   _batch_trace(entries, now),
+                                   _callers(entries, now) if model.config.platform == "python"
+                                   else None)
         if rec is None:
             self.worker_lost(self.pool.remove(worker, Loss.UNREACHABLE), Loss.UNREACHABLE,
                              worker.worker_id, now)
@@ -510,6 +512,13 @@ class RequestPath:
                                       f"version {entry.version} of model {name!r} was retired")
             else:
                 entry.version = None
+
+
+def _callers(entries: list[Entry], now: float) -> list[p.Caller]:
+    """Who sent each request of a handler's batch: the models the handler calls inherit
+    it (workers/bls.py)."""
+    return [p.Caller(e.priority, (e.deadline_s - now) * 1000.0 if e.deadline_s < math.inf
+                     else 0.0, e.payload.request.api_key) for e in entries]
 
 
 def _batch_trace(entries: list[Entry], now: float) -> p.BatchTrace | None:

@@ -127,6 +127,7 @@ class Worker:
         self.models_client = bls.ModelsClient(frontend, curve_keys=curve_keys, ctx=self.ctx) \
             if frontend else None
         self._callers = CallerThreads(self._execute, self._finish, self._waiting)
+        self._compute_thread: threading.Thread | None = None
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -164,8 +165,9 @@ class Worker:
                           self.endpoint)
 
     def _send_result(self, frames: list[Any]) -> None:
-        """From the compute thread."""
-        if not self.channel.send_result(frames):
+        """From the compute thread or a caller thread."""
+        off_compute = threading.current_thread() is not self._compute_thread
+        if not self.channel.send_result(frames, off_compute):
             logger.debug("result not sent: the socket is closed (we are exiting)")
 
     def _poll_socket(self, on: bool) -> None:
@@ -210,7 +212,8 @@ class Worker:
         self._connect()
         if self.models_client is not None:
             self.models_client.start()
-        compute = threading.Thread(target=self._compute_loop, name="compute", daemon=True)
+        compute = self._compute_thread = threading.Thread(target=self._compute_loop,
+                                                          name="compute", daemon=True)
         for t in (compute, threading.Thread(target=self._loader_loop, name="loader",
                                             daemon=True)):
             t.start()

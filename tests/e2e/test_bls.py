@@ -164,8 +164,9 @@ class Model:
     def predict(self, inputs):
         n = inputs["input"].shape[0]
         c = self.models.caller()
+        traced = float(bool(c.trace) and c.trace["traceparent"].split("-")[1] == "ab" * 16)
         return {"output": np.array([[self.models.remaining_ms(), c.priority,
-                                     float(c.api_key == "")]] * n, np.float32)}
+                                     float(c.api_key == ""), traced]] * n, np.float32)}
 '''
 
 # waits on the slow input's call to scale: the worker is killed meanwhile
@@ -202,8 +203,8 @@ def server() -> Iterator[Server]:
     _handler(repo, "catcher", CATCHER, n_out=1)
     _handler(repo, "uncaught", UNCAUGHT)
     _handler(repo, "late", LATE)
-    _handler(repo, "outer", OUTER, n_out=3)
-    _handler(repo, "probe", PROBE, n_out=3)
+    _handler(repo, "outer", OUTER, n_out=4)
+    _handler(repo, "probe", PROBE, n_out=4)
     _handler(repo, "waiter", WAITER)
     log = repo / "late.log"
     srv = Server(repo, workers=1, env={"BLS_TEST_LOG": str(log)}).wait_ready()
@@ -271,12 +272,14 @@ def test_called_models_error_caught_or_named(server: Server) -> None:
 def test_the_callers_context_is_inherited(server: Server) -> None:
     with Client(server.frontend, timeout_s=30) as c:
         out = c.infer("outer", {"input": np.ones((1, 4), np.float32)}, timeout_ms=5000,
-                      priority=1).outputs["output"]
+                      priority=1, traceparent=f"00-{'ab' * 16}-{'cd' * 8}-01"
+                      ).outputs["output"]
         free = c.infer("outer", {"input": np.ones((1, 4), np.float32)}).outputs["output"]
-    remaining, priority, no_key = out[0]
+    remaining, priority, no_key, traced = out[0]
     assert 0 < remaining < 5000       # the budget left, not a fresh one
     assert priority == 1 and no_key == 1.0
-    assert free[0, 0] == np.inf       # no deadline given: none inherited
+    assert traced == 1.0              # the call carried the caller's trace id
+    assert free[0, 0] == np.inf and free[0, 3] == 0.0   # nothing given: nothing inherited
 
 
 def test_a_call_past_the_callers_deadline_fails_at_once(server: Server) -> None:

@@ -305,10 +305,16 @@ class RequestPath:
         identities of their workers, which are hung and must go."""
         hung = []
         for rec in self.pool.overdue(now):
+            worker = self.pool.get(rec.worker)
+            # one that waits on the models its handler called is off the worker's compute
+            # thread: it fails alone, the worker is not hung (workers/bls.py)
+            waiting = worker is not None and rec.batch_id in worker.waiting
             self.pool.finish(rec.batch_id)
             self.fail_batch(rec, p.ErrorCode.DEADLINE,
-                             f"batch ran past max_execution_ms of model {rec.model!r}")
-            hung.append(rec.worker)
+                            f"batch ran past max_execution_ms of model {rec.model!r}"
+                            + (" waiting on the models it called" if waiting else ""))
+            if not waiting:
+                hung.append(rec.worker)
         return hung
 
     def move_stalled(self, now: float) -> None:

@@ -81,3 +81,22 @@ def test_a_leaving_worker_is_not_drained_while_a_batch_waits() -> None:
     assert list(h.pool.drained()) == []
     h.answer(identity, batch)
     assert list(h.pool.drained()) == [w0]
+
+
+def test_a_waiting_batch_past_max_execution_fails_alone() -> None:
+    """Off the compute thread, a batch waiting on its calls past max_execution_ms says
+    nothing of the worker: its requests fail, the worker stays."""
+    h = Harness(max_batch_size=1)
+    h.worker("w0")
+    h.request("a")
+    h.request("b")
+    h.path.dispatch(h.now)
+    (ia, waiting), (ib, running) = h.batches()
+    w0 = h.pool.get(ia)
+    assert w0 is not None
+    h.pool.waits(w0, waiting.batch_id)
+    h.now += 31.0   # past the default max_execution_ms (30 s)
+    assert h.path.overdue(h.now) == [ib]     # only the one on the compute thread hangs it
+    assert h.codes() == {"a": "deadline", "b": "deadline"}
+    h.answer(ia, waiting)                    # its late result is dropped
+    assert h.answers() == Counter({"a": 1, "b": 1})

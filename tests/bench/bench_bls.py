@@ -2,13 +2,14 @@
 same two models one after the other, in the same run, beside the two models in-process.
 
     .venv/bin/python -m tests.bench.bench_bls [--seconds 5] [--concurrency 1,16]
+        [--transports direct,http]
 
 One ``zeroserve serve`` with one worker (so every call runs on the handler's own worker).
 Models: ``pre`` (a Python handler, x * 2 + 1), ``linear`` (TorchScript nn.Linear(16, 16)),
 and ``chain`` (a Python handler calling pre, then linear). At concurrency C, C loops of
-one AsyncClient send requests back to back for ``--seconds``: ``bls`` sends one request
-to chain; ``client-chained`` awaits pre's answer, then sends linear's. The load shares
-the machine's cores with the server.
+one AsyncClient (or C keep-alive HTTP connections, KServe v2 JSON) send requests back
+to back for ``--seconds``: ``bls`` sends one request to chain; ``client-chained`` awaits
+pre's answer, then sends linear's. The load shares the machine's cores with the server.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from tests.conftest import Server, linear_config, short_tmpdir, write_model
+from zeroserve.broker.bench.http import HttpConnection, Url, request_bytes
 from zeroserve.broker.client import AsyncClient
 
 PRE = '''
@@ -82,6 +84,43 @@ async def load(frontend: str, concurrency: int, seconds: float, chained: bool
         return len(lat) / (time.monotonic() - start), lat
 
 
+def _v2(url: Url, model: str, data: list[float]) -> bytes:
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16],
+                                   "data": data}]}).encode()
+    return request_bytes(url, "POST", f"/v2/models/{model}/infer", body,
+                         {"Content-Type": "application/json"})
+
+
+async def http_load(base: str, concurrency: int, seconds: float, chained: bool
+                    ) -> tuple[float, list[float]]:
+    url = Url.parse(base)
+    ones = [1.0] * 16
+    lat: list[float] = []
+    conns = [await HttpConnection.open(url) for _ in range(concurrency)]
+    try:
+        async def call(conn: HttpConnection, model: str, data: list[float]) -> list[float]:
+            r = await conn.send(_v2(url, model, data))
+            assert r.status == 200, r.body[:300]
+            out: list[float] = json.loads(r.body)["outputs"][0]["data"]
+            return out
+
+        async def loop(conn: HttpConnection) -> None:
+            while (t := time.monotonic()) < stop:
+                if chained:
+                    await call(conn, "linear", await call(conn, "pre", ones))
+                else:
+                    await call(conn, "chain", ones)
+                lat.append(time.monotonic() - t)
+        await call(conns[0], "chain", ones)
+        stop = time.monotonic() + seconds
+        start = time.monotonic()
+        await asyncio.gather(*(loop(conn) for conn in conns))
+        return len(lat) / (time.monotonic() - start), lat
+    finally:
+        for conn in conns:
+            conn.close()
+
+
 def in_process(vdir: Path, seconds: float = 1.0) -> float:
     module = torch.jit.load(str(vdir / "model.pt"))
     x = torch.ones((1, 16))
@@ -95,7 +134,7 @@ def in_process(vdir: Path, seconds: float = 1.0) -> float:
 
 def row(name: str, c: int, rps: float, lat: list[float]) -> str:
     q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [lat[0]] * 99
-    return (f"{name:<16} C={c:<3} {rps:>9.0f} {statistics.median(lat) * 1000:>9.2f} "
+    return (f"{name:<22} C={c:<3} {rps:>9.0f} {statistics.median(lat) * 1000:>9.2f} "
             f"{q[98] * 1000:>9.2f}")
 
 
@@ -103,16 +142,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--transports", default="direct,http")
     args = ap.parse_args()
     root, vdir = repo()
     srv = Server(root, workers=1).wait_ready()
     try:
         print(f"in-process pre+linear, batch 1: {in_process(vdir) * 1e6:.1f} us")
-        print(f"{'path':<16} {'C':<5} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
-        for c in [int(v) for v in args.concurrency.split(",")]:
-            for name, chained in (("bls", False), ("client-chained", True)):
-                rps, lat = asyncio.run(load(srv.frontend, c, args.seconds, chained))
-                print(row(name, c, rps, lat), flush=True)
+        print(f"{'path':<22} {'C':<5} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
+        for transport in args.transports.split(","):
+            for c in [int(v) for v in args.concurrency.split(",")]:
+                for name, chained in (("bls", False), ("client-chained", True)):
+                    if transport == "http":
+                        rps, lat = asyncio.run(http_load(srv.url, c, args.seconds, chained))
+                    else:
+                        rps, lat = asyncio.run(load(srv.frontend, c, args.seconds, chained))
+                    print(row(f"{transport} {name}", c, rps, lat), flush=True)
     finally:
         srv.stop()
         shutil.rmtree(root, ignore_errors=True)

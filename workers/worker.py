@@ -210,8 +210,6 @@ class Worker:
         # by descriptor: zmq.Poller answers a plain socket's events under its fileno
         self.poller.register(self.channel.main_wake.fileno(), zmq.POLLIN)
         self._connect()
-        if self.models_client is not None:
-            self.models_client.start()
         compute = self._compute_thread = threading.Thread(target=self._compute_loop,
                                                           name="compute", daemon=True)
         for t in (compute, threading.Thread(target=self._loader_loop, name="loader",
@@ -536,6 +534,8 @@ class Worker:
         except (LoadError, ValueError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)
             return p.ModelLoaded(name, version, False, error=str(exc))
+        if loaded.calls_models and self.models_client is not None:
+            self.models_client.start()   # now: the broker's first answer takes a round trip
         self._load_seq += 1
         loaded.extra["seq"] = self._load_seq
         with self._models_lock:

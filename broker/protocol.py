@@ -81,6 +81,7 @@ class Kind(bytes, enum.Enum):
     LOG_SETTINGS = b"\x19" # broker -> worker
     PARTIAL = b"\x1a"      # worker -> broker: responses of a decoupled batch, as yielded
     STOP = b"\x1b"         # broker -> worker: requests of a running stream to stop
+    WAITING = b"\x1c"      # worker -> broker: a batch waits on models it called (BLS)
     # control (CLI, gateway metadata and metrics)
     CONTROL = b"\x20"
     CONTROL_REPLY = b"\x21"
@@ -203,6 +204,16 @@ class BatchTrace:
 
 
 @dataclass(frozen=True)
+class Caller:
+    """Who sent one item of a batch, for a handler that calls models (workers/bls.py):
+    its priority level, its remaining budget when the batch left (0: none) and its key."""
+
+    priority: int = 0
+    timeout_ms: float = 0.0
+    api_key: str = ""
+
+
+@dataclass(frozen=True)
 class Batch:
     """broker -> worker: requests of one model version to run together."""
 
@@ -213,6 +224,8 @@ class Batch:
     timeout_ms: float = 0.0
     # an item is traced: the result carries the worker's stamps
     trace: BatchTrace | None = None
+    # a Python handler's batch: each item's caller, which the models it calls inherit
+    callers: Sequence[Caller] | None = None
 
 
 @dataclass(frozen=True)
@@ -273,6 +286,16 @@ class Stop:
     KIND = Kind.STOP
     batch_id: int
     items: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """worker -> broker: this batch runs off the worker's compute thread and waits on
+    models it called, so it holds none of the worker's credits until its result (no
+    worker may wait on work only it can run: docs/bls.md)."""
+
+    KIND = Kind.WAITING
+    batch_id: int
 
 
 # ---------------------------------------------------------------------------
@@ -479,7 +502,7 @@ def _schema(cls: type) -> list[tuple[str, str, Any, Any]]:
 
 MESSAGES = (Cancel, Ping, Pong, WorkerReady, WorkerHeartbeat, BrokerHeartbeat, LoadModel,
             ModelLoaded, UnloadModel, Disconnect, Leave, LogSettings, ControlRequest,
-            ControlReply, Stop)
+            ControlReply, Stop, Waiting)
 _SCHEMAS: dict[type, list[tuple[str, str, Any, Any]]] = {cls: _schema(cls) for cls in MESSAGES}
 
 
@@ -923,6 +946,9 @@ def encode_batch(batch: Batch) -> list[Buffer]:
         t = batch.trace
         header["trace"] = {"boot": t.boot, "sent_ns": t.sent_ns,
                            "items": [[i, ctx, arrival] for i, ctx, arrival in t.items]}
+    if batch.callers is not None:
+        header["callers"] = [[c.priority, float(c.timeout_ms), c.api_key]
+                             for c in batch.callers]
     return _pack(Kind.BATCH, header) + bufs
 
 
@@ -941,7 +967,22 @@ def decode_batch(header: dict[str, Any], frames: Sequence[Buffer]) -> Batch:
     return Batch(_field(header, "id", int), _field(header, "model", str),
                  _field(header, "version", int), items,
                  float(_field(header, "timeout_ms", (int, float), 0.0)),
-                 _batch_trace(header.get("trace"), len(items)))
+                 _batch_trace(header.get("trace"), len(items)),
+                 _callers(header.get("callers"), len(items)))
+
+
+def _callers(raw: Any, n_items: int) -> list[Caller] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != n_items:
+        raise ProtocolError("a batch's 'callers' must be a list with one entry per item")
+    out = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 3 and _is_int(entry[0])
+                and isinstance(entry[1], (int, float)) and isinstance(entry[2], str)):
+            raise ProtocolError("each caller must be [priority, timeout_ms, api_key]")
+        out.append(Caller(entry[0], float(entry[1]), entry[2]))
+    return out
 
 
 def _batch_trace(raw: Any, n_items: int) -> BatchTrace | None:

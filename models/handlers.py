@@ -11,9 +11,12 @@ says to import relatively. Unloading removes the package's modules from
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import re
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -64,9 +67,38 @@ def _absolute_siblings(before: set[str], version_dir: Path) -> list[str]:
     return sorted(found)
 
 
+def calls_models(handler: Any) -> bool:
+    """Whether a handler asks for a client of other models: its ``load`` takes a
+    ``models`` argument (docs/bls.md)."""
+    try:
+        return "models" in inspect.signature(handler.load).parameters
+    except (TypeError, ValueError):   # a builtin or C callable: no signature to read
+        return False
+
+
+_loops = threading.local()
+
+
+def sync_predict(predict: Any) -> Any:
+    """An ``async def predict`` as a plain call, run on its thread's own event loop
+    (kept for the thread's life, so the models client's futures and the handler's
+    tasks share one loop per thread)."""
+    if not inspect.iscoroutinefunction(predict):
+        return predict
+
+    def run(inputs: Any) -> Any:
+        loop = getattr(_loops, "loop", None)
+        if loop is None:
+            loop = _loops.loop = asyncio.new_event_loop()
+        return loop.run_until_complete(predict(inputs))
+    return run
+
+
 def load_handler(model: str, version: int, sha256: str, version_dir: Path,
-                 device: str) -> tuple[Any, str]:
+                 device: str, models: Any = None) -> tuple[Any, str]:
     """Import ``model.py`` as a unique package, build ``Model()`` and call its load().
+    A handler whose load() takes ``models`` is given ``models``: the client its
+    predict() calls other models with (workers/bls.py builds it).
 
     Returns (handler, package name). Raises HandlerError with the reason; on
     failure nothing of the package stays in ``sys.modules``.
@@ -100,7 +132,13 @@ def load_handler(model: str, version: int, sha256: str, version_dir: Path,
         for method in ("load", "predict"):
             if not callable(getattr(handler, method, None)):
                 raise HandlerError(f"{model}/{version}: class Model has no {method}() method")
-        handler.load(version_dir, device)
+        if calls_models(handler):
+            if models is None:
+                raise HandlerError(f"{model}/{version}: load() asks for a models client, "
+                                   "which this process does not offer")
+            handler.load(version_dir, device, models=models)
+        else:
+            handler.load(version_dir, device)
     except BaseException:
         unload_package(pkg, version_dir)
         raise

@@ -60,6 +60,8 @@ class LoadedModel:
     # seconds of the measured warm-up runs by batch size: the broker's latency model
     # starts from two sizes instead of guessing the slope from one
     warmup_seconds: dict[int, float] = field(default_factory=dict)
+    # a handler that calls other models: its batches wait on them, off the compute thread
+    calls_models: bool = False
 
     def ref(self) -> "weakref.ref[Any]":
         return weakref.ref(self.handler if self.handler is not None else self.fn)
@@ -82,6 +84,7 @@ class Source:
     version_dir: Path
     path: Path          # the model file
     device: str
+    models: Any = None  # a Python handler's client of other models (workers/bls.py)
 
 
 @dataclass
@@ -95,6 +98,7 @@ class Opened:
     # the smallest size of a free dim, by (input, dim in the config's shape), where the
     # model takes no 1 there (warm-up's sample otherwise makes free dims 1)
     min_sizes: dict[tuple[int, int], int] = field(default_factory=dict)
+    calls_models: bool = False   # a handler given a models client (workers/bls.py)
 
 
 def load_torchscript(src: Source) -> Opened:
@@ -123,8 +127,9 @@ def load_export(src: Source) -> Opened:
 
 def load_python(src: Source) -> Opened:
     handler, pkg = handlers.load_handler(src.cfg.name, src.version, src.sha256,
-                                         src.version_dir, src.device)
-    return Opened(handler.predict, handler=handler, package=pkg)
+                                         src.version_dir, src.device, src.models)
+    return Opened(handlers.sync_predict(handler.predict), handler=handler, package=pkg,
+                  calls_models=handlers.calls_models(handler))
 
 
 def _open(cfg: ModelConfig, model_file: Path) -> tuple[formats.Format,
@@ -240,10 +245,14 @@ def _plan(cfg: ModelConfig, version_dir: Path, resident: int,
 
 def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
          memory_probe: Callable[[], int], peak_probe: Probe | None = None,
-         settle: Callable[[LoadedModel], ModelConfig] | None = None) -> LoadedModel:
+         settle: Callable[[LoadedModel], ModelConfig] | None = None,
+         models: Any = None) -> LoadedModel:
     """Load, warm up and measure one version (with ``peak_probe``, the warm-up batches'
     peaks too, into ``plan``). ``settle`` completes a registration's config from the
-    loaded model before warm-up (workers/discovery.py). Raises LoadError with the reason."""
+    loaded model before warm-up (workers/discovery.py). ``models``: the client a Python
+    handler may ask for to call other models (workers/bls.py); such a handler is not
+    warmed up, as its warm-up would call models that may not be served yet. Raises
+    LoadError with the reason."""
     model_file = version_dir / cfg.model_file
     if not model_file.is_file():
         raise LoadError(f"{model_file} does not exist")
@@ -254,15 +263,15 @@ def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
     sha = version_sha256(version_dir)
     loaded = None
     try:
-        opened = opener(Source(cfg, version, sha, version_dir, model_file, device))
+        opened = opener(Source(cfg, version, sha, version_dir, model_file, device, models))
         loaded = LoadedModel(cfg.name, version, cfg, sha, opened.fn, device,
                              handler=opened.handler, package=opened.package,
                              version_dir=version_dir, format=fmt.name,
-                             min_sizes=opened.min_sizes)
+                             min_sizes=opened.min_sizes, calls_models=opened.calls_models)
         del opened
         if settle is not None:
             loaded.config = settle(loaded)
-        peaks = warm_up(loaded, peak_probe)
+        peaks = {} if loaded.calls_models else warm_up(loaded, peak_probe)
     except Exception as exc:  # a broken file or model raises anything
         if loaded is not None:
             loaded.release()

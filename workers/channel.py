@@ -103,13 +103,17 @@ class BrokerChannel:
                 self._on_unsent()
             self._kick(self._compute_wake_w)
 
-    def send_result(self, frames: list[Any]) -> bool:
-        """From the compute thread; False once the socket is closed (we are exiting)."""
+    def send_result(self, frames: list[Any], off_compute: bool = False) -> bool:
+        """From the compute thread, or with ``off_compute`` from a caller thread
+        (workers/callers.py), which may consume the edge the compute thread polls; False
+        once the socket is closed (we are exiting)."""
         try:
             with self._lock:
                 self._sock.send_multipart(frames, copy=False)
                 if self._main_reads:
                     self._kick(self._main_wake_w)
+                if off_compute:
+                    self._kick(self._compute_wake_w)
         except (zmq.ZMQError, OSError):
             return False
         return True

@@ -22,11 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    endpoint = options.endpoints(args).backend
+    endpoints = options.endpoints(args)
+    endpoint = endpoints.backend
     worker_id = args.worker_id or f"{hostname()}/{args.index}"
     try:
         keys = curve.client_keys(args)
         curve.check_client(keys, endpoint)
+        curve.check_client(keys, endpoints.frontend)   # handlers that call models use it
     except curve.CurveError as exc:  # said now, not from the socket thread later
         logger.error("%s", exc)
         return 2
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
                     memory_tolerance_bytes=getattr(args, "memory_tolerance_bytes", 64 << 20),
                     memory_budget_bytes=getattr(args, "memory_budget", 0),
                     memory_headroom_bytes=getattr(args, "memory_headroom", None),
-                    curve_keys=keys, spans=spans)
+                    curve_keys=keys, spans=spans, frontend=endpoints.frontend)
     worker.install_signal_handlers()
     logger.info("worker %s on %s, %d torch threads, cores %s, broker %s (pid %d)", worker_id,
                 worker.device, torch.get_num_threads(),

@@ -48,7 +48,8 @@ from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
-from zeroserve.workers import batching, discovery, memory, streaming
+from zeroserve.workers import batching, bls, discovery, memory, streaming
+from zeroserve.workers.callers import CallerThreads
 from zeroserve.workers.channel import BrokerChannel, drain
 from zeroserve.workers.memory import rss_bytes
 
@@ -77,7 +78,7 @@ class Worker:
                  memory_budget_bytes: int = 0, memory_headroom_bytes: int | None = None,
                  ctx: zmq.Context[Any] | None = None,
                  curve_keys: curve.ClientKeys | None = None,
-                 spans: Any = None) -> None:
+                 spans: Any = None, frontend: str | None = None) -> None:
         self.endpoint = endpoint
         self.curve_keys = curve_keys  # for a broker on tcp:// with CurveZMQ
         self.spans = spans   # opentelemetry mode: a workers/spans.py BatchSpans
@@ -121,6 +122,12 @@ class Worker:
         self.recycle_reason = ""
         self._load_seq = 0
         self._bad_log = RateLimitedLog(logger)
+        # handlers that call models: their client (on the broker's frontend, as any
+        # client) and the threads their batches run on (workers/bls.py, callers.py)
+        self.models_client = bls.ModelsClient(frontend, curve_keys=curve_keys, ctx=self.ctx) \
+            if frontend else None
+        self._callers = CallerThreads(self._execute, self._finish, self._waiting)
+        self._compute_thread: threading.Thread | None = None
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -158,8 +165,9 @@ class Worker:
                           self.endpoint)
 
     def _send_result(self, frames: list[Any]) -> None:
-        """From the compute thread."""
-        if not self.channel.send_result(frames):
+        """From the compute thread or a caller thread."""
+        off_compute = threading.current_thread() is not self._compute_thread
+        if not self.channel.send_result(frames, off_compute):
             logger.debug("result not sent: the socket is closed (we are exiting)")
 
     def _poll_socket(self, on: bool) -> None:
@@ -202,7 +210,8 @@ class Worker:
         # by descriptor: zmq.Poller answers a plain socket's events under its fileno
         self.poller.register(self.channel.main_wake.fileno(), zmq.POLLIN)
         self._connect()
-        compute = threading.Thread(target=self._compute_loop, name="compute", daemon=True)
+        compute = self._compute_thread = threading.Thread(target=self._compute_loop,
+                                                          name="compute", daemon=True)
         for t in (compute, threading.Thread(target=self._loader_loop, name="loader",
                                             daemon=True)):
             t.start()
@@ -235,6 +244,8 @@ class Worker:
         self.channel.wake_compute()
         self._loads.put(_STOP)
         compute.join(1.0)   # not longer: it may be stuck inside the model
+        if self.models_client is not None:
+            self.models_client.close()
         self.channel.close(compute_stopped=not compute.is_alive())
         self.results.close(linger=0)
         return self._exit or 0
@@ -427,6 +438,11 @@ class Worker:
             result = p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=(
                 f"model {batch.model}/{batch.version} is not loaded on "
                 f"worker {self.worker_id}"))
+        elif loaded.calls_models:
+            # it may wait on models this very worker runs: off the compute thread
+            self._callers.run(loaded, batch, start_by, taken_ns)
+            self._busy_since = None
+            return
         else:
             units = batching.units(loaded, batch.items)
             if loaded.config.decoupled or self._long(batch, units):
@@ -435,24 +451,38 @@ class Worker:
                 # is read when it comes
                 self._handed = True
                 self.channel.wake_main()
-            if loaded.config.decoupled:
-                result = streaming.run_stream(
-                    loaded, batch, lambda part: self._send_result(p.encode_partial(part)),
-                    lambda: self._stopped(batch.batch_id))
-            else:
-                result = batching.run(loaded, batch)
+            result = self._execute(loaded, batch)
+            if not loaded.config.decoupled:
                 self._last_run[(batch.model, batch.version)] = (result.compute_ms / 1e3, units)
-            self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
+        self._finish(batch, result, taken_ns)
+        self._handed = False
+        self._busy_since = None
+        del loaded, result  # hold no version between batches: unloads free it
+
+    def _execute(self, loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
+        """Run a batch (on the compute thread, or a caller thread: workers/callers.py)."""
+        if loaded.config.decoupled:
+            result = streaming.run_stream(
+                loaded, batch, lambda part: self._send_result(p.encode_partial(part)),
+                lambda: self._stopped(batch.batch_id))
+        else:
+            result = batching.run(loaded, batch)
+        self.m_compute.labels(batch.model).observe(result.compute_ms / 1000.0)
+        return result
+
+    def _finish(self, batch: p.Batch, result: p.BatchResult, taken_ns: int) -> None:
+        """Send a batch's result (from the thread that ran it), then its spans."""
         if self._stops:
             with self._stops_lock:
                 self._stops.pop(batch.batch_id, None)
         done_ns = time.monotonic_ns()
         self._send_result(p.encode_result(result))
-        self._handed = False
-        self._busy_since = None
         if self.spans is not None and batch.trace is not None:   # after the answer
             self._emit_spans(batch, result, taken_ns, done_ns)
-        del loaded, result  # hold no version between batches: unloads free it
+
+    def _waiting(self, batch_id: int) -> None:
+        """From a caller thread: the batch waits on the models it called."""
+        self._send(p.encode(p.Waiting(batch_id)))
 
     def _emit_spans(self, batch: p.Batch, result: p.BatchResult, taken_ns: int,
                     done_ns: int) -> None:
@@ -500,10 +530,12 @@ class Worker:
             cfg = parse_config(msg.config, f"config of {name}", discover=bool(msg.discover))
             loaded = load(cfg, version, Path(msg.path), self.device,
                           memory.settled(self._memory_probe, self.device),
-                          memory.PeakProbe(self.device), settle)
+                          memory.PeakProbe(self.device), settle, self.models_client)
         except (LoadError, ValueError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)
             return p.ModelLoaded(name, version, False, error=str(exc))
+        if loaded.calls_models and self.models_client is not None:
+            self.models_client.start()   # now: the broker's first answer takes a round trip
         self._load_seq += 1
         loaded.extra["seq"] = self._load_seq
         with self._models_lock:

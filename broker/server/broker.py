@@ -304,6 +304,8 @@ class Broker:
             self.requests.warmed_up(worker, loaded)
         elif kind is p.Kind.LEAVE:
             self._on_leave(worker, p.decode(p.Leave, header))
+        elif kind is p.Kind.WAITING:   # its freed credit is used by this round's dispatch
+            self.pool.waits(worker, p.decode(p.Waiting, header).batch_id)
         else:
             raise p.ProtocolError(f"unexpected kind {kind.name} on the backend")
 

@@ -65,8 +65,8 @@ class WorkerState:
     ``tests/test_layout.py`` checks)."""
 
     __slots__ = ("_identity", "_worker_id", "_credits", "_info", "_last_seen_s",
-                 "_loading", "_load_errors", "_inflight", "_draining", "_stalled", "_exiting",
-                 "_recycle", "_metrics_text", "_memory", "_loaded", "_versions")
+                 "_loading", "_load_errors", "_inflight", "_waiting", "_draining", "_stalled",
+                 "_exiting", "_recycle", "_metrics_text", "_memory", "_loaded", "_versions")
 
     def __init__(self, identity: bytes, worker_id: str, credits: int, last_seen_s: float,
                  info: dict[str, Any]) -> None:
@@ -78,6 +78,9 @@ class WorkerState:
         self._loading: set[ModelVersion] = set()
         self._load_errors: dict[ModelVersion, str] = {}
         self._inflight: list[int] = []   # batch ids, in the order sent
+        # batches that left the worker's compute thread to wait on models they called
+        # (workers/bls.py): still ours to answer, but they hold no credit
+        self._waiting: set[int] = set()
         self._draining = False
         self._stalled = False   # its running batch overran far past its prediction
         self._exiting = False
@@ -101,6 +104,7 @@ class WorkerState:
     loading: ReadOnly[AbstractSet[ModelVersion]] = ReadOnly()
     load_errors: ReadOnly[Mapping[ModelVersion, str]] = ReadOnly()
     inflight: ReadOnly[Sequence[int]] = ReadOnly()
+    waiting: ReadOnly[AbstractSet[int]] = ReadOnly()
     draining: ReadOnly[bool] = ReadOnly()
     stalled: ReadOnly[bool] = ReadOnly()
     exiting: ReadOnly[bool] = ReadOnly()
@@ -132,6 +136,7 @@ class WorkerState:
             "state": "draining" if self._draining else "stalled" if self._stalled else "ready",
             "credits": self._credits,
             "inflight_batches": len(self._inflight),
+            "waiting_batches": len(self._waiting),
             "models": sorted(str(k) for k in self._loaded),
             "loading": sorted(str(k) for k in self._loading),
             "load_errors": {str(k): e for k, e in self._load_errors.items()},
@@ -263,15 +268,18 @@ class WorkerPool:
         self._leaving.pop(worker.identity, None)
         if not quiet:
             logger.warning("worker %s removed: %s", worker.worker_id, loss.value)
-        lost = [self.inflight.pop(b) for b in worker.inflight if b in self.inflight]
+        lost = [self.inflight.pop(b) for b in (*worker.inflight, *worker.waiting)
+                if b in self.inflight]
         worker._inflight = []
+        worker._waiting = set()
         return lost
 
     # -- batches ------------------------------------------------------------
     def send_batch(self, worker: WorkerState, model: str, version: int,
                    entries: list[Entry], items: list[p.BatchItem], reason: str, now: float,
                    exec_s: float, stream: bool = False,
-                   trace: p.BatchTrace | None = None
+                   trace: p.BatchTrace | None = None,
+                   callers: Sequence[p.Caller] | None = None
                    ) -> Inflight | None:
         """Send a batch; None (and the worker is unreachable) if the send failed."""
         batch_id = next(self._batch_ids)
@@ -284,7 +292,7 @@ class WorkerPool:
                        rec_units(entries))
         frames = p.encode_batch(p.Batch(batch_id, model, version, items,
                                         (tightest - now) * 1000.0 if tightest < math.inf else 0,
-                                        trace))
+                                        trace, callers))
         if not self._send(worker.identity, frames):
             return None
         self.inflight[batch_id] = rec
@@ -299,16 +307,32 @@ class WorkerPool:
         rec = self.inflight.pop(batch_id, None)
         if rec is not None:
             worker = self.workers.get(rec.worker)
-            if worker is not None and batch_id in worker.inflight:
-                was_head = worker.inflight[0] == batch_id
-                worker._inflight.remove(batch_id)
-                if len(worker.inflight) < 2:
-                    self._stacked.pop(worker.identity, None)
-                if was_head:
-                    worker._stalled = False
-                    if worker.inflight:
-                        self.inflight[worker.inflight[0]].started_s = self._clock()
+            if worker is not None:
+                worker._waiting.discard(batch_id)
+                self._off_queue(worker, batch_id)
         return rec
+
+    def _off_queue(self, worker: WorkerState, batch_id: int) -> None:
+        """A batch no longer holds its place in the worker's queue (it was answered, or
+        it waits on models it called)."""
+        if batch_id in worker.inflight:
+            was_head = worker.inflight[0] == batch_id
+            worker._inflight.remove(batch_id)
+            if len(worker.inflight) < 2:
+                self._stacked.pop(worker.identity, None)
+            if was_head:
+                worker._stalled = False
+                if worker.inflight:
+                    self.inflight[worker.inflight[0]].started_s = self._clock()
+
+    def waits(self, worker: WorkerState, batch_id: int) -> None:
+        """A batch on ``worker`` waits on models its handler called: it gives its credit
+        back until its result, so the models it waits on can run there too."""
+        rec = self.inflight.get(batch_id)
+        if rec is None or rec.worker != worker.identity or batch_id not in worker.inflight:
+            return   # answered already, or not this worker's
+        self._off_queue(worker, batch_id)
+        worker._waiting.add(batch_id)
 
     def progressed(self, batch_id: int, now: float, exec_s: float) -> Inflight | None:
         """A stream's batch sent a response: ``max_execution_ms`` bounds the time between
@@ -472,7 +496,7 @@ class WorkerPool:
 
     def drained(self) -> Iterable[WorkerState]:
         """Workers leaving with nothing of ours in flight: they may go now."""
-        return [w for w in self._leaving.values() if not w.inflight]
+        return [w for w in self._leaving.values() if not w.inflight and not w.waiting]
 
     def release(self, worker: WorkerState) -> None:
         """A drained worker that is leaving: tell it to exit and forget it."""

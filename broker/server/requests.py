@@ -327,10 +327,16 @@ class RequestPath:
         identities of their workers, which are hung and must go."""
         hung = []
         for rec in self.pool.overdue(now):
+            worker = self.pool.get(rec.worker)
+            # one that waits on the models its handler called is off the worker's compute
+            # thread: it fails alone, the worker is not hung (workers/bls.py)
+            waiting = worker is not None and rec.batch_id in worker.waiting
             self.pool.finish(rec.batch_id)
             self.fail_batch(rec, p.ErrorCode.DEADLINE,
-                             f"batch ran past max_execution_ms of model {rec.model!r}")
-            hung.append(rec.worker)
+                            f"batch ran past max_execution_ms of model {rec.model!r}"
+                            + (" waiting on the models it called" if waiting else ""))
+            if not waiting:
+                hung.append(rec.worker)
         return hung
 
     def move_stalled(self, now: float) -> None:
@@ -430,7 +436,9 @@ class RequestPath:
         exec_s = model.config.dynamic_batching.max_execution_ms / 1000.0
         rec = self.pool.send_batch(worker, model.config.name, version, entries, items, reason,
                                    now, exec_s, model.config.decoupled,
-                                   _batch_trace(entries, now))
+                                   _batch_trace(entries, now),
+                                   _callers(entries, now) if model.config.platform == "python"
+                                   else None)
         if rec is None:
             self.worker_lost(self.pool.remove(worker, Loss.UNREACHABLE), Loss.UNREACHABLE,
                              worker.worker_id, now)
@@ -537,6 +545,13 @@ class RequestPath:
                 if self.scheduler.cancel(entry.key) is not None:
                     self.answer_error(entry, p.ErrorCode.NOT_FOUND,
                                       f"version {entry.version} of model {name!r} was retired")
+
+
+def _callers(entries: list[Entry], now: float) -> list[p.Caller]:
+    """Who sent each request of a handler's batch: the models the handler calls inherit
+    it (workers/bls.py)."""
+    return [p.Caller(e.priority, (e.deadline_s - now) * 1000.0 if e.deadline_s < math.inf
+                     else 0.0, e.payload.request.api_key) for e in entries]
 
 
 def _batch_trace(entries: list[Entry], now: float) -> p.BatchTrace | None:

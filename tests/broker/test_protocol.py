@@ -258,3 +258,21 @@ def test_a_routing_key_travels_only_when_set():
     assert p.decode_request(header, bufs).routing_key == ""
     with pytest.raises(p.ProtocolError, match="routing_key"):
         p.decode_request({**header, "routing_key": 7}, bufs)
+
+
+def test_batch_callers_and_waiting_roundtrip() -> None:
+    a = p.from_numpy("input", np.zeros((1, 4), np.float32))
+    callers = [p.Caller(1, 250.0, "key-a"), p.Caller(0, 0.0, "")]
+    batch = p.Batch(9, "h", 1, [p.BatchItem("0", [a]), p.BatchItem("1", [a])], 250.0,
+                    callers=callers)
+    kind, header, bufs = roundtrip(p.encode_batch(batch))
+    assert p.decode_batch(header, bufs).callers == callers
+    _, plain_header, plain_bufs = roundtrip(p.encode_batch(p.Batch(9, "h", 1,
+                                                                  [p.BatchItem("0", [a])])))
+    plain = p.decode_batch(plain_header, plain_bufs)
+    assert plain.callers is None
+    header["callers"] = [[1, 250.0]]   # one entry short, and malformed
+    with pytest.raises(p.ProtocolError):
+        p.decode_batch(header, bufs)
+    kind, header, _ = roundtrip(p.encode(p.Waiting(9)))
+    assert kind is p.Kind.WAITING and p.decode(p.Waiting, header) == p.Waiting(9)

@@ -285,6 +285,15 @@ def _operate_parsers(sub: Any) -> None:
     p.add_argument("--wait", action="store_true",
                    help="return once the loads finished or the worker is back")
     p.add_argument("--wait-timeout", type=float, default=120.0)
+    p = sub.add_parser("probe", help="liveness: fail when the broker or a worker is alive "
+                       "but its loop no longer turns (a Kubernetes livenessProbe's command)")
+    _common(p)
+    p.add_argument("role", choices=["broker", "worker"])
+    p.add_argument("--index", type=int, default=0, help="the worker's --index")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds the broker has to answer")
+    p.add_argument("--max-age-s", type=float, default=30.0,
+                   help="a worker's loop must have turned within this many seconds")
     p = verb("push", "add a version to a served MODEL: PATH is its model file (uploaded) "
              "or a version folder under the broker's --import-root; trial-loaded, then "
              "published")

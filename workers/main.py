@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from zeroserve.broker import curve, options, traceconfig, tracing
+from zeroserve.broker.liveness import AliveFile, alive_path
 from zeroserve.broker.runtime import hostname
 from zeroserve.workers import affinity
 from zeroserve.workers.worker import Worker
@@ -49,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
                     memory_tolerance_bytes=getattr(args, "memory_tolerance_bytes", 64 << 20),
                     memory_budget_bytes=getattr(args, "memory_budget", 0),
                     memory_headroom_bytes=getattr(args, "memory_headroom", None),
-                    curve_keys=keys, spans=spans, frontend=endpoints.frontend)
+                    curve_keys=keys, spans=spans, frontend=endpoints.frontend,
+                    alive=AliveFile(alive_path(options.runtime_folder(args), args.index)))
     worker.install_signal_handlers()
     logger.info("worker %s on %s, %d torch threads, cores %s, broker %s (pid %d)", worker_id,
                 worker.device, torch.get_num_threads(),

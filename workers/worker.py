@@ -44,6 +44,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from zeroserve.broker import curve, protocol as p
+from zeroserve.broker.liveness import AliveFile
 from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
@@ -78,8 +79,10 @@ class Worker:
                  memory_budget_bytes: int = 0, memory_headroom_bytes: int | None = None,
                  ctx: zmq.Context[Any] | None = None,
                  curve_keys: curve.ClientKeys | None = None,
-                 spans: Any = None, frontend: str | None = None) -> None:
+                 spans: Any = None, frontend: str | None = None,
+                 alive: AliveFile | None = None) -> None:
         self.endpoint = endpoint
+        self.alive = alive   # touched at each heartbeat: what `zeroserve probe worker` reads
         self.curve_keys = curve_keys  # for a broker on tcp:// with CurveZMQ
         self.spans = spans   # opentelemetry mode: a workers/spans.py BatchSpans
         self.worker_id = worker_id
@@ -221,6 +224,8 @@ class Worker:
             if now >= next_beat:
                 if self._retry_ready_s == math.inf:   # refused, it is nobody's worker yet
                     self._heartbeat()
+                if self.alive is not None:
+                    self.alive.beat()
                 next_beat = now + self.heartbeat_s
             if not self._tick(now):
                 break

@@ -102,6 +102,8 @@ class Lifecycle:
     def prime(self) -> None:
         """At startup, before serving: the sha256 of every served version."""
         self.catalog.prime(version_sha256)
+        for name in self.catalog.models:   # 0, not absent, until a swap fails
+            self.metrics.swap_failures.labels(name)
 
     def start(self, poller: zmq.Poller) -> None:
         self.registrar.clean_leftovers()

@@ -155,6 +155,11 @@ class BrokerMetrics:
                                       buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
         self.swaps = Counter("model_swaps", "Routing flips to a new version", ["model"],
                              namespace=ns, registry=r)
+        # a model's series exists from its first commit, so an alert's measure is 0, not
+        # absent, until a swap fails
+        self.swap_failures = Counter("model_swap_failures", "Swaps to new versions that "
+                                     "failed (the old versions kept serving, if any)",
+                                     ["model"], namespace=ns, registry=r)
         self.queue_depth = Gauge("queue_depth", "Requests queued", ["model"], namespace=ns,
                                  registry=r)
         self.alive = Gauge("workers_alive", "Workers registered with the broker",

@@ -129,7 +129,9 @@ class RepositoryControl:
         name = _name(args)
         self._check_mode("load")
         if name in self._replaced:
-            raise ControlError("conflict", f"a load of '{name}' with files is under way")
+            if self._busy(name):
+                raise ControlError("conflict", f"a load of '{name}' with files is under way")
+            self._settle(name, ok=True)   # its outcome was never asked for: it stays
         rm = self._repo_model(name, args.get("config"), args.get("files") or {})
         self.wanted.add(name)
         self.unloaded.discard(name)

@@ -176,6 +176,7 @@ class Swaps:
                 gone.add(v)
         if replaced and swap.changed:
             self.metrics.swaps.labels(name).inc()
+        self.metrics.swap_failures.labels(name)
         self._committed(name, gone, swap)
         logger.info("model %s now serves version(s) %s (prepared in %.3f s)", name,
                     sorted(served), self.clock() - swap.started_s)
@@ -187,6 +188,8 @@ class Swaps:
         self.catalog.fail(name, why, swap.changed, None if retry else swap.shas)
         if retry:
             self._retry(name)
+        else:
+            self.metrics.swap_failures.labels(name).inc()
         cur = self.catalog.get(name)
         served = set(cur.versions) if cur is not None else set()
         for identity, v in swap.loaded:

@@ -209,6 +209,9 @@ class Inference:
                     resp = await self._encode(req, part.model, part.version, part.tensors,
                                               part.stats, api_key)
                     resp.parameters[FINAL].bool_param = part.final
+                    if part.build:   # no trailing metadata per response: a parameter
+                        resp.parameters[BUILD_PARAMETER].string_param = \
+                            f"{part.version}/{part.build}"
                     await answers.put(pb.ModelStreamInferResponse(infer_response=resp))
             error = ""
         except asyncio.CancelledError:
@@ -224,6 +227,8 @@ class Inference:
 
 
 _ENDED = object()   # a stream request's task has put its last answer
+# a stream response's build (ModelInfer says it in trailing metadata, x-model-build)
+BUILD_PARAMETER = "model_build"
 
 
 def tritons(exc: InferError, request_id: str, decoupled: str) -> InferError:

@@ -99,6 +99,8 @@ def test_a_sha256_mismatch_keeps_the_worker_out_of_the_swap(broker) -> None:
     st = {w["id"]: w for w in control(b, "status")["workers"]}
     assert "differs from the repository's" in st["host/1"]["load_errors"]["m/2"]
     assert 'zeroserve_model_swaps_total{model="m"} 1.0' in control(b, "metrics")["broker"]
+    assert 'zeroserve_model_swap_failures_total{model="m"} 0.0' in \
+        control(b, "metrics")["broker"]
 
 
 def test_a_failed_load_flips_nothing_and_shows_everywhere(broker) -> None:
@@ -117,3 +119,5 @@ def test_a_failed_load_flips_nothing_and_shows_everywhere(broker) -> None:
     metrics = control(b, "metrics")["broker"]
     assert 'zeroserve_model_load_failure_total{model="m"} 1.0' in metrics
     assert "zeroserve_model_swaps_total{" not in metrics
+    # what ZeroserveSwapFailed reads: 0 from the first commit, 1 now
+    assert 'zeroserve_model_swap_failures_total{model="m"} 1.0' in metrics

@@ -56,6 +56,8 @@ def check_pod(name: str, spec: Mapping[str, Any]) -> list[str]:
     problems += _runtime_dir(name, parsed, volumes)
     problems += _model_dir(name, brokers[0][1].model_dir, brokers + workers)
     problems += _workers(name, workers)
+    if brokers is not http:   # `serve` alone: the gateway's probe answers for the host
+        problems += _liveness(name, brokers + workers)
     for c, args in http:
         problems += _http(name, c, args)
     for c, args in brokers:
@@ -115,6 +117,28 @@ def _workers(name: str, workers: list[tuple[dict[str, Any], Any]]) -> list[str]:
         gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
         if str(gpus) != "1":
             problems.append(f"{name}: {c['name']}: limits nvidia.com/gpu is {gpus}, not 1")
+    return problems
+
+
+def _liveness(name: str, parsed: list[tuple[dict[str, Any], Any]]) -> list[str]:
+    """The broker and each worker: a livenessProbe running `zeroserve probe` for its own
+    role, runtime folder and index (a hung loop is seen by nothing else)."""
+    problems = []
+    for c, args in parsed:
+        command = c.get("livenessProbe", {}).get("exec", {}).get("command", [])
+        if not command or Path(command[0]).name != "zeroserve":
+            problems.append(f"{name}: {c['name']}: no livenessProbe running zeroserve probe")
+            continue
+        try:
+            probe = parse_args([str(a) for a in command[1:]], env_of(c))
+        except ManifestError as exc:
+            problems.append(f"{name}: {c['name']}: livenessProbe: {exc}")
+            continue
+        want = (args.command, args.runtime_dir, getattr(args, "index", 0))
+        got = (getattr(probe, "role", None), probe.runtime_dir, getattr(probe, "index", 0))
+        if probe.command != "probe" or got != want:
+            problems.append(f"{name}: {c['name']}: livenessProbe probes {got}, not its own "
+                            f"{want}")
     return problems
 
 

@@ -254,6 +254,12 @@ BROKEN_PODS = {
     "a watcher in the pod": lambda d: _pod(d)["containers"][0]["args"].append(
         "--model-control-mode=poll"),
     "no broker": lambda d: _pod(d)["containers"].pop(0),
+    "a broker without its liveness probe": lambda d: _pod(d)["containers"][0].pop(
+        "livenessProbe"),
+    "a worker's probe of another worker": lambda d: _worker(d)["livenessProbe"]["exec"][
+        "command"].__setitem__(4, "--index=3"),
+    "a worker probed as a broker": lambda d: _worker(d)["livenessProbe"]["exec"][
+        "command"].__setitem__(2, "broker"),
 }
 
 

@@ -61,6 +61,13 @@ class Pod:
             out.append(f"{flag}{eq}{value}" if eq else arg)
         return out
 
+    def probe(self, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        """The container's livenessProbe command, run here as the kubelet runs it."""
+        (c,) = [c for c in self.spec["containers"] if c["name"] == name]
+        argv = self.argv({**c, "command": c["livenessProbe"]["exec"]["command"], "args": []})
+        return subprocess.run([*ZEROSERVE, *argv, *extra], capture_output=True, text=True,
+                              timeout=60)
+
     def start(self) -> None:
         for c in self.spec["containers"]:
             log = self.root / f"{c['name']}.log"
@@ -188,3 +195,26 @@ def test_the_kserve_runtime_serves_and_stops(run_pod: Any) -> None:
     serves_and_scrapes(pod, docs[0]["spec"]["annotations"]["prometheus.kserve.io/path"])
     codes = pod.sigterm_all()
     assert codes == {n: 0 for n in codes}, f"{codes}\n{pod.output()}"
+
+
+def test_the_liveness_probes_fail_on_a_stopped_loop_and_pass_on_a_turning_one(
+        run_pod: Any) -> None:
+    """SIGSTOP: the process is alive, its loop turns no more. The worker's bound is
+    scaled down from the manifest's 30 s to 2 s to keep the test short."""
+    pod = run_pod(pod_spec("k8s/base/deployment.yaml"))
+    wait_for(lambda: pod.get("/v2/health/ready")[0] == 200, 90, "the pod to be ready")
+    for name in ("broker", "worker-0"):
+        out = pod.probe(name)
+        assert out.returncode == 0, (name, out.stderr)
+    for name, extra, bound_s in (("broker", (), 5.0), ("worker-0", ("--max-age-s=2",), 2.0)):
+        os.killpg(pod.procs[name].pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            out = wait_for(lambda: (got := pod.probe(name, *extra)).returncode != 0 and got,
+                           30, f"{name}'s probe to fail")
+            assert time.monotonic() - start < bound_s + 10, "failed, but late"
+            assert f"zeroserve probe {name.split('-')[0]}:" in out.stderr
+        finally:
+            os.killpg(pod.procs[name].pid, signal.SIGCONT)
+        wait_for(lambda: pod.probe(name, *extra).returncode == 0, 30,
+                 f"{name}'s probe to pass again")

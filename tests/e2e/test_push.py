@@ -80,6 +80,16 @@ def test_push_build_identity_and_bad_pushes(dirs, serve) -> None:
     wait_for(lambda: serving(srv.url, 2), 30, "version 2 to serve")
     assert infer(srv.url) == (2, f"2/{sha2}", 2.0)
 
+    # every HTTP route that infers names it
+    for path, doc in (("/models/m/predict", {"inputs": {"input": [1, 2, 3, 4]}}),
+                      ("/predictions/m", [1, 2, 3, 4]),
+                      ("/v2/models/m/generate", {"input": [1, 2, 3, 4]}),
+                      ("/v2/models/m/generate_stream", {"input": [1, 2, 3, 4]})):
+        status, headers, out = http("POST", srv.url + path, json.dumps(doc).encode(),
+                                    {"Content-Type": "application/json"})
+        got = {k.lower(): v for k, v in headers.items()}.get("x-model-build")
+        assert status == 200 and got == f"2/{sha2}", (path, status, headers, out)
+
     # the direct client and gRPC name the same build
     with Client(srv.frontend) as c:
         got = c.infer("m", {"input": np.ones((1, 4), np.float32)})

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from zeroserve.broker.client import AsyncClient, Client, ErrorCode, InferError
+from zeroserve.models.repository import version_sha256
 from tests.conftest import ROOT, Server, http, linear_config, short_tmpdir, wait_for, \
     write_model
 
@@ -110,6 +111,8 @@ def test_client_stream_yields_each_response_in_order_then_the_final(server: Serv
     assert [r.index for r in got] == list(range(40))
     assert [r.final for r in got] == [False] * 39 + [True]
     assert all(r.model == "chargen" and r.version == 1 for r in got)
+    # every part names the build that generated it
+    assert {r.build for r in got} == {version_sha256(server.model_dir / "chargen" / "1")}
     assert len(text_of(got)) == 40 and text_of(got) == text_of(again)   # seeded by prompt
     assert got[-1].stats["responses"] == 40
 
@@ -142,6 +145,7 @@ def test_a_stream_on_a_plain_model_is_its_one_reply(server: Server) -> None:
         unary = c.infer("linear", {"input": x})
     assert only.final and only.index == 0
     np.testing.assert_array_equal(only.outputs["output"], unary.outputs["output"])
+    assert only.build == unary.build == version_sha256(server.model_dir / "linear" / "1")
 
 
 def test_errors_raise_out_of_the_iteration(server: Server) -> None:

@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 from zeroserve.broker import wording
 from zeroserve.broker.client import Client
 from tests.conftest import Server, linear_config, short_tmpdir, wait_for, write_model
+from zeroserve.models.repository import version_sha256
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -139,6 +140,9 @@ def test_many_requests_on_one_stream_each_answered_in_order(srv: Server) -> None
         assert error is None, error
         response = result.get_response()
         final = response.parameters["triton_final_response"].bool_param
+        # every response names its build: the version and the sha256 of its files
+        assert response.parameters["model_build"].string_param == \
+            f"1/{version_sha256(srv.model_dir / 'counter' / '1')}"
         value = None if not response.outputs else float(result.as_numpy("output")[0, 0])
         by_id.setdefault(response.id, []).append((value, final))
     assert by_id["a"] == [(1.0, False), (2.0, False), (3.0, False)]

@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker import wording
+from zeroserve.broker import tracing, wording
 from zeroserve.broker.server.admission import Admission, deadline_of
 from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError, check_inputs
 from zeroserve.broker.server.ledger import AnswerLedger, Key
@@ -247,8 +247,10 @@ class Pipelines:
         tensors = [p.Tensor(replace(run.tensors[n].meta, name=n), run.tensors[n].data)
                    for n in wanted]
         total_s = now - run.arrival_s
+        trace = None if req.trace is None else \
+            tracing.broker_stamps(run.arrival_s, run.arrival_s, now, None)
         part = p.reply_part(req.request_id, cfg.name, run.version, tensors,
-                            {"queue_ms": 0.0, "compute_ms": run.compute_ms})
+                            {"queue_ms": 0.0, "compute_ms": run.compute_ms}, trace)
         self._send(run.key[0], p.encode_reply_parts([part]))
         samples = _samples(cfg.max_batch_size, req.tensors)
         self.stats.batch_done(cfg.name, run.version, samples, {}, total_s * 1000.0)

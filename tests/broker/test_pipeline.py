@@ -64,9 +64,11 @@ class Harness:
         self.to_clients.append((identity, frames))
         return True
 
-    def request(self, rid: str, timeout_ms: float = 0.0) -> None:
+    def request(self, rid: str, timeout_ms: float = 0.0,
+                trace: dict[str, str] | None = None) -> None:
         x = np.arange(4, dtype=np.float32).reshape(1, 4)
-        req = p.InferRequest(rid, "pipe", [p.from_numpy("RAW", x)], timeout_ms=timeout_ms)
+        req = p.InferRequest(rid, "pipe", [p.from_numpy("RAW", x)], timeout_ms=timeout_ms,
+                             trace=trace)
         _, header, bufs = p.unpack([bytes(f) for f in p.encode_request(req)])
         self.path.on_request(b"client", header, bufs, self.now)
 
@@ -206,3 +208,19 @@ def test_a_step_refused_at_its_own_admission_fails_the_pipeline_once_naming_it()
     assert rid == "r1" and code == "bad_input"
     assert "step 2 (model 'c') of ensemble 'pipe' failed" in message
     assert h.batches() == [] and h.empty(), h.path.census()
+
+
+def test_a_traced_pipeline_is_answered_with_its_own_timestamps() -> None:
+    h = Harness()
+    h.request("t", trace={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-"
+                                         "b7ad6b7169203331-01"})
+    h.now = 0.5
+    for b in h.batches():
+        h.answer(b)
+    (last,) = h.batches()
+    h.now = 1.0
+    h.answer(last)
+    ((_, frames),) = h.to_clients
+    _, header, _ = p.unpack([bytes(f) for f in frames])
+    stamps = header["trace"]["ns"]
+    assert stamps["REQUEST_END"] - stamps["REQUEST_START"] == 1_000_000_000

@@ -25,7 +25,7 @@ from zeroserve.broker.server.catalog import Catalog, CatalogModel
 from zeroserve.broker.server.dispatchgate import DispatchGate
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
-from zeroserve.broker.server.pipeline import Pipelines
+from zeroserve.broker.server.pipeline import INTERNAL, Pipelines
 from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
@@ -76,6 +76,8 @@ class RequestPath:
                                    self.stats, metrics, reply, submit=self.submit,
                                    withdraw=self.on_cancel, refuse=self.refuse, clock=clock)
         self._reply = reply = self.pipelines.reply
+        # a stopping broker that drains what it accepted runs the pipelines' next steps
+        self.stop.client_draining(INTERNAL)
         self.streaming = StreamPath(self.streams, pool, catalog, metrics, self.stats,
                                     self.ledger, reply, self)
 

@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
@@ -32,6 +31,7 @@ pytestmark = pytest.mark.timeout(240)
 # on purpose, a batch holding a row whose first value is -7
 PRE = '''
 import time
+
 import torch
 
 
@@ -214,7 +214,10 @@ def test_the_ensemble_shows_as_triton_shows_one(srv) -> None:
         assert words in index[name]["reason"], index[name]
         assert "ensemble_scheduling" in index[name]["reason"]
     g = tgrpc.InferenceServerClient(srv.grpc_url)
-    assert g.get_model_config("pipe").config.platform == "ensemble"
+    got = g.get_model_config("pipe").config
+    assert got.platform == "ensemble"
+    assert [s.model_name for s in got.ensemble_scheduling.step] == ["pre", "net", "post"]
+    assert dict(got.ensemble_scheduling.step[1].input_map) == {"input": "pre_out"}
     g.close()
     client.close()
 
@@ -289,8 +292,9 @@ def test_a_worker_killed_mid_pipeline_under_load_every_request_answered_once(srv
         assert "of ensemble 'pipe'" in e or "no worker" in e, e
     assert answers.count("ok") >= 48
     quiet(srv)
-    started = time.monotonic()
+    assert not Server.alive(victim)
+    wait_for(lambda: len([p for p in srv.pids("worker") if p != victim]) == 2, 60,
+             "the killed worker restarted")
     client = thttp.InferenceServerClient(srv.url.removeprefix("http://"))
     wait_for(lambda: client.is_model_ready("pipe"), 60, "the ensemble ready again")
-    assert time.monotonic() - started < 60
     client.close()

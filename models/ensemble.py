@@ -166,6 +166,22 @@ def _show(spec: Spec) -> str:
     return f"{spec[0]} {list(spec[1])}"
 
 
+def _check_streaming(steps: Sequence[Step], i: int, outputs: Mapping[str, Spec]) -> None:
+    """A decoupled model streams the pipeline's answer: it must be the last step, the one
+    producing every output of the ensemble, read by no other step."""
+    where, writes = where_of(i, steps[i]), set(steps[i].writes())
+    for j, other in enumerate(steps):
+        read = writes & set(other.reads())
+        if j != i and read:
+            raise EnsembleError(f"{where}: a decoupled model can only be the last step, but "
+                                f"{where_of(j, other)} reads its tensor {sorted(read)[0]!r}")
+    missing = sorted(set(outputs) - writes)
+    if missing:
+        raise EnsembleError(f"{where}: a decoupled step streams the ensemble's answer, so it "
+                            f"must produce every ensemble output; {missing[0]!r} comes from "
+                            "another step")
+
+
 def check_models(steps: Sequence[Step], inputs: Mapping[str, Spec],
                  outputs: Mapping[str, Spec], max_batch_size: int,
                  model: Callable[[str], Signature | str | None]) -> None:
@@ -185,8 +201,7 @@ def check_models(steps: Sequence[Step], inputs: Mapping[str, Spec],
         if sig.ensemble:
             raise EnsembleError(f"{where}: an ensemble as a step is not served")
         if sig.decoupled:
-            raise EnsembleError(f"{where}: a decoupled model as a step is not served yet "
-                                "(its responses would have to stream through the pipeline)")
+            _check_streaming(steps, i, outputs)
         if max_batch_size > 0 and sig.max_batch_size < max_batch_size:
             raise EnsembleError(f"{where}: max_batch_size {sig.max_batch_size} is below the "
                                 f"ensemble's {max_batch_size}")

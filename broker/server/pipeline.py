@@ -117,7 +117,10 @@ class Pipelines:
         elif kind is p.Kind.ERROR:
             err = p.decode_error(header)
             self._step_done(err.request_id, None, err)
-        else:   # a step is never bundled nor streamed: nothing else is sent to us
+        elif kind is p.Kind.PARTS:
+            for part in p.decode_parts(header, bufs):
+                self._step_part(part)
+        else:   # a step is never bundled: nothing else is sent to us
             logger.error("pipeline step answered with a %s message; dropped", kind.name)
         return True
 
@@ -146,9 +149,8 @@ class Pipelines:
             return who.code, who.message
         if req.version is not None and req.version not in model.versions:
             return p.ErrorCode.NOT_FOUND, wording.unknown_version(req.model, req.version)
-        if req.stream:
-            return p.ErrorCode.UNSUPPORTED, f"ensemble {req.model!r} answers once: it has " \
-                                            "no decoupled step to stream"
+        if self._streams(model) and not req.stream:
+            return p.ErrorCode.UNSUPPORTED, wording.decoupled_unary(req.model)
         try:
             samples = check_inputs(model.config, [t.meta for t in req.tensors], req.outputs)
         except RequestError as exc:
@@ -165,6 +167,14 @@ class Pipelines:
                     f"deadline of {timeout_ms:g} ms cannot be met: ensemble {req.model!r} "
                     f"needs about {need_s * 1000:.1f} ms along its slowest chain of steps")
         return None
+
+    def _streams(self, model: CatalogModel) -> bool:
+        """Whether the pipeline's last step is a decoupled model (its answer streams)."""
+        return any(self._decoupled(s.model_name) for s in model.config.ensemble)
+
+    def _decoupled(self, name: str) -> bool:
+        step = self.catalog.get(name)
+        return step is not None and step.config.decoupled
 
     def predict_s(self, model: CatalogModel, priority: int, samples: int, now: float
                   ) -> float:
@@ -207,7 +217,7 @@ class Pipelines:
                 request_id=rid, model=step.model_name, tensors=tensors,
                 version=None if step.model_version < 0 else step.model_version,
                 priority=req.priority, timeout_ms=left_ms if left_ms < math.inf else 0.0,
-                api_key=req.api_key), now)
+                api_key=req.api_key, stream=self._decoupled(step.model_name)), now)
 
     def _step_done(self, rid: str, rep: p.InferReply | None, err: p.ErrorReply | None
                    ) -> None:
@@ -236,6 +246,41 @@ class Pipelines:
                            " has steps whose inputs no step produces")
         elif not run.running:
             self._finish(run, now)
+
+    def _step_part(self, part: p.StreamPart) -> None:
+        """A response of the decoupled last step: one response of the pipeline's stream,
+        its outputs renamed as the ensemble's; the final one answers the pipeline."""
+        key = self._steps.get(part.request_id)
+        run = self._runs.get(key) if key is not None else None
+        if run is None:
+            return
+        i = run.running[part.request_id]
+        names = dict(run.steps[i].output_map)
+        wanted = set(run.request.outputs or [t.name for t in run.model.config.outputs])
+        tensors = [p.Tensor(replace(t.meta, name=names[t.meta.name]), t.data)
+                   for t in part.tensors
+                   if t.meta.name in names and names[t.meta.name] in wanted]
+        stats: dict[str, float] = {}
+        if part.final:
+            del self._steps[part.request_id]
+            del run.running[part.request_id]
+            self._runs.pop(run.key)
+            for rid in list(run.running):   # a step read by none, still running: let go
+                self._steps.pop(rid, None)
+                self._withdraw(INTERNAL, rid)
+            if not self.ledger.close(run.key):
+                return
+            total_s = self.clock() - run.arrival_s
+            cfg = run.model.config
+            self.stats.batch_done(cfg.name, run.version, _samples(cfg.max_batch_size,
+                                                                  run.request.tensors),
+                                  {}, total_s * 1000.0)
+            self.stats.request_done(cfg.name, run.version, 0.0, total_s, {}, total_s * 1000.0)
+            self.metrics.requests_done(cfg.name, run.version, [total_s])
+            stats = {"queue_ms": 0.0, "responses": float(part.index + 1)}
+        self._send(run.key[0], p.encode_parts([p.StreamPart(
+            run.request.request_id, run.model.config.name, run.version, part.index,
+            part.final, tensors, stats)]))
 
     # -- answers -------------------------------------------------------------------
     def _finish(self, run: Run, now: float) -> None:

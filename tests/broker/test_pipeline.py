@@ -34,7 +34,12 @@ def configs() -> list[dict[str, Any]]:
     pipe = {"name": "pipe", "platform": "ensemble", "max_batch_size": 4,
             "inputs": [{"name": "RAW", **T4}], "outputs": [{"name": "OUT", **T4}],
             "ensemble_scheduling": {"step": steps}}
-    return [linear_config("a", 4, 4), linear_config("b", 4, 4), pair, pipe]
+    gen = {**linear_config("g", 4, 4), "platform": "python",
+           "model_transaction_policy": {"decoupled": True}}
+    streamed = {**pipe, "name": "spipe", "ensemble_scheduling": {"step": [
+        steps[0], {"model_name": "g", "input_map": {"input": "A"},
+                   "output_map": {"output": "OUT"}}]}}
+    return [linear_config("a", 4, 4), linear_config("b", 4, 4), pair, pipe, gen, streamed]
 
 
 class Harness:
@@ -53,7 +58,8 @@ class Harness:
         self.latency = LatencyBook(enabled=latency)
         self.path = RequestPath(self.catalog, self.scheduler, self.pool, self.latency,
                                 BrokerMetrics(), self._to_client, clock=lambda: self.now)
-        ready = p.WorkerReady("w0", credits=credits, models=[["a", 1], ["b", 1], ["c", 1]])
+        ready = p.WorkerReady("w0", credits=credits, models=[["a", 1], ["b", 1], ["c", 1],
+                                                                ["g", 1]])
         self.worker = self.pool.register(b"w0", ready, self.now)
 
     def _to_worker(self, identity: bytes, frames: list[Any]) -> bool:
@@ -65,10 +71,11 @@ class Harness:
         return True
 
     def request(self, rid: str, timeout_ms: float = 0.0,
-                trace: dict[str, str] | None = None) -> None:
+                trace: dict[str, str] | None = None, model: str = "pipe",
+                stream: bool = False) -> None:
         x = np.arange(4, dtype=np.float32).reshape(1, 4)
-        req = p.InferRequest(rid, "pipe", [p.from_numpy("RAW", x)], timeout_ms=timeout_ms,
-                             trace=trace)
+        req = p.InferRequest(rid, model, [p.from_numpy("RAW", x)], timeout_ms=timeout_ms,
+                             trace=trace, stream=stream)
         _, header, bufs = p.unpack([bytes(f) for f in p.encode_request(req)])
         self.path.on_request(b"client", header, bufs, self.now)
 
@@ -224,3 +231,52 @@ def test_a_traced_pipeline_is_answered_with_its_own_timestamps() -> None:
     _, header, _ = p.unpack([bytes(f) for f in frames])
     stamps = header["trace"]["ns"]
     assert stamps["REQUEST_END"] - stamps["REQUEST_START"] == 1_000_000_000
+
+
+def test_a_decoupled_last_step_streams_the_pipeline() -> None:
+    h = Harness()
+    h.request("u", model="spipe")     # a unary call to a pipeline that streams
+    assert h.answers()[0][1][0] == "unsupported"
+    h.to_clients.clear()
+    h.request("s", model="spipe", stream=True)
+    (first,) = h.batches()
+    h.answer(first)
+    (gen,) = h.batches()
+    assert gen.model == "g"
+    item = gen.items[0].request_id
+    for final, value in ((False, 1.0), (True, 2.0)):
+        msg = p.Partial(gen.batch_id, [p.PartialItem(item, final, [p.from_numpy(
+            "output", np.full((1, 4), value, np.float32))])])
+        _, header, bufs = p.unpack([bytes(f) for f in p.encode_partial(msg)])
+        h.path.streaming.on_partial(h.worker, header, bufs, h.now)
+    parts = []
+    for _, frames in h.to_clients:
+        kind, header, bufs = p.unpack([bytes(f) for f in frames])
+        assert kind is p.Kind.PARTS
+        parts += p.decode_parts(header, bufs)
+    assert [(q.request_id, q.model, q.index, q.final) for q in parts] == \
+        [("s", "spipe", 0, False), ("s", "spipe", 1, True)]
+    assert [t.meta.name for t in parts[1].tensors] == ["OUT"]
+    assert float(p.to_numpy(parts[1].tensors[0])[0, 0]) == 2.0
+    result = p.BatchResult(gen.batch_id, [], 1.0)
+    _, header, bufs = p.unpack([bytes(f) for f in p.encode_result(result)])
+    h.path.on_result(h.worker, header, bufs, h.now)
+    assert len(h.to_clients) == 2
+    assert h.empty(), h.path.census()
+
+
+def test_a_cancelled_streaming_pipeline_stops_its_running_step() -> None:
+    h = Harness()
+    h.request("s", model="spipe", stream=True)
+    (first,) = h.batches()
+    h.answer(first)
+    (gen,) = h.batches()
+    h.path.on_cancel(b"client", "s")
+    assert [a[1][0] for a in h.answers()] == ["cancelled"]
+    stops = [p.unpack([bytes(f) for f in frames])[0] for frames in h.to_workers]
+    assert p.Kind.STOP in stops
+    result = p.BatchResult(gen.batch_id, [], 1.0)
+    _, header, bufs = p.unpack([bytes(f) for f in p.encode_result(result)])
+    h.path.on_result(h.worker, header, bufs, h.now)
+    assert len(h.to_clients) == 1
+    assert h.empty(), h.path.census()

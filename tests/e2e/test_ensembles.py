@@ -58,6 +58,21 @@ class Model:
         return {"probs": torch.softmax(inputs["logits"], dim=1)}
 '''
 
+# a decoupled postprocess: three responses, the probabilities times 1, 2 and 3
+GEN = '''
+import torch
+
+
+class Model:
+    def load(self, version_dir, device):
+        pass
+
+    def predict(self, inputs, rows):
+        for k in (1, 2, 3):
+            yield {i: ({"probs": torch.softmax(inputs["logits"][r], dim=1) * k}, k == 3)
+                   for i, r in enumerate(rows)}
+'''
+
 
 def python_model(repo: Path, name: str, code: str, ins: dict[str, int],
                  outs: dict[str, int]) -> None:
@@ -106,9 +121,14 @@ def make_repo() -> Path:
     repo = short_tmpdir("zsrepo")
     python_model(repo, "pre", PRE, {"x": 4}, {"y": 4})
     python_model(repo, "post", POST, {"logits": 3}, {"probs": 3})
+    python_model(repo, "gen", GEN, {"logits": 3}, {"probs": 3})
+    cfg = json.loads((repo / "gen" / "config.json").read_text())
+    cfg.update(model_transaction_policy={"decoupled": True}, warmup={"batch_sizes": []})
+    (repo / "gen" / "config.json").write_text(json.dumps(cfg))
     write_model(repo, "net", 1, "nn.Linear(4, 3)",
                 linear_config("net", dynamic_batching={"max_queue_delay_ms": 2}))
-    for name, cfg in [("pipe", ensemble("pipe", STEPS))] + \
+    streamed = STEPS[:2] + [step("gen", {"logits": "logits"}, {"probs": "OUT"})]
+    for name, cfg in [("pipe", ensemble("pipe", STEPS)), ("spipe", ensemble("spipe", streamed))] + \
             [(n, ensemble(n, s, out=4 if n == "bad_twice" else 3))
              for n, (s, _) in BROKEN.items()]:
         (repo / name / "1").mkdir(parents=True)
@@ -298,3 +318,35 @@ def test_a_worker_killed_mid_pipeline_under_load_every_request_answered_once(srv
     client = thttp.InferenceServerClient(srv.url.removeprefix("http://"))
     wait_for(lambda: client.is_model_ready("pipe"), 60, "the ensemble ready again")
     client.close()
+
+
+def test_a_decoupled_last_step_streams_the_pipeline_over_grpc(srv) -> None:
+    import queue
+
+    answers: queue.Queue[Any] = queue.Queue()
+    g = tgrpc.InferenceServerClient(srv.grpc_url)
+    wait_for(lambda: g.is_model_ready("spipe"), 60, "the streaming ensemble to be ready")
+    x = rows(7)
+    inp = tgrpc.InferInput("RAW", [1, 4], "FP32")
+    inp.set_data_from_numpy(x)
+    g.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        g.async_stream_infer("spipe", [inp], request_id="s1")
+        got = [answers.get(timeout=30) for _ in range(3)]
+    finally:
+        g.stop_stream(cancel_requests=True)
+        g.close()
+    for k, (result, error) in enumerate(got, start=1):
+        assert error is None, error
+        assert result.get_response().id == "s1"
+        np.testing.assert_allclose(result.as_numpy("OUT"), in_process(srv, x) * k,
+                                   rtol=1e-5, atol=1e-6)
+    with pytest.raises(InferenceServerException, match="decoupled"):
+        client = thttp.InferenceServerClient(srv.url.removeprefix("http://"))
+        try:
+            inp = thttp.InferInput("RAW", [1, 4], "FP32")
+            inp.set_data_from_numpy(x)
+            client.infer("spipe", [inp])
+        finally:
+            client.close()
+    quiet(srv)

@@ -35,6 +35,7 @@ def pipeline(steps: list[dict[str, Any]], ins: list[dict[str, Any]] | None = Non
                  platform="ensemble", ensemble_scheduling={"step": steps})
 
 
+GEN = model("gen", [tensor("x")], [tensor("y")], model_transaction_policy={"decoupled": True})
 GOOD = [step("pre", {"x": "RAW"}, {"y": "mid"}), step("net", {"input": "mid"}, {"output": "OUT"})]
 
 
@@ -118,16 +119,25 @@ def test_a_graph_that_cannot_run_is_refused_naming_step_and_tensor(steps, ins, o
     ([step("small", {"x": "RAW"}, {"y": "OUT"})], [tensor("OUT")],
      {"small": model("small", [tensor("x")], [tensor("y")], mbs=2)},
      "max_batch_size 2 is below the ensemble's 8"),
-    ([step("gen", {"x": "RAW"}, {"y": "OUT"})], [tensor("OUT")],
-     {"gen": model("gen", [tensor("x")], [tensor("y")],
-                   model_transaction_policy={"decoupled": True})},
-     "a decoupled model as a step is not served yet"),
+    ([step("gen", {"x": "RAW"}, {"y": "mid"}), step("pre", {"x": "mid"}, {"y": "OUT"})],
+     [tensor("OUT")], {"gen": GEN},
+     "step[0] (model 'gen'): a decoupled model can only be the last step, but step[1] "
+     "(model 'pre') reads its tensor 'mid'"),
+    ([step("gen", {"x": "RAW"}, {"y": "OUT"}), step("pre", {"x": "RAW"}, {"y": "OUT2"})],
+     [tensor("OUT"), tensor("OUT2")], {"gen": GEN},
+     "must produce every ensemble output; 'OUT2' comes from another step"),
 ])
 def test_steps_checked_against_their_models(tmp_path, steps, outs, extra, words) -> None:
     found, errors = scan(repo(tmp_path, pipeline(steps, outs=outs), **extra))
     assert "pipe" not in found
     assert words in errors["pipe"], errors["pipe"]
     assert {"pre", "net"} <= set(found)     # the rest of the repository is served
+
+
+def test_a_decoupled_model_may_be_the_last_step(tmp_path: Path) -> None:
+    steps = [GOOD[0], step("gen", {"x": "mid"}, {"y": "OUT"})]
+    found, errors = scan(repo(tmp_path, pipeline(steps, outs=[tensor("OUT")]), gen=GEN))
+    assert errors == {} and "pipe" in found
 
 
 def test_a_step_on_a_model_that_is_not_served_says_why(tmp_path: Path) -> None:

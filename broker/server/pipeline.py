@@ -51,7 +51,7 @@ class Run:
     """One pipeline request in progress."""
 
     __slots__ = ("key", "request", "model", "version", "tensors", "waiting", "running",
-                 "arrival_s", "deadline_s", "compute_ms")
+                 "arrival_s", "deadline_s", "compute_ms", "traces")
 
     def __init__(self, key: Key, request: p.InferRequest, model: CatalogModel, version: int,
                  arrival_s: float, deadline_s: float) -> None:
@@ -65,6 +65,7 @@ class Run:
         self.arrival_s = arrival_s
         self.deadline_s = deadline_s
         self.compute_ms = 0.0
+        self.traces: list[dict[str, Any]] = []   # a traced pipeline's steps' stamps
 
     @property
     def steps(self) -> tuple[ens.Step, ...]:
@@ -217,7 +218,8 @@ class Pipelines:
                 request_id=rid, model=step.model_name, tensors=tensors,
                 version=None if step.model_version < 0 else step.model_version,
                 priority=req.priority, timeout_ms=left_ms if left_ms < math.inf else 0.0,
-                api_key=req.api_key, stream=self._decoupled(step.model_name)), now)
+                api_key=req.api_key, stream=self._decoupled(step.model_name),
+                trace=req.trace), now)
 
     def _step_done(self, rid: str, rep: p.InferReply | None, err: p.ErrorReply | None
                    ) -> None:
@@ -238,6 +240,8 @@ class Pipelines:
                 return
             run.tensors[tensor] = got[name]
         run.compute_ms += float(rep.stats.get("compute_ms", 0.0))
+        if rep.trace is not None:   # the gateway writes one record per step, its parent's
+            run.traces.append({**rep.trace, "model": rep.model, "version": rep.version})
         now = self.clock()
         if run.waiting:
             self._advance(run, now)
@@ -293,7 +297,8 @@ class Pipelines:
                    for n in wanted]
         total_s = now - run.arrival_s
         trace = None if req.trace is None else \
-            tracing.broker_stamps(run.arrival_s, run.arrival_s, now, None)
+            {**tracing.broker_stamps(run.arrival_s, run.arrival_s, now, None),
+             "steps": run.traces}
         part = p.reply_part(req.request_id, cfg.name, run.version, tensors,
                             {"queue_ms": 0.0, "compute_ms": run.compute_ms}, trace)
         self._send(run.key[0], p.encode_reply_parts([part]))

@@ -139,7 +139,9 @@ def make_repo() -> Path:
 @pytest.fixture(scope="module")
 def srv() -> Iterator[Server]:
     repo = make_repo()
-    server = Server(repo, workers=2, extra=["--readiness", "any"])
+    server = Server(repo, workers=2, extra=[
+        "--readiness", "any", "--trace-config", f"triton,file={repo / 'trace.json'}",
+        "--trace-config", "triton,log-frequency=1"])
     try:
         server.wait_ready(120)
         client = thttp.InferenceServerClient(server.url.removeprefix("http://"))
@@ -350,3 +352,30 @@ def test_a_decoupled_last_step_streams_the_pipeline_over_grpc(srv) -> None:
         finally:
             client.close()
     quiet(srv)
+
+
+def test_a_traced_pipeline_writes_one_record_per_step_under_its_own(srv) -> None:
+    import glob
+
+    client = thttp.InferenceServerClient(srv.url.removeprefix("http://"))
+    client.update_trace_settings("pipe", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1",
+                                          "trace_count": "-1"})
+    try:
+        http_infer(client, rows(9))
+    finally:
+        client.update_trace_settings("pipe", {"trace_level": ["OFF"]})
+        client.close()
+    pattern = f"{srv.model_dir / 'trace.json'}.*"
+    files = wait_for(lambda: glob.glob(pattern), 10, "a trace file")
+    records = [r for f in files for r in json.loads(Path(f).read_text())]
+    heads = [r for r in records if "model_name" in r]
+    (top,) = [h for h in heads if h["model_name"] == "pipe"]
+    steps = [h for h in heads if h.get("parent_id") == top["id"]]
+    stamps = {h["model_name"]: {t["name"]: t["ns"] for r in records if r["id"] == h["id"]
+                                for t in r.get("timestamps", ())} for h in steps}
+    assert sorted(stamps) == ["net", "post", "pre"]
+    for got in stamps.values():
+        assert {"REQUEST_START", "COMPUTE_START", "COMPUTE_END", "REQUEST_END"} <= set(got)
+    # one after the other, as the graph says
+    assert stamps["pre"]["REQUEST_END"] <= stamps["net"]["REQUEST_START"]
+    assert stamps["net"]["REQUEST_END"] <= stamps["post"]["REQUEST_START"]

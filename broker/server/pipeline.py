@@ -50,14 +50,14 @@ Refuse = Callable[[bytes, str, p.ErrorCode, str, str], None]
 class Run:
     """One pipeline request in progress."""
 
-    __slots__ = ("key", "request", "model", "version", "tensors", "waiting", "running",
+    __slots__ = ("key", "request", "config", "version", "tensors", "waiting", "running",
                  "arrival_s", "deadline_s", "compute_ms", "traces")
 
     def __init__(self, key: Key, request: p.InferRequest, model: CatalogModel, version: int,
                  arrival_s: float, deadline_s: float) -> None:
         self.key = key
         self.request = request
-        self.model = model
+        self.config = model.config   # as it was: a change of the ensemble mid-run moves no step
         self.version = version
         self.tensors: dict[str, p.Tensor] = {t.meta.name: t for t in request.tensors}
         self.waiting = list(range(len(model.config.ensemble)))   # steps not started
@@ -69,11 +69,11 @@ class Run:
 
     @property
     def steps(self) -> tuple[ens.Step, ...]:
-        return self.model.config.ensemble
+        return self.config.ensemble
 
     def where(self, i: int) -> str:
         return f"step {i} (model {self.steps[i].model_name!r}) of ensemble " \
-               f"{self.model.config.name!r}"
+               f"{self.config.name!r}"
 
 
 class Pipelines:
@@ -246,7 +246,7 @@ class Pipelines:
         if run.waiting:
             self._advance(run, now)
             if run.key in self._runs and not run.running:   # a graph load refuses
-                self._fail(run, p.ErrorCode.INTERNAL, f"ensemble {run.model.config.name!r}"
+                self._fail(run, p.ErrorCode.INTERNAL, f"ensemble {run.config.name!r}"
                            " has steps whose inputs no step produces")
         elif not run.running:
             self._finish(run, now)
@@ -260,7 +260,7 @@ class Pipelines:
             return
         i = run.running[part.request_id]
         names = dict(run.steps[i].output_map)
-        wanted = set(run.request.outputs or [t.name for t in run.model.config.outputs])
+        wanted = set(run.request.outputs or [t.name for t in run.config.outputs])
         tensors = [p.Tensor(replace(t.meta, name=names[t.meta.name]), t.data)
                    for t in part.tensors
                    if t.meta.name in names and names[t.meta.name] in wanted]
@@ -275,7 +275,7 @@ class Pipelines:
             if not self.ledger.close(run.key):
                 return
             total_s = self.clock() - run.arrival_s
-            cfg = run.model.config
+            cfg = run.config
             self.stats.batch_done(cfg.name, run.version, _samples(cfg.max_batch_size,
                                                                   run.request.tensors),
                                   {}, total_s * 1000.0)
@@ -283,7 +283,7 @@ class Pipelines:
             self.metrics.requests_done(cfg.name, run.version, [total_s])
             stats = {"queue_ms": 0.0, "responses": float(part.index + 1)}
         self._send(run.key[0], p.encode_parts([p.StreamPart(
-            run.request.request_id, run.model.config.name, run.version, part.index,
+            run.request.request_id, run.config.name, run.version, part.index,
             part.final, tensors, stats)]))
 
     # -- answers -------------------------------------------------------------------
@@ -291,7 +291,7 @@ class Pipelines:
         del self._runs[run.key]
         if not self.ledger.close(run.key):
             return
-        cfg, req = run.model.config, run.request
+        cfg, req = run.config, run.request
         wanted = req.outputs or [t.name for t in cfg.outputs]
         tensors = [p.Tensor(replace(run.tensors[n].meta, name=n), run.tensors[n].data)
                    for n in wanted]
@@ -318,9 +318,9 @@ class Pipelines:
         run.running.clear()
         if not self.ledger.close(run.key):
             return
-        self.stats.request_failed(run.model.config.name, run.version,
+        self.stats.request_failed(run.config.name, run.version,
                                   max(0.0, self.clock() - run.arrival_s))
-        self._refuse(run.key[0], run.key[1], code, message, run.model.config.name)
+        self._refuse(run.key[0], run.key[1], code, message, run.config.name)
 
     def cancel(self, key: Key, message: str) -> bool:
         """The client cancelled or went away: every step is withdrawn."""

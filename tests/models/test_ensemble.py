@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.conftest import examples
 
 from zeroserve.models import ensemble as ens
 from zeroserve.models.repository import ConfigError, load_config, parse_config, scan
@@ -192,3 +195,37 @@ def test_order_and_critical_path_run_independent_steps_side_by_side() -> None:
     assert ens.depends(steps, ["IN"]) == [set(), set(), {0, 1}]
     cost = {0: 0.010, 1: 0.030, 2: 0.005}
     assert ens.critical_path_s(steps, ["IN"], cost.__getitem__) == pytest.approx(0.035)
+
+
+@st.composite
+def dags(draw: st.DrawFn) -> tuple[list[ens.Step], list[float]]:
+    """A random graph: step k reads the input or earlier steps' tensors, written in a
+    shuffled order, each with a cost."""
+    n = draw(st.integers(1, 8))
+    steps = []
+    for k in range(n):
+        reads = draw(st.sets(st.sampled_from(["IN"] + [f"T{j}" for j in range(k)]),
+                             min_size=1, max_size=3))
+        steps.append(ens.Step(f"m{k}", -1, tuple((f"i{t}", t) for t in sorted(reads)),
+                              ((f"o{k}", f"T{k}"),)))
+    order = draw(st.permutations(range(n)))
+    costs = draw(st.lists(st.floats(0, 1), min_size=n, max_size=n))
+    return [steps[i] for i in order], [costs[i] for i in order]
+
+
+@settings(max_examples=examples(300))
+@given(dags())
+def test_order_runs_every_step_after_what_it_reads_and_the_path_is_the_longest(
+        dag: tuple[list[ens.Step], list[float]]) -> None:
+    steps, costs = dag
+    ran: set[str] = {"IN"}
+    for i in ens.order(steps, ["IN"]):
+        assert set(steps[i].reads()) <= ran
+        ran |= set(steps[i].writes())
+    by_tensor = {t: i for i, s in enumerate(steps) for t in s.writes()}
+
+    def longest(i: int) -> float:   # brute force, from the step back to the input
+        return costs[i] + max((longest(by_tensor[t]) for t in steps[i].reads()
+                               if t != "IN"), default=0.0)
+    assert ens.critical_path_s(steps, ["IN"], costs.__getitem__) == pytest.approx(
+        max(longest(i) for i in range(len(steps))))

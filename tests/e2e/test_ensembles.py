@@ -379,3 +379,28 @@ def test_a_traced_pipeline_writes_one_record_per_step_under_its_own(srv) -> None
     # one after the other, as the graph says
     assert stamps["pre"]["REQUEST_END"] <= stamps["net"]["REQUEST_START"]
     assert stamps["net"]["REQUEST_END"] <= stamps["post"]["REQUEST_START"]
+
+
+def test_an_ensemble_whose_step_leaves_is_refused_and_comes_back_with_it(srv) -> None:
+    """Last in this file: it takes ``post`` out of the repository and puts it back."""
+    client = thttp.InferenceServerClient(srv.url.removeprefix("http://"))
+    aside = srv.model_dir.parent / f"{srv.model_dir.name}-post"
+    shutil.move(str(srv.model_dir / "post"), str(aside))
+
+    def reason() -> str:
+        entry = {e["name"]: e for e in client.get_model_repository_index()}["pipe"]
+        return str(entry.get("reason", "")) if entry["state"] == "UNAVAILABLE" else ""
+    try:
+        why = wait_for(reason, 30, "the ensemble refused without its step")
+        assert "step[2] (model 'post'): model 'post' is not in the repository" in why
+        with Client(srv.control, timeout_s=5) as c:
+            assert "model 'post'" in c.control("models")["errors"]["pipe"]
+        with pytest.raises(InferenceServerException):
+            http_infer(client, rows(10))
+        assert client.is_model_ready("spipe")   # the rest keeps serving
+    finally:
+        shutil.move(str(aside), str(srv.model_dir / "post"))
+    wait_for(lambda: client.is_model_ready("pipe"), 60, "the ensemble back with its step")
+    np.testing.assert_allclose(http_infer(client, rows(11)), in_process(srv, rows(11)),
+                               rtol=1e-5, atol=1e-6)
+    client.close()

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 # start with a zero byte for itself, and generates 5-byte ones, so no peer has this one
 INTERNAL = b"\x00zeroserve-pipeline"
 
-Submit = Callable[[bytes, p.InferRequest, float], None]
+Submit = Callable[[bytes, p.InferRequest, float, bool], None]
 Withdraw = Callable[[bytes, str], None]
 Refuse = Callable[[bytes, str, p.ErrorCode, str, str], None]
 
@@ -115,6 +115,9 @@ class Pipelines:
         if kind is p.Kind.REPLY:
             rep = p.decode_reply(header, bufs)
             self._step_done(rep.request_id, rep, None)
+        elif kind is p.Kind.REPLIES:   # a batch's steps, in one message
+            for rep in p.decode_replies(header, bufs):
+                self._step_done(rep.request_id, rep, None)
         elif kind is p.Kind.ERROR:
             err = p.decode_error(header)
             self._step_done(err.request_id, None, err)
@@ -219,7 +222,7 @@ class Pipelines:
                 version=None if step.model_version < 0 else step.model_version,
                 priority=req.priority, timeout_ms=left_ms if left_ms < math.inf else 0.0,
                 api_key=req.api_key, stream=self._decoupled(step.model_name),
-                trace=req.trace), now)
+                trace=req.trace), now, True)   # bundled: a batch's answers come at once
 
     def _step_done(self, rid: str, rep: p.InferReply | None, err: p.ErrorReply | None
                    ) -> None:

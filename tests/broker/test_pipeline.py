@@ -137,8 +137,15 @@ def test_steps_of_many_pipelines_batch_together() -> None:
     h = Harness()
     for i in range(3):
         h.request(f"r{i}")
-    sizes = Counter({b.model: len(b.items) for b in h.batches()})
-    assert sizes == Counter({"a": 3, "b": 3})
+    first = h.batches()
+    assert Counter({b.model: len(b.items) for b in first}) == Counter({"a": 3, "b": 3})
+    for b in first:   # each batch's step answers reach the pipelines in one message
+        h.answer(b)
+    (last,) = h.batches()
+    assert len(last.items) == 3
+    h.answer(last)
+    assert sorted(rid for rid, _ in h.answers()) == ["r0", "r1", "r2"]
+    assert h.empty(), h.path.census()
 
 
 def test_a_failing_step_answers_once_naming_it_and_withdraws_the_queued_ones() -> None:

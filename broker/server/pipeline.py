@@ -124,7 +124,7 @@ class Pipelines:
         elif kind is p.Kind.PARTS:
             for part in p.decode_parts(header, bufs):
                 self._step_part(part)
-        else:   # a step is never bundled: nothing else is sent to us
+        else:   # nothing else is ever sent to the pipelines' identity
             logger.error("pipeline step answered with a %s message; dropped", kind.name)
         return True
 
@@ -211,7 +211,7 @@ class Pipelines:
                            "before the step could start")
                 return
             step = run.steps[i]
-            rid = f"{run.key[1]}/{i}/{next(self._ids)}"
+            rid = f"{next(self._ids)}/{i}"   # unique: the counter; the step: for logs
             run.running[rid] = i
             self._steps[rid] = run.key
             req = run.request

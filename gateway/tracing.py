@@ -305,6 +305,16 @@ class Tracer:
                 [("TENSOR_BACKEND_OUTPUT", *_tensor(t)) for t in outputs]
         trace.sampler.add(tracing.records(trace.trace_id, trace.model, version, stamps,
                                           request_id, trace.context["traceparent"], tensors))
+        steps = reply.trace.get("steps") if reply is not None and reply.trace else None
+        for step in steps if isinstance(steps, list) else ():
+            # an ensemble's step, as Triton writes a composing model's: its own id and
+            # its ensemble's as parent_id
+            step_id = next(self._ids)
+            found = tracing.records(step_id, str(step.get("model", "")),
+                                    int(step.get("version", 0)),
+                                    tracing.core_stamps(step, sent_ns, received_ns))
+            found[0]["parent_id"] = trace.trace_id
+            trace.sampler.add(found)
 
     def close(self) -> None:
         self.settings.close()

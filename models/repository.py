@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from zeroserve.models import formats
+from zeroserve.models import ensemble as ens, formats
 from zeroserve.models.rolloutplan import PlanError, parse_plan
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
@@ -122,10 +122,16 @@ class ModelConfig:
     # rolloutplan.py, docs/rollouts.md), in its normalized JSON form
     rollout: dict[str, Any] | None = None
 
+    # Triton's ensemble_scheduling: the steps a pipeline runs (platform "ensemble")
+    ensemble: tuple[ens.Step, ...] = ()
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         if out["rollout"] is None:
             del out["rollout"]
+        del out["ensemble"]
+        if self.ensemble:
+            out["ensemble_scheduling"] = {"step": [s.to_json() for s in self.ensemble]}
         out["model_transaction_policy"] = {"decoupled": out.pop("decoupled")}
         out["response_cache"] = {"enable": out.pop("response_cache")}
         out["inputs"] = [t.to_json() for t in self.inputs]
@@ -147,7 +153,15 @@ class ModelConfig:
 
     @property
     def model_file(self) -> str:
-        return formats.model_file(self.platform)
+        return "" if self.platform == ens.ENSEMBLE else formats.model_file(self.platform)
+
+    def signature(self) -> ens.Signature:
+        """What an ensemble's validation reads of this model as one of its steps."""
+        lead = (-1,) if self.max_batch_size > 0 else ()
+        return ens.Signature({t.name: (t.datatype, lead + t.shape) for t in self.inputs},
+                             {t.name: (t.datatype, lead + t.shape) for t in self.outputs},
+                             self.max_batch_size, self.decoupled,
+                             self.platform == ens.ENSEMBLE)
 
 
 def _fail(where: str, fld: str, msg: str) -> ConfigError:
@@ -203,7 +217,7 @@ _DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
 _TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
                "version_policy", "traffic", "instances", "warmup", "input_shape", "backend",
                "optional", "autoscaling", "model_transaction_policy", "response_cache",
-               "rollout"}
+               "rollout", "ensemble_scheduling"}
 
 
 def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
@@ -403,9 +417,10 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     if expected_name is not None and name != expected_name:
         raise _fail(where, "name", f"{name!r} does not match its folder {expected_name!r}")
     given = raw.get("platform", raw.get("backend"))
-    platform = formats.canonical(given)
+    platform = ens.ENSEMBLE if given == ens.ENSEMBLE else formats.canonical(given)
     if platform is None:
-        raise _fail(where, "platform", f"must be one of {formats.platforms()}, got {given!r}")
+        raise _fail(where, "platform", f"must be one of {formats.platforms() + [ens.ENSEMBLE]}"
+                    f", got {given!r}")
     mbs = _int(where, "max_batch_size", raw.get("max_batch_size", 0))
     if "inputs" in raw:
         inputs = _tensors(where, "inputs", raw["inputs"])
@@ -443,6 +458,7 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
                        outputs, mbs)
     if padding is not None:
         batching = replace(batching, padding=padding)
+    steps = _ensemble(where, raw.get("ensemble_scheduling"), platform, inputs, outputs, cache)
     return ModelConfig(
         name=name, platform=platform, inputs=inputs, outputs=outputs,
         max_batch_size=mbs, dynamic_batching=batching,
@@ -451,7 +467,49 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
         autoscaling=autoscaling,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
-        optional=optional, decoupled=decoupled, response_cache=cache)
+        optional=optional, decoupled=decoupled, response_cache=cache, ensemble=steps)
+
+
+def _ensemble(where: str, raw: Any, platform: str, inputs: tuple[TensorSpec, ...],
+              outputs: tuple[TensorSpec, ...], cache: bool) -> tuple[ens.Step, ...]:
+    """``ensemble_scheduling``, given exactly when the platform is ``ensemble``; checked
+    here on its own (its steps' models: :func:`check_ensembles`)."""
+    if platform != ens.ENSEMBLE:
+        if raw is not None:
+            raise _fail(where, "ensemble_scheduling", 'needs platform "ensemble"')
+        return ()
+    if raw is None:
+        raise _fail(where, "ensemble_scheduling", 'is required with platform "ensemble"')
+    if cache:
+        raise _fail(where, "response_cache", "an ensemble's answers are not cached (its "
+                    "steps' may be)")
+    try:
+        return ens.parse_steps(raw, [t.name for t in inputs], [t.name for t in outputs])
+    except ens.EnsembleError as exc:
+        raise _fail(where, "ensemble_scheduling", str(exc)) from None
+
+
+def check_ensembles(models: dict[str, RepoModel], errors: dict[str, str]) -> None:
+    """Each ensemble of ``models`` against the models its steps name, as Triton checks
+    it at load; one that fails moves to ``errors``, named by step and tensor."""
+    def signature(name: str) -> ens.Signature | str | None:
+        rm = models.get(name)
+        return rm.config.signature() if rm is not None else errors.get(name)
+
+    for name, rm in sorted(models.items()):
+        cfg = rm.config
+        if not cfg.ensemble:
+            continue
+        lead = (-1,) if cfg.max_batch_size > 0 else ()
+        try:
+            ens.check_models(cfg.ensemble, {t.name: (t.datatype, lead + t.shape)
+                                            for t in cfg.inputs},
+                             {t.name: (t.datatype, lead + t.shape) for t in cfg.outputs},
+                             cfg.max_batch_size, signature)
+        except ens.EnsembleError as exc:
+            errors[name] = f"{rm.path}: field 'ensemble_scheduling': {exc}"
+    for name in errors:
+        models.pop(name, None)
 
 
 def _rollout(where: str, raw: Any, version_policy: dict[str, Any]) -> dict[str, Any] | None:
@@ -561,7 +619,11 @@ def is_temp_name(name: str) -> bool:
 
 
 def list_versions(model_dir: Path, cfg: ModelConfig) -> list[int]:
-    """Version folders that hold the platform's model file, ascending."""
+    """Version folders that hold the platform's model file, ascending. An ensemble has no
+    file: Triton's empty ``1/`` (or no folder at all) is its one version."""
+    if cfg.platform == ens.ENSEMBLE:
+        return sorted(int(e.name) for e in _entries(model_dir)
+                      if e.is_dir() and e.name.isdigit() and int(e.name) > 0) or [1]
     versions = []
     try:
         entries = list(model_dir.iterdir())
@@ -633,4 +695,12 @@ def scan(root: Path, skip: Callable[[str, int], bool] | None = None
             errors[entry.name] = f"{entry}: no version folder holds {cfg.model_file}"
             continue
         models[cfg.name] = RepoModel(cfg, entry, tuple(versions))
+    check_ensembles(models, errors)
     return models, errors
+
+
+def _entries(folder: Path) -> list[Path]:
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []

@@ -41,7 +41,6 @@ IGNORED = {
 # ModelConfig fields refused, and why
 REFUSED = {
     "sequence_batching": "stateful (sequence) models are not served",
-    "ensemble_scheduling": "ensembles are not served",
     "batch_input": "ragged batching is not served",
     "batch_output": "ragged batching is not served",
     "model_repository_agents": "repository agents (checksum, decryption) are not run",
@@ -289,6 +288,18 @@ def _response_cache(msg: Any) -> dict[str, Any]:
     return {"response_cache": {"enable": bool(msg.response_cache.enable)}}
 
 
+def _ensemble_scheduling(msg: Any) -> dict[str, Any]:
+    """The steps as config.json writes them; repository.py validates them."""
+    steps = []
+    for i, s in enumerate(msg.ensemble_scheduling.step):
+        if s.model_namespace:
+            raise TritonConfigError(f"ensemble_scheduling.step[{i}].model_namespace",
+                                    "not supported: one repository, one namespace")
+        steps.append({"model_name": s.model_name, "model_version": s.model_version or -1,
+                      "input_map": dict(s.input_map), "output_map": dict(s.output_map)})
+    return {"ensemble_scheduling": {"step": steps}}
+
+
 _CONVERT: dict[str, Callable[[Any], dict[str, Any]]] = {
     "name": lambda m: {"name": m.name} if m.name else {},
     "platform": _platform,
@@ -301,4 +312,5 @@ _CONVERT: dict[str, Callable[[Any], dict[str, Any]]] = {
     "version_policy": _version_policy,
     "model_transaction_policy": _transaction_policy,
     "response_cache": _response_cache,
+    "ensemble_scheduling": _ensemble_scheduling,
 }

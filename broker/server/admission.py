@@ -110,6 +110,23 @@ class Admission:
         entry.payload.digest = digest
         return entry
 
+    def predict_s(self, model: str, priority: int, samples: int, now: float,
+                  queue: bool = True) -> float:
+        """Seconds a request of ``samples`` to ``model`` is predicted to take from now:
+        its run, and with ``queue`` the work queued ahead of it (a pipeline's admission
+        sums these along its steps)."""
+        cat = self.catalog.get(model)
+        if cat is None:
+            return 0.0
+        predict = self.latency.predictor(model)
+        need_s = predict(samples)
+        if queue:
+            holders = self.pool.holders(model)
+            need_s += self.scheduler.estimate_wait(
+                model, normalize_priority(priority, cat.config), predict, len(holders))
+            need_s += self._soonest_free(holders, now) - now
+        return need_s
+
     def _entry(self, client: bytes, grant: Grant, model: CatalogModel, samples: int,
                now: float, shape: Hashable, scale: float) -> Entry | Refusal:
         """The queue entry, or a refusal when the deadline cannot be met."""

@@ -38,7 +38,7 @@ from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.tenancy import Tenancy
 from zeroserve.broker.server.types import Clock, Send
 from zeroserve.broker.tracesettings import TraceState
-from zeroserve.models.repository import RepoModel
+from zeroserve.models.repository import ModelConfig, RepoModel
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,11 @@ class Broker:
                                    published=self.repository.published)
         return Lifecycle(self.catalog, self.scheduler, self.pool, self.requests, self.metrics,
                          clock, ctx, self.placement, self.registrar, options=opts,
-                         placed=self.replicas.placed, source=self.repository.source)
+                         placed=self._placed, source=self.repository.source)
+
+    def _placed(self, cfg: ModelConfig, worker: WorkerState) -> bool:
+        """An ensemble is never loaded on a worker: the broker runs it (pipeline.py)."""
+        return not cfg.ensemble and self.replicas.placed(cfg, worker)
 
     @property
     def stopping(self) -> bool:
@@ -393,6 +397,7 @@ class Broker:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.pool.heartbeat_s
             self._trim_when_idle()
+            self.requests.pipelines.sync_ready()
             for worker in self.pool.heartbeat(now):
                 self._lose(worker, Loss.SILENT)
         self._release_drained(now)

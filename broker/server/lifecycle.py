@@ -168,6 +168,7 @@ class Lifecycle:
             return
         names = set(found) | set(errors) | set(self.catalog.models) \
             | set(self.catalog.failures) if ALL in dirty else dirty - {ALL}
+        names |= self._ensembles_of(names, found)
         for folder in sorted(names):
             if folder in self.swaps:
                 self.deferred.add(folder)   # picked up again when this swap ends
@@ -177,6 +178,14 @@ class Lifecycle:
                 self._on_error(folder, errors[folder])
             else:  # gone (or, under explicit control, not asked for)
                 self.remove_model(folder, "its folder was removed")
+
+    def _ensembles_of(self, names: set[str], found: dict[str, RepoModel]) -> set[str]:
+        """The ensembles to look at again with ``names``: those served whose steps name
+        one of them (a step's model changed or left), and those the scan finds valid (a
+        step's model came back)."""
+        served = {n for n, m in self.catalog.models.items()
+                  if any(s.model_name in names for s in m.config.ensemble)}
+        return served | {n for n, rm in found.items() if rm.config.ensemble}
 
     def reload_model(self, name: str, version: int | None) -> dict[str, Any]:
         """``zeroserve reload MODEL[/V]``: a fresh load of the version(s) on every worker
@@ -241,6 +250,10 @@ class Lifecycle:
                 # a broken config.json: the old config keeps serving, the error shows
                 self.catalog.set_error(folder, error)
                 logger.error("model %s: %s (the loaded versions keep serving)", folder, error)
+                return
+            if self.catalog.models[folder].config.ensemble:   # its steps no longer fit
+                self.remove_model(folder, error)
+                self.catalog.set_error(folder, error)
                 return
             self.remove_model(folder, "no version folder is left")
             return

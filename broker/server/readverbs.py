@@ -61,13 +61,19 @@ class ReadVerbs:
             out[name] = {"versions": list(m.versions), "ready": sorted(m.ready),
                          "default_version": m.default_version if m.ready else None,
                          "platform": m.config.platform, "optional": m.config.optional,
-                         "workers": sorted(w.worker_id for w in self.pool.holders(name)),
+                         "workers": self._workers(m),
                          **self._describe_model(name)}
         errors = dict(self.catalog.errors)
         for name, failure in self.catalog.failures.items():
             errors.setdefault(name, failure["error"])
         return {"models": out, "errors": errors,
                 "optional": optional_models(self.catalog, errors)}
+
+    def _workers(self, model: CatalogModel) -> list[str]:
+        """The workers holding the model; for an ensemble (held by none: the broker
+        runs it), those holding any of its steps."""
+        names = [s.model_name for s in model.config.ensemble] or [model.config.name]
+        return sorted({w.worker_id for n in names for w in self.pool.holders(n)})
 
     def metadata(self, args: dict[str, Any]) -> dict[str, Any]:
         model = self.model(args)

@@ -25,6 +25,7 @@ from zeroserve.broker.server.dispatchgate import DispatchGate
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.releases import Releases
+from zeroserve.broker.server.pipeline import INTERNAL, Pipelines
 from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
@@ -58,7 +59,6 @@ class RequestPath:
         self.pool = pool
         self.latency = latency
         self.metrics = metrics
-        self._reply = reply
         self._last_used: dict[str, float] = {}
         self.gate = DispatchGate()                     # when a worker may take a batch
         self.stop = stop or StopState()                # the broker's: asked at admission
@@ -71,6 +71,13 @@ class RequestPath:
                                      self.stats, metrics)
         self.admission = Admission(catalog, scheduler, pool, latency, self.tenancy,
                                    self.stop, self.gate, self._soonest_free, self.answers)
+        # ensembles: their steps' answers come back through this reply (pipeline.py)
+        self.pipelines = Pipelines(catalog, pool, self.admission, self.tenancy, self.ledger,
+                                   self.stats, metrics, reply, submit=self.submit,
+                                   withdraw=self.on_cancel, refuse=self.refuse, clock=clock)
+        self._reply = reply = self.pipelines.reply
+        # a stopping broker that drains what it accepted runs the pipelines' next steps
+        self.stop.client_draining(INTERNAL)
         self.streaming = StreamPath(self.streams, pool, catalog, metrics, self.stats,
                                     self.ledger, reply, self)
 
@@ -89,7 +96,7 @@ class RequestPath:
         out.update({
             "pool.inflight": len(self.pool.inflight),
             "pool.worker_batches": sum(len(w.inflight) for w in self.pool.workers.values()),
-            "tenancy.open": self.tenancy.open_count(),
+            "tenancy.open": self.tenancy.open_count(), **self.pipelines.census(),
             **{f"streams.{k}": n for k, n in self.streams.sizes().items()}})
         return out
 
@@ -126,10 +133,19 @@ class RequestPath:
                 raise  # nothing to answer: the loop counts it as a malformed message
             self.refuse_ids(client, [rid], p.ErrorCode.BAD_INPUT, str(exc))
             return
+        self.submit(client, req, now, bundled)
+
+    def submit(self, client: bytes, req: p.InferRequest, now: float,
+               bundled: bool = False) -> None:
+        """A decoded request (a client's, or a pipeline's step) admitted or answered."""
         key = (client, req.request_id)
         if self.ledger.is_open(key):
             self.refuse(client, req.request_id, p.ErrorCode.BAD_INPUT,
                         "a request with this id is already in progress", model=req.model)
+            return
+        model = self.catalog.get(req.model)
+        if model is not None and model.config.ensemble and self.stop.admits(client):
+            self.pipelines.start(client, req, model, now)
             return
         entry = self.admission.admit(client, req, now)
         if isinstance(entry, Refusal):
@@ -185,6 +201,9 @@ class RequestPath:
         entry = self.scheduler.cancel((client, request_id))
         if entry is not None:
             self.answer_error(entry, p.ErrorCode.CANCELLED, "cancelled by the client")
+        elif self.pipelines and self.pipelines.cancel((client, request_id),
+                                                      "cancelled by the client"):
+            pass
         elif self.streams:
             self.streaming.stop_stream((client, request_id), p.ErrorCode.CANCELLED,
                              "cancelled by the client")
@@ -197,6 +216,9 @@ class RequestPath:
             entry = self.scheduler.cancel((client, rid))
             if entry is not None:
                 self.answer_error(entry, p.ErrorCode.CANCELLED, "the client went away")
+                withdrawn += 1
+            elif self.pipelines and self.pipelines.cancel((client, rid),
+                                                          "the client went away"):
                 withdrawn += 1
             elif self.streams and self.streaming.stop_stream((client, rid),
                                                              p.ErrorCode.CANCELLED,

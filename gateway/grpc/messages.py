@@ -34,9 +34,16 @@ def model_config(doc: dict[str, Any]) -> Any:
                        dims=list(spec["shape"]))
     _batching(cfg, doc.get("dynamic_batching") or {})
     _versions(cfg, doc.get("version_policy") or {})
-    # count 0 (every worker that holds the model) is one instance per worker
-    count = int((doc.get("instances") or {}).get("count") or 1)
-    cfg.instance_group.add(count=count, kind=mc.ModelInstanceGroup.KIND_AUTO)
+    steps = (doc.get("ensemble_scheduling") or {}).get("step") or ()
+    for s in steps:   # Triton's scheduling is one of: an ensemble's replaces the batching
+        step = cfg.ensemble_scheduling.step.add(model_name=s["model_name"],
+                                                model_version=int(s.get("model_version", -1)))
+        step.input_map.update(s.get("input_map") or {})
+        step.output_map.update(s.get("output_map") or {})
+    if not steps:   # an ensemble has no instances: the broker runs it
+        # count 0 (every worker that holds the model) is one instance per worker
+        count = int((doc.get("instances") or {}).get("count") or 1)
+        cfg.instance_group.add(count=count, kind=mc.ModelInstanceGroup.KIND_AUTO)
     policy = doc.get("model_transaction_policy") or {}
     cfg.model_transaction_policy.decoupled = bool(policy.get("decoupled", False))
     cfg.response_cache.enable = bool((doc.get("response_cache") or {}).get("enable", False))

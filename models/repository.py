@@ -117,6 +117,9 @@ class ModelConfig:
     # Triton's response_cache.enable: identical requests answered by the broker from
     # its response cache (docs/many-models.md)
     response_cache: bool = False
+    # loaded when a request asks for it, within the worker's memory budget (None: the
+    # broker's --load-on-demand decides; docs/many-models.md)
+    load_on_demand: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -196,7 +199,8 @@ def _tensors(where: str, fld: str, raw: Any) -> tuple[TensorSpec, ...]:
 _DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
 _TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
                "version_policy", "traffic", "instances", "warmup", "input_shape", "backend",
-               "optional", "autoscaling", "model_transaction_policy", "response_cache"}
+               "optional", "autoscaling", "model_transaction_policy", "response_cache",
+               "load_on_demand"}
 
 
 def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
@@ -429,6 +433,9 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     if not outputs:
         _check_discoverable(where, inputs, decoupled)
     cache = _response_cache(where, raw.get("response_cache"), decoupled)
+    on_demand = raw.get("load_on_demand")
+    if on_demand is not None and not isinstance(on_demand, bool):
+        raise _fail(where, "load_on_demand", f"must be true or false, got {on_demand!r}")
     batching = _dynamic_batching(where, raw.get("dynamic_batching"))
     padding = _padding(where, (raw.get("dynamic_batching") or {}).get("padding"), inputs,
                        outputs, mbs)
@@ -442,7 +449,8 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
         autoscaling=autoscaling,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
-        optional=optional, decoupled=decoupled, response_cache=cache)
+        optional=optional, decoupled=decoupled, response_cache=cache,
+        load_on_demand=on_demand)
 
 
 def _check_discoverable(where: str, inputs: tuple[TensorSpec, ...], decoupled: bool) -> None:

@@ -25,6 +25,7 @@ from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.lifecycle import Lifecycle, LifecycleOptions
 from zeroserve.broker.server.metrics import BrokerMetrics, CacheSize, ModelStates
+from zeroserve.broker.server.ondemand import OnDemand, OnDemandOptions
 from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.readverbs import ReadVerbs
@@ -51,7 +52,8 @@ class Broker:
                  lifecycle: LifecycleOptions | None = None, admin_token: str = "",
                  tenants_path: Path | None = None, max_message_bytes: int = 256 << 20,
                  trace: TraceState | None = None,
-                 response_cache_bytes: int = DEFAULT_BOUND_BYTES) -> None:
+                 response_cache_bytes: int = DEFAULT_BOUND_BYTES,
+                 on_demand: OnDemandOptions | None = None) -> None:
         self.clock = clock
         # what a message may hold, per socket: clients' requests are small headers and
         # tensors; control calls carry configs; workers' heartbeats carry metrics text
@@ -76,7 +78,8 @@ class Broker:
                                     LatencyBook(enabled=latency_model), self.metrics, to_client,
                                     random.Random(), self.tenancy, self.stop, clock, cache)
         self.lifecycle = self._compose(clock, ctx or zmq.Context.instance(),
-                                       lifecycle or LifecycleOptions())
+                                       lifecycle or LifecycleOptions(),
+                                       on_demand or OnDemandOptions())
         self.control = ControlTable(admin_token, TenantScope(self.tenancy, admin_token))
         self._add_verbs()
         self.repository.add_verbs(self.control)
@@ -91,29 +94,36 @@ class Broker:
         self._next_heartbeat = 0.0
         self._busy_since_trim = False
 
-    def _compose(self, clock: Clock, ctx: zmq.Context[Any],
-                 opts: LifecycleOptions) -> Lifecycle:
+    def _compose(self, clock: Clock, ctx: zmq.Context[Any], opts: LifecycleOptions,
+                 demand: OnDemandOptions) -> Lifecycle:
         """The model lifecycle and its strategies, each given what it reads and
         callbacks for what it asks (the lifecycle's, bound late: it is built last)."""
         self.placement = Placement(self.catalog, self.pool, self.metrics.registry,
                                    queued=self.scheduler.depth,
-                                   last_used=self.requests.last_used)
+                                   last_used=self.requests.last_used,
+                                   evictable=lambda w, m: self.ondemand.evictable(w, m),
+                                   evicted=lambda w, m, r: self.ondemand.on_evicted(w, m, r))
         self.replicas = Replicas(   # autoscaled models: which workers hold them
             self.catalog, self.pool, self.scheduler, self.placement, self.metrics,
             predict=self.requests.latency.predictor,
             swapping=lambda name: name in self.lifecycle.swaps,
             sync_worker=lambda worker: self.lifecycle.sync_worker(worker))
+        self.ondemand = OnDemand(   # models loaded when asked for: where they are held
+            self.catalog, self.pool, self.scheduler, self.placement, self.metrics, clock,
+            demand, sync_worker=lambda worker: self.lifecycle.sync_worker(worker),
+            fail=self.requests.fail_waiting, default=self.replicas.placed)
+        self.requests.admission.use_demand(self.ondemand)
         self.repository = RepositoryControl(
             opts.control_mode, opts.load_models, self.catalog, self.pool,
             self.requests.stats, load_now=lambda rm, vs: self.lifecycle.load_now(rm, vs),
             remove=lambda name, why: self.lifecycle.remove_model(name, why),
             rescan=lambda name: self.lifecycle.rescan_one(name),
-            busy=lambda name: self.lifecycle.busy(name))
+            busy=lambda name: self.lifecycle.busy(name), demand=self.ondemand.state)
         self.registrar = Registrar(self.catalog, self.pool, opts.import_roots,
                                    published=self.repository.published)
         return Lifecycle(self.catalog, self.scheduler, self.pool, self.requests, self.metrics,
                          clock, ctx, self.placement, self.registrar, options=opts,
-                         placed=self.replicas.placed, source=self.repository.source)
+                         placed=self.ondemand.placed, source=self.repository.source)
 
     @property
     def stopping(self) -> bool:
@@ -298,6 +308,7 @@ class Broker:
             loaded = p.decode(p.ModelLoaded, header)
             self.lifecycle.on_loaded(worker, loaded)
             self.requests.warmed_up(worker, loaded)
+            self.ondemand.settle(now)
         elif kind is p.Kind.LEAVE:
             self._on_leave(worker, p.decode(p.Leave, header))
         else:
@@ -360,6 +371,7 @@ class Broker:
         self.requests.worker_lost(lost, loss, worker.worker_id, self.clock())
         self.requests.worker_gone(worker.worker_id)
         self.lifecycle.worker_removed()
+        self.ondemand.worker_lost(worker)
         self.metrics.workers_alive(len(self.pool.workers))
 
     # -- time ---------------------------------------------------------------
@@ -382,6 +394,7 @@ class Broker:
                 self._lose(worker, Loss.HUNG)
         self.notifier.watchdog(now)
         self.lifecycle.tick(now)
+        self.ondemand.settle(now)
         self.replicas.tick(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.pool.heartbeat_s
@@ -421,7 +434,7 @@ class Broker:
     def next_due(self, now: float) -> float:
         due = [self._next_heartbeat]
         for d in (self.requests.next_due(now), self.lifecycle.next_due(),
-                  self.replicas.next_due()):
+                  self.replicas.next_due(), self.ondemand.next_due(now)):
             if d is not None:
                 due.append(d)
         if self.stop.exiting:
@@ -468,7 +481,9 @@ class Broker:
     def _add_verbs(self) -> None:
         c = self.control
         ReadVerbs(self.catalog, self.pool, self.scheduler, self.metrics, self.clock,
-                  describe_model=self.lifecycle.describe, status=self._status).add_verbs(c)
+                  describe_model=lambda name: {**self.lifecycle.describe(name),
+                                               **self.ondemand.describe(name)},
+                  status=self._status).add_verbs(c)
         c.add("census", lambda _: self.requests.census())
         # apart from the census, which is 0 once every request is answered: the cache
         # holds answers for good, within its bound
@@ -502,4 +517,5 @@ class Broker:
         return {"stopping": self.stopping, "open_requests": self.requests.open_count(),
                 "streams": self.requests.streams.sizes(), "tenants": self.tenancy.summary(),
                 "autoscaling": self.replicas.describe(),
+                "load_on_demand": self.ondemand.summary(self.clock()),
                 "memory_plan": self.placement.describe()}

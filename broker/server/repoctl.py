@@ -61,7 +61,8 @@ class RepositoryControl:
                  pool: WorkerPool, stats: ModelStatistics, *,
                  load_now: Callable[[RepoModel, list[int]], object],
                  remove: Callable[[str, str], None], rescan: Callable[[str], None],
-                 busy: Callable[[str], bool]) -> None:
+                 busy: Callable[[str], bool],
+                 demand: Callable[[str], tuple[str, str] | None] = lambda name: None) -> None:
         if mode not in MODES:
             raise ValueError(f"model control mode must be one of {', '.join(MODES)}")
         self.mode = mode
@@ -73,6 +74,7 @@ class RepositoryControl:
         self._remove = remove
         self._rescan = rescan
         self._busy = busy
+        self._demand = demand   # an on-demand model's state and reason (ondemand.py)
         self.wanted: set[str] = set(load_models)
         self.overrides: dict[str, RepoModel] = {}
         self.unloaded: set[str] = set()
@@ -257,6 +259,9 @@ class RepositoryControl:
             reason = "" if state != "UNAVAILABLE" else "; ".join(
                 e for w in workers for k, e in w.load_errors.items() if k == (name, v)
             ) or "no live worker holds it"
+            demand = self._demand(name) if state == "UNAVAILABLE" else None
+            if demand is not None:
+                state, reason = demand
             out.append({"name": name, "version": str(v), "state": state, "reason": reason})
         retiring = {key.version for _, key in self.pool.retiring if key.name == name}
         for v in sorted(retiring - set(model.versions)):

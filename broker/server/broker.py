@@ -66,7 +66,8 @@ class Broker:
         self._to_controller = to_controller
         self.metrics = BrokerMetrics()
         self.catalog = Catalog(model_dir)
-        self.metrics.registry.register(ModelStates(lambda: self.catalog.models))
+        self.metrics.registry.register(ModelStates(lambda: self.catalog.models,
+                                                   lambda cfg: self.ondemand.on(cfg)))
         self.scheduler = Scheduler()
         self.pool = WorkerPool(to_worker, clock, heartbeat_s=heartbeat_s,
                                expiry_s=worker_expiry_s)

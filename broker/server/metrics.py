@@ -292,19 +292,25 @@ class ModelStates:
     ``/v2/models/{m}/ready`` answers) and its queue-time SLO (``autoscaling.queue_slo_ms``,
     the alert rules' threshold), read at each scrape so the request path pays nothing."""
 
-    def __init__(self, models: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, models: Callable[[], Mapping[str, Any]],
+                 on_demand: Callable[[Any], bool] = lambda config: False) -> None:
         self.models = models
+        self.on_demand = on_demand
 
     def collect(self) -> Iterator[Metric]:
         ready = GaugeMetricFamily("zeroserve_model_ready", "1 while a version of the model "
                                   "is loaded and routable, else 0", labels=["model"])
         slo = GaugeMetricFamily("zeroserve_model_queue_slo_seconds", "The model's queue-time "
                                 "objective (autoscaling.queue_slo_ms)", labels=["model"])
+        demand = GaugeMetricFamily("zeroserve_model_on_demand", "1 for a model loaded on "
+                                   "demand (not ready until asked for), else 0",
+                                   labels=["model"])
         for name, model in sorted(self.models().items()):
             ready.add_metric([name], 1.0 if model.ready else 0.0)
             slo.add_metric([name], float(model.config.autoscaling.get("queue_slo_ms", 100.0))
                            / 1000.0)
-        yield from (ready, slo)
+            demand.add_metric([name], 1.0 if self.on_demand(model.config) else 0.0)
+        yield from (ready, slo, demand)
 
 
 class CacheSize:

@@ -227,11 +227,13 @@ class OnDemand:
             elif all(worker.holds(name, v) for v in model.versions):
                 self._done(name, load, worker, now)
             elif not any((name, v) in worker.loading for v in model.versions):
-                errors = [e for k, e in worker.load_errors.items() if k.name == name]
+                error = next((e for k, e in worker.load_errors.items() if k.name == name),
+                             "it was not loaded")
+                if self.placement.for_memory(error) and self.scheduler.depth(name):
+                    self._wait_for_room(name, load, worker, error)
+                    continue
                 self._failed(name, load, now, f"loading model {name!r} on demand on worker "
-                             f"{worker.worker_id} failed: "
-                             f"{errors[0] if errors else 'it was not loaded'}",
-                             p.ErrorCode.UNAVAILABLE)
+                             f"{worker.worker_id} failed: {error}", p.ErrorCode.UNAVAILABLE)
         for name, since in list(self.wanted.items()):
             if not self.scheduler.depth(name) or name not in self.catalog.models \
                     or self.pool.holders(name):
@@ -249,11 +251,21 @@ class OnDemand:
         self.times.observe(name, took)
         self.guard.resident(worker.worker_id, name, now)
         self.evicted.pop(name, None)
+        self.catalog.clear_failure(name)
         wait = self.metrics.load_wait.labels(name)
         for entry in self.scheduler.queued(name):
             wait.observe(now - entry.arrival_s)
         logger.info("model %s: loaded on demand on worker %s in %.3f s", name,
                     worker.worker_id, took)
+
+    def _wait_for_room(self, name: str, load: Load, worker: WorkerState, why: str) -> None:
+        """Its footprint measured more than the room left while the others were busy: its
+        requests wait for room as before it started (within ``pending_s`` of then)."""
+        del self.loads[name]
+        self.assigned.get(name, set()).discard(load.worker)
+        self.catalog.clear_failure(name)   # for now only: not a failure to report
+        self.wanted[name] = load.started_s
+        logger.info("model %s: waits for room on worker %s: %s", name, worker.worker_id, why)
 
     def _failed(self, name: str, load: Load, now: float, why: str,
                 code: p.ErrorCode) -> None:

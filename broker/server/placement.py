@@ -202,6 +202,12 @@ class Placement:
                         if _kind(worker) == "cpu" and budget else empty)
         return self._verdict(worker, name, version, need, how, free + freed), fits
 
+    @staticmethod
+    def for_memory(error: str) -> bool:
+        """Whether a load's error is one of placement's refusals (what ``_verdict``
+        writes), not the worker's."""
+        return " free after " in error and " needs " in error
+
     def _verdict(self, worker: WorkerState, name: str, version: int, need: int, how: str,
                  free: int | None, busy: int = 0) -> str | None:
         if free is None or need <= free:

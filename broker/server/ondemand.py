@@ -234,6 +234,10 @@ class OnDemand:
                     continue
                 self._failed(name, load, now, f"loading model {name!r} on demand on worker "
                              f"{worker.worker_id} failed: {error}", p.ErrorCode.UNAVAILABLE)
+        for name in [n for n in self.assigned if n not in self.catalog.models]:
+            del self.assigned[name]   # removed: if it comes back, it is asked for anew
+            self.evicted.pop(name, None)
+            self.times.forget(name)
         for name, since in list(self.wanted.items()):
             if not self.scheduler.depth(name) or name not in self.catalog.models \
                     or self.pool.holders(name):

@@ -168,3 +168,24 @@ def test_a_failed_load_answers_the_waiting_requests_with_its_error(tmp_path: Pat
     [err] = rig.errors()
     assert err.code is p.ErrorCode.UNAVAILABLE and "boom" in err.message
     assert rig.census_empty()
+
+
+def test_a_load_measured_over_the_room_left_waits_for_room_instead_of_failing(
+        tmp_path: Path) -> None:
+    rig = rig_with(tmp_path, "ab", min_residency_s=0.0)
+    rig.ask("a")
+    rig.load_done("w", "a")   # its batch is sent and left running: a is busy
+    rig.ask("b")
+    rig.tick()
+    assert rig.loads("w") == ["a/1", "b/1"], "4 MB predicted: it fits beside a"
+    rig.loaded("w", "b", 1, footprint_bytes=6_000_000, resident_bytes=6_000_000)
+    rig.tick()
+    assert rig.errors() == [], "refused for memory while a ran: b's request waits"
+    assert list(rig.b.ondemand.wanted) == ["b"] and "b" not in rig.b.catalog.failures
+    rig.run_batches("w")   # a's batch ends: a is idle and may go
+    assert rig.loads("w") == ["a/1", "b/1", "b/1"]
+    assert rig.state("a") == "evicted"
+    rig.loaded("w", "b", 1, footprint_bytes=6_000_000, resident_bytes=6_000_000)
+    rig.tick()
+    rig.run_batches("w")
+    assert rig.answers() == ["ok", "ok"] and rig.census_empty()

@@ -341,6 +341,7 @@ class Broker:
         worker = self.pool.register(identity, ready, now)
         self.metrics.worker_registered(worker.worker_id)
         self.replicas.adopt(worker)
+        self.ondemand.adopt(worker)
         self.lifecycle.sync_worker(worker)
         self.metrics.workers_alive(len(self.pool.workers))
 

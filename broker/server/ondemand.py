@@ -281,6 +281,15 @@ class OnDemand:
             return   # another worker takes it; the requests keep waiting
         self._fail(name, code, why, None)
 
+    def adopt(self, worker: WorkerState) -> None:
+        """A worker joins holding models (it outlived a broker restart): those on demand
+        stay where they are, resident from now."""
+        for name in sorted({m for m, _ in worker.loaded}):
+            model = self.catalog.get(name)
+            if model is not None and self.on(model.config):
+                self.assigned.setdefault(name, set()).add(worker.identity)
+                self.guard.resident(worker.worker_id, name, self.clock())
+
     def worker_lost(self, worker: WorkerState) -> None:
         for ids in self.assigned.values():
             ids.discard(worker.identity)

@@ -189,3 +189,13 @@ def test_a_load_measured_over_the_room_left_waits_for_room_instead_of_failing(
     rig.tick()
     rig.run_batches("w")
     assert rig.answers() == ["ok", "ok"] and rig.census_empty()
+
+
+def test_a_worker_that_outlived_the_broker_keeps_its_models_on_demand(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.model("a")
+    rig.model("b")
+    w = rig.worker("w", "cpu", budget=BUDGET, context_bytes=0, models=[["a", 1]])
+    assert rig.b.catalog.models["a"].ready == {1} and rig.state("a") == "ready"
+    assert rig.sent(p.Kind.UNLOAD) == [], "held on demand: kept, not unloaded"
+    assert rig.state("b") == "available" and w.holds("a")

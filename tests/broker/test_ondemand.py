@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tests.broker.rig import BrokerRig
-from tests.conftest import linear_config
+from tests.conftest import examples, linear_config
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.ondemand import OnDemandOptions
 from zeroserve.broker.server.pool import Loss
@@ -199,3 +201,62 @@ def test_a_worker_that_outlived_the_broker_keeps_its_models_on_demand(tmp_path: 
     assert rig.b.catalog.models["a"].ready == {1} and rig.state("a") == "ready"
     assert rig.sent(p.Kind.UNLOAD) == [], "held on demand: kept, not unloaded"
     assert rig.state("b") == "available" and w.holds("a")
+
+
+ACTIONS = st.lists(st.tuples(st.sampled_from(["ask", "tick", "load", "fail", "run", "lose"]),
+                             st.integers(0, 3)), max_size=40)
+
+
+@settings(max_examples=examples(100), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=ACTIONS)
+def test_whatever_happens_each_request_is_answered_once_and_nothing_stays(
+        tmp_path_factory: pytest.TempPathFactory, actions: list[tuple[str, int]]) -> None:
+    """Requests for four models on a worker that holds two, loads that end or fail, time,
+    batches run, the worker lost and back: each request gets one answer, every model
+    with work in flight stays, and once time runs out the broker holds nothing."""
+    rig = rig_with(tmp_path_factory.mktemp("od"), "abcd", min_residency_s=1.0)
+    w = b"w"
+    asked: list[str] = []
+
+    def beat(dt: float) -> None:
+        if rig.b.pool.get(w) is not None:
+            rig.from_worker("w", p.WorkerHeartbeat({}, ""))
+        rig.tick(dt)
+
+    for action, i in actions:
+        worker = rig.b.pool.get(w)
+        if action == "ask":
+            asked.append(rig.ask("abcd"[i], timeout_ms=float(1000 * (i + 1))))
+        elif action == "tick":
+            beat(0.3 * i)
+        elif action in ("load", "fail") and worker is not None and worker.loading:
+            key = sorted(worker.loading)[0]
+            if action == "load":
+                rig.load_done("w", key.name)
+            else:
+                rig.from_worker("w", p.ModelLoaded(key.name, key.version, False, error="x"))
+        elif action == "run" and worker is not None:
+            rig.run_batches("w")
+        elif action == "lose" and worker is not None:
+            rig.b._lose(worker, Loss.CRASHED)
+            rig.worker("w", "cpu", budget=BUDGET, context_bytes=0)
+        worker = rig.b.pool.get(w)
+        if worker is not None:   # nothing evicted from under work in flight
+            busy = rig.b.pool.busy_models(worker)
+            assert busy <= {k.name for k in worker.loaded}, (busy, worker.loaded)
+    for _ in range(80):   # time runs out: loads end, batches run, deadlines pass
+        worker = rig.b.pool.get(w)
+        if worker is not None:
+            for key in sorted(worker.loading):
+                rig.load_done("w", key.name)
+            rig.run_batches("w")
+        beat(0.5)
+    answered: dict[str, int] = {}
+    for _, frames in rig.to_clients:
+        kind, header, bufs = p.unpack(frames)
+        rid = p.decode_error(header).request_id if kind is p.Kind.ERROR else \
+            p.decode_reply(header, bufs).request_id
+        answered[rid] = answered.get(rid, 0) + 1
+    assert answered == {rid: 1 for rid in asked}
+    assert rig.census_empty(), rig.b.requests.census()

@@ -91,21 +91,12 @@ class Admission:
         if isinstance(who, Refusal):
             return who
         model = self.catalog.get(req.model)
-        demand = self.demand if model is not None and self.demand is not None \
-            and self.demand.on(model.config) else None
+        demand = self._demand(model, req)
         err = admission_error(req, model, self.pool, self.stop.admits(client),
                               on_demand=demand is not None)
         if err is not None:
             return Refusal(err[0], err[1], "")
         assert model is not None
-        load_s = 0.0
-        if demand is not None and self.pool.holders(req.model, req.version):
-            demand = None   # loaded: nothing to ask of it
-        if demand is not None:
-            got = demand.admit(model, now)
-            if isinstance(got, Refused):
-                return Refusal(got.code, got.message, "", got.retry_after_s)
-            load_s = got
         try:
             samples = check_inputs(model.config, [t.meta for t in req.tensors], req.outputs)
             shape, scale = shape_class(model.config, req.tensors)
@@ -118,19 +109,29 @@ class Admission:
         if model.config.response_cache and self.answers.on:   # after the tenant's gate
             found = self.answers.lookup(grant.request, model)
             if isinstance(found, Hit):
-                return Cached(grant, found)
+                return Cached(grant, found)   # a model not loaded needs no load for it
             digest = found
-        entry = self._entry(client, grant, model, samples, now, shape, scale, load_s)
-        if isinstance(entry, Refusal):
+        got = demand.admit(model, now) if demand is not None else 0.0
+        entry = got if isinstance(got, Refused) else \
+            self._entry(client, grant, model, samples, now, shape, scale, got)
+        if isinstance(entry, (Refusal, Refused)):
             self.tenancy.release(key)
-            self.tenancy.rejected(grant.tenant, p.ErrorCode.DEADLINE)
-            return entry
+            self.tenancy.rejected(grant.tenant, entry.code)
+            return entry if isinstance(entry, Refusal) else \
+                Refusal(entry.code, entry.message, grant.tenant, entry.retry_after_s)
         if demand is not None:
             demand.want(req.model, now)
         entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
         entry.payload.notes = grant.notes
         entry.payload.digest = digest
         return entry
+
+    def _demand(self, model: CatalogModel | None, req: p.InferRequest) -> OnDemand | None:
+        """Load on demand, for a request to a model loaded on demand that no worker holds."""
+        if model is None or self.demand is None or not self.demand.on(model.config) \
+                or self.pool.holders(req.model, req.version):
+            return None
+        return self.demand
 
     def _entry(self, client: bytes, grant: Grant, model: CatalogModel, samples: int,
                now: float, shape: Hashable, scale: float, load_s: float = 0.0

@@ -260,3 +260,20 @@ def test_whatever_happens_each_request_is_answered_once_and_nothing_stays(
         answered[rid] = answered.get(rid, 0) + 1
     assert answered == {rid: 1 for rid in asked}
     assert rig.census_empty(), rig.b.requests.census()
+
+
+def test_a_cached_answer_of_a_model_not_loaded_needs_no_load(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, min_residency_s=0.0, max_loads_per_minute=3)
+    for name in "abc":
+        rig.add_model(name, linear_config(name, 1000, 1000, response_cache={"enable": True}),
+                      factory="nn.Linear(1000, 1000)")
+    rig.worker("w", "cpu", budget=BUDGET, context_bytes=0)
+    for name in "abc":   # c's load evicts a, the least recently used
+        rig.ask(name)
+        rig.load_done("w", name)
+        rig.run_batches("w")
+    assert rig.state("a") == "evicted"
+    rig.ask("a")   # the same input as before, with the loads of the minute spent
+    rig.tick()
+    assert rig.loads("w") == ["a/1", "b/1", "c/1"], "answered from the cache: no load"
+    assert rig.answers() == ["ok"] * 4 and rig.errors() == [] and rig.census_empty()

@@ -301,10 +301,13 @@ def human(verb: str, result: Any) -> str:
                          f"{rejected} rejected")
         return "\n".join(lines)
     if verb == "models":
-        lines = [f"{'MODEL':<20} {'VERSIONS':<12} {'READY':<12} WORKERS"]
+        lines = [f"{'MODEL':<20} {'VERSIONS':<12} {'READY':<12} {'STATE':<10} WORKERS"]
         for name, m in result["models"].items():
+            # a model loaded on demand says which of available, loading, ready, evicted
+            state = m.get("state") or ("ready" if m["ready"] else "-")
             lines.append(f"{name:<20} {','.join(map(str, m['versions'])):<12} "
-                         f"{','.join(map(str, m['ready'])) or '-':<12} {', '.join(m['workers'])}")
+                         f"{','.join(map(str, m['ready'])) or '-':<12} {state:<10} "
+                         f"{', '.join(m['workers'])}")
         for name, err in result["errors"].items():
             lines.append(f"{name:<20} ERROR {err}")
         return "\n".join(lines)

@@ -56,6 +56,15 @@ def read_file(path: Path | None) -> dict[str, Any]:
 def coerce(action: argparse.Action, value: Any, origin: str, text: bool = False) -> Any:
     """A file value (typed TOML) or an environment one (``text``) as the flag would have
     parsed it."""
+    if isinstance(action, argparse._StoreTrueAction):   # a flag: true or false
+        word = str(value).strip().lower() if text else value
+        flags = {"1": True, "true": True, "yes": True, "on": True,
+                 "0": False, "false": False, "no": False, "off": False, "": False}
+        if text and word in flags:
+            return flags[word]
+        if not text and isinstance(value, bool):
+            return value
+        raise ConfigError(f"{origin}: expected true or false, got {value!r}")
     typ = action.type if callable(action.type) else str
     want = getattr(typ, "__name__", "value")
     if text and typ is not str:

@@ -74,6 +74,20 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--response-cache-bytes", type=int, default=64 << 20, metavar="BYTES",
                    help="bound of the response cache, for models whose config enables "
                         "response_cache (0: no cache)")
+    p.add_argument("--load-on-demand", action="store_true",
+                   help="models are available without being loaded: the first request "
+                        "for one loads it within the workers' memory budgets, evicting "
+                        "the least recently used idle models (a model's config may say "
+                        "otherwise with load_on_demand)")
+    p.add_argument("--load-on-demand-min-residency-s", type=float, default=5.0,
+                   metavar="S", help="a model loaded on demand is not evicted before this")
+    p.add_argument("--load-on-demand-max-loads-per-minute", type=int, default=120,
+                   metavar="N", help="loads on demand started per minute at most; past "
+                                     "it a request for an unloaded model gets 503 with "
+                                     "Retry-After (0: no bound)")
+    p.add_argument("--load-on-demand-wait-s", type=float, default=30.0, metavar="S",
+                   help="requests waiting this long for a load that cannot start (the "
+                        "models loaded are busy or too recent to evict) get 503")
     p.add_argument("--latency-model", choices=["on", "off"], default="on",
                    help="off: batches bounded by size and delay only, no deadline-aware "
                         "admission (for comparison)")

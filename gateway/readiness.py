@@ -23,8 +23,10 @@ Control = Callable[..., Awaitable[Any]]
 
 
 def serving(entry: dict[str, Any]) -> bool:
-    """A version the broker routes to, held by a worker it counts as live."""
-    return bool(entry.get("ready")) and bool(entry.get("workers"))
+    """A version the broker routes to, held by a worker it counts as live; or a model
+    loaded on demand that a live worker could load."""
+    return bool(entry.get("ready")) and bool(entry.get("workers")) or \
+        bool(entry.get("on_demand")) and bool(entry.get("loadable"))
 
 
 async def not_ready(control: Control, mode: str = STRICT) -> str | None:

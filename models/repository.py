@@ -125,6 +125,10 @@ class ModelConfig:
     # Triton's ensemble_scheduling: the steps a pipeline runs (platform "ensemble")
     ensemble: tuple[ens.Step, ...] = ()
 
+    # loaded when a request asks for it, within the worker's memory budget (None: the
+    # broker's --load-on-demand decides; docs/many-models.md)
+    load_on_demand: bool | None = None
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         if out["rollout"] is None:
@@ -217,7 +221,7 @@ _DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
 _TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
                "version_policy", "traffic", "instances", "warmup", "input_shape", "backend",
                "optional", "autoscaling", "model_transaction_policy", "response_cache",
-               "rollout", "ensemble_scheduling"}
+               "rollout", "ensemble_scheduling", "load_on_demand"}
 
 
 def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
@@ -451,6 +455,9 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     if not outputs:
         _check_discoverable(where, inputs, decoupled)
     cache = _response_cache(where, raw.get("response_cache"), decoupled)
+    on_demand = raw.get("load_on_demand")
+    if on_demand is not None and not isinstance(on_demand, bool):
+        raise _fail(where, "load_on_demand", f"must be true or false, got {on_demand!r}")
     batching = _dynamic_batching(where, raw.get("dynamic_batching"))
     version_policy = _version_policy(where, raw.get("version_policy"))
     rollout = _rollout(where, raw.get("rollout"), version_policy)
@@ -467,7 +474,8 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
         autoscaling=autoscaling,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
-        optional=optional, decoupled=decoupled, response_cache=cache, ensemble=steps)
+        optional=optional, decoupled=decoupled, response_cache=cache, ensemble=steps,
+        load_on_demand=on_demand)
 
 
 def _ensemble(where: str, raw: Any, platform: str, inputs: tuple[TensorSpec, ...],

@@ -32,7 +32,6 @@ IGNORED = {
     "instance_group": "zeroserve places a model on its workers itself (one per GPU, or "
                       "config.json's instances)",
     "optimization": "backend tuning only",
-    "parameters": "backend-specific settings; zeroserve's TorchScript loader has none",
     "model_warmup": "zeroserve warms every version up with its own sample inputs",
     "metric_tags": "zeroserve's metrics carry their own labels",
     "model_metrics": "zeroserve's metrics carry their own labels",
@@ -132,6 +131,10 @@ def from_message(msg: Message, fields: list[str]) -> tuple[dict[str, Any], list[
             warnings += _tensor_warnings(f"{group}[{i}]", tensor)
     if "dynamic_batching" in fields:
         warnings += _batching_warnings(msg.dynamic_batching)
+    if "parameters" in fields:
+        warnings += [f"field 'parameters.{k}' is ignored: backend-specific settings; "
+                     "zeroserve reads only load_on_demand" for k in sorted(msg.parameters)
+                     if k != ON_DEMAND]
     return out, warnings
 
 
@@ -284,6 +287,21 @@ def _transaction_policy(msg: Any) -> dict[str, Any]:
     return {}
 
 
+ON_DEMAND = "load_on_demand"
+
+
+def _parameters(msg: Any) -> dict[str, Any]:
+    """``parameters { key: "load_on_demand" value { string_value: "true" } }``: Triton has
+    no field for it, and its parameters are where a config says what a backend reads."""
+    if ON_DEMAND not in msg.parameters:
+        return {}
+    value = msg.parameters[ON_DEMAND].string_value.strip().lower()
+    if value not in ("true", "false"):
+        raise TritonConfigError(f"parameters.{ON_DEMAND}", f'must be "true" or "false", '
+                                f"got {value!r}")
+    return {ON_DEMAND: value == "true"}
+
+
 def _response_cache(msg: Any) -> dict[str, Any]:
     return {"response_cache": {"enable": bool(msg.response_cache.enable)}}
 
@@ -313,4 +331,5 @@ _CONVERT: dict[str, Callable[[Any], dict[str, Any]]] = {
     "model_transaction_policy": _transaction_policy,
     "response_cache": _response_cache,
     "ensemble_scheduling": _ensemble_scheduling,
+    "parameters": _parameters,
 }

@@ -18,6 +18,7 @@ from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError,
     normalize_priority
 from zeroserve.broker.server.dispatchgate import DispatchGate
 from zeroserve.broker.server.latency import LatencyBook
+from zeroserve.broker.server.ondemand import OnDemand, Refused
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stopping import StopState
@@ -74,6 +75,11 @@ class Admission:
         self.gate = gate
         self._soonest_free = soonest_free
         self.answers = answers
+        self.demand: OnDemand | None = None
+
+    def use_demand(self, demand: OnDemand) -> None:
+        """Models loaded on demand: admission asks it for the load a request waits for."""
+        self.demand = demand
 
     def admit(self, client: bytes, req: p.InferRequest, now: float
               ) -> Entry | Refusal | Cached:
@@ -82,7 +88,9 @@ class Admission:
         if isinstance(who, Refusal):
             return who
         model = self.catalog.get(req.model)
-        err = admission_error(req, model, self.pool, self.stop.admits(client))
+        demand = self._demand(model, req)
+        err = admission_error(req, model, self.pool, self.stop.admits(client),
+                              on_demand=demand is not None)
         if err is not None:
             return Refusal(err[0], err[1], "")
         assert model is not None
@@ -98,13 +106,18 @@ class Admission:
         if model.config.response_cache and self.answers.on:   # after the tenant's gate
             found = self.answers.lookup(grant.request, model)
             if isinstance(found, Hit):
-                return Cached(grant, found)
+                return Cached(grant, found)   # a model not loaded needs no load for it
             digest = found
-        entry = self._entry(client, grant, model, samples, now, shape, scale)
-        if isinstance(entry, Refusal):
+        got = demand.admit(model, now) if demand is not None else 0.0
+        entry = got if isinstance(got, Refused) else \
+            self._entry(client, grant, model, samples, now, shape, scale, got)
+        if isinstance(entry, (Refusal, Refused)):
             self.tenancy.release(key)
-            self.tenancy.rejected(grant.tenant, p.ErrorCode.DEADLINE)
-            return entry
+            self.tenancy.rejected(grant.tenant, entry.code)
+            return entry if isinstance(entry, Refusal) else \
+                Refusal(entry.code, entry.message, grant.tenant, entry.retry_after_s)
+        if demand is not None:
+            demand.want(req.model, now)
         entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
         entry.payload.notes = grant.notes
         entry.payload.digest = digest
@@ -127,9 +140,18 @@ class Admission:
             need_s += self._soonest_free(holders, now) - now
         return need_s
 
+    def _demand(self, model: CatalogModel | None, req: p.InferRequest) -> OnDemand | None:
+        """Load on demand, for a request to a model loaded on demand that no worker holds."""
+        if model is None or self.demand is None or not self.demand.on(model.config) \
+                or self.pool.holders(req.model, req.version):
+            return None
+        return self.demand
+
     def _entry(self, client: bytes, grant: Grant, model: CatalogModel, samples: int,
-               now: float, shape: Hashable, scale: float) -> Entry | Refusal:
-        """The queue entry, or a refusal when the deadline cannot be met."""
+               now: float, shape: Hashable, scale: float, load_s: float = 0.0
+               ) -> Entry | Refusal:
+        """The queue entry, or a refusal when the deadline cannot be met (``load_s``: the
+        model is not loaded, and its load is predicted to take this long)."""
         req, cfg = grant.request, model.config
         priority = normalize_priority(req.priority, cfg)
         timeout_ms, deadline = deadline_of(req, cfg, now)
@@ -139,10 +161,12 @@ class Admission:
             wait_s = self.scheduler.estimate_wait(req.model, priority, predict, len(holders),
                                                   grant.tenant, grant.weight, samples)
             wait_s += self._soonest_free(holders, now) - now
-            if now + wait_s + predict(samples * scale) > deadline:
+            if now + load_s + wait_s + predict(samples * scale) > deadline:
+                loading = f"loading model {req.model!r} takes about {load_s * 1000:.0f} ms " \
+                    "and " if load_s else ""
                 return Refusal(p.ErrorCode.DEADLINE,
-                               f"deadline of {timeout_ms:g} ms cannot be met: the queue ahead "
-                               f"needs about {wait_s * 1000:.1f} ms", grant.tenant)
+                               f"deadline of {timeout_ms:g} ms cannot be met: {loading}the "
+                               f"queue ahead needs about {wait_s * 1000:.1f} ms", grant.tenant)
         self.gate.note(req.model, priority, now)
         version = req.version
         if version is None and model.routed:
@@ -168,7 +192,8 @@ def warmup_scale(model: CatalogModel | None) -> float:
 
 
 def admission_error(req: p.InferRequest, model: CatalogModel | None, pool: WorkerPool,
-                    admitting: bool) -> tuple[p.ErrorCode, str] | None:
+                    admitting: bool, on_demand: bool = False
+                    ) -> tuple[p.ErrorCode, str] | None:
     if not admitting:
         return p.ErrorCode.UNAVAILABLE, "broker is shutting down"
     if model is None:
@@ -177,7 +202,7 @@ def admission_error(req: p.InferRequest, model: CatalogModel | None, pool: Worke
         return p.ErrorCode.NOT_FOUND, wording.unknown_version(req.model, req.version)
     if model.config.decoupled and not req.stream:
         return p.ErrorCode.UNSUPPORTED, wording.decoupled_unary(req.model)
-    if not pool.holders(req.model, req.version):
+    if not on_demand and not pool.holders(req.model, req.version):
         return p.ErrorCode.NO_WORKER, f"no worker has model {req.model!r} loaded"
     return None
 

@@ -24,6 +24,7 @@ from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.lifecycle import Lifecycle, LifecycleOptions
 from zeroserve.broker.server.metrics import BrokerMetrics, CacheSize, ModelStates
+from zeroserve.broker.server.ondemand import OnDemand, OnDemandOptions
 from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.readverbs import ReadVerbs
@@ -51,7 +52,8 @@ class Broker:
                  lifecycle: LifecycleOptions | None = None, admin_token: str = "",
                  tenants_path: Path | None = None, max_message_bytes: int = 256 << 20,
                  trace: TraceState | None = None,
-                 response_cache_bytes: int = DEFAULT_BOUND_BYTES) -> None:
+                 response_cache_bytes: int = DEFAULT_BOUND_BYTES,
+                 on_demand: OnDemandOptions | None = None) -> None:
         self.clock = clock
         # what a message may hold, per socket: clients' requests are small headers and
         # tensors; control calls carry configs; workers' heartbeats carry metrics text
@@ -65,7 +67,8 @@ class Broker:
         self._to_controller = to_controller
         self.metrics = BrokerMetrics()
         self.catalog = Catalog(model_dir)
-        self.metrics.registry.register(ModelStates(lambda: self.catalog.models))
+        self.metrics.registry.register(ModelStates(lambda: self.catalog.models,
+                                                   lambda cfg: self.ondemand.on(cfg)))
         self.scheduler = Scheduler()
         self.pool = WorkerPool(to_worker, clock, heartbeat_s=heartbeat_s,
                                expiry_s=worker_expiry_s)
@@ -80,7 +83,8 @@ class Broker:
                                     LatencyBook(enabled=latency_model), self.metrics, to_client,
                                     self.tenancy, self.stop, clock, cache, self.releases)
         self.lifecycle = self._compose(clock, ctx or zmq.Context.instance(),
-                                       lifecycle or LifecycleOptions())
+                                       lifecycle or LifecycleOptions(),
+                                       on_demand or OnDemandOptions())
         self.control = ControlTable(admin_token, TenantScope(self.tenancy, admin_token))
         self._add_verbs()
         self.repository.add_verbs(self.control)
@@ -95,24 +99,31 @@ class Broker:
         self._next_heartbeat = 0.0
         self._busy_since_trim = False
 
-    def _compose(self, clock: Clock, ctx: zmq.Context[Any],
-                 opts: LifecycleOptions) -> Lifecycle:
+    def _compose(self, clock: Clock, ctx: zmq.Context[Any], opts: LifecycleOptions,
+                 demand: OnDemandOptions) -> Lifecycle:
         """The model lifecycle and its strategies, each given what it reads and
         callbacks for what it asks (the lifecycle's, bound late: it is built last)."""
         self.placement = Placement(self.catalog, self.pool, self.metrics.registry,
                                    queued=self.scheduler.depth,
-                                   last_used=self.requests.last_used)
+                                   last_used=self.requests.last_used,
+                                   evictable=lambda w, m: self.ondemand.evictable(w, m),
+                                   evicted=lambda w, m, r: self.ondemand.on_evicted(w, m, r))
         self.replicas = Replicas(   # autoscaled models: which workers hold them
             self.catalog, self.pool, self.scheduler, self.placement, self.metrics,
             predict=self.requests.latency.predictor,
             swapping=lambda name: name in self.lifecycle.swaps,
             sync_worker=lambda worker: self.lifecycle.sync_worker(worker))
+        self.ondemand = OnDemand(   # models loaded when asked for: where they are held
+            self.catalog, self.pool, self.scheduler, self.placement, self.metrics, clock,
+            demand, sync_worker=lambda worker: self.lifecycle.sync_worker(worker),
+            fail=self.requests.fail_waiting, default=self.replicas.placed)
+        self.requests.admission.use_demand(self.ondemand)
         self.repository = RepositoryControl(
             opts.control_mode, opts.load_models, self.catalog, self.pool,
             self.requests.stats, load_now=lambda rm, vs: self.lifecycle.load_now(rm, vs),
             remove=lambda name, why: self.lifecycle.remove_model(name, why),
             rescan=lambda name: self.lifecycle.rescan_one(name),
-            busy=lambda name: self.lifecycle.busy(name))
+            busy=lambda name: self.lifecycle.busy(name), demand=self.ondemand.state)
         self.registrar = Registrar(self.catalog, self.pool, opts.import_roots,
                                    published=self.repository.published)
         return Lifecycle(self.catalog, self.scheduler, self.pool, self.requests, self.metrics,
@@ -121,7 +132,7 @@ class Broker:
 
     def _placed(self, cfg: ModelConfig, worker: WorkerState) -> bool:
         """An ensemble is never loaded on a worker: the broker runs it (pipeline.py)."""
-        return not cfg.ensemble and self.replicas.placed(cfg, worker)
+        return not cfg.ensemble and self.ondemand.placed(cfg, worker)
 
     @property
     def stopping(self) -> bool:
@@ -306,6 +317,7 @@ class Broker:
             loaded = p.decode(p.ModelLoaded, header)
             self.lifecycle.on_loaded(worker, loaded)
             self.requests.warmed_up(worker, loaded)
+            self.ondemand.settle(now)
         elif kind is p.Kind.LEAVE:
             self._on_leave(worker, p.decode(p.Leave, header))
         elif kind is p.Kind.WAITING:   # its freed credit is used by this round's dispatch
@@ -339,6 +351,7 @@ class Broker:
         worker = self.pool.register(identity, ready, now)
         self.metrics.worker_registered(worker.worker_id)
         self.replicas.adopt(worker)
+        self.ondemand.adopt(worker)
         self.lifecycle.sync_worker(worker)
         self.metrics.workers_alive(len(self.pool.workers))
 
@@ -370,6 +383,7 @@ class Broker:
         self.requests.worker_lost(lost, loss, worker.worker_id, self.clock())
         self.requests.worker_gone(worker.worker_id)
         self.lifecycle.worker_removed()
+        self.ondemand.worker_lost(worker)
         self.metrics.workers_alive(len(self.pool.workers))
 
     # -- time ---------------------------------------------------------------
@@ -393,6 +407,7 @@ class Broker:
         self.notifier.watchdog(now)
         self.lifecycle.tick(now)
         self.releases.tick(now)
+        self.ondemand.settle(now)
         self.replicas.tick(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.pool.heartbeat_s
@@ -433,7 +448,8 @@ class Broker:
     def next_due(self, now: float) -> float:
         due = [self._next_heartbeat]
         for d in (self.requests.next_due(now), self.lifecycle.next_due(),
-                  self.replicas.next_due(), self.releases.next_due()):
+                  self.replicas.next_due(), self.releases.next_due(),
+                  self.ondemand.next_due(now)):
             if d is not None:
                 due.append(d)
         if self.stop.exiting:
@@ -512,11 +528,13 @@ class Broker:
         return described
 
     def _describe_model(self, name: str) -> dict[str, Any]:
-        return {**self.lifecycle.describe(name), **self.releases.describe(name)}
+        return {**self.lifecycle.describe(name), **self.releases.describe(name),
+                **self.ondemand.describe(name)}
 
     def _status(self) -> dict[str, Any]:
         """The broker's own sections of ``zeroserve status`` (see readverbs.py)."""
         return {"stopping": self.stopping, "open_requests": self.requests.open_count(),
                 "streams": self.requests.streams.sizes(), "tenants": self.tenancy.summary(),
                 "autoscaling": self.replicas.describe(),
+                "load_on_demand": self.ondemand.summary(self.clock()),
                 "memory_plan": self.placement.describe()}

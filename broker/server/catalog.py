@@ -272,6 +272,11 @@ class Catalog:
         if content is not None:
             self.failed.update((name, v, content[v]) for v in listed)
 
+    def clear_failure(self, name: str) -> None:
+        """A load of ``name`` succeeded since, or its failure was only for now (a load on
+        demand refused for memory waits for room)."""
+        self.failures.pop(name, None)
+
     def failed_before(self, name: str, version: int, sha: str) -> bool:
         return (name, version, sha) in self.failed
 

@@ -19,6 +19,7 @@ from zeroserve.broker.server.broker import Broker
 from zeroserve.broker.server import tenants
 from zeroserve.broker.server.loop import BrokerLoop
 from zeroserve.broker.server.lifecycle import LifecycleOptions
+from zeroserve.broker.server.ondemand import OnDemandOptions
 from zeroserve.broker.tracesettings import TraceSettingError, TraceState, parse_config
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,11 @@ def build(endpoints: Endpoints, model_dir: Path, args: Any, ctx: zmq.Context[Any
                     worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s,
                     max_message_bytes=args.max_message_bytes,
                     response_cache_bytes=args.response_cache_bytes,
+                    on_demand=OnDemandOptions(
+                        enabled=args.load_on_demand,
+                        min_residency_s=args.load_on_demand_min_residency_s,
+                        max_loads_per_minute=args.load_on_demand_max_loads_per_minute,
+                        pending_s=args.load_on_demand_wait_s),
                     latency_model=args.latency_model == "on", ctx=ctx,
                     admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", ""),
                     tenants_path=Path(args.tenants) if args.tenants else None,
@@ -91,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if (why := check_timing(args.heartbeat_s, args.worker_expiry_s)) is not None:
         logger.error("%s", why)
+        return 2
+    if min(args.load_on_demand_min_residency_s, args.load_on_demand_max_loads_per_minute,
+           args.load_on_demand_wait_s) < 0:
+        logger.error("--load-on-demand-* options must be >= 0")
         return 2
     if args.response_cache_bytes < 0:
         logger.error("--response-cache-bytes must be >= 0 (0: no cache), got %d",

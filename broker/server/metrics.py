@@ -20,6 +20,7 @@ _REJECT_REASONS = {ErrorCode.DEADLINE: "deadline", ErrorCode.OVERLOADED: "shed",
                    ErrorCode.BAD_INPUT: "bad_input", ErrorCode.NO_WORKER: "no_worker",
                    ErrorCode.TOO_LARGE: "bad_input"}
 LATENCY_BUCKETS = (.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30)
+LOAD_WAIT_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -142,6 +143,18 @@ class BrokerMetrics:
                                       "cache, without a worker", ["model"], r)
         self.cache_misses = LoopCounter("cache_misses", "Requests of a model with the "
                                         "response cache that it could not answer", ["model"], r)
+        self.loads = LoopCounter("model_loads_on_demand", "Loads on demand started, by "
+                                 "why (request: a request asked; retry: the first worker "
+                                 "failed)", ["model", "reason"], r)
+        self.loads_failed = LoopCounter("model_loads_on_demand_failed", "Loads on demand "
+                                        "that failed or lost their worker", ["model"], r)
+        self.evictions = LoopCounter("model_evictions", "Models evicted from a worker to "
+                                     "make room, by why (room: for a load; measured: a "
+                                     "warm-up measured more than predicted)",
+                                     ["model", "reason"], r)
+        self.load_wait = LoopHistogram("load_wait_seconds", "Time requests waited in the "
+                                       "queue for their model's load on demand", ["model"],
+                                       r, LOAD_WAIT_BUCKETS)
         self.rejected_total = Counter("requests_rejected", "Requests dropped or refused",
                                       ["model", "reason"], namespace=ns, registry=r)
         self.deadline = Counter("deadline_exceeded", "Requests failed for their deadline",
@@ -284,19 +297,25 @@ class ModelStates:
     ``/v2/models/{m}/ready`` answers) and its queue-time SLO (``autoscaling.queue_slo_ms``,
     the alert rules' threshold), read at each scrape so the request path pays nothing."""
 
-    def __init__(self, models: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, models: Callable[[], Mapping[str, Any]],
+                 on_demand: Callable[[Any], bool] = lambda config: False) -> None:
         self.models = models
+        self.on_demand = on_demand
 
     def collect(self) -> Iterator[Metric]:
         ready = GaugeMetricFamily("zeroserve_model_ready", "1 while a version of the model "
                                   "is loaded and routable, else 0", labels=["model"])
         slo = GaugeMetricFamily("zeroserve_model_queue_slo_seconds", "The model's queue-time "
                                 "objective (autoscaling.queue_slo_ms)", labels=["model"])
+        demand = GaugeMetricFamily("zeroserve_model_on_demand", "1 for a model loaded on "
+                                   "demand (not ready until asked for), else 0",
+                                   labels=["model"])
         for name, model in sorted(self.models().items()):
             ready.add_metric([name], 1.0 if model.ready else 0.0)
             slo.add_metric([name], float(model.config.autoscaling.get("queue_slo_ms", 100.0))
                            / 1000.0)
-        yield from (ready, slo)
+            demand.add_metric([name], 1.0 if self.on_demand(model.config) else 0.0)
+        yield from (ready, slo, demand)
 
 
 class CacheSize:

@@ -54,16 +54,33 @@ def _int(doc: Mapping[str, Any], key: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+Evictable = Callable[[WorkerState, str], bool]
+Evicted = Callable[[WorkerState, str, str], None]
+
+
+def _always(worker: WorkerState, model: str) -> bool:
+    return True
+
+
+def _nobody(worker: WorkerState, model: str, reason: str) -> None:
+    pass
+
+
 class Placement:
     """Reads the catalog and the pool; asks ``queued(model)`` (requests waiting) and
-    ``last_used(model)`` (when it last ran) to choose what to evict."""
+    ``last_used(model)`` (when it last ran) to choose what to evict, ``evictable(worker,
+    model)`` whether an idle model may go (load on demand's minimum residency), and
+    tells ``evicted(worker, model, reason)`` what it evicted."""
 
     def __init__(self, catalog: Catalog, pool: WorkerPool, registry: CollectorRegistry, *,
-                 queued: Callable[[str], int], last_used: Callable[[str], float]) -> None:
+                 queued: Callable[[str], int], last_used: Callable[[str], float],
+                 evictable: Evictable = _always, evicted: Evicted = _nobody) -> None:
         self.catalog = catalog
         self.pool = pool
         self._queued = queued
         self._last_used = last_used
+        self.evictable = evictable
+        self.evicted = evicted
         self.footprints: dict[Key, int] = {}        # what planning counts: measured, else predicted
         self.predicted: dict[Key, Prediction] = {}
         self.measured: dict[Key, dict[str, Any]] = {}    # the worker's plan after warm-up
@@ -165,6 +182,32 @@ class Placement:
         need, how = self.need(worker, name, version, model[0], model[1] / str(version))
         return self._verdict(worker, name, version, need, how, self.available(worker))
 
+    def room(self, worker: WorkerState, name: str, version: int) -> tuple[str | None, bool]:
+        """(why ``name/version`` cannot load on ``worker`` now even after evicting the
+        idle models that may go, None when it can; whether it would fit the device with
+        nothing else loaded). Evicts nothing."""
+        if (name, version) in worker.loaded | worker.loading:
+            return None, True
+        model = self._model(name)
+        if model is None:
+            return wording.unknown_model(name), False
+        need, how = self.need(worker, name, version, model[0], model[1] / str(version))
+        free = self.available(worker)
+        if free is None or need <= free:
+            return None, True
+        freed = sum(self._cost(worker, m) for m in self._idle(worker, name))
+        budget = self.budget(worker)
+        empty = free + sum(self._cost(worker, m) for m, _ in self._held(worker))
+        fits = need <= (budget - self.headroom(worker) - self.context(worker)
+                        if _kind(worker) == "cpu" and budget else empty)
+        return self._verdict(worker, name, version, need, how, free + freed), fits
+
+    @staticmethod
+    def for_memory(error: str) -> bool:
+        """Whether a load's error is one of placement's refusals (what ``_verdict``
+        writes), not the worker's."""
+        return " free after " in error and " needs " in error
+
     def _verdict(self, worker: WorkerState, name: str, version: int, need: int, how: str,
                  free: int | None, busy: int = 0) -> str | None:
         if free is None or need <= free:
@@ -204,7 +247,7 @@ class Placement:
             if why is not None:
                 self._refuse(worker, p.ModelLoaded(name, version, False, error=why))
                 return
-            self._evict(worker, name, idle, need - free)
+            self._evict(worker, name, idle, need - free, "room")
         self.footprints[key] = need
         self.measured.pop(key, None)   # this load's warm-up measures it afresh
         self.pool.load(worker, msg)
@@ -242,7 +285,7 @@ class Placement:
         why = self._verdict(worker, msg.model, msg.version, need, "measured", free + freed,
                             busy=max(0, budget - free - freed))
         if why is None:
-            self._evict(worker, msg.model, idle, need - free)
+            self._evict(worker, msg.model, idle, need - free, "measured")
             return msg
         logger.error("refusing %s/%d on %s: %s", msg.model, msg.version, worker.worker_id, why)
         self.catalog.fail(msg.model, why, [msg.version])
@@ -278,13 +321,15 @@ class Placement:
         return sum(self.footprint(worker, model, v) for v in worker.versions_of(model))
 
     def _idle(self, worker: WorkerState, keep: str) -> list[str]:
-        """Models on the worker with nothing queued or running, least recently used first."""
+        """Models on the worker with nothing queued or running that may go, least
+        recently used first."""
         busy = self.pool.busy_models(worker)
         return sorted({m for m, _ in worker.loaded if m != keep and m not in busy
-                       and not self._queued(m)},
+                       and not self._queued(m) and self.evictable(worker, m)},
                       key=self._last_used)
 
-    def _evict(self, worker: WorkerState, keep: str, idle: list[str], needed: int) -> None:
+    def _evict(self, worker: WorkerState, keep: str, idle: list[str], needed: int,
+               reason: str) -> None:
         freed = 0
         for model in idle:
             if freed >= needed:
@@ -294,6 +339,7 @@ class Placement:
                 self.forget((worker.identity, model, version))
                 self.pool.retire(worker, ModelVersion(model, version))
             self.catalog.routable(self.pool.workers.values(), model)
+            self.evicted(worker, model, reason)
             logger.warning("evicted %s from worker %s (least recently used idle model) to "
                            "make room for %s", model, worker.worker_id, keep)
 

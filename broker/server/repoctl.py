@@ -64,7 +64,8 @@ class RepositoryControl:
                  pool: WorkerPool, stats: ModelStatistics, *,
                  load_now: Callable[[RepoModel, list[int]], object],
                  remove: Callable[[str, str], None], rescan: Callable[[str], None],
-                 busy: Callable[[str], bool]) -> None:
+                 busy: Callable[[str], bool],
+                 demand: Callable[[str], tuple[str, str] | None] = lambda name: None) -> None:
         if mode not in MODES:
             raise ValueError(f"model control mode must be one of {', '.join(MODES)}")
         self.mode = mode
@@ -76,6 +77,7 @@ class RepositoryControl:
         self._remove = remove
         self._rescan = rescan
         self._busy = busy
+        self._demand = demand   # an on-demand model's state and reason (ondemand.py)
         self.wanted: set[str] = set(load_models)
         self.overrides: dict[str, RepoModel] = {}
         self.unloaded: set[str] = set()
@@ -313,6 +315,9 @@ class RepositoryControl:
             ) or "no live worker holds it"
             if v in model.failed:   # loaded, but no unpinned request goes to it
                 reason = f"rolled back: {model.failed[v][0]}"
+            demand = self._demand(name) if state == "UNAVAILABLE" else None
+            if demand is not None:
+                state, reason = demand
             out.append({"name": name, "version": str(v), "state": state, "reason": reason})
         retiring = {key.version for _, key in self.pool.retiring if key.name == name}
         for v in sorted(retiring - set(model.versions)):

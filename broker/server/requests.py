@@ -543,6 +543,14 @@ class RequestPath:
         for entry in self.scheduler.drop_model(model):
             self.answer_error(entry, code, message)
 
+    def fail_waiting(self, model: str, code: p.ErrorCode, message: str,
+                     retry_after_s: float | None = None) -> None:
+        """Every request queued for ``model`` answered ``code``; the model stays served
+        (a load on demand that failed)."""
+        for entry in self.scheduler.queued(model):
+            if self.scheduler.cancel(entry.key) is not None:
+                self.answer_error(entry, code, message, retry_after_s)
+
     def fail_everything(self, code: p.ErrorCode, message: str) -> None:
         for name in list(self.scheduler.models_waiting()):
             self.fail_queued(name, code, message)

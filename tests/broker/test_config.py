@@ -99,3 +99,21 @@ def test_config_show_prints_the_effective_config_as_toml(
 def test_a_missing_config_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(config.ConfigError, match="cannot read config file"):
         options.parse(["broker", "--config", str(tmp_path / "nope.toml")])
+
+
+def test_a_flag_is_true_or_false_in_the_file_and_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, "[broker]\nload_on_demand = true\n[gateway]\nreuse_port = true\n")
+    assert options.parse(["broker", "--config", str(path)]).load_on_demand is True
+    assert options.parse(["gateway", "--config", str(path)]).reuse_port is True
+    monkeypatch.setenv("ZEROSERVE_BROKER_LOAD_ON_DEMAND", "off")
+    assert options.parse(["broker", "--config", str(path)]).load_on_demand is False
+    assert options.parse(["broker", "--config", str(path),
+                          "--load-on-demand"]).load_on_demand is True
+    monkeypatch.setenv("ZEROSERVE_BROKER_LOAD_ON_DEMAND", "maybe")
+    with pytest.raises(config.ConfigError, match="expected true or false, got 'maybe'"):
+        options.parse(["broker"])
+    monkeypatch.delenv("ZEROSERVE_BROKER_LOAD_ON_DEMAND")
+    bad = write(tmp_path, '[broker]\nload_on_demand = "yes"\n')
+    with pytest.raises(config.ConfigError, match="expected true or false"):
+        options.parse(["broker", "--config", str(bad)])

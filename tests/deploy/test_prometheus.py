@@ -56,6 +56,14 @@ class Model:
         time.sleep({SERVICE_S})  # noqa: sleep-ok (a model with a known service time)
         return {{"output": x[:, :3] * 2.0}}
 '''
+LAZY = '''
+class Model:
+    def load(self, version_dir, device):
+        pass
+
+    def predict(self, inputs):
+        return {"output": inputs["input"][:, :3]}
+'''
 X = np.ones((1, 4), np.float32)
 POISON = np.full((1, 4), -1.0, np.float32)
 
@@ -182,6 +190,10 @@ class Live:
             {**linear_config("slow", mbs=1), "platform": "python",
              "dynamic_batching": {"max_queue_size": 16},
              "autoscaling": {"queue_slo_ms": 100}}))
+        (self.repo / "lazy" / "1").mkdir(parents=True)   # loaded when first asked for
+        (self.repo / "lazy" / "1" / "model.py").write_text(LAZY)
+        (self.repo / "lazy" / "config.json").write_text(json.dumps(
+            {**linear_config("lazy"), "platform": "python", "load_on_demand": True}))
         self.keys, hashes = {}, {}
         for name in ("ops", "tight"):
             self.keys[name], hashes[name] = new_key()
@@ -224,6 +236,8 @@ def some_of_everything(live: Live) -> None:
     with Client(live.server.frontend, api_key=live.keys["ops"]) as c:
         with pytest.raises(InferError):
             c.infer("slow", {"input": POISON})
+    lazy = f"{live.server.url}/v2/models/lazy/infer"
+    assert http("POST", lazy, body(X), live.headers())[0] == 200   # a load on demand
     codes = Counter(http("POST", url, body(X), live.headers("tight"))[0] for _ in range(6))
     assert codes[429] >= 3, codes
 

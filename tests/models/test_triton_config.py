@@ -139,9 +139,21 @@ model_warmup [ { name: "w" batch_size: 1 } ]
         load_config(folder)   # the same file again: no second warning
     assert first == parse_config(SAME_AS_JSON, "<json>")
     warned = [r.getMessage() for r in caplog.records]
-    for fld in ("instance_group", "parameters", "optimization", "model_warmup",
+    for fld in ("instance_group", "parameters.INFERENCE_MODE", "optimization", "model_warmup",
                 "dynamic_batching.default_queue_policy.allow_timeout_override"):
         assert sum(f"field '{fld}' is ignored" in w for w in warned) == 1, warned
+
+
+def test_load_on_demand_is_read_from_parameters(tmp_path: Path) -> None:
+    on = 'parameters: { key: "load_on_demand" value: { string_value: "true" } }\n'
+    for sub in "abcd":
+        (tmp_path / sub).mkdir()
+    assert load_config(model_dir(tmp_path / "a", FULL + on)).load_on_demand is True
+    off = on.replace('"true"', '"False"')
+    assert load_config(model_dir(tmp_path / "b", FULL + off)).load_on_demand is False
+    assert load_config(model_dir(tmp_path / "c", FULL)).load_on_demand is None
+    with pytest.raises(ConfigError, match="parameters.load_on_demand"):
+        load_config(model_dir(tmp_path / "d", FULL + on.replace('"true"', '"yes"')))
 
 
 def test_an_override_completes_from_the_stored_config(tmp_path: Path) -> None:

@@ -1,0 +1,338 @@
+"""Load on demand: a model of the repository is *available* (listed, its metadata and
+config served) without being loaded anywhere. A request for it queues in its model's
+queue as any other and asks for a load (:meth:`OnDemand.want`); the load goes to the
+worker where it fits now, after evicting the least recently used idle models there
+(placement.py owns eviction; a model with work queued or running is never idle). Every
+request that comes while it loads shares that one load. Once the worker says LOADED the
+queue dispatches as usual; a load that fails, or a worker lost while loading, is tried
+on another worker, else every waiting request is answered once with why.
+
+Admission asks :meth:`OnDemand.admit` first: the predicted load time (learned per model,
+thrash.py) counts in the deadline check, and when the loads-per-minute bound is spent a
+request is refused at once (503, Retry-After) rather than queued to wait for a load that
+cannot start. A model loaded on demand stays at least ``min_residency_s`` before it may
+be evicted. A model is on demand when its config says ``"load_on_demand": true``, or
+says nothing and the broker runs with ``--load-on-demand``.
+
+The states it reports (``zeroserve models``, the repository index): AVAILABLE (on
+demand, never loaded), LOADING, READY, EVICTED (loaded once, evicted since: the reason
+says why and for what).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from zeroserve.broker import protocol as p
+from zeroserve.broker.server.catalog import Catalog, CatalogModel
+from zeroserve.broker.server.metrics import BrokerMetrics
+from zeroserve.broker.server.placement import Placement
+from zeroserve.broker.server.pool import WorkerPool, WorkerState
+from zeroserve.broker.server.scheduler import Scheduler
+from zeroserve.broker.server.swap import Placed, placed_on
+from zeroserve.broker.server.thrash import LoadTimes, ThrashGuard
+from zeroserve.broker.server.types import Clock, ModelVersion
+from zeroserve.models.repository import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+AVAILABLE, LOADING, READY, EVICTED = "AVAILABLE", "LOADING", "READY", "EVICTED"
+NO_FIT = "the working set does not fit the memory budget"
+
+Fail = Callable[[str, p.ErrorCode, str, "float | None"], None]
+
+
+@dataclass(frozen=True)
+class OnDemandOptions:
+    enabled: bool = False            # for models whose config does not say
+    min_residency_s: float = 5.0
+    max_loads_per_minute: int = 120   # 0: no bound
+    pending_s: float = 30.0          # a load that cannot start for this long gives up
+
+
+@dataclass
+class Load:
+    worker: bytes
+    started_s: float
+    tried: set[bytes] = field(default_factory=set)
+
+
+class Refused:
+    """A request admission must refuse now."""
+
+    __slots__ = ("code", "message", "retry_after_s")
+
+    def __init__(self, code: p.ErrorCode, message: str,
+                 retry_after_s: float | None = None) -> None:
+        self.code, self.message, self.retry_after_s = code, message, retry_after_s
+
+
+class OnDemand:
+    """Reads the catalog, the pool, the scheduler's queues and placement's plan; asks
+    ``sync_worker(worker)`` to load what a worker is now placed to hold, and ``fail(model,
+    code, message, retry_after_s)`` to answer every request queued for a model."""
+
+    def __init__(self, catalog: Catalog, pool: WorkerPool, scheduler: Scheduler,
+                 placement: Placement, metrics: BrokerMetrics, clock: Clock,
+                 options: OnDemandOptions, *, sync_worker: Callable[[WorkerState], None],
+                 fail: Fail, default: Placed = placed_on) -> None:
+        self.catalog = catalog
+        self.pool = pool
+        self.scheduler = scheduler
+        self.placement = placement
+        self.metrics = metrics
+        self.clock = clock
+        self.opts = options
+        self._sync_worker = sync_worker
+        self._fail = fail
+        self._default = default
+        self.times = LoadTimes()
+        self.guard = ThrashGuard(options.min_residency_s, options.max_loads_per_minute)
+        self.assigned: dict[str, set[bytes]] = {}     # on-demand models: placed where
+        self.loads: dict[str, Load] = {}              # loading now
+        self.wanted: dict[str, float] = {}            # waiting for a load to start, since
+        self.evicted: dict[str, str] = {}             # model -> why (until loaded again)
+
+    # -- strategies the broker hands out ----------------------------------------------
+    def on(self, cfg: ModelConfig) -> bool:
+        return cfg.load_on_demand if cfg.load_on_demand is not None else self.opts.enabled
+
+    def placed(self, cfg: ModelConfig, worker: WorkerState) -> bool:
+        """The placement strategy: an on-demand model is held only where it was asked."""
+        if not self._default(cfg, worker):
+            return False
+        return not self.on(cfg) or worker.identity in self.assigned.get(cfg.name, ())
+
+    def evictable(self, worker: WorkerState, model: str) -> bool:
+        return self.guard.may_evict(worker.worker_id, model, self.clock())
+
+    def on_evicted(self, worker: WorkerState, model: str, reason: str) -> None:
+        """Placement evicted ``model`` from ``worker``: it is not placed there any more."""
+        self.assigned.get(model, set()).discard(worker.identity)
+        self.guard.gone(worker.worker_id, model)
+        self.metrics.evictions.inc((model, reason))
+        self.evicted[model] = (f"evicted from worker {worker.worker_id} at "
+                               f"{time.strftime('%H:%M:%S')}: least recently used idle model, "
+                               "to make room" if reason == "room" else
+                               f"evicted from worker {worker.worker_id}: {reason}")
+
+    # -- admission ----------------------------------------------------------------------
+    def admit(self, model: CatalogModel, now: float) -> float | Refused:
+        """For a request to an on-demand model no worker holds: the seconds its load is
+        predicted to take from now, or why it is refused now."""
+        name = model.config.name
+        load = self.loads.get(name)
+        predicted = self.times.predict(name)
+        if load is not None:
+            return max(0.0, load.started_s + predicted - now)
+        if not self._candidates(name):
+            return Refused(p.ErrorCode.NO_WORKER, f"no worker can load model {name!r}")
+        if name not in self.wanted:
+            wait_s = self.guard.load_wait_s(now)
+            if wait_s > 0:
+                return Refused(p.ErrorCode.UNAVAILABLE, (
+                    f"model {name!r} is not loaded and {self.guard.loads_in_window(now)} "
+                    f"loads in the last minute reached the bound "
+                    f"(--load-on-demand-max-loads-per-minute): {NO_FIT}"),
+                    max(1.0, math.ceil(wait_s)))
+            why = self._never_fits(name)
+            if why is not None:
+                return Refused(p.ErrorCode.NO_WORKER, why)
+        return predicted
+
+    def want(self, name: str, now: float) -> None:
+        """A request for ``name`` was queued: load it if nothing holds or loads it."""
+        if name in self.loads or self.pool.holders(name):
+            return
+        self.wanted.setdefault(name, now)
+        self._start(name, now)
+
+    # -- loads ------------------------------------------------------------------------
+    def _candidates(self, name: str) -> list[WorkerState]:
+        model = self.catalog.get(name)
+        if model is None:
+            return []
+        return [w for w in self.pool.workers.values()
+                if not w.draining and self._default(model.config, w)]
+
+    def _never_fits(self, name: str) -> str | None:
+        """Why no worker could hold the model even with nothing else loaded (None: one
+        could)."""
+        model = self.catalog.get(name)
+        whys = []
+        for w in self._candidates(name):
+            fits = True
+            for v in model.versions if model is not None else ():
+                why, fits_empty = self.placement.room(w, name, v)
+                if why is not None and not fits_empty:
+                    whys.append(why)
+                    fits = False
+                    break
+            if fits:
+                return None
+        return "; ".join(whys[:2]) or None
+
+    def _choose(self, name: str, tried: set[bytes]) -> WorkerState | None:
+        """The worker to load ``name`` on now: one where it fits after evicting what may
+        go, where it fits without eviction first, then the least busy."""
+        model = self.catalog.get(name)
+        if model is None:
+            return None
+        fits = []
+        for w in self._candidates(name):
+            if w.identity in tried:
+                continue
+            if all(self.placement.room(w, name, v)[0] is None for v in model.versions):
+                free = self.placement.available(w)
+                fits.append((free is not None and free < 0, len(w.inflight),
+                             self.placement.used(w), w.worker_id, w))
+        return min(fits)[-1] if fits else None
+
+    def _start(self, name: str, now: float, tried: set[bytes] | None = None) -> bool:
+        if self.guard.load_wait_s(now) > 0:
+            return False
+        worker = self._choose(name, tried or set())
+        if worker is None:
+            return False
+        model = self.catalog.models[name]
+        self.wanted.pop(name, None)
+        self.loads[name] = Load(worker.identity, now, (tried or set()) | {worker.identity})
+        self.assigned.setdefault(name, set()).add(worker.identity)
+        self.guard.started(now)
+        self.metrics.loads.inc((name, "retry" if tried else "request"))
+        logger.info("model %s: loading on demand on worker %s (%d request(s) waiting)",
+                    name, worker.worker_id, self.scheduler.depth(name))
+        self._sync_worker(worker)
+        for key in (ModelVersion(name, v) for v in model.versions):
+            if key in worker.loading:   # sent: an earlier failure is not this load's
+                self.pool.begin_load(worker, key)
+        return True
+
+    def settle(self, now: float) -> None:
+        """Loads that ended (loaded, failed, or their worker lost), and waiting models
+        whose load may start now or must give up."""
+        for name, load in list(self.loads.items()):
+            model = self.catalog.get(name)
+            worker = self.pool.get(load.worker)
+            if model is None:
+                del self.loads[name]
+            elif worker is None:
+                self._failed(name, load, now, f"worker {load.worker.decode(errors='replace')} "
+                             f"was lost while loading model {name!r} on demand",
+                             p.ErrorCode.WORKER_LOST)
+            elif all(worker.holds(name, v) for v in model.versions):
+                self._done(name, load, worker, now)
+            elif not any((name, v) in worker.loading for v in model.versions):
+                error = next((e for k, e in worker.load_errors.items() if k.name == name),
+                             "it was not loaded")
+                if self.placement.for_memory(error) and self.scheduler.depth(name):
+                    self._wait_for_room(name, load, worker, error)
+                    continue
+                self._failed(name, load, now, f"loading model {name!r} on demand on worker "
+                             f"{worker.worker_id} failed: {error}", p.ErrorCode.UNAVAILABLE)
+        for name in [n for n in self.assigned if n not in self.catalog.models]:
+            del self.assigned[name]   # removed: if it comes back, it is asked for anew
+            self.evicted.pop(name, None)
+            self.times.forget(name)
+        for name, since in list(self.wanted.items()):
+            if not self.scheduler.depth(name) or name not in self.catalog.models \
+                    or self.pool.holders(name):
+                del self.wanted[name]
+            elif not self._start(name, now) and now - since >= self.opts.pending_s:
+                del self.wanted[name]
+                self._fail(name, p.ErrorCode.UNAVAILABLE, (
+                    f"model {name!r} could not be loaded within {self.opts.pending_s:g} s: "
+                    f"the models loaded are busy or were loaded too recently to evict; "
+                    f"{NO_FIT}"), self.opts.min_residency_s)
+
+    def _done(self, name: str, load: Load, worker: WorkerState, now: float) -> None:
+        del self.loads[name]
+        took = now - load.started_s
+        self.times.observe(name, took)
+        self.guard.resident(worker.worker_id, name, now)
+        self.evicted.pop(name, None)
+        self.catalog.clear_failure(name)
+        wait = self.metrics.load_wait.labels(name)
+        for entry in self.scheduler.queued(name):
+            wait.observe(now - entry.arrival_s)
+        logger.info("model %s: loaded on demand on worker %s in %.3f s", name,
+                    worker.worker_id, took)
+
+    def _wait_for_room(self, name: str, load: Load, worker: WorkerState, why: str) -> None:
+        """Its footprint measured more than the room left while the others were busy: its
+        requests wait for room as before it started (within ``pending_s`` of then)."""
+        del self.loads[name]
+        self.assigned.get(name, set()).discard(load.worker)
+        self.catalog.clear_failure(name)   # for now only: not a failure to report
+        self.wanted[name] = load.started_s
+        logger.info("model %s: waits for room on worker %s: %s", name, worker.worker_id, why)
+
+    def _failed(self, name: str, load: Load, now: float, why: str,
+                code: p.ErrorCode) -> None:
+        del self.loads[name]
+        self.assigned.get(name, set()).discard(load.worker)
+        self.metrics.loads_failed.inc((name,))
+        logger.error("%s", why)
+        if self.scheduler.depth(name) and self._start(name, now, load.tried):
+            return   # another worker takes it; the requests keep waiting
+        self._fail(name, code, why, None)
+
+    def adopt(self, worker: WorkerState) -> None:
+        """A worker joins holding models (it outlived a broker restart): those on demand
+        stay where they are, resident from now."""
+        for name in sorted({m for m, _ in worker.loaded}):
+            model = self.catalog.get(name)
+            if model is not None and self.on(model.config):
+                self.assigned.setdefault(name, set()).add(worker.identity)
+                self.guard.resident(worker.worker_id, name, self.clock())
+
+    def worker_lost(self, worker: WorkerState) -> None:
+        for ids in self.assigned.values():
+            ids.discard(worker.identity)
+        self.guard.gone(worker.worker_id)
+        self.settle(self.clock())
+
+    def next_due(self, now: float) -> float | None:
+        if not self.wanted:   # a load's end is settled as its LOADED arrives
+
+            return None
+        start = now + max(self.guard.load_wait_s(now), 0.05)
+        return min(start, min(self.wanted.values()) + self.opts.pending_s)
+
+    # -- telling ------------------------------------------------------------------------
+    def state(self, name: str) -> tuple[str, str] | None:
+        """(state, reason) of an on-demand model; None for any other."""
+        model = self.catalog.get(name)
+        if model is None or not self.on(model.config):
+            return None
+        if model.ready:
+            return READY, ""
+        if name in self.loads:
+            return LOADING, "loading on demand"
+        if name in self.evicted:
+            return EVICTED, self.evicted[name] + "; loads again on the next request"
+        return AVAILABLE, "not loaded: loads on the first request"
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """``zeroserve models``' part for one model."""
+        got = self.state(name)
+        if got is None:
+            return {}
+        out: dict[str, Any] = {"on_demand": True, "state": got[0].lower(),
+                               "loadable": bool(self._candidates(name)),
+                               "predicted_load_s": round(self.times.predict(name), 4)}
+        if got[1]:
+            out["reason"] = got[1]
+        return out
+
+    def summary(self, now: float) -> dict[str, Any]:
+        """``zeroserve status``' part."""
+        return {"enabled": self.opts.enabled, "loading": sorted(self.loads),
+                "waiting": sorted(self.wanted),
+                "loads_last_minute": self.guard.loads_in_window(now),
+                "max_loads_per_minute": self.opts.max_loads_per_minute,
+                "min_residency_s": self.opts.min_residency_s}

@@ -1,0 +1,228 @@
+"""Load on demand, in one run: the wait of a request for a model that is not loaded, per
+model size, beside the model's load in this process; and requests/s for a Zipf workload
+over 12 models on a budget that holds 4, beside the same workload with all 12 loaded.
+
+    .venv/bin/python -m tests.bench.bench_many_models [--cold N] [--seconds S]
+
+Cold loads: per size, one ``zeroserve serve`` (one worker, ``--load-on-demand``) on a
+budget that holds one or two models of that size, asked in turn for three of them at
+C=1, so every request waits for a load (the previous model is evicted for it); its
+latency is the cold-load wait. Beside it: ``torch.jit.load`` and a first batch of the
+same file in this process.
+
+Zipf: 12 models of 8 MB, each request's model drawn from Zipf(``--zipf``) (model k with
+weight 1/k^s) at C=``--concurrency`` through the direct client, for ``--seconds`` after
+a warm-up: first with ``--load-on-demand`` on a budget of the worker's context and
+about 4 models, then with no budget and all 12 loaded. The goal (issue 33): at least 80%
+of the all-loaded throughput with Zipf(1.1) at C=16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.bench.harness import start
+from tests.conftest import Server, linear_config, short_tmpdir, write_model
+from zeroserve.broker.client import AsyncClient, Client, InferError
+
+X = np.ones((1, 4), np.float32)
+OVERHEAD_BYTES = 600_000      # what a loaded model holds beyond its weights, measured
+# hidden width -> weights: 4 x h + h x h/2 + h/2 x 3 floats
+SIZES = {"2 MB": 1000, "8 MB": 2000, "32 MB": 4000}
+
+
+def factory(ident: int, hidden: int) -> str:
+    """A model whose every output is its own number, with weights to place."""
+    return (f"(lambda s: (nn.init.zeros_(s[-1].weight), nn.init.constant_(s[-1].bias, "
+            f"{ident}.0), s)[-1])(nn.Sequential(nn.Linear(4, {hidden}), "
+            f"nn.Linear({hidden}, {hidden // 2}), nn.Linear({hidden // 2}, 3)))")
+
+
+def weights_bytes(hidden: int) -> int:
+    return 4 * (4 * hidden + hidden + hidden * (hidden // 2) + hidden // 2
+                + (hidden // 2) * 3 + 3)
+
+
+def repo_of(count: int, hidden: int) -> Path:
+    repo = short_tmpdir("zsbench")
+    for i in range(count):
+        write_model(repo, f"m{i}", 1, factory(i, hidden), linear_config(f"m{i}"))
+    return repo
+
+
+def in_process_load_ms(path: Path, n: int = 5) -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    took = []
+    for _ in range(n):
+        t = time.perf_counter()
+        module = torch.jit.load(str(path))
+        with torch.inference_mode():
+            module(torch.from_numpy(X))
+        took.append((time.perf_counter() - t) * 1000)
+    return statistics.median(took)
+
+
+def context_bytes() -> int:
+    """A CPU worker's context as its worker measures it, measured here the same way."""
+    import torch
+
+    from zeroserve.workers.memory import context_cost
+
+    torch.set_num_threads(1)
+    return int(context_cost("cpu")["context_bytes"])
+
+
+def budget_for(models: float, hidden: int, context: int) -> int:
+    return context + int(models * (weights_bytes(hidden) + OVERHEAD_BYTES))
+
+
+def cold_waits(label: str, hidden: int, count: int, context: int) -> dict[str, Any]:
+    repo = repo_of(3, hidden)
+    budget = budget_for(1.5, hidden, context)
+    srv = start(repo, threads=1, extra=["--load-on-demand", "--memory-budget", str(budget),
+                                        "--load-on-demand-min-residency-s", "0"])
+    waits: list[float] = []
+    try:
+        with Client(srv.frontend, timeout_s=60) as c:
+            for i in range(count + 3):
+                name = f"m{i % 3}"
+                t = time.perf_counter()
+                res = c.infer(name, {"input": X}, timeout_ms=60_000)
+                if i >= 3:   # the first three are the first loads of each file
+                    waits.append((time.perf_counter() - t) * 1000)
+                assert res.outputs["output"][0, 0] == float(name[1:])
+            log = srv.log()
+            evictions = sum(1 for line in log.splitlines() if "evicted m" in line)
+            # the worker's own load and warm-up, as its log says: the rest of the wait
+            # is the broker's, the messages' and the unload of the model evicted for it
+            worker_s = [float(s) for s in re.findall(r"loaded m\d/1 \(sha256 \w+, "
+                                                     r"[\d.]+ MB, ([\d.]+)s\)", log)]
+    finally:
+        srv.stop()
+    local = in_process_load_ms(repo / "m0" / "1" / "model.pt")
+    shutil.rmtree(repo, ignore_errors=True)
+    waits.sort()
+    return {"size": label, "weights_bytes": weights_bytes(hidden),
+            "wait_p50_ms": statistics.median(waits),
+            "wait_p99_ms": waits[min(len(waits) - 1, int(len(waits) * 0.99))],
+            "in_process_load_ms": local, "cold_requests": len(waits),
+            "worker_load_p50_ms": 1000 * statistics.median(worker_s) if worker_s else None,
+            "evictions": evictions}
+
+
+async def zipf_load(frontend: str, names: list[str], s: float, concurrency: int,
+                    warmup_s: float, seconds: float) -> dict[str, Any]:
+    weights = 1.0 / np.arange(1, len(names) + 1) ** s
+    weights /= weights.sum()
+    done, errors, wrong = 0, 0, 0
+    why: dict[str, str] = {}
+    async with AsyncClient(frontend) as client:
+        assert await client.wait_connected(10)
+        start_s = time.monotonic()
+        count_from, end = start_s + warmup_s, start_s + warmup_s + seconds
+
+        async def lane(seed: int) -> None:
+            nonlocal done, errors, wrong
+            rng = np.random.default_rng(seed)
+            while (now := time.monotonic()) < end:
+                name = names[int(rng.choice(len(names), p=weights))]
+                try:
+                    res = await client.infer(name, {"input": X}, timeout_ms=60_000)
+                    ok = res.outputs["output"][0, 0] == float(name[1:])
+                    if now >= count_from:
+                        done += 1
+                        wrong += int(not ok)
+                except InferError as exc:
+                    why.setdefault(exc.code.value, str(exc)[:300])
+                    if now >= count_from:
+                        errors += 1
+        await asyncio.gather(*(lane(i) for i in range(concurrency)))
+    return {"rps": done / seconds, "requests": done, "errors": errors, "wrong": wrong,
+            "error_kinds": why}
+
+
+def zipf_run(on_demand: bool, args: argparse.Namespace, context: int) -> dict[str, Any]:
+    hidden = SIZES["8 MB"]
+    repo = repo_of(12, hidden)
+    extra = ["--load-on-demand", "--memory-budget", str(budget_for(4.5, hidden, context)),
+             "--load-on-demand-min-residency-s", str(args.min_residency_s),
+             "--load-on-demand-max-loads-per-minute", str(args.max_loads_per_minute)] \
+        if on_demand else []
+    srv: Server = start(repo, extra=extra)
+    try:
+        names = [f"m{i}" for i in range(12)]
+        if not on_demand:   # every model warm before the clock starts
+            with Client(srv.frontend, timeout_s=60) as c:
+                for name in names:
+                    c.infer(name, {"input": X})
+        got = asyncio.run(zipf_load(srv.frontend, names, args.zipf, args.concurrency,
+                                    args.warmup_s, args.seconds))
+        with Client(srv.control, timeout_s=10) as c:
+            status = c.control("status")
+        got["held_at_end"] = len(status["workers"][0]["models"])
+        got["loads_last_minute"] = (status.get("load_on_demand") or {}).get(
+            "loads_last_minute", 0)
+    finally:
+        srv.stop()
+    shutil.rmtree(repo, ignore_errors=True)
+    return got
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cold", type=int, default=20, help="cold requests per model size")
+    ap.add_argument("--seconds", type=float, default=20.0, help="each Zipf run, measured")
+    ap.add_argument("--warmup-s", type=float, default=3.0)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--skip-cold", action="store_true", help="the Zipf runs only")
+    ap.add_argument("--min-residency-s", type=float, default=1.0,
+                    help="--load-on-demand-min-residency-s of the on-demand Zipf run")
+    ap.add_argument("--max-loads-per-minute", type=int, default=120,
+                    help="--load-on-demand-max-loads-per-minute of the on-demand Zipf run")
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    args = ap.parse_args()
+
+    context = context_bytes()
+    cold = [] if args.skip_cold else [cold_waits(label, hidden, args.cold, context)
+                                      for label, hidden in SIZES.items()]
+    print(f"cold-load wait, C=1, {args.cold} requests per size, each one waiting a load")
+    print(f"  {'size':<7} {'p50 ms':>8} {'p99 ms':>8} {'worker load p50 ms':>19} "
+          f"{'in-process load ms':>19}")
+    for row in cold:
+        print(f"  {row['size']:<7} {row['wait_p50_ms']:>8.1f} {row['wait_p99_ms']:>8.1f} "
+              f"{row['worker_load_p50_ms'] or float('nan'):>19.1f} "
+              f"{row['in_process_load_ms']:>19.1f}")
+    lazy = zipf_run(True, args, context)
+    loaded = zipf_run(False, args, context)
+    ratio = lazy["rps"] / loaded["rps"] if loaded["rps"] else 0.0
+    print(f"Zipf({args.zipf}) over 12 models of 8 MB, C={args.concurrency}, "
+          f"{args.seconds:g} s each")
+    for label, got in (("4-model budget, on demand", lazy), ("all 12 loaded", loaded)):
+        print(f"  {label:<26} {got['rps']:>8.0f} req/s  errors {got['errors']}  "
+              f"wrong {got['wrong']}  held at end {got['held_at_end']}  "
+              f"loads in the last minute {got['loads_last_minute']}")
+        for code, text in got["error_kinds"].items():
+            print(f"    {code}: {text}")
+    print(f"  on demand / all loaded     {100 * ratio:.0f}% (goal: >= 80%)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cold": cold, "zipf_on_demand": lazy,
+                                               "zipf_all_loaded": loaded,
+                                               "ratio": ratio}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,279 @@
+"""Load on demand in the broker without sockets (outboxes are lists, the clock a number),
+on real model files: a request for an available model loads it once however many ask,
+the least recently used idle model makes room after its minimum residency and never
+one with work queued, a deadline shorter than the predicted load is refused at once,
+the loads-per-minute bound answers 503 with Retry-After, and a worker lost while loading
+answers each waiting request once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from tests.broker.rig import BrokerRig
+from tests.conftest import examples, linear_config
+from zeroserve.broker import protocol as p
+from zeroserve.broker.server.ondemand import OnDemandOptions
+from zeroserve.broker.server.pool import Loss
+
+WEIGHTS = (1000 * 1000 + 1000) * 4      # nn.Linear(1000, 1000): 4.0 MB
+BUDGET = 9_000_000                      # two of them
+
+
+class Rig(BrokerRig):
+    def __init__(self, repo: Path, **opts: Any) -> None:
+        super().__init__(repo, on_demand=OnDemandOptions(enabled=True, **opts))
+        self.rid = 0
+
+    def model(self, name: str) -> None:
+        self.add_model(name, linear_config(name, 1000, 1000), factory="nn.Linear(1000, 1000)")
+
+    def ask(self, model: str, timeout_ms: float = 0.0) -> str:
+        self.rid += 1
+        req = p.InferRequest(f"r{self.rid}", model,
+                             [p.from_numpy("input", np.ones((1, 1000), np.float32))],
+                             timeout_ms=timeout_ms)
+        self.b.on_frontend(b"gw", [bytes(f) for f in p.encode_request(req)])
+        return req.request_id
+
+    def load_done(self, wid: str, name: str) -> None:
+        self.loaded(wid, name, 1, footprint_bytes=WEIGHTS, resident_bytes=WEIGHTS)
+        self.tick()
+
+    def errors(self) -> list[p.ErrorReply]:
+        out = []
+        for _, frames in self.to_clients:
+            kind, header, _ = p.unpack(frames)
+            if kind is p.Kind.ERROR:
+                out.append(p.decode_error(header))
+        return out
+
+    def state(self, name: str) -> str:
+        return str(self.b.ondemand.describe(name)["state"])
+
+    def census_empty(self) -> bool:
+        return not any(self.b.requests.census().values())
+
+
+def rig_with(tmp_path: Path, names: str, **opts: Any) -> Rig:
+    rig = Rig(tmp_path, **opts)
+    for name in names:
+        rig.model(name)
+    rig.worker("w", "cpu", budget=BUDGET, context_bytes=0)
+    return rig
+
+
+def test_concurrent_requests_share_one_load_and_are_served_once_it_ends(tmp_path: Path) -> None:
+    rig = rig_with(tmp_path, "abc")
+    assert rig.loads("w") == [], "nothing loads before it is asked for"
+    assert [rig.state(n) for n in "abc"] == ["available"] * 3
+    index = rig.b.repository.index({})
+    assert {e["state"] for e in index} == {"AVAILABLE"}, index
+    rig.ask("a")
+    rig.ask("a")
+    rig.tick()
+    assert rig.loads("w") == ["a/1"], "one load for both"
+    assert rig.state("a") == "loading"
+    rig.now += 0.2
+    rig.load_done("w", "a")
+    assert rig.state("a") == "ready"
+    rig.run_batches("w")
+    assert rig.answers() == ["ok", "ok"]
+    assert rig.census_empty()
+    assert rig.b.ondemand.times.predict("a") == 0.2
+    assert 'zeroserve_load_wait_seconds_count{model="a"} 2.0' in rig.b.metrics.render()
+
+
+def test_the_least_recently_used_idle_model_makes_room_never_a_busy_one(tmp_path: Path) -> None:
+    rig = rig_with(tmp_path, "abc", min_residency_s=5.0)
+    for name in "ab":
+        rig.ask(name)
+        rig.load_done("w", name)
+        rig.run_batches("w")
+    rig.ask("a")   # a used last: b is the least recently used
+    rig.run_batches("w")
+    rig.ask("c")
+    rig.tick()
+    assert rig.loads("w") == ["a/1", "b/1"], "a and b are younger than their residency"
+    assert list(rig.b.ondemand.wanted) == ["c"]
+    rig.ask("b")   # b runs now (and is held till its result): it cannot go
+    rig.live("w", 5)
+    assert rig.loads("w") == ["a/1", "b/1", "c/1"]
+    worker = rig.b.pool.get(b"w")
+    assert {k.name for k in worker.loaded} == {"b"}, "a, idle and past residency, went"
+    assert rig.state("a") == "evicted" and rig.state("c") == "loading"
+    assert "least recently used idle model" in rig.b.ondemand.describe("a")["reason"]
+    rig.load_done("w", "c")
+    rig.run_batches("w")
+    assert rig.answers().count("ok") == 5 and rig.census_empty()
+    text = rig.b.metrics.render()
+    assert 'zeroserve_model_evictions_total{model="a",reason="room"} 1.0' in text
+    assert 'zeroserve_model_loads_on_demand_total{model="c",reason="request"} 1.0' in text
+
+
+def test_a_deadline_shorter_than_the_predicted_load_is_refused_at_once(tmp_path: Path) -> None:
+    rig = rig_with(tmp_path, "a")
+    rig.ask("a", timeout_ms=50)   # the default prediction: 1 s
+    [err] = rig.errors()
+    assert err.code is p.ErrorCode.DEADLINE
+    assert "loading model 'a' takes about 1000 ms" in err.message
+    rig.tick()
+    assert rig.loads("w") == [], "a refused request starts no load"
+    rig.ask("a", timeout_ms=5000)
+    rig.tick()
+    assert rig.loads("w") == ["a/1"] and len(rig.errors()) == 1
+
+
+def test_the_loads_per_minute_bound_answers_503_with_retry_after(tmp_path: Path) -> None:
+    rig = rig_with(tmp_path, "abc", min_residency_s=0.0, max_loads_per_minute=2)
+    for name in "ab":
+        rig.ask(name)
+        rig.load_done("w", name)
+        rig.run_batches("w")
+    rig.now = 10.0
+    rig.ask("c")
+    [err] = rig.errors()
+    assert err.code is p.ErrorCode.UNAVAILABLE and err.retry_after_s is not None
+    assert 49 <= err.retry_after_s <= 51, err.retry_after_s
+    assert "working set does not fit the memory budget" in err.message
+    assert rig.census_empty()
+
+
+def test_a_worker_lost_while_loading_answers_each_waiting_request_once(tmp_path: Path) -> None:
+    rig = rig_with(tmp_path, "a")
+    ids = [rig.ask("a") for _ in range(3)]
+    rig.tick()
+    assert rig.loads("w") == ["a/1"]
+    rig.b._lose(rig.b.pool.get(b"w"), Loss.CRASHED)
+    rig.tick()
+    errors = rig.errors()
+    assert sorted(e.request_id for e in errors) == sorted(ids), "each answered once"
+    assert all(e.code is p.ErrorCode.WORKER_LOST and "lost while loading model 'a'"
+               in e.message for e in errors)
+    assert rig.census_empty() and not rig.b.ondemand.loads
+    rig.worker("w", "cpu", budget=BUDGET, context_bytes=0)   # it comes back
+    rig.ask("a")
+    rig.tick()
+    assert rig.loads("w") == ["a/1", "a/1"], "the next request loads it again"
+
+
+def test_a_failed_load_answers_the_waiting_requests_with_its_error(tmp_path: Path) -> None:
+    rig = rig_with(tmp_path, "a")
+    rig.ask("a")
+    rig.tick()
+    rig.from_worker("w", p.ModelLoaded("a", 1, False, error="boom"))
+    rig.tick()
+    [err] = rig.errors()
+    assert err.code is p.ErrorCode.UNAVAILABLE and "boom" in err.message
+    assert rig.census_empty()
+
+
+def test_a_load_measured_over_the_room_left_waits_for_room_instead_of_failing(
+        tmp_path: Path) -> None:
+    rig = rig_with(tmp_path, "ab", min_residency_s=0.0)
+    rig.ask("a")
+    rig.load_done("w", "a")   # its batch is sent and left running: a is busy
+    rig.ask("b")
+    rig.tick()
+    assert rig.loads("w") == ["a/1", "b/1"], "4 MB predicted: it fits beside a"
+    rig.loaded("w", "b", 1, footprint_bytes=6_000_000, resident_bytes=6_000_000)
+    rig.tick()
+    assert rig.errors() == [], "refused for memory while a ran: b's request waits"
+    assert list(rig.b.ondemand.wanted) == ["b"] and "b" not in rig.b.catalog.failures
+    rig.run_batches("w")   # a's batch ends: a is idle and may go
+    assert rig.loads("w") == ["a/1", "b/1", "b/1"]
+    assert rig.state("a") == "evicted"
+    rig.loaded("w", "b", 1, footprint_bytes=6_000_000, resident_bytes=6_000_000)
+    rig.tick()
+    rig.run_batches("w")
+    assert rig.answers() == ["ok", "ok"] and rig.census_empty()
+
+
+def test_a_worker_that_outlived_the_broker_keeps_its_models_on_demand(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.model("a")
+    rig.model("b")
+    w = rig.worker("w", "cpu", budget=BUDGET, context_bytes=0, models=[["a", 1]])
+    assert rig.b.catalog.models["a"].ready == {1} and rig.state("a") == "ready"
+    assert rig.sent(p.Kind.UNLOAD) == [], "held on demand: kept, not unloaded"
+    assert rig.state("b") == "available" and w.holds("a")
+
+
+ACTIONS = st.lists(st.tuples(st.sampled_from(["ask", "tick", "load", "fail", "run", "lose"]),
+                             st.integers(0, 3)), max_size=40)
+
+
+@settings(max_examples=examples(100), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=ACTIONS)
+def test_whatever_happens_each_request_is_answered_once_and_nothing_stays(
+        tmp_path_factory: pytest.TempPathFactory, actions: list[tuple[str, int]]) -> None:
+    """Requests for four models on a worker that holds two, loads that end or fail, time,
+    batches run, the worker lost and back: each request gets one answer, every model
+    with work in flight stays, and once time runs out the broker holds nothing."""
+    rig = rig_with(tmp_path_factory.mktemp("od"), "abcd", min_residency_s=1.0)
+    w = b"w"
+    asked: list[str] = []
+
+    def beat(dt: float) -> None:
+        if rig.b.pool.get(w) is not None:
+            rig.from_worker("w", p.WorkerHeartbeat({}, ""))
+        rig.tick(dt)
+
+    for action, i in actions:
+        worker = rig.b.pool.get(w)
+        if action == "ask":
+            asked.append(rig.ask("abcd"[i], timeout_ms=float(1000 * (i + 1))))
+        elif action == "tick":
+            beat(0.3 * i)
+        elif action in ("load", "fail") and worker is not None and worker.loading:
+            key = sorted(worker.loading)[0]
+            if action == "load":
+                rig.load_done("w", key.name)
+            else:
+                rig.from_worker("w", p.ModelLoaded(key.name, key.version, False, error="x"))
+        elif action == "run" and worker is not None:
+            rig.run_batches("w")
+        elif action == "lose" and worker is not None:
+            rig.b._lose(worker, Loss.CRASHED)
+            rig.worker("w", "cpu", budget=BUDGET, context_bytes=0)
+        worker = rig.b.pool.get(w)
+        if worker is not None:   # nothing evicted from under work in flight
+            busy = rig.b.pool.busy_models(worker)
+            assert busy <= {k.name for k in worker.loaded}, (busy, worker.loaded)
+    for _ in range(80):   # time runs out: loads end, batches run, deadlines pass
+        worker = rig.b.pool.get(w)
+        if worker is not None:
+            for key in sorted(worker.loading):
+                rig.load_done("w", key.name)
+            rig.run_batches("w")
+        beat(0.5)
+    answered: dict[str, int] = {}
+    for _, frames in rig.to_clients:
+        kind, header, bufs = p.unpack(frames)
+        rid = p.decode_error(header).request_id if kind is p.Kind.ERROR else \
+            p.decode_reply(header, bufs).request_id
+        answered[rid] = answered.get(rid, 0) + 1
+    assert answered == {rid: 1 for rid in asked}
+    assert rig.census_empty(), rig.b.requests.census()
+
+
+def test_a_cached_answer_of_a_model_not_loaded_needs_no_load(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, min_residency_s=0.0, max_loads_per_minute=3)
+    for name in "abc":
+        rig.add_model(name, linear_config(name, 1000, 1000, response_cache={"enable": True}),
+                      factory="nn.Linear(1000, 1000)")
+    rig.worker("w", "cpu", budget=BUDGET, context_bytes=0)
+    for name in "abc":   # c's load evicts a, the least recently used
+        rig.ask(name)
+        rig.load_done("w", name)
+        rig.run_batches("w")
+    assert rig.state("a") == "evicted"
+    rig.ask("a")   # the same input as before, with the loads of the minute spent
+    rig.tick()
+    assert rig.loads("w") == ["a/1", "b/1", "c/1"], "answered from the cache: no load"
+    assert rig.answers() == ["ok"] * 4 and rig.errors() == [] and rig.census_empty()

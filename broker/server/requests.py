@@ -285,8 +285,9 @@ class RequestPath:
         self.fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
 
     def _canary_failed(self, rec: Inflight, result: p.BatchResult, now: float) -> None:
-        """A failed batch of a model in a rollout: counted, and once its version has been
-        rolled back, its unpinned requests run again on the version that replaced it."""
+        """A failed batch of a model in a rollout: counted against its version; when that
+        is the canary of a plan that retries, or a version rolled back, its unpinned
+        requests run again (their one retry) on the stable version."""
         assert self.releases is not None and result.error is not None
         self.releases.failed(rec.model, rec.version, len(rec.entries))
         target = self.releases.fallback(rec.model, rec.version)

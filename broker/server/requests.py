@@ -294,9 +294,10 @@ class RequestPath:
         entries = list(rec.entries.values())
         if target is not None and not result.expired:
             rec.entries.clear()
-            self.requeue([e for e in entries if not e.payload.pinned], result.error, now,
-                         version=target)
-            entries = [e for e in entries if e.payload.pinned]
+            again = [e for e in entries if not e.payload.pinned and e.payload.attempts < 1]
+            self.requeue(again, result.error, now, version=target)
+            taken = {id(e) for e in again}
+            entries = [e for e in entries if id(e) not in taken]   # the model's error
         code = p.ErrorCode.DEADLINE if result.expired else p.ErrorCode.MODEL_ERROR
         for entry in entries:
             self.answer_error(entry, code, result.error)

@@ -116,7 +116,9 @@ class Broker:
                                    published=self.repository.published)
         return Lifecycle(self.catalog, self.scheduler, self.pool, self.requests, self.metrics,
                          clock, ctx, self.placement, self.registrar, options=opts,
-                         placed=self.replicas.placed, source=self.repository.source)
+                         placed=self.replicas.placed,
+                         source=lambda found: self.releases.unretired(
+                             self.repository.source(found)))
 
     @property
     def stopping(self) -> bool:

@@ -284,6 +284,20 @@ def memory_plan_lines(plan: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _release_lines(models: dict[str, Any]) -> list[str]:
+    """Rollouts in progress and versions rolled back, one line each."""
+    lines = []
+    for name, m in models.items():
+        r = m.get("rollout")
+        if r and not r.get("outcome"):
+            lines.append(f"{name}: rollout of version {r['canary']} at "
+                         f"{r['weights'][str(r['canary'])]}% (step {r['step'] + 1} of "
+                         f"{len(r['plan']['steps'])}) against version {r['stable']}")
+        for version, why in (m.get("rolled_back") or {}).items():
+            lines.append(f"{name}/{version}: rolled back: {why}")
+    return lines
+
+
 def human(verb: str, result: Any) -> str:
     if verb == "status":
         lines = [f"{'WORKER':<24} {'STATE':<9} {'INFLIGHT':>8} {'RSS MB':>8}  MODELS"]
@@ -310,5 +324,5 @@ def human(verb: str, result: Any) -> str:
                          f"{', '.join(m['workers'])}")
         for name, err in result["errors"].items():
             lines.append(f"{name:<20} ERROR {err}")
-        return "\n".join(lines)
+        return "\n".join(lines + _release_lines(result["models"]))
     return json.dumps(result, indent=2, sort_keys=True)

@@ -333,7 +333,7 @@ def _operate_parsers(sub: Any) -> None:
     p.add_argument("--max-error-rate", type=float, default=None,
                    help="how far the canary's error rate may exceed the stable's")
     p.add_argument("--max-latency-ratio", type=float, default=None,
-                   help="how many times the stable's p99 compute time the canary's may be")
+                   help="how many times the stable's median compute time the canary's may be")
     for name, text in (("rollback", "take VERSION of MODEL (default: the canary of its "
                                     "rollout) out of the traffic at once"),
                        ("promote", "give VERSION of MODEL (default: the canary of its "

@@ -128,7 +128,9 @@ class Broker:
                                    published=self.repository.published)
         return Lifecycle(self.catalog, self.scheduler, self.pool, self.requests, self.metrics,
                          clock, ctx, self.placement, self.registrar, options=opts,
-                         placed=self._placed, source=self.repository.source)
+                         placed=self._placed,
+                         source=lambda found: self.releases.unretired(
+                             self.repository.source(found)))
 
     def _placed(self, cfg: ModelConfig, worker: WorkerState) -> bool:
         """An ensemble is never loaded on a worker: the broker runs it (pipeline.py)."""

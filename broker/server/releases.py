@@ -9,6 +9,7 @@ one by hand. See docs/rollouts.md.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry
@@ -20,6 +21,7 @@ from zeroserve.broker.server.catalog import Catalog, CatalogModel
 from zeroserve.broker.server.control import ControlError, ControlTable
 from zeroserve.broker.server.pool import WorkerPool
 from zeroserve.broker.server.rollout import Rollout, Verdict
+from zeroserve.models.repository import RepoModel
 from zeroserve.models.rolloutplan import Plan, PlanError, parse_plan
 from zeroserve.broker.server.types import Clock, ModelVersion
 
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 # reroute(model, versions, to): unpinned queued requests for ``versions`` go to ``to``
 Reroute = Callable[[str, set[int], int], None]
+Found = tuple[dict[str, RepoModel], dict[str, str]]   # a repository scan
 
 
 class Releases:
@@ -42,6 +45,8 @@ class Releases:
         self.ended: dict[str, dict[str, Any]] = {}    # each model's last rollout, described
         # what the request path reports on: models with a rollout or a rolled-back version
         self.watched: set[str] = set()
+        # versions a promotion retired: kept out of rescans until their folder goes
+        self.retired: dict[str, set[int]] = {}
         self.rollbacks: dict[tuple[str, str], int] = {}   # (model, check): rollbacks
         self.promotions: dict[str, int] = {}
         registry.register(_RolloutMetrics(self))
@@ -70,6 +75,27 @@ class Releases:
             return None
         target = entry.default_version
         return None if target == version else target
+
+    def unretired(self, found: Found) -> Found:
+        """A repository scan without the versions promotions retired (the version policy
+        would bring them back); a retired version whose folder is gone is forgotten, so
+        one added again under its number is served."""
+        if not self.retired:
+            return found
+        models, errors = found
+        out = dict(models)
+        for name, versions in list(self.retired.items()):
+            rm = models.get(name)
+            on_disk = {v for v in versions if rm is not None and
+                       (rm.path / str(v)).is_dir()}
+            if on_disk:
+                self.retired[name] = on_disk
+            else:
+                del self.retired[name]
+            if rm is not None and on_disk & set(rm.versions):
+                out[name] = replace(rm, versions=tuple(v for v in rm.versions
+                                                       if v not in on_disk))
+        return out, errors
 
     # -- time ---------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -127,6 +153,7 @@ class Releases:
         self.catalog.set_weights(name, None)
         if stable != canary:
             self.catalog.retire_version(name, stable)
+            self.retired.setdefault(name, set()).add(stable)
             for worker in list(self.pool.workers.values()):
                 if worker.holds(name, stable):
                     self.pool.retire(worker, ModelVersion(name, stable))

@@ -308,17 +308,19 @@ class RequestPath:
         self.fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
 
     def _canary_failed(self, rec: Inflight, result: p.BatchResult, now: float) -> None:
-        """A failed batch of a model in a rollout: counted, and once its version has been
-        rolled back, its unpinned requests run again on the version that replaced it."""
+        """A failed batch of a model in a rollout: counted against its version; when that
+        is the canary of a plan that retries, or a version rolled back, its unpinned
+        requests run again (their one retry) on the stable version."""
         assert self.releases is not None and result.error is not None
         self.releases.failed(rec.model, rec.version, len(rec.entries))
         target = self.releases.fallback(rec.model, rec.version)
         entries = list(rec.entries.values())
         if target is not None and not result.expired:
             rec.entries.clear()
-            self.requeue([e for e in entries if not e.payload.pinned], result.error, now,
-                         version=target)
-            entries = [e for e in entries if e.payload.pinned]
+            again = [e for e in entries if not e.payload.pinned and e.payload.attempts < 1]
+            self.requeue(again, result.error, now, version=target)
+            taken = {id(e) for e in again}
+            entries = [e for e in entries if id(e) not in taken]   # the model's error
         code = p.ErrorCode.DEADLINE if result.expired else p.ErrorCode.MODEL_ERROR
         for entry in entries:
             self.answer_error(entry, code, result.error)

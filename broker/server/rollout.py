@@ -10,8 +10,11 @@ version answered over the same time:
 
 - errors: the canary's error rate above the stable's by more than ``max_error_rate``,
   with at least ``min_errors`` errors (one unlucky request is not a verdict);
-- latency: the canary's p99 compute time above ``max_latency_ratio`` times the stable's
-  and above it by ``latency_floor_ms`` at least (both over their last samples).
+- latency: the canary's median compute time above ``max_latency_ratio`` times the
+  stable's and above it by ``latency_floor_ms`` at least (both over their most recent
+  samples; the p99s are reported beside). The median, not the p99: on a loaded host one
+  stalled batch sets a small sample's p99, and must neither roll back a healthy canary
+  nor hide a slow one behind a stalled stable version.
 
 Neither check runs before the canary has answered ``min_requests`` requests, and a step
 ends only after its dwell time *and* ``min_requests`` answers of the canary in it: a
@@ -45,16 +48,20 @@ class Counts:
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
 
-    def p99_s(self) -> float | None:
+    def quantiles_s(self) -> tuple[float, float] | None:
+        """The median and p99 of the recent compute times (None without any)."""
         if not self.samples:
             return None
         ordered = sorted(self.samples)
-        return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+        at = [min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+              for q in (0.5, 0.99)]
+        return ordered[at[0]], ordered[at[1]]
 
     def describe(self) -> dict[str, Any]:
-        p99 = self.p99_s()
+        q = self.quantiles_s()
         return {"requests": self.requests, "errors": self.errors,
-                "p99_ms": None if p99 is None else round(p99 * 1000.0, 3)}
+                "p50_ms": None if q is None else round(q[0] * 1000.0, 3),
+                "p99_ms": None if q is None else round(q[1] * 1000.0, 3)}
 
 
 @dataclass(frozen=True)
@@ -110,13 +117,17 @@ class Rollout:
         if new.errors >= t.min_errors and new.error_rate - old.error_rate > t.max_error_rate:
             return (f"error rate {new.error_rate:.1%} over {new.requests} requests against "
                     f"{old.error_rate:.1%} for version {self.stable}")
-        new_p99, old_p99 = new.p99_s(), old.p99_s()
-        if new_p99 is not None and old_p99 is not None and len(new.samples) >= \
-                t.min_requests and len(old.samples) >= t.min_requests \
-                and new_p99 > old_p99 * t.max_latency_ratio \
-                and new_p99 - old_p99 > t.latency_floor_ms / 1000.0:
-            return (f"p99 compute time {new_p99 * 1000:.1f} ms against "
-                    f"{old_p99 * 1000:.1f} ms for version {self.stable}")
+        if len(new.samples) < t.min_requests or len(old.samples) < t.min_requests:
+            return ""
+        new_q, old_q = new.quantiles_s(), old.quantiles_s()
+        if new_q is None or old_q is None:
+            return ""
+        (new_p50, new_p99), (old_p50, old_p99) = new_q, old_q
+        if new_p50 > old_p50 * t.max_latency_ratio \
+                and new_p50 - old_p50 > t.latency_floor_ms / 1000.0:
+            return (f"compute time p50 {new_p50 * 1000:.1f} ms and p99 {new_p99 * 1000:.1f} "
+                    f"ms against {old_p50 * 1000:.1f} and {old_p99 * 1000:.1f} ms for "
+                    f"version {self.stable}")
         return ""
 
     def decide(self, now: float) -> Verdict | None:

@@ -212,3 +212,19 @@ def test_a_removed_model_leaves_nothing_behind(rig: BrokerRig) -> None:
     rig.tick()
     rel = rig.b.releases
     assert not (rel.ended or rel.rollouts or rel.watched or rel.rollbacks)
+
+
+def test_zeroserve_models_names_the_rollout_and_the_rolled_back(rig: BrokerRig) -> None:
+    from zeroserve.broker.admin import human
+
+    start(rig, steps=[5, 100], dwell_s=60.0)
+    text = human("models", _models(rig))
+    assert "m: rollout of version 2 at 5% (step 1 of 2) against version 1" in text
+    rig.b.releases.rollback_verb({"model": "m"})
+    assert "m/2: rolled back: rolled back by hand" in human("models", _models(rig))
+
+
+def _models(rig: BrokerRig) -> Any:
+    frames = rig.b.control.handle(p.ControlRequest("c1", "models", {}), on_frontend=False)
+    kind, header, _ = p.unpack([bytes(f) for f in frames])
+    return p.decode(p.ControlReply, header).result

@@ -78,7 +78,27 @@ def test_a_ten_times_slower_canary_rolls_back_on_latency() -> None:
     feed(r, 4, 20, compute_s=0.020)
     verdict = r.decide(1.0)
     assert verdict is not None and verdict.action == "rollback"
-    assert verdict.reason.startswith("p99 compute time 20.0 ms")
+    assert verdict.reason.startswith("compute time p50 20.0 ms")
+
+
+def test_one_stalled_batch_is_no_verdict() -> None:
+    """A loaded host stalls a batch now and then: the canary's p99 is that stall, its
+    median is not, and the median decides."""
+    r = Rollout(4, 2, PLAN, now=0.0)
+    feed(r, 2, 200, compute_s=0.002)
+    feed(r, 4, 19, compute_s=0.002)
+    r.observe(4, 1, 0, 0.200)
+    assert r.counts[4].describe()["p99_ms"] == 200.0
+    assert r.decide(1.0) is None
+
+
+def test_a_stalled_stable_version_hides_no_slow_canary() -> None:
+    r = Rollout(4, 2, PLAN, now=0.0)
+    feed(r, 2, 195, compute_s=0.002)
+    feed(r, 2, 5, compute_s=0.100)   # its p99 is 100 ms
+    feed(r, 4, 20, compute_s=0.020)
+    verdict = r.decide(1.0)
+    assert verdict is not None and verdict.action == "rollback"
 
 
 def test_a_slower_canary_under_the_floor_is_kept() -> None:

@@ -44,9 +44,8 @@ class Model:
         time.sleep({sleep_s})  # noqa: sleep-ok (each version has a known service time)
         return {{"output": x[:, :3] * 0.0 + {version}.0}}
 '''
-# a loaded test host stalls a batch now and then: the latency check wants a clear margin
 PLAN = {"steps": [10, 50, 100], "dwell_s": 0.3, "min_requests": 20, "min_errors": 3,
-        "max_error_rate": 0.05, "max_latency_ratio": 3.0, "latency_floor_ms": 25.0}
+        "max_error_rate": 0.05, "max_latency_ratio": 3.0, "latency_floor_ms": 10.0}
 SERVICE_S = 0.005
 KEYS = 40
 
@@ -176,7 +175,6 @@ def test_canary_promoted_then_faulty_and_slow_ones_rolled_back(server: Server) -
         assert promoted["outcome"] == "promoted", promoted
         m = control(server, "models")["models"]["m"]
         assert m["ready"] == [2] and m["default_version"] == 2
-        shutil.rmtree(repo / "m" / "1")   # retired: else the version policy keeps it
 
         # version 3 fails a fifth of its inputs: rolled back on errors
         add_version(repo, 3, fails=True)
@@ -188,14 +186,16 @@ def test_canary_promoted_then_faulty_and_slow_ones_rolled_back(server: Server) -
         wait_for(lambda: len([a for a in load.answers.all() if a[0] > decided_s + 1.0]) > 50,
                  30, "answers after the rollback")
 
-        # the bad build leaves; version 4 is ten times slower: rolled back on latency
+        # the bad build leaves; version 1, retired, stays out though its folder is there
+        # and the version policy (the newest 2) names it; version 4 is ten times slower:
+        # rolled back on latency
         shutil.rmtree(repo / "m" / "3")
         wait_for(lambda: control(server, "models")["models"]["m"]["versions"] == [2], 30,
                  "version 3 to be removed")
         add_version(repo, 4, sleep_s=10 * SERVICE_S)
         slow = wait_for(lambda: ended(server, 4), 60, "version 4's rollout to end")
-        assert slow["outcome"] == "rolled back", slow
-        assert "p99 compute time" in control(server, "models")["models"]["m"][
+        assert slow["outcome"] == "rolled back", json.dumps(slow)
+        assert "compute time p50" in control(server, "models")["models"]["m"][
             "rolled_back"]["4"]
     finally:
         answers = load.finish()

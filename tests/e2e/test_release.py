@@ -3,11 +3,13 @@ drives it: version 2 pushed over the API (``POST /v1/models/m/versions``), canar
 routing key under the config's plan, stepped to 100 % and promoted; version 3, which
 raises on a fifth of its inputs, pushed with ``zeroserve push``, rolled back by itself;
 version 4, ten times slower, uploaded, held at 50 % by ``zeroserve rollout`` and rolled
-back on latency. Every answer's build (X-Model-Build, ``InferResult.build``) is the
-version its output names; one key meets one version while the weights hold; every
-request is answered exactly once, none fails, and the census is empty at the end. Then
-the same with a pool of one local worker and one remote one over tcp:// with CurveZMQ
-(in a network namespace of its own when the tests run as root)."""
+back on latency; version 5, the fix, canaried against version 2 (which the version
+policy would have unloaded for the two rolled back) and promoted. Every answer's build
+(X-Model-Build, ``InferResult.build``) is the version its output names; one key meets
+one version while the weights hold; every request is answered exactly once, none fails,
+and the census is empty at the end. Then the same with a pool of one local worker and
+one remote one over tcp:// with CurveZMQ (in a network namespace of its own when the
+tests run as root)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ import json
 import os
 import re
 import shutil
-import time
 import signal
 import subprocess
 import sys
+import time
 from typing import Iterator
 
 import pytest
@@ -161,6 +163,15 @@ def test_a_release_end_to_end(release: Release) -> None:
         held_from = time.monotonic()   # the verb has answered: 50 % holds
         slow = wait_for(lambda: ended(srv, 4), 60, "version 4's rollout to end")
         assert slow["outcome"] == "rolled back" and slow["plan"]["steps"] == [50, 100], slow
+
+        # version 5, the fix: the newest 3 are 3, 4 and 5, both rolled back but 5, yet
+        # version 2 stays loaded for it to be canaried against, and retires once 5 is
+        # promoted
+        status, doc = push(srv.url, "m", {"model_path": str(write_version(imports / "v5", 5))})
+        assert status == 201, doc
+        builds[5] = doc["sha256"]
+        fixed = wait_for(lambda: ended(srv, 5), 60, "version 5's rollout to end")
+        assert fixed["outcome"] == "promoted" and fixed["stable"] == 2, fixed
     finally:
         answers = load.finish()
 
@@ -171,7 +182,8 @@ def test_a_release_end_to_end(release: Release) -> None:
     index = {(e["name"], e["version"]): e for e in json.loads(raw)}
     assert index["m", "3"]["reason"].startswith("rolled back: error rate"), index
     assert index["m", "4"]["reason"].startswith("rolled back: compute time"), index
-    assert index["m", "2"]["state"] == "READY" and ("m", "1") not in index, index
+    assert index["m", "5"]["state"] == "READY" and ("m", "1") not in index \
+        and ("m", "2") not in index, index
 
     got = answers.all()
     assert len(got) == answers.sent, "a request was not answered exactly once"
@@ -179,12 +191,13 @@ def test_a_release_end_to_end(release: Release) -> None:
     assert not failed, failed[:3]   # what version 3 failed ran again on version 2
     wrong = [a for a in got if a.build != f"{a.outcome}/{builds[int(a.outcome)]}"]
     assert not wrong, wrong[:3]     # the build named is the one that computed
-    assert {a.outcome for a in got} == {1, 2, 3, 4}
+    assert {a.outcome for a in got} == {1, 2, 3, 4, 5}
     for version, decided in ((1, promoted["ended_s"]), (3, back["ended_s"]),
-                             (4, slow["ended_s"])):
+                             (4, slow["ended_s"]), (2, fixed["ended_s"])):
         late = [a for a in got if a.sent > decided and a.outcome == version]
         assert not late, (version, late[:3])
     never_back(answers, 1, 2)
+    never_back(answers, 2, 5)
     held_at_50(answers, held_from, slow["ended_s"])
     if release.worker is not None:   # both workers computed answers
         assert release.worker.poll() is None, release.worker_log.read_text()

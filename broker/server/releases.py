@@ -77,11 +77,12 @@ class Releases:
         return None if target == version else target
 
     def unretired(self, found: Found) -> Found:
-        """A repository scan without the versions promotions retired (the version policy
-        would bring them back); a retired version whose folder is gone is forgotten, so
-        one added again under its number is served."""
-        if not self.retired:
-            return found
+        """A repository scan as the releases need it: without the versions promotions
+        retired (the version policy would bring them back; a retired version whose
+        folder is gone is forgotten, so one added again under its number is served), and
+        with the version serving now kept beside rolled-back ones: a version policy of
+        the newest N counts a rolled-back version, so the next push would otherwise
+        unload the one healthy version and go live with nothing to compare it with."""
         models, errors = found
         out = dict(models)
         for name, versions in list(self.retired.items()):
@@ -95,6 +96,14 @@ class Releases:
             if rm is not None and on_disk & set(rm.versions):
                 out[name] = replace(rm, versions=tuple(v for v in rm.versions
                                                        if v not in on_disk))
+        for name in self.watched:
+            rm, entry = out.get(name), self.catalog.get(name)
+            if rm is None or entry is None or not set(entry.failed) & set(rm.versions):
+                continue
+            serving = entry.default_version
+            if serving not in rm.versions and serving not in entry.failed \
+                    and (rm.path / str(serving)).is_dir():
+                out[name] = replace(rm, versions=tuple(sorted((*rm.versions, serving))))
         return out, errors
 
     # -- time ---------------------------------------------------------------------

@@ -228,3 +228,18 @@ def _models(rig: BrokerRig) -> Any:
     frames = rig.b.control.handle(p.ControlRequest("c1", "models", {}), on_frontend=False)
     kind, header, _ = p.unpack([bytes(f) for f in frames])
     return p.decode(p.ControlReply, header).result
+
+
+def test_the_version_serving_stays_beside_rolled_back_ones(rig: BrokerRig) -> None:
+    """The newest 2 are a rolled-back version and a new one: the scan keeps the version
+    serving too (its folder is there), for the new one to be canaried against; without
+    a rolled-back version among them, the policy alone decides."""
+    from zeroserve.models.repository import RepoModel
+
+    rig.b.releases.rollback_verb({"model": "m", "version": 2})
+    assert (rig.repo / "m" / "1").is_dir()
+    found = {"m": RepoModel(rig.b.catalog.models["m"].config, rig.repo / "m", (2, 3))}
+    assert rig.b.releases.unretired((found, {}))[0]["m"].versions == (1, 2, 3)
+    assert found["m"].versions == (2, 3)   # the scan given is left as it was
+    healthy = {"m": RepoModel(found["m"].config, found["m"].path, (3, 4))}
+    assert rig.b.releases.unretired((healthy, {}))[0]["m"].versions == (3, 4)

@@ -11,142 +11,23 @@ repository folder by rename as an operator (or a release pipeline) would."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import threading
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import pytest
 
 from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for
+from tests.e2e.canary import (HANDLER, SERVICE_S, Load, add_version, control, ended,
+                              never_back)
 from tests.e2e.load import cli
-from zeroserve.broker.client import Client, InferError
+from zeroserve.broker.client import Client
 from zeroserve.broker.server.split import pick, point
 
 pytestmark = pytest.mark.timeout(150)
 
-HANDLER = '''
-import time
-
-
-class Model:
-    def load(self, version_dir, device):
-        pass
-
-    def predict(self, inputs):
-        x = inputs["input"]
-        if {fails} and any(int(v) % 5 == 3 for v in x[:, 0]):  # warm-up sends zeros
-            raise ValueError("version {version} fails on this input")
-        time.sleep({sleep_s})  # noqa: sleep-ok (each version has a known service time)
-        return {{"output": x[:, :3] * 0.0 + {version}.0}}
-'''
 PLAN = {"steps": [10, 50, 100], "dwell_s": 0.3, "min_requests": 20, "min_errors": 3,
         "max_error_rate": 0.05, "max_latency_ratio": 3.0, "latency_floor_ms": 10.0}
-SERVICE_S = 0.005
-KEYS = 40
-
-
-def add_version(repo: Path, version: int, fails: bool = False,
-                sleep_s: float = SERVICE_S) -> None:
-    """Written beside the model, then renamed into place: the watcher sees it whole."""
-    tmp = repo / "m" / f".tmp-{version}"
-    tmp.mkdir(parents=True)
-    (tmp / "model.py").write_text(HANDLER.format(version=version, fails=fails,
-                                                 sleep_s=sleep_s))
-    os.rename(tmp, repo / "m" / str(version))
-
-
-@dataclass
-class Answers:
-    """Every answer of the load, by routing key: (time received, version or the error)."""
-
-    by_key: dict[str, list[tuple[float, int | str]]] = field(default_factory=dict)
-    sent: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, key: str, outcome: int | str) -> None:
-        with self.lock:
-            self.by_key.setdefault(key, []).append((time.monotonic(), outcome))
-
-    def all(self) -> list[tuple[float, int | str]]:
-        with self.lock:
-            return [a for answers in self.by_key.values() for a in answers]
-
-
-class Load:
-    """Closed-loop senders until stopped: two direct clients and one HTTP one, each
-    cycling over its own routing keys; a request's first input value names it, so a
-    fifth of them are the inputs version 3 fails on."""
-
-    def __init__(self, srv: Server) -> None:
-        self.srv, self.answers, self.stop = srv, Answers(), threading.Event()
-        self.threads = [threading.Thread(target=self._direct, args=(f"d{i}",), daemon=True)
-                        for i in range(2)]
-        self.threads.append(threading.Thread(target=self._http, daemon=True))
-        self.errors: list[BaseException] = []
-        for t in self.threads:
-            t.start()
-
-    def _keys(self, prefix: str) -> Iterator[tuple[str, np.ndarray]]:
-        n = 0
-        while not self.stop.is_set():
-            n += 1
-            x = np.full((1, 4), float(n), np.float32)
-            with self.answers.lock:
-                self.answers.sent += 1
-            yield f"{prefix}-{n % KEYS}", x
-
-    def _direct(self, prefix: str) -> None:
-        try:
-            with Client(self.srv.frontend, timeout_s=30) as c:
-                for key, x in self._keys(prefix):
-                    try:
-                        res = c.infer("m", {"input": x}, routing_key=key)
-                        self.answers.add(key, int(res.outputs["output"].flat[0]))
-                    except InferError as exc:
-                        self.answers.add(key, exc.message)
-        except BaseException as exc:   # the test fails on it, not the thread alone
-            self.errors.append(exc)
-
-    def _http(self) -> None:
-        try:
-            url = f"{self.srv.url}/v2/models/m/infer"
-            for key, x in self._keys("h"):
-                body = json.dumps({"inputs": [{"name": "input", "shape": [1, 4],
-                                               "datatype": "FP32",
-                                               "data": x.ravel().tolist()}]}).encode()
-                status, _, raw = http("POST", url, body, {"X-Routing-Key": key})
-                doc = json.loads(raw)
-                self.answers.add(key, int(doc["outputs"][0]["data"][0]) if status == 200
-                                 else doc["error"])
-        except BaseException as exc:
-            self.errors.append(exc)
-
-    def finish(self) -> Answers:
-        self.stop.set()
-        for t in self.threads:
-            t.join(40)
-        assert not any(t.is_alive() for t in self.threads), "a sender hangs"
-        assert not self.errors, self.errors
-        return self.answers
-
-
-def control(srv: Server, verb: str, **args: Any) -> Any:
-    with Client(srv.control, timeout_s=10) as c:
-        return c.control(verb, **args)
-
-
-def rollout_of(srv: Server) -> dict[str, Any]:
-    return control(srv, "models")["models"]["m"].get("rollout") or {}
-
-
-def ended(srv: Server, canary: int) -> dict[str, Any] | None:
-    r = rollout_of(srv)
-    return r if r.get("canary") == canary and r.get("outcome") else None
 
 
 @pytest.fixture
@@ -183,7 +64,7 @@ def test_canary_promoted_then_faulty_and_slow_ones_rolled_back(server: Server) -
         m = control(server, "models")["models"]["m"]
         assert "error rate" in m["rolled_back"]["3"]
         decided_s = back["ended_s"]
-        wait_for(lambda: len([a for a in load.answers.all() if a[0] > decided_s + 1.0]) > 50,
+        wait_for(lambda: len([a for a in load.answers.all() if a.got > decided_s + 1.0]) > 50,
                  30, "answers after the rollback")
 
         # the bad build leaves; version 1, retired, stays out though its folder is there
@@ -204,13 +85,9 @@ def test_canary_promoted_then_faulty_and_slow_ones_rolled_back(server: Server) -
     assert len(got) == answers.sent, "a request was not answered exactly once"
     # the plan retries (the default): what version 3 failed, before its rollback and
     # after, ran again on version 2; nothing failed at all
-    failed = [(t - decided_s, o) for t, o in got if isinstance(o, str)]
+    failed = [(a.got - decided_s, a.outcome) for a in got if isinstance(a.outcome, str)]
     assert not failed, failed[:3]
-    # sticky: while version 2 grew, no key went back from 2 to 1
-    for key, seq in answers.by_key.items():
-        versions = [o for _, o in seq if o in (1, 2)]
-        first_two = versions.index(2) if 2 in versions else len(versions)
-        assert 1 not in versions[first_two:], f"key {key} went back to version 1"
+    never_back(answers, 1, 2)   # sticky: while version 2 grew, no key went back to 1
     assert control(server, "census") == {k: 0 for k in control(server, "census")}
 
 

@@ -43,9 +43,12 @@ __all__ = ["DTYPES", "ITEM_BYTES", "Buffer", "ProtocolError", "Tensor", "TensorM
 # every version it speaks and raises VersionMismatch for any other. Version 2 adds
 # REQUESTS and REPLIES (several inference messages in one), sent only to a peer known
 # to speak it: the broker's PONG lists ``versions``; a client that sent REQUESTS gets
-# its replies as REPLIES.
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+# its replies as REPLIES. Version 3 adds WAITING (a handler's batch waits on the models
+# it called, workers/bls.py), sent only to a broker whose LOAD listed version 3: an older
+# broker drops it as malformed, and the nested-call deadlock it prevents would return.
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
+WAITING_VERSION = 3
 
 
 class VersionMismatch(ProtocolError):
@@ -88,7 +91,8 @@ class Kind(bytes, enum.Enum):
 
 
 _KINDS = {k.value: k for k in Kind}
-_SINCE = {Kind.REQUESTS: 2, Kind.REPLIES: 2}   # the version a kind first appeared in
+# the version a kind first appeared in
+_SINCE = {Kind.REQUESTS: 2, Kind.REPLIES: 2, Kind.WAITING: WAITING_VERSION}
 MAX_BUNDLE = 256    # inference messages in one REQUESTS or REPLIES at most
 
 
@@ -403,6 +407,9 @@ class LoadModel:
     # a registration's trial load: {"datatypes": [inputs whose datatype is a guess]};
     # the worker settles those and finds outputs the config lacks (workers/discovery.py)
     discover: dict[str, Any] = field(default_factory=dict)
+    # the protocol versions the broker speaks (WorkerPool.load lists them); absent from an
+    # older broker's LOAD, which speaks version 1 only as far as the worker may assume
+    versions: list[int] = field(default_factory=lambda: [1])
 
 
 @dataclass(frozen=True)

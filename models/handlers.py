@@ -28,6 +28,14 @@ class HandlerError(Exception):
     """A handler that cannot be loaded; the message says why."""
 
 
+class NoModels:
+    """Given as ``models`` where a handler may not call models: a handler that asks for
+    them is refused at load with ``reason``."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
 def _ident(name: str) -> str:
     # model names allow '.', '-': neither may appear in a module name
     return re.sub(r"\W", "_", name)
@@ -133,9 +141,10 @@ def load_handler(model: str, version: int, sha256: str, version_dir: Path,
             if not callable(getattr(handler, method, None)):
                 raise HandlerError(f"{model}/{version}: class Model has no {method}() method")
         if calls_models(handler):
-            if models is None:
+            if models is None or isinstance(models, NoModels):
+                why = models.reason if models is not None else "this process does not offer one"
                 raise HandlerError(f"{model}/{version}: load() asks for a models client, "
-                                   "which this process does not offer")
+                                   f"and {why}")
             handler.load(version_dir, device, models=models)
         else:
             handler.load(version_dir, device)

@@ -47,6 +47,7 @@ from zeroserve.broker import curve, protocol as p
 from zeroserve.broker.liveness import AliveFile
 from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
+from zeroserve.models import handlers
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
 from zeroserve.workers import batching, bls, discovery, memory, streaming
@@ -535,7 +536,7 @@ class Worker:
             cfg = parse_config(msg.config, f"config of {name}", discover=bool(msg.discover))
             loaded = load(cfg, version, Path(msg.path), self.device,
                           memory.settled(self._memory_probe, self.device),
-                          memory.PeakProbe(self.device), settle, self.models_client)
+                          memory.PeakProbe(self.device), settle, self._models_for(msg))
         except (LoadError, ValueError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)
             return p.ModelLoaded(name, version, False, error=str(exc))
@@ -556,6 +557,17 @@ class Worker:
                              memory_bytes=loaded.memory_bytes, load_s=loaded.load_s,
                              memory=loaded.plan,
                              config=loaded.config.to_json() if msg.discover else {})
+
+    def _models_for(self, msg: p.LoadModel) -> Any:
+        """The client a handler that calls models is given: only from a broker that reads
+        WAITING (an older one drops it, and a worker waiting on calls only it can run
+        would deadlock again), so during a rolling upgrade such a handler is refused."""
+        if self.models_client is None or p.WAITING_VERSION in msg.versions:
+            return self.models_client
+        return handlers.NoModels(
+            f"the broker speaks protocol versions {', '.join(map(str, msg.versions))}: a "
+            f"handler that calls models needs a broker of protocol version "
+            f"{p.WAITING_VERSION} or later (upgrade the broker first, docs/bls.md)")
 
     def unload_version(self, name: str, version: int) -> None:
         self._last_run.pop((name, version), None)

@@ -14,7 +14,7 @@ import enum
 import itertools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AbstractSet, Any, Callable, Iterable, Mapping, Sequence
 
 from zeroserve.broker import protocol as p
@@ -402,7 +402,9 @@ class WorkerPool:
     # -- messages to workers ----------------------------------------------------
     def load(self, worker: WorkerState, msg: p.LoadModel) -> None:
         worker._loading.add(ModelVersion(msg.model, msg.version))
-        self._send(worker.identity, p.encode(msg))
+        # the worker learns from it what it may send back (a handler's WAITING: version 3)
+        self._send(worker.identity,
+                   p.encode(replace(msg, versions=list(p.SUPPORTED_VERSIONS))))
 
     def unload(self, worker: WorkerState, model: str, version: int) -> None:
         self._drop(worker, ModelVersion(model, version))

@@ -145,8 +145,8 @@ def test_a_datatype_of_the_wrong_type_is_a_protocol_error(datatype):
 def test_another_protocol_version_names_the_versions_spoken():
     frames = p.encode_request(p.InferRequest("r1", "m", []))
     header = msgpack.unpackb(frames[1])
-    header["v"] = 3
-    with pytest.raises(p.VersionMismatch, match=r"version 3 is not supported .*speaks 1, 2") \
+    header["v"] = 4
+    with pytest.raises(p.VersionMismatch, match=r"version 4 is not supported .*speaks 1, 2, 3") \
             as err:
         p.unpack([frames[0], msgpack.packb(header)])
     assert p.request_id_of(err.value.header) == "r1"
@@ -229,7 +229,7 @@ def test_bundles_round_trip_and_need_version_2():
 def test_version_1_kinds_stay_stamped_1_and_pong_lists_the_versions():
     assert msgpack.unpackb(p.encode_request(p.InferRequest("r", "m", []))[1])["v"] == 1
     kind, header, _ = p.unpack(p.encode(p.Pong()))
-    assert header["v"] == 1 and p.decode(p.Pong, header).versions == [1, 2]
+    assert header["v"] == 1 and p.decode(p.Pong, header).versions == [1, 2, 3]
     # the trace settings' version (broker/tracesettings.py); an older broker's has none
     assert p.decode(p.Pong, p.unpack(p.encode(p.Pong(settings=7)))[1]).settings == 7
     assert p.decode(p.Pong, {"v": 1, "versions": [1]}).settings == 0
@@ -276,3 +276,20 @@ def test_batch_callers_and_waiting_roundtrip() -> None:
         p.decode_batch(header, bufs)
     kind, header, _ = roundtrip(p.encode(p.Waiting(9)))
     assert kind is p.Kind.WAITING and p.decode(p.Waiting, header) == p.Waiting(9)
+
+
+def test_waiting_is_version_3_and_a_load_says_which_versions_its_broker_speaks() -> None:
+    """An older broker drops WAITING as malformed: a worker sends it only to a broker
+    whose LOAD listed version 3, and an older broker's LOAD lists none (version 1)."""
+    kind, header, _ = p.unpack(p.encode(p.Waiting(9)))
+    assert header["v"] == p.WAITING_VERSION == 3
+    load = p.LoadModel("m", 1, "/r/m/1", {}, versions=[1, 2, 3])
+    kind, header, _ = p.unpack(p.encode(load))
+    assert header["v"] == 1 and p.decode(p.LoadModel, header).versions == [1, 2, 3]
+    del header["versions"]
+    assert p.decode(p.LoadModel, header).versions == [1]
+    frames = p.encode(p.Waiting(9))
+    stale = msgpack.unpackb(frames[1])
+    stale["v"] = 2
+    with pytest.raises(p.ProtocolError, match="WAITING needs protocol version 3"):
+        p.unpack([frames[0], msgpack.packb(stale)])

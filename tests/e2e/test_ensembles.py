@@ -22,7 +22,7 @@ import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
-from zeroserve.broker.client import Client
+from zeroserve.broker.client import Client, ErrorCode, InferError
 from tests.conftest import Server, linear_config, short_tmpdir, wait_for, write_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -248,9 +248,18 @@ def test_a_deadline_too_short_is_refused_whole_before_any_step_runs(srv) -> None
     client = thttp.InferenceServerClient(srv.url.removeprefix("http://"))
     http_infer(client, rows(1))   # the preprocess's 20 ms is measured by now
     before = {m: counts(client, m)[0] for m in ("pre", "net", "post")}
+    # straight to the broker: its 5 ms start there, so only the pipeline's check refuses
+    with Client(srv.frontend, timeout_s=10) as c:
+        with pytest.raises(InferError) as direct:
+            c.infer("pipe", {"RAW": rows(2)}, timeout_ms=5)
+    assert direct.value.code is ErrorCode.DEADLINE
+    assert "cannot be met" in str(direct.value) and "'pipe'" in str(direct.value)
+    # through the gateway a loaded machine may spend the 5 ms before the broker sees the
+    # request: the gateway refuses it then, whole as well
     with pytest.raises(InferenceServerException) as err:
         http_infer(client, rows(2), timeout=5000)   # microseconds, as Triton's
-    assert "cannot be met" in str(err.value) and "'pipe'" in str(err.value)
+    assert "cannot be met" in str(err.value) and "'pipe'" in str(err.value) \
+        or "deadline exceeded in the gateway" in str(err.value), err.value
     assert {m: counts(client, m)[0] for m in ("pre", "net", "post")} == before
     quiet(srv)
     client.close()
@@ -294,6 +303,15 @@ def test_a_worker_killed_mid_pipeline_under_load_every_request_answered_once(srv
                 answers.append(outcome)
         client.close()
 
+    def both_hold_the_steps() -> bool:
+        # with --readiness any the ensemble is ready once one worker holds its steps: on
+        # a loaded machine the other may still be loading them, and the kill would leave
+        # no worker to retry on
+        with Client(srv.control, timeout_s=5) as c:
+            held = [set(w["models"]) for w in c.control("status")["workers"]]
+        return len(held) == 2 and all({"pre/1", "net/1", "post/1"} <= h for h in held)
+
+    wait_for(both_hold_the_steps, 90, "both workers to hold every step's model")
     threads = [threading.Thread(target=load, args=(s,)) for s in range(12)]
     for t in threads:
         t.start()
@@ -302,7 +320,11 @@ def test_a_worker_killed_mid_pipeline_under_load_every_request_answered_once(srv
         victim = srv.pids("worker")[0]
         os.kill(victim, signal.SIGKILL)
         seen = len(answers)
-        wait_for(lambda: len(answers) >= seen + 48, 90, "traffic to flow after the kill")
+        # 48 right answers after the kill, not 48 answers: errors (the killed worker's
+        # batch) come back faster than pipelines are served, and on a loaded machine
+        # could fill a count of any answers before the survivor served one
+        wait_for(lambda: answers[seen:].count("ok") >= 48, 90,
+                 "right answers to flow after the kill")
     finally:
         stop.set()
         for t in threads:
@@ -312,7 +334,6 @@ def test_a_worker_killed_mid_pipeline_under_load_every_request_answered_once(srv
     errors = [a for a in answers if a != "ok"]
     for e in errors:   # a failed step is named, and says what happened to it
         assert "of ensemble 'pipe'" in e or "no worker" in e, e
-    assert answers.count("ok") >= 48
     quiet(srv)
     assert not Server.alive(victim)
     wait_for(lambda: len([p for p in srv.pids("worker") if p != victim]) == 2, 60,

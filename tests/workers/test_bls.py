@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,3 +63,45 @@ def test_a_call_past_the_callers_deadline_fails_unsent() -> None:
     assert "'m'" in str(info.value)
     assert told == [] and client.census() == {}    # nothing sent, no socket made
     assert bls.ModelsClient.caller().deadline_s == math.inf   # outside predict()
+
+
+CALLER = '''
+class Model:
+    def load(self, version_dir, device, models):
+        self.models = models
+
+    def predict(self, inputs):
+        return {"y": self.models.infer("m", {"x": inputs["x"]})["y"]}
+'''
+
+
+def test_a_handler_that_calls_models_is_refused_by_a_worker_of_an_older_broker(
+        tmp_path: Path) -> None:
+    """Its batches would tell the broker WAITING, which a broker older than protocol
+    version 3 drops as malformed (the nested-call deadlock would return): the worker
+    refuses such a handler at load, naming why; from a current broker it loads."""
+    from zeroserve.workers.worker import Worker
+
+    vdir = tmp_path / "caller" / "1"
+    vdir.mkdir(parents=True)
+    (vdir / "model.py").write_text(CALLER)
+    config = {"name": "caller", "platform": "python", "max_batch_size": 4,
+              "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+              "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}]}
+    header = {"model": "caller", "version": 1, "path": str(vdir), "config": config}
+    worker = Worker("ipc:///nonexistent", "test/0", device="cpu",
+                    frontend=f"ipc://{tmp_path}/frontend")
+    try:
+        _, old, _ = p.unpack(p.encode(p.LoadModel(**header)))
+        del old["versions"]   # what an older broker's LOAD holds
+        refused = worker.load_version(p.decode(p.LoadModel, old))
+        assert not refused.ok
+        assert "load() asks for a models client" in refused.error
+        assert "protocol version 3 or later" in refused.error
+        assert "speaks protocol versions 1" in refused.error
+        loaded = worker.load_version(p.LoadModel(**header, versions=[1, 2, 3]))
+        assert loaded.ok, loaded.error
+    finally:
+        if worker.models_client is not None:
+            worker.models_client.close()
+        worker.ctx.destroy(linger=0)

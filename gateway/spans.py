@@ -6,7 +6,7 @@ child (workers/spans.py)."""
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from zeroserve.broker import otel
 from zeroserve.broker.traceconfig import OtelConfig
@@ -28,7 +28,8 @@ class GatewaySpans:
         return span, otel.wire_context(span, (caller or {}).get("tracestate", ""))
 
     def end(self, span: otel.Span, stamps: Mapping[str, int], version: int,
-            request_id: str, error: str) -> None:
+            request_id: str, error: str,
+            steps: Sequence[tuple[str, int, Mapping[str, int]]] = ()) -> None:
         """The span ends at its last stamp, the front end's own stamps (Triton's names)
         events on it. The broker's and worker's are the queue and batch spans' bounds
         already: as events too they cost the gateway about 50 µs a request more
@@ -44,7 +45,22 @@ class GatewaySpans:
             span.set_attribute("zeroserve.request_id", request_id)
         if error:
             span.set_status(otel.Status(otel.StatusCode.ERROR, error))
+        self._steps(span, steps, offset)
         span.end(end_time=max(ordered[-1][1], time.monotonic_ns()) + offset)
+
+    def _steps(self, span: otel.Span, steps: Sequence[tuple[str, int, Mapping[str, int]]],
+               offset: int) -> None:
+        """An ensemble's steps (broker/server/pipeline.py): one span each under the
+        request's, from the step's first stamp to its last. The broker exports no span,
+        so the gateway writes them from the stamps the pipeline's answer carries."""
+        parent = otel.wire_context(span) if steps else {}
+        for model, version, got in steps:
+            if not got:
+                continue
+            child = self.exporter.start(
+                "step", parent, min(got.values()) + offset, otel.SpanKind.INTERNAL,
+                {"zeroserve.model": model, "zeroserve.model.version": version})
+            child.end(end_time=max(got.values()) + offset)
 
     def close(self) -> None:
         self.exporter.close()

@@ -296,8 +296,12 @@ class Tracer:
         if reply is not None:
             stamps.update(tracing.core_stamps(reply.trace, sent_ns, received_ns))
             version = reply.version
+        steps = reply.trace.get("steps") if reply is not None and reply.trace else None
+        steps = steps if isinstance(steps, list) else []
         if self.spans is not None and trace.span is not None:
-            self.spans.end(trace.span, stamps, version, request_id, error)
+            self.spans.end(trace.span, stamps, version, request_id, error, [
+                (str(s.get("model", "")), int(s.get("version", 0)),
+                 tracing.core_stamps(s, sent_ns, received_ns)) for s in steps])
             return
         tensors = []
         if trace.tensors:
@@ -305,8 +309,7 @@ class Tracer:
                 [("TENSOR_BACKEND_OUTPUT", *_tensor(t)) for t in outputs]
         trace.sampler.add(tracing.records(trace.trace_id, trace.model, version, stamps,
                                           request_id, trace.context["traceparent"], tensors))
-        steps = reply.trace.get("steps") if reply is not None and reply.trace else None
-        for step in steps if isinstance(steps, list) else ():
+        for step in steps:
             # an ensemble's step, as Triton writes a composing model's: its own id and
             # its ensemble's as parent_id
             step_id = next(self._ids)

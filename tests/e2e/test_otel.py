@@ -70,6 +70,18 @@ class World:
         (self.repo / "counter" / "config.json").write_text(json.dumps({
             **linear_config("counter"), "platform": "python",
             "model_transaction_policy": {"decoupled": True}, "warmup": {"batch_sizes": []}}))
+        # an ensemble of two steps: linear, then head (broker/server/pipeline.py)
+        write_model(self.repo, "head", 1, "nn.Linear(3, 3)", linear_config("head", 3, 3))
+        (self.repo / "pipe" / "1").mkdir(parents=True)
+        (self.repo / "pipe" / "config.json").write_text(json.dumps({
+            "name": "pipe", "platform": "ensemble", "max_batch_size": 8,
+            "inputs": [{"name": "RAW", "datatype": "FP32", "shape": [4]}],
+            "outputs": [{"name": "OUT", "datatype": "FP32", "shape": [3]}],
+            "ensemble_scheduling": {"step": [
+                {"model_name": "linear", "model_version": -1, "input_map": {"input": "RAW"},
+                 "output_map": {"output": "mid"}},
+                {"model_name": "head", "model_version": -1, "input_map": {"input": "mid"},
+                 "output_map": {"output": "OUT"}}]}}))
         self.server = Server(self.repo, extra=[
             "--trace-config", "mode=opentelemetry", "--trace-config",
             f"opentelemetry,url=127.0.0.1:{self.receiver.port}/v1/traces",
@@ -297,3 +309,31 @@ def test_streams_are_traced_over_http_grpc_and_the_direct_client(traced: World) 
     with Client(traced.server.frontend) as c:
         assert len(list(c.stream("counter", {"input": three}, traceparent=tp))) == 3
     check_stream(traced, trace_id, span_id, gateway=False)
+
+
+def test_an_ensemble_gives_one_span_per_step_under_the_requests(traced: World) -> None:
+    """The gateway's span holds one ``step`` span a step, in the graph's order; each
+    step's queue span is the gateway's child too (the step carries the request's
+    context)."""
+    wait_for(lambda: traced.triton.is_model_ready("pipe"), 60, "the ensemble ready")
+    x = httpclient.InferInput("RAW", [1, 4], "FP32")
+    x.set_data_from_numpy(X)
+    tp, trace_id, span_id = caller()
+    traced.triton.infer("pipe", [x], headers={"traceparent": tp})
+
+    def arrived() -> list[Span] | None:
+        got = traced.receiver.of_trace(trace_id)
+        names = sorted(s.name for s in got)
+        return got if names == ["gateway", "queue", "queue", "step", "step"] else None
+    spans = wait_for(arrived, 20, f"the ensemble's spans of {trace_id}")
+    (gateway,) = [s for s in spans if s.name == "gateway"]
+    assert gateway.parent == span_id and gateway.attributes["zeroserve.model"] == "pipe"
+    steps = sorted((s for s in spans if s.name == "step"), key=lambda s: s.start_ns)
+    assert [s.attributes["zeroserve.model"] for s in steps] == ["linear", "head"]
+    for s in steps:
+        assert (s.parent, s.kind) == (gateway.span_id, INTERNAL)
+        assert s.attributes["zeroserve.model.version"] == 1
+        assert gateway.start_ns <= s.start_ns + SKEW_NS
+        assert s.start_ns < s.end_ns <= gateway.end_ns + SKEW_NS
+    assert steps[0].end_ns <= steps[1].start_ns + SKEW_NS   # one after the other
+    assert all(q.parent == gateway.span_id for q in spans if q.name == "queue")

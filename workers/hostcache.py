@@ -5,10 +5,11 @@ deserialization and a warm-up (ModelMesh's and Ray Serve multiplexing's tier).
 Bounded by bytes (``--host-cache-bytes``; each parked version counts the memory its load
 measured), least recently parked out first. A parked version is taken back only when the
 broker names the same content (its sha256) and the same config, and the version's files
-still have the sizes and modification times they had at load: a version changed on disk
-loads from disk. Parked bytes are not the device's: the broker's budget never counts
-them (on a GPU they are moved to host memory; on a CPU they stay in the process, which
-is why the worker's unload check adds them to what may stay resident).
+still have the sizes and modification times they had before its load read them (the
+worker's ``extra["stamp"]``): a version changed on disk loads from disk. Parked bytes
+are not the device's: the broker's budget never counts them (on a GPU they are moved to
+host memory; on a CPU they stay in the process, which is why the worker's unload check
+adds them to what may stay resident).
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ class HostCache:
         if self.limit_bytes <= 0 or not parkable(loaded) \
                 or loaded.memory_bytes > self.limit_bytes:
             return dropped + [loaded]
+        stamp = loaded.extra.get("stamp")   # taken before the load read the files
+        if stamp is None:
+            return dropped + [loaded]
         try:
-            stamp = files_stamp(loaded.version_dir) if loaded.version_dir else ()
             if self.device != "cpu":
                 loaded.fn.to("cpu")
         except (OSError, RuntimeError) as exc:

@@ -50,7 +50,7 @@ from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
 from zeroserve.workers import batching, bls, discovery, memory, streaming
-from zeroserve.workers.hostcache import DEFAULT_HOST_CACHE_BYTES, HostCache
+from zeroserve.workers.hostcache import DEFAULT_HOST_CACHE_BYTES, HostCache, files_stamp
 from zeroserve.workers.callers import CallerThreads
 from zeroserve.workers.channel import BrokerChannel, drain
 from zeroserve.workers.memory import rss_bytes
@@ -542,18 +542,19 @@ class Worker:
             if parked is not None:
                 return parked
         try:
+            stamp = files_stamp(Path(msg.path))   # before the load reads them
             cfg = parse_config(msg.config, f"config of {name}", discover=bool(msg.discover))
             loaded = load(cfg, version, Path(msg.path), self.device,
                           memory.settled(self._memory_probe, self.device),
                           memory.PeakProbe(self.device), settle, self.models_client)
-        except (LoadError, ValueError) as exc:
+        except (LoadError, ValueError, OSError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)
             return p.ModelLoaded(name, version, False, error=str(exc))
         if loaded.calls_models and self.models_client is not None:
             self.models_client.start()   # now: the broker's first answer takes a round trip
         self._load_seq += 1
         loaded.extra["seq"] = self._load_seq
-        loaded.extra["config"] = msg.config
+        loaded.extra.update(config=msg.config, stamp=stamp)
         return self._install(loaded, msg)
 
     def _from_host(self, msg: p.LoadModel) -> p.ModelLoaded | None:

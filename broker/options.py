@@ -126,6 +126,10 @@ def _worker_opts(p: argparse.ArgumentParser) -> None:
                         "a CPU (default 0)")
     p.add_argument("--memory-tolerance-bytes", type=int, default=64 << 20,
                    help="memory an unload may fail to return before the worker is recycled")
+    p.add_argument("--host-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
+                   help="host memory for versions unloaded from the device, so that loading "
+                        "one again is a move instead of a load from disk (0: none; "
+                        "docs/many-models.md)")
 
 
 # with tenants, /metrics names every model and tenant: loopback (a Prometheus on the

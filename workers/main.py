@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -50,9 +51,14 @@ def run(args: argparse.Namespace) -> int:
                     memory_tolerance_bytes=getattr(args, "memory_tolerance_bytes", 64 << 20),
                     memory_budget_bytes=getattr(args, "memory_budget", 0),
                     memory_headroom_bytes=getattr(args, "memory_headroom", None),
+                    host_cache_bytes=getattr(args, "host_cache_bytes", 1 << 30),
                     curve_keys=keys, spans=spans, frontend=endpoints.frontend,
                     alive=AliveFile(alive_path(options.runtime_folder(args), args.index)))
     worker.install_signal_handlers()
+    # what lives as long as the process (torch's modules and ours, the context's first
+    # operations) out of every later full collection: the gc.collect of each load and
+    # unload then walks only what is new, 1 ms instead of ~90-180 ms (on the cold path)
+    gc.freeze()
     logger.info("worker %s on %s, %d torch threads, cores %s, broker %s (pid %d)", worker_id,
                 worker.device, torch.get_num_threads(),
                 affinity.format_cpus(list(os.sched_getaffinity(0))), endpoint, os.getpid())

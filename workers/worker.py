@@ -51,6 +51,7 @@ from zeroserve.models import handlers
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
 from zeroserve.workers import batching, bls, discovery, memory, streaming
+from zeroserve.workers.hostcache import DEFAULT_HOST_CACHE_BYTES, HostCache, files_stamp
 from zeroserve.workers.callers import CallerThreads
 from zeroserve.workers.channel import BrokerChannel, drain
 from zeroserve.workers.memory import rss_bytes
@@ -78,6 +79,7 @@ class Worker:
                  drain_timeout_s: float = 30.0, device: str | None = None,
                  memory_tolerance_bytes: int = DEFAULT_MEMORY_TOLERANCE_BYTES,
                  memory_budget_bytes: int = 0, memory_headroom_bytes: int | None = None,
+                 host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
                  ctx: zmq.Context[Any] | None = None,
                  curve_keys: curve.ClientKeys | None = None,
                  spans: Any = None, frontend: str | None = None,
@@ -123,6 +125,7 @@ class Worker:
         self.memory_budget_bytes = memory_budget_bytes
         self.memory_headroom_bytes = memory_headroom_bytes
         self.context = memory.context_cost(self.device)  # once, before any model
+        self.host_cache = HostCache(host_cache_bytes, self.device)   # loader thread only
         self.recycle_reason = ""
         self._load_seq = 0
         self._bad_log = RateLimitedLog(logger)
@@ -147,6 +150,9 @@ class Worker:
         self.m_model_memory = Gauge("zeroserve_model_memory_bytes",
                                     "Memory a loaded version cost, measured after load",
                                     ["model", "version"], registry=r)
+        self.m_host_cache = Gauge("zeroserve_worker_host_cache_bytes",
+                                  "Memory of the versions parked in host memory "
+                                  "(--host-cache-bytes)", registry=r)
         self.m_gpu = Gauge("zeroserve_gpu_memory_used_bytes", "CUDA memory allocated",
                            registry=r) if self.device.startswith("cuda") else None
 
@@ -532,18 +538,45 @@ class Worker:
         if msg.discover:
             guessed = [str(n) for n in msg.discover.get("datatypes", [])]
             settle = functools.partial(discovery.complete, guessed=guessed)
+        if not msg.discover:
+            parked = self._from_host(msg)
+            if parked is not None:
+                return parked
         try:
+            stamp = files_stamp(Path(msg.path))   # before the load reads them
             cfg = parse_config(msg.config, f"config of {name}", discover=bool(msg.discover))
             loaded = load(cfg, version, Path(msg.path), self.device,
                           memory.settled(self._memory_probe, self.device),
                           memory.PeakProbe(self.device), settle, self._models_for(msg))
-        except (LoadError, ValueError) as exc:
+        except (LoadError, ValueError, OSError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)
             return p.ModelLoaded(name, version, False, error=str(exc))
         if loaded.calls_models and self.models_client is not None:
             self.models_client.start()   # now: the broker's first answer takes a round trip
         self._load_seq += 1
         loaded.extra["seq"] = self._load_seq
+        loaded.extra.update(config=msg.config, stamp=stamp)
+        return self._install(loaded, msg)
+
+    def _from_host(self, msg: p.LoadModel) -> p.ModelLoaded | None:
+        """The version parked in host memory, moved back, when it is the content and
+        config asked for; its memory and plan are its load's (on a CPU it never left
+        the process, so a probe now would read nothing)."""
+        start = time.monotonic()
+        loaded, stale = self.host_cache.take(msg.model, msg.version, msg.sha256, msg.config,
+                                             Path(msg.path))
+        for old in stale:
+            old.release()
+        del stale
+        self.m_host_cache.set(self.host_cache.bytes)
+        if loaded is None:
+            return None
+        loaded.load_s = time.monotonic() - start
+        return self._install(loaded, msg, "from host memory")
+
+    def _install(self, loaded: LoadedModel, msg: p.LoadModel,
+                 source: str = "") -> p.ModelLoaded:
+        name, version = msg.model, msg.version
         with self._models_lock:
             old = self.models.get((name, version))
             self.models[(name, version)] = loaded
@@ -551,8 +584,9 @@ class Worker:
             old.release()
             del old
         self.m_model_memory.labels(name, str(version)).set(loaded.memory_bytes)
-        logger.info("loaded %s/%d (sha256 %s, %.1f MB, %.2fs)", name, version,
-                    loaded.sha256[:12], loaded.memory_bytes / 1e6, loaded.load_s)
+        logger.info("loaded %s/%d (sha256 %s, %.1f MB, %.3fs%s)", name, version,
+                    loaded.sha256[:12], loaded.memory_bytes / 1e6, loaded.load_s,
+                    f", {source}" if source else "")
         return p.ModelLoaded(name, version, True, sha256=loaded.sha256,
                              memory_bytes=loaded.memory_bytes, load_s=loaded.load_s,
                              memory=loaded.plan,
@@ -581,16 +615,26 @@ class Worker:
             self.m_model_memory.remove(name, str(version))
         except KeyError:
             pass
-        # what memory may legitimately stay: models loaded after this one and still held
-        expected = loaded.probe_before + sum(later)
-        loaded.release()
-        del loaded
+        dropped = [loaded] if self.stopping else \
+            self.host_cache.park(loaded, loaded.extra.get("config", {}))
+        parked = all(d is not loaded for d in dropped)
+        # what memory may legitimately stay: models loaded after this one and still held,
+        # in memory or parked (on a CPU), and this one if it is parked
+        expected = loaded.probe_before + sum(later) + self.host_cache.resident_after(
+            loaded.extra.get("seq", 0)) + (loaded.memory_bytes if parked and
+                                           self.device == "cpu" else 0)
+        for old in dropped:
+            old.release()
+        del loaded, dropped
+        self.m_host_cache.set(self.host_cache.bytes)
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()  # back to the device, where the broker's plan sees it
         excess = self._memory_probe() - expected
-        logger.info("unloaded %s/%d (memory %+.1f MB against before its load)", name, version,
-                    excess / 1e6)
+        logger.info("unloaded %s/%d (memory %+.1f MB against before its load%s)", name,
+                    version, excess / 1e6, f"; parked in host memory, "
+                    f"{self.host_cache.bytes} of {self.host_cache.limit_bytes} bytes"
+                    if parked else "")
         if excess > self.memory_tolerance_bytes and not self.stopping:
             self.recycle_reason = (f"memory not returned after unloading {name}/{version}: "
                                    f"{excess / 1e6:.0f} MB above the tolerance of "

@@ -337,7 +337,10 @@ class Placement:
             freed += self._cost(worker, model)
             for version in sorted(worker.versions_of(model)):
                 self.forget((worker.identity, model, version))
-                self.pool.retire(worker, ModelVersion(model, version))
+                # idle, so unloaded now: its UNLOAD goes before the LOAD it makes room
+                # for (never both held at once), and before any reload of it (a retired
+                # version's late UNLOAD would unload the reload)
+                self.pool.unload(worker, model, version)
             self.catalog.routable(self.pool.workers.values(), model)
             self.evicted(worker, model, reason)
             logger.warning("evicted %s from worker %s (least recently used idle model) to "

@@ -257,7 +257,7 @@ class OnDemand:
         del self.loads[name]
         took = now - load.started_s
         self.times.observe(name, took)
-        self.guard.resident(worker.worker_id, name, now, self.times.predict(name))
+        self.guard.resident(worker.worker_id, name, now, self.times.latest(name))
         self.evicted.pop(name, None)
         self.catalog.clear_failure(name)
         wait = self.metrics.load_wait.labels(name)
@@ -310,7 +310,7 @@ class OnDemand:
         return min(start, min(self.wanted.values()) + self.opts.pending_s)
 
     def _residency_s(self, name: str) -> float:
-        return self.guard.residency_s(self.times.predict(name))
+        return self.guard.residency_s(self.times.latest(name))
 
     # -- telling ------------------------------------------------------------------------
     def state(self, name: str) -> tuple[str, str] | None:

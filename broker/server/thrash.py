@@ -28,12 +28,16 @@ class LoadTimes:
     """Seconds from asking for a load to the model serving, per model: the first load
     sets it, later ones move it by :data:`LEARN_WEIGHT`. Before a model's first load, the
     median of the models seen (models of a repository tend to be alike), else
-    :data:`DEFAULT_LOAD_S`."""
+    :data:`DEFAULT_LOAD_S`. :meth:`latest` is the last load's time alone: what loading
+    the model back is likely to cost, now that the worker parks what it unloads (the
+    first load, from disk, weighs on the average for many loads back from the park)."""
 
     def __init__(self) -> None:
         self.learned: dict[str, float] = {}
+        self.last: dict[str, float] = {}
 
     def observe(self, model: str, seconds: float) -> None:
+        self.last[model] = seconds
         old = self.learned.get(model)
         self.learned[model] = seconds if old is None else \
             (1 - LEARN_WEIGHT) * old + LEARN_WEIGHT * seconds
@@ -44,8 +48,13 @@ class LoadTimes:
             return got
         return median(self.learned.values()) if self.learned else DEFAULT_LOAD_S
 
+    def latest(self, model: str) -> float:
+        got = self.last.get(model)
+        return self.predict(model) if got is None else got
+
     def forget(self, model: str) -> None:
         self.learned.pop(model, None)
+        self.last.pop(model, None)
 
 
 class ThrashGuard:

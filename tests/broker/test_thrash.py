@@ -17,6 +17,7 @@ def test_a_load_time_is_learned_per_model_with_a_default_before_the_first() -> N
     assert times.predict("a") == 0.2
     times.observe("a", 1.2)
     assert abs(times.predict("a") - 0.5) < 1e-9   # moves by 0.3 of the difference
+    assert times.latest("a") == 1.2 and times.latest("new") == times.predict("new")
     times.observe("b", 0.1)
     times.observe("c", 0.3)
     assert times.predict("never-loaded") == 0.3   # the median of the models seen

@@ -91,7 +91,8 @@ class OnDemand:
         self._sync_worker = sync_worker
         self._fail = fail
         self._default = default
-        self.times = LoadTimes()
+        self.times = LoadTimes()   # a request's wait for a load, for admission
+        self.costs = LoadTimes()   # the worker's time loading, for the thrash bounds
         self.guard = ThrashGuard(options.min_residency_s, options.max_load_share)
         self.assigned: dict[str, set[bytes]] = {}     # on-demand models: placed where
         self.loads: dict[str, Load] = {}              # loading now
@@ -133,10 +134,11 @@ class OnDemand:
         if not self._candidates(name):
             return Refused(p.ErrorCode.NO_WORKER, f"no worker can load model {name!r}")
         if name not in self.wanted:
-            wait_s = self.guard.load_wait_s(now, predicted)
+            cost_s = self.costs.predict(name)
+            wait_s = self.guard.load_wait_s(now, cost_s)
             if wait_s > 0:
                 return Refused(p.ErrorCode.UNAVAILABLE, (
-                    f"model {name!r} is not loaded (about {predicted:.3g} s to load) and "
+                    f"model {name!r} is not loaded (about {cost_s:.3g} s to load) and "
                     f"the {self.guard.loads_in_window(now)} loads of the last minute took "
                     f"{self.guard.load_s_in_window(now):.3g} s, the bound of "
                     f"{self.guard.budget_s:g} s (--load-on-demand-max-load-share "
@@ -196,7 +198,7 @@ class OnDemand:
         return min(fits)[-1] if fits else None
 
     def _start(self, name: str, now: float, tried: set[bytes] | None = None) -> bool:
-        cost_s = self.times.predict(name)
+        cost_s = self.costs.predict(name)
         if self.guard.load_wait_s(now, cost_s) > 0:
             return False
         worker = self._choose(name, tried or set())
@@ -242,6 +244,7 @@ class OnDemand:
             del self.assigned[name]   # removed: if it comes back, it is asked for anew
             self.evicted.pop(name, None)
             self.times.forget(name)
+            self.costs.forget(name)
         for name, since in list(self.wanted.items()):
             if not self.scheduler.depth(name) or name not in self.catalog.models \
                     or self.pool.holders(name):
@@ -257,7 +260,11 @@ class OnDemand:
         del self.loads[name]
         took = now - load.started_s
         self.times.observe(name, took)
-        self.guard.resident(worker.worker_id, name, now, self.times.latest(name))
+        # what the load cost the worker (it says; 0 from an older worker: the wait)
+        cost_s = max((worker.load_s.get(ModelVersion(name, v), 0.0)
+                      for v in self.catalog.models[name].versions), default=0.0) or took
+        self.costs.observe(name, cost_s)
+        self.guard.resident(worker.worker_id, name, now, self.costs.latest(name))
         self.evicted.pop(name, None)
         self.catalog.clear_failure(name)
         wait = self.metrics.load_wait.labels(name)
@@ -293,7 +300,7 @@ class OnDemand:
             if model is not None and self.on(model.config):
                 self.assigned.setdefault(name, set()).add(worker.identity)
                 self.guard.resident(worker.worker_id, name, self.clock(),
-                                    self.times.predict(name))
+                                    self.costs.predict(name))
 
     def worker_lost(self, worker: WorkerState) -> None:
         for ids in self.assigned.values():
@@ -305,12 +312,12 @@ class OnDemand:
         if not self.wanted:   # a load's end is settled as its LOADED arrives
 
             return None
-        wait_s = min(self.guard.load_wait_s(now, self.times.predict(n)) for n in self.wanted)
+        wait_s = min(self.guard.load_wait_s(now, self.costs.predict(n)) for n in self.wanted)
         start = now + max(wait_s, 0.05)
         return min(start, min(self.wanted.values()) + self.opts.pending_s)
 
     def _residency_s(self, name: str) -> float:
-        return self.guard.residency_s(self.times.latest(name))
+        return self.guard.residency_s(self.costs.latest(name))
 
     # -- telling ------------------------------------------------------------------------
     def state(self, name: str) -> tuple[str, str] | None:

@@ -284,3 +284,21 @@ def test_a_cached_answer_of_a_model_not_loaded_needs_no_load(tmp_path: Path) -> 
     rig.tick()
     assert rig.loads("w") == ["a/1", "b/1", "c/1"], "answered from the cache: no load"
     assert rig.answers() == ["ok"] * 4 and rig.errors() == [] and rig.census_empty()
+
+
+def test_the_thrash_bounds_count_the_workers_load_time_not_the_wait(tmp_path: Path) -> None:
+    """A load back from the worker's host memory takes it milliseconds even when the
+    request waited seconds for it (batches ahead of the LOAD): the residency and the load
+    share count what the worker spent, admission what a request waits."""
+    rig = rig_with(tmp_path, "a", min_residency_s=0.1)
+    rig.ask("a")
+    rig.tick()
+    rig.now += 2.0
+    plan = {"footprint_bytes": WEIGHTS, "resident_bytes": WEIGHTS}
+    rig.from_worker("w", p.ModelLoaded("a", 1, True, sha256=rig.b.catalog.shas["a"][1],
+                                       memory_bytes=WEIGHTS, load_s=0.01, memory=plan))
+    rig.tick()
+    od = rig.b.ondemand
+    assert od.times.predict("a") == 2.0 and od.costs.predict("a") == 0.01
+    assert od.describe("a")["residency_s"] == 0.2, "20 x 10 ms"
+    assert od.guard.evictable_at("w", "a") == rig.now + 0.2

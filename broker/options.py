@@ -80,8 +80,12 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
                         "the least recently used idle models (a model's config may say "
                         "otherwise with load_on_demand)")
     p.add_argument("--load-on-demand-min-residency-s", type=float, default=0.1,
-                   metavar="S", help="a model loaded on demand is not evicted before 20 "
-                                     "times its load time, nor before this")
+                   metavar="S", help="a model loaded on demand is not evicted before "
+                                     "this, however cheap its load")
+    p.add_argument("--load-on-demand-residency-factor", type=float, default=20.0,
+                   metavar="X", help="a model loaded on demand is not evicted before this "
+                                     "many times its last load time (0: the floor "
+                                     "--load-on-demand-min-residency-s alone)")
     p.add_argument("--load-on-demand-max-load-share", type=float, default=0.5,
                    metavar="SHARE", help="of any minute, the share spent loading on "
                                          "demand at most (each load counted at its "

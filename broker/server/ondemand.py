@@ -11,7 +11,7 @@ Admission asks :meth:`OnDemand.admit` first: the predicted load time (learned pe
 thrash.py) counts in the deadline check, and when the load-share bound is spent (the
 seconds spent loading in the last minute) a request is refused at once (503, Retry-After)
 rather than queued to wait for a load that cannot start. A model loaded on demand stays
-at least ``RESIDENCY_FACTOR`` times its load time (``min_residency_s`` at least) before
+at least ``residency_factor`` times its load time (``min_residency_s`` at least) before
 it may be evicted. A model is on demand when its config says ``"load_on_demand": true``, or
 says nothing and the broker runs with ``--load-on-demand``.
 
@@ -52,6 +52,7 @@ class OnDemandOptions:
     enabled: bool = False            # for models whose config does not say
     min_residency_s: float = 0.1     # the floor of the residency thrash.py scales
     max_load_share: float = 0.5      # of each minute spent loading at most; 0: no bound
+    residency_factor: float = RESIDENCY_FACTOR   # x a model's load time it stays at least
     pending_s: float = 30.0          # a load that cannot start for this long gives up
 
 
@@ -93,7 +94,8 @@ class OnDemand:
         self._default = default
         self.times = LoadTimes()   # a request's wait for a load, for admission
         self.costs = LoadTimes()   # the worker's time loading, for the thrash bounds
-        self.guard = ThrashGuard(options.min_residency_s, options.max_load_share)
+        self.guard = ThrashGuard(options.min_residency_s, options.max_load_share,
+                                 options.residency_factor)
         self.assigned: dict[str, set[bytes]] = {}     # on-demand models: placed where
         self.loads: dict[str, Load] = {}              # loading now
         self.wanted: dict[str, float] = {}            # waiting for a load to start, since
@@ -355,4 +357,4 @@ class OnDemand:
                 "max_load_s_per_minute": self.guard.budget_s,
                 "max_load_share": self.opts.max_load_share,
                 "min_residency_s": self.opts.min_residency_s,
-                "residency_factor": RESIDENCY_FACTOR}
+                "residency_factor": self.opts.residency_factor}

@@ -59,13 +59,15 @@ class LoadTimes:
 
 class ThrashGuard:
     """The two thrash bounds. Residency: a model loaded on demand is not evicted before
-    it has been loaded ``max(min_residency_s, RESIDENCY_FACTOR x its load time)``.
+    it has been loaded ``max(min_residency_s, residency_factor x its load time)``.
     Load share: the load starts of any :data:`WINDOW_S`, each counted at its predicted
     load time, sum to at most ``max_load_share`` of the window (0: no bound); a load
     dearer than the whole share may still start in a window with no other load."""
 
-    def __init__(self, min_residency_s: float, max_load_share: float) -> None:
+    def __init__(self, min_residency_s: float, max_load_share: float,
+                 residency_factor: float = RESIDENCY_FACTOR) -> None:
         self.min_residency_s = min_residency_s
+        self.residency_factor = residency_factor
         self.max_load_share = max_load_share
         self.evictable: dict[tuple[str, str], float] = {}   # (worker id, model) -> at
         self.starts: deque[tuple[float, float]] = deque()     # (started at, cost s)
@@ -107,7 +109,7 @@ class ThrashGuard:
 
     # -- residency ----------------------------------------------------------------
     def residency_s(self, load_s: float) -> float:
-        return max(self.min_residency_s, RESIDENCY_FACTOR * load_s)
+        return max(self.min_residency_s, self.residency_factor * load_s)
 
     def resident(self, worker_id: str, model: str, now: float, load_s: float) -> None:
         """The model is loaded on the worker from ``now``; loading it took (is predicted

@@ -41,6 +41,7 @@ def test_a_model_stays_twenty_times_its_load_time_and_at_least_the_floor() -> No
     assert guard.evictable_at("w", "dear") == RESIDENCY_FACTOR * 1.0 == 20.0
     guard.gone("w", "cheap")
     assert guard.may_evict("w", "cheap", 0.0) and not guard.may_evict("w", "dear", 19.9)
+    assert ThrashGuard(0.1, 0.0, residency_factor=0.0).residency_s(5.0) == 0.1, "floor alone"
 
 
 def test_the_seconds_spent_loading_in_a_minute_are_bounded_to_a_share_of_it() -> None:

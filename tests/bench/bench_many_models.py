@@ -160,6 +160,8 @@ def zipf_run(on_demand: bool, args: argparse.Namespace, context: int) -> dict[st
         if on_demand else []
     if on_demand and args.min_residency_s is not None:
         extra += ["--load-on-demand-min-residency-s", str(args.min_residency_s)]
+    if on_demand and args.residency_factor is not None:
+        extra += ["--load-on-demand-residency-factor", str(args.residency_factor)]
     if on_demand and args.max_load_share is not None:
         extra += ["--load-on-demand-max-load-share", str(args.max_load_share)]
     srv: Server = start(repo, extra=extra)
@@ -193,6 +195,9 @@ def main() -> int:
     ap.add_argument("--skip-cold", action="store_true", help="the Zipf runs only")
     ap.add_argument("--min-residency-s", type=float, default=None,
                     help="--load-on-demand-min-residency-s of the on-demand Zipf run "
+                         "(default: the server's)")
+    ap.add_argument("--residency-factor", type=float, default=None,
+                    help="--load-on-demand-residency-factor of the on-demand Zipf run "
                          "(default: the server's)")
     ap.add_argument("--max-load-share", type=float, default=None,
                     help="--load-on-demand-max-load-share of the on-demand Zipf run "

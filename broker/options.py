@@ -79,12 +79,19 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
                         "for one loads it within the workers' memory budgets, evicting "
                         "the least recently used idle models (a model's config may say "
                         "otherwise with load_on_demand)")
-    p.add_argument("--load-on-demand-min-residency-s", type=float, default=5.0,
-                   metavar="S", help="a model loaded on demand is not evicted before this")
-    p.add_argument("--load-on-demand-max-loads-per-minute", type=int, default=120,
-                   metavar="N", help="loads on demand started per minute at most; past "
-                                     "it a request for an unloaded model gets 503 with "
-                                     "Retry-After (0: no bound)")
+    p.add_argument("--load-on-demand-min-residency-s", type=float, default=0.1,
+                   metavar="S", help="a model loaded on demand is not evicted before "
+                                     "this, however cheap its load")
+    p.add_argument("--load-on-demand-residency-factor", type=float, default=20.0,
+                   metavar="X", help="a model loaded on demand is not evicted before this "
+                                     "many times its last load time (0: the floor "
+                                     "--load-on-demand-min-residency-s alone)")
+    p.add_argument("--load-on-demand-max-load-share", type=float, default=0.5,
+                   metavar="SHARE", help="of any minute, the share spent loading on "
+                                         "demand at most (each load counted at its "
+                                         "predicted load time); past it a request for an "
+                                         "unloaded model gets 503 with Retry-After (0: "
+                                         "no bound)")
     p.add_argument("--load-on-demand-wait-s", type=float, default=30.0, metavar="S",
                    help="requests waiting this long for a load that cannot start (the "
                         "models loaded are busy or too recent to evict) get 503")

@@ -319,7 +319,7 @@ class Lifecycle:
             return
         key = ModelVersion(msg.model, msg.version)
         if msg.ok:
-            self.pool.loaded(worker, key)
+            self.pool.loaded(worker, key, msg.load_s)
             self.metrics.model_loaded(msg.model, True, msg.load_s)
             if not self.catalog.mark_ready(*key):
                 self.pool.unload(worker, *key)

@@ -62,7 +62,8 @@ def build(endpoints: Endpoints, model_dir: Path, args: Any, ctx: zmq.Context[Any
                     on_demand=OnDemandOptions(
                         enabled=args.load_on_demand,
                         min_residency_s=args.load_on_demand_min_residency_s,
-                        max_loads_per_minute=args.load_on_demand_max_loads_per_minute,
+                        max_load_share=args.load_on_demand_max_load_share,
+                        residency_factor=args.load_on_demand_residency_factor,
                         pending_s=args.load_on_demand_wait_s),
                     latency_model=args.latency_model == "on", ctx=ctx,
                     admin_token=os.environ.get("ZEROSERVE_ADMIN_TOKEN", ""),
@@ -98,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if (why := check_timing(args.heartbeat_s, args.worker_expiry_s)) is not None:
         logger.error("%s", why)
         return 2
-    if min(args.load_on_demand_min_residency_s, args.load_on_demand_max_loads_per_minute,
+    if min(args.load_on_demand_min_residency_s, args.load_on_demand_max_load_share,
+           args.load_on_demand_residency_factor,
            args.load_on_demand_wait_s) < 0:
         logger.error("--load-on-demand-* options must be >= 0")
         return 2

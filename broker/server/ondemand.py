@@ -8,10 +8,11 @@ queue dispatches as usual; a load that fails, or a worker lost while loading, is
 on another worker, else every waiting request is answered once with why.
 
 Admission asks :meth:`OnDemand.admit` first: the predicted load time (learned per model,
-thrash.py) counts in the deadline check, and when the loads-per-minute bound is spent a
-request is refused at once (503, Retry-After) rather than queued to wait for a load that
-cannot start. A model loaded on demand stays at least ``min_residency_s`` before it may
-be evicted. A model is on demand when its config says ``"load_on_demand": true``, or
+thrash.py) counts in the deadline check, and when the load-share bound is spent (the
+seconds spent loading in the last minute) a request is refused at once (503, Retry-After)
+rather than queued to wait for a load that cannot start. A model loaded on demand stays
+at least ``residency_factor`` times its load time (``min_residency_s`` at least) before
+it may be evicted. A model is on demand when its config says ``"load_on_demand": true``, or
 says nothing and the broker runs with ``--load-on-demand``.
 
 The states it reports (``zeroserve models``, the repository index): AVAILABLE (on
@@ -34,7 +35,7 @@ from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.swap import Placed, placed_on
-from zeroserve.broker.server.thrash import LoadTimes, ThrashGuard
+from zeroserve.broker.server.thrash import RESIDENCY_FACTOR, LoadTimes, ThrashGuard
 from zeroserve.broker.server.types import Clock, ModelVersion
 from zeroserve.models.repository import ModelConfig
 
@@ -49,8 +50,9 @@ Fail = Callable[[str, p.ErrorCode, str, "float | None"], None]
 @dataclass(frozen=True)
 class OnDemandOptions:
     enabled: bool = False            # for models whose config does not say
-    min_residency_s: float = 5.0
-    max_loads_per_minute: int = 120   # 0: no bound
+    min_residency_s: float = 0.1     # the floor of the residency thrash.py scales
+    max_load_share: float = 0.5      # of each minute spent loading at most; 0: no bound
+    residency_factor: float = RESIDENCY_FACTOR   # x a model's load time it stays at least
     pending_s: float = 30.0          # a load that cannot start for this long gives up
 
 
@@ -90,8 +92,10 @@ class OnDemand:
         self._sync_worker = sync_worker
         self._fail = fail
         self._default = default
-        self.times = LoadTimes()
-        self.guard = ThrashGuard(options.min_residency_s, options.max_loads_per_minute)
+        self.times = LoadTimes()   # a request's wait for a load, for admission
+        self.costs = LoadTimes()   # the worker's time loading, for the thrash bounds
+        self.guard = ThrashGuard(options.min_residency_s, options.max_load_share,
+                                 options.residency_factor)
         self.assigned: dict[str, set[bytes]] = {}     # on-demand models: placed where
         self.loads: dict[str, Load] = {}              # loading now
         self.wanted: dict[str, float] = {}            # waiting for a load to start, since
@@ -132,12 +136,15 @@ class OnDemand:
         if not self._candidates(name):
             return Refused(p.ErrorCode.NO_WORKER, f"no worker can load model {name!r}")
         if name not in self.wanted:
-            wait_s = self.guard.load_wait_s(now)
+            cost_s = self.costs.predict(name)
+            wait_s = self.guard.load_wait_s(now, cost_s)
             if wait_s > 0:
                 return Refused(p.ErrorCode.UNAVAILABLE, (
-                    f"model {name!r} is not loaded and {self.guard.loads_in_window(now)} "
-                    f"loads in the last minute reached the bound "
-                    f"(--load-on-demand-max-loads-per-minute): {NO_FIT}"),
+                    f"model {name!r} is not loaded (about {cost_s:.3g} s to load) and "
+                    f"the {self.guard.loads_in_window(now)} loads of the last minute took "
+                    f"{self.guard.load_s_in_window(now):.3g} s, the bound of "
+                    f"{self.guard.budget_s:g} s (--load-on-demand-max-load-share "
+                    f"{self.opts.max_load_share:g}): {NO_FIT}"),
                     max(1.0, math.ceil(wait_s)))
             why = self._never_fits(name)
             if why is not None:
@@ -193,7 +200,8 @@ class OnDemand:
         return min(fits)[-1] if fits else None
 
     def _start(self, name: str, now: float, tried: set[bytes] | None = None) -> bool:
-        if self.guard.load_wait_s(now) > 0:
+        cost_s = self.costs.predict(name)
+        if self.guard.load_wait_s(now, cost_s) > 0:
             return False
         worker = self._choose(name, tried or set())
         if worker is None:
@@ -202,7 +210,7 @@ class OnDemand:
         self.wanted.pop(name, None)
         self.loads[name] = Load(worker.identity, now, (tried or set()) | {worker.identity})
         self.assigned.setdefault(name, set()).add(worker.identity)
-        self.guard.started(now)
+        self.guard.started(now, cost_s)
         self.metrics.loads.inc((name, "retry" if tried else "request"))
         logger.info("model %s: loading on demand on worker %s (%d request(s) waiting)",
                     name, worker.worker_id, self.scheduler.depth(name))
@@ -238,6 +246,7 @@ class OnDemand:
             del self.assigned[name]   # removed: if it comes back, it is asked for anew
             self.evicted.pop(name, None)
             self.times.forget(name)
+            self.costs.forget(name)
         for name, since in list(self.wanted.items()):
             if not self.scheduler.depth(name) or name not in self.catalog.models \
                     or self.pool.holders(name):
@@ -247,13 +256,17 @@ class OnDemand:
                 self._fail(name, p.ErrorCode.UNAVAILABLE, (
                     f"model {name!r} could not be loaded within {self.opts.pending_s:g} s: "
                     f"the models loaded are busy or were loaded too recently to evict; "
-                    f"{NO_FIT}"), self.opts.min_residency_s)
+                    f"{NO_FIT}"), max(1.0, math.ceil(self._residency_s(name))))
 
     def _done(self, name: str, load: Load, worker: WorkerState, now: float) -> None:
         del self.loads[name]
         took = now - load.started_s
         self.times.observe(name, took)
-        self.guard.resident(worker.worker_id, name, now)
+        # what the load cost the worker (it says; 0 from an older worker: the wait)
+        cost_s = max((worker.load_s.get(ModelVersion(name, v), 0.0)
+                      for v in self.catalog.models[name].versions), default=0.0) or took
+        self.costs.observe(name, cost_s)
+        self.guard.resident(worker.worker_id, name, now, self.costs.latest(name))
         self.evicted.pop(name, None)
         self.catalog.clear_failure(name)
         wait = self.metrics.load_wait.labels(name)
@@ -288,7 +301,8 @@ class OnDemand:
             model = self.catalog.get(name)
             if model is not None and self.on(model.config):
                 self.assigned.setdefault(name, set()).add(worker.identity)
-                self.guard.resident(worker.worker_id, name, self.clock())
+                self.guard.resident(worker.worker_id, name, self.clock(),
+                                    self.costs.predict(name))
 
     def worker_lost(self, worker: WorkerState) -> None:
         for ids in self.assigned.values():
@@ -300,8 +314,12 @@ class OnDemand:
         if not self.wanted:   # a load's end is settled as its LOADED arrives
 
             return None
-        start = now + max(self.guard.load_wait_s(now), 0.05)
+        wait_s = min(self.guard.load_wait_s(now, self.costs.predict(n)) for n in self.wanted)
+        start = now + max(wait_s, 0.05)
         return min(start, min(self.wanted.values()) + self.opts.pending_s)
+
+    def _residency_s(self, name: str) -> float:
+        return self.guard.residency_s(self.costs.latest(name))
 
     # -- telling ------------------------------------------------------------------------
     def state(self, name: str) -> tuple[str, str] | None:
@@ -324,7 +342,8 @@ class OnDemand:
             return {}
         out: dict[str, Any] = {"on_demand": True, "state": got[0].lower(),
                                "loadable": bool(self._candidates(name)),
-                               "predicted_load_s": round(self.times.predict(name), 4)}
+                               "predicted_load_s": round(self.times.predict(name), 4),
+                               "residency_s": round(self._residency_s(name), 3)}
         if got[1]:
             out["reason"] = got[1]
         return out
@@ -334,5 +353,8 @@ class OnDemand:
         return {"enabled": self.opts.enabled, "loading": sorted(self.loads),
                 "waiting": sorted(self.wanted),
                 "loads_last_minute": self.guard.loads_in_window(now),
-                "max_loads_per_minute": self.opts.max_loads_per_minute,
-                "min_residency_s": self.opts.min_residency_s}
+                "load_s_last_minute": round(self.guard.load_s_in_window(now), 3),
+                "max_load_s_per_minute": self.guard.budget_s,
+                "max_load_share": self.opts.max_load_share,
+                "min_residency_s": self.opts.min_residency_s,
+                "residency_factor": self.opts.residency_factor}

@@ -66,7 +66,8 @@ class WorkerState:
 
     __slots__ = ("_identity", "_worker_id", "_credits", "_info", "_last_seen_s",
                  "_loading", "_load_errors", "_inflight", "_waiting", "_draining", "_stalled",
-                 "_exiting", "_recycle", "_metrics_text", "_memory", "_loaded", "_versions")
+                 "_exiting", "_recycle", "_metrics_text", "_memory", "_loaded", "_versions",
+                 "_load_s")
 
     def __init__(self, identity: bytes, worker_id: str, credits: int, last_seen_s: float,
                  info: dict[str, Any]) -> None:
@@ -91,6 +92,9 @@ class WorkerState:
         # is kept by model too
         self._loaded: set[ModelVersion] = set()
         self._versions: dict[str, set[int]] = {}
+        # the seconds the worker spent loading each version it holds, as it said: what a
+        # load costs it (the broker's own measure adds the wait before and after)
+        self._load_s: dict[ModelVersion, float] = {}
 
     def __repr__(self) -> str:
         return f"WorkerState({self._worker_id!r})"
@@ -103,6 +107,7 @@ class WorkerState:
     loaded: ReadOnly[AbstractSet[ModelVersion]] = ReadOnly()
     loading: ReadOnly[AbstractSet[ModelVersion]] = ReadOnly()
     load_errors: ReadOnly[Mapping[ModelVersion, str]] = ReadOnly()
+    load_s: ReadOnly[Mapping[ModelVersion, float]] = ReadOnly()
     inflight: ReadOnly[Sequence[int]] = ReadOnly()
     waiting: ReadOnly[AbstractSet[int]] = ReadOnly()
     draining: ReadOnly[bool] = ReadOnly()
@@ -422,10 +427,12 @@ class WorkerPool:
         given up before its LOAD was sent."""
         worker._loading.discard(key)
 
-    def loaded(self, worker: WorkerState, key: ModelVersion) -> None:
-        """The worker loaded it: it holds it (routable where the catalog serves it)."""
+    def loaded(self, worker: WorkerState, key: ModelVersion, load_s: float = 0.0) -> None:
+        """The worker loaded it (in ``load_s``, by its clock): it holds it (routable
+        where the catalog serves it)."""
         worker._loading.discard(key)
         worker._load_errors.pop(key, None)
+        worker._load_s[key] = load_s
         self._hold(worker, key)
 
     def failed(self, worker: WorkerState, key: ModelVersion, error: str) -> None:
@@ -465,6 +472,7 @@ class WorkerPool:
 
     def _drop(self, worker: WorkerState, key: ModelVersion) -> None:
         worker._loaded.discard(key)
+        worker._load_s.pop(key, None)
         versions = worker._versions.get(key.name)
         if versions is not None:
             versions.discard(key.version)

@@ -123,7 +123,7 @@ class Swaps:
         if msg.sha256 != swap.shas[version]:
             self._exclude(swap, worker, version, msg.sha256)
         else:
-            self.pool.loaded(worker, key)
+            self.pool.loaded(worker, key, msg.load_s)
             swap.loaded.add((worker.identity, version))
         self._maybe_finish(swap)
         return True

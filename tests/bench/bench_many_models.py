@@ -156,10 +156,14 @@ async def zipf_load(frontend: str, names: list[str], s: float, concurrency: int,
 def zipf_run(on_demand: bool, args: argparse.Namespace, context: int) -> dict[str, Any]:
     hidden = SIZES["8 MB"]
     repo = repo_of(12, hidden)
-    extra = ["--load-on-demand", "--memory-budget", str(budget_for(4.5, hidden, context)),
-             "--load-on-demand-min-residency-s", str(args.min_residency_s),
-             "--load-on-demand-max-loads-per-minute", str(args.max_loads_per_minute)] \
+    extra = ["--load-on-demand", "--memory-budget", str(budget_for(4.5, hidden, context))] \
         if on_demand else []
+    if on_demand and args.min_residency_s is not None:
+        extra += ["--load-on-demand-min-residency-s", str(args.min_residency_s)]
+    if on_demand and args.residency_factor is not None:
+        extra += ["--load-on-demand-residency-factor", str(args.residency_factor)]
+    if on_demand and args.max_load_share is not None:
+        extra += ["--load-on-demand-max-load-share", str(args.max_load_share)]
     srv: Server = start(repo, extra=extra)
     try:
         names = [f"m{i}" for i in range(12)]
@@ -172,8 +176,9 @@ def zipf_run(on_demand: bool, args: argparse.Namespace, context: int) -> dict[st
         with Client(srv.control, timeout_s=10) as c:
             status = c.control("status")
         got["held_at_end"] = len(status["workers"][0]["models"])
-        got["loads_last_minute"] = (status.get("load_on_demand") or {}).get(
-            "loads_last_minute", 0)
+        od = status.get("load_on_demand") or {}
+        got["loads_last_minute"] = od.get("loads_last_minute", 0)
+        got["load_s_last_minute"] = od.get("load_s_last_minute", 0.0)
     finally:
         srv.stop()
     shutil.rmtree(repo, ignore_errors=True)
@@ -188,10 +193,15 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--skip-cold", action="store_true", help="the Zipf runs only")
-    ap.add_argument("--min-residency-s", type=float, default=1.0,
-                    help="--load-on-demand-min-residency-s of the on-demand Zipf run")
-    ap.add_argument("--max-loads-per-minute", type=int, default=120,
-                    help="--load-on-demand-max-loads-per-minute of the on-demand Zipf run")
+    ap.add_argument("--min-residency-s", type=float, default=None,
+                    help="--load-on-demand-min-residency-s of the on-demand Zipf run "
+                         "(default: the server's)")
+    ap.add_argument("--residency-factor", type=float, default=None,
+                    help="--load-on-demand-residency-factor of the on-demand Zipf run "
+                         "(default: the server's)")
+    ap.add_argument("--max-load-share", type=float, default=None,
+                    help="--load-on-demand-max-load-share of the on-demand Zipf run "
+                         "(default: the server's)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args()
 
@@ -213,7 +223,8 @@ def main() -> int:
     for label, got in (("4-model budget, on demand", lazy), ("all 12 loaded", loaded)):
         print(f"  {label:<26} {got['rps']:>8.0f} req/s  errors {got['errors']}  "
               f"wrong {got['wrong']}  held at end {got['held_at_end']}  "
-              f"loads in the last minute {got['loads_last_minute']}")
+              f"loads in the last minute {got['loads_last_minute']} "
+              f"({got['load_s_last_minute']:g} s predicted)")
         for code, text in got["error_kinds"].items():
             print(f"    {code}: {text}")
     print(f"  on demand / all loaded     {100 * ratio:.0f}% (goal: >= 80%)")

@@ -46,6 +46,7 @@ def repo() -> Iterator[Path]:
 def serve_with(serve: Callable[..., Server], repo: Path, cache_bytes: int) -> Server:
     return serve(repo, extra=["--memory-budget", str(BUDGET), "--load-on-demand",
                               "--load-on-demand-min-residency-s", "0",
+                              "--load-on-demand-residency-factor", "0",
                               "--host-cache-bytes", str(cache_bytes)])
 
 

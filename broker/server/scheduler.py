@@ -318,7 +318,15 @@ class Scheduler:
         return e.arrival_s if e is not None else None
 
     def models_waiting(self) -> list[str]:
-        return [m for m, q in self._queues.items() if q.count]
+        """Models with requests queued, in the order a free worker should serve them:
+        the best priority waiting, then the longest wait. In the order the queues were
+        made, the first model (the busiest, usually) took every credit a result freed,
+        and a model asked for now and then waited behind all of it: 80 ms for the tenth
+        of twelve models under Zipf(1.1), against 5 ms for the first."""
+        return [m for _, _, m in sorted((min((lvl for lvl, n in q.level_samples.items() if n),
+                                             default=0),
+                                         q.oldest().arrival_s, m)   # type: ignore[union-attr]
+                                        for m, q in self._queues.items() if q.count)]
 
     def estimate_wait(self, model: str, priority: int, predict: Predict, workers: int,
                       tenant: str | None = None, weight: float = 1.0,

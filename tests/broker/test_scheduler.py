@@ -246,3 +246,19 @@ def test_wait_estimate_counts_a_partial_batch_at_its_own_size():
     # one full batch of 16 and a batch of 2: 1 ms + 1 ms per sample each
     assert abs(s.estimate_wait("m", 1, lambda b: 0.001 + 0.001 * b, workers=1)
                - (0.017 + 0.003)) < 1e-9
+
+
+def test_a_free_worker_serves_the_best_priority_then_the_longest_wait_across_models():
+    """Not the order the queues were made in: the first model's steady traffic would take
+    every credit a result frees, and a model asked for now and then would wait behind it."""
+    s = Scheduler()
+    for name in ("busy", "rare", "urgent"):
+        s.set_policy(name, Policy(max_batch_size=8))
+    s.add(Entry(key="b1", model="busy", priority=2, arrival_s=5.0))
+    s.add(Entry(key="r1", model="rare", priority=2, arrival_s=1.0))
+    assert s.models_waiting() == ["rare", "busy"], "the longest wait first"
+    s.add(Entry(key="u1", model="urgent", priority=1, arrival_s=9.0))
+    assert s.models_waiting() == ["urgent", "rare", "busy"], "priority before wait"
+    s.take("rare", 10.0)
+    s.add(Entry(key="r2", model="rare", priority=2, arrival_s=11.0))
+    assert s.models_waiting() == ["urgent", "busy", "rare"], "its wait starts again"

@@ -77,9 +77,9 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-on-demand", action="store_true",
                    help="models are available without being loaded: the first request "
                         "for one loads it within the workers' memory budgets, evicting "
-                        "the least recently used idle models (a model's config may say "
+                        "the least wanted idle models (a model's config may say "
                         "otherwise with load_on_demand)")
-    p.add_argument("--load-on-demand-min-residency-s", type=float, default=0.1,
+    p.add_argument("--load-on-demand-min-residency-s", type=float, default=0.02,
                    metavar="S", help="a model loaded on demand is not evicted before "
                                      "this, however cheap its load")
     p.add_argument("--load-on-demand-residency-factor", type=float, default=20.0,

@@ -88,6 +88,8 @@ class Admission:
         if isinstance(who, Refusal):
             return who
         model = self.catalog.get(req.model)
+        if model is not None and self.demand is not None:
+            self.demand.asked(req.model, now)   # what eviction weighs: refused ones too
         demand = self._demand(model, req)
         err = admission_error(req, model, self.pool, self.stop.admits(client),
                               on_demand=demand is not None)

@@ -106,7 +106,8 @@ class Broker:
         self.placement = Placement(self.catalog, self.pool, self.metrics.registry,
                                    queued=self.scheduler.depth,
                                    last_used=self.requests.last_used,
-                                   evictable=lambda w, m: self.ondemand.evictable(w, m),
+                                   wanted=lambda m: self.ondemand.wanted_level(m),
+                                   evictable=lambda w, m, k, h: self.ondemand.evictable(w, m, k, h),
                                    evicted=lambda w, m, r: self.ondemand.on_evicted(w, m, r))
         self.replicas = Replicas(   # autoscaled models: which workers hold them
             self.catalog, self.pool, self.scheduler, self.placement, self.metrics,

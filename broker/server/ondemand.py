@@ -1,9 +1,10 @@
 """Load on demand: a model of the repository is *available* (listed, its metadata and
 config served) without being loaded anywhere. A request for it queues in its model's
 queue as any other and asks for a load (:meth:`OnDemand.want`); the load goes to the
-worker where it fits now, after evicting the least recently used idle models there
-(placement.py owns eviction; a model with work queued or running is never idle). Every
-request that comes while it loads shares that one load. Once the worker says LOADED the
+worker where it fits now, after evicting the idle models there that are wanted least
+(placement.py owns eviction; a model with work queued or running is never idle; "wanted"
+is :class:`thrash.Demand`'s count of recent requests). Every request that comes while it
+loads shares that one load. Once the worker says LOADED the
 queue dispatches as usual; a load that fails, or a worker lost while loading, is tried
 on another worker, else every waiting request is answered once with why.
 
@@ -12,7 +13,10 @@ thrash.py) counts in the deadline check, and when the load-share bound is spent 
 seconds spent loading in the last minute) a request is refused at once (503, Retry-After)
 rather than queued to wait for a load that cannot start. A model loaded on demand stays
 at least ``residency_factor`` times its load time (``min_residency_s`` at least) before
-it may be evicted. A model is on demand when its config says ``"load_on_demand": true``, or
+it may be evicted; and the models most wanted, as many as the worker holds beside the
+one asking for room, are evicted for a less wanted one only once that one has waited its
+own residency: the hot models stay while the cold ones take turns in the room left. A
+model is on demand when its config says ``"load_on_demand": true``, or
 says nothing and the broker runs with ``--load-on-demand``.
 
 The states it reports (``zeroserve models``, the repository index): AVAILABLE (on
@@ -35,7 +39,7 @@ from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.swap import Placed, placed_on
-from zeroserve.broker.server.thrash import RESIDENCY_FACTOR, LoadTimes, ThrashGuard
+from zeroserve.broker.server.thrash import RESIDENCY_FACTOR, Demand, LoadTimes, ThrashGuard
 from zeroserve.broker.server.types import Clock, ModelVersion
 from zeroserve.models.repository import ModelConfig
 
@@ -43,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 AVAILABLE, LOADING, READY, EVICTED = "AVAILABLE", "LOADING", "READY", "EVICTED"
 NO_FIT = "the working set does not fit the memory budget"
+PENDING_POLL_S = 0.05   # a waiting load looks again this often when no time is known
+MIN_POLL_S = 0.001      # nor more often than this
 
 Fail = Callable[[str, p.ErrorCode, str, "float | None"], None]
 
@@ -50,7 +56,7 @@ Fail = Callable[[str, p.ErrorCode, str, "float | None"], None]
 @dataclass(frozen=True)
 class OnDemandOptions:
     enabled: bool = False            # for models whose config does not say
-    min_residency_s: float = 0.1     # the floor of the residency thrash.py scales
+    min_residency_s: float = 0.02    # the floor of the residency thrash.py scales
     max_load_share: float = 0.5      # of each minute spent loading at most; 0: no bound
     residency_factor: float = RESIDENCY_FACTOR   # x a model's load time it stays at least
     pending_s: float = 30.0          # a load that cannot start for this long gives up
@@ -60,6 +66,7 @@ class OnDemandOptions:
 class Load:
     worker: bytes
     started_s: float
+    since_s: float          # when its first request began to wait
     tried: set[bytes] = field(default_factory=set)
 
 
@@ -94,6 +101,7 @@ class OnDemand:
         self._default = default
         self.times = LoadTimes()   # a request's wait for a load, for admission
         self.costs = LoadTimes()   # the worker's time loading, for the thrash bounds
+        self.demand = Demand()     # requests per model, recent ones weighing most
         self.guard = ThrashGuard(options.min_residency_s, options.max_load_share,
                                  options.residency_factor)
         self.assigned: dict[str, set[bytes]] = {}     # on-demand models: placed where
@@ -111,8 +119,32 @@ class OnDemand:
             return False
         return not self.on(cfg) or worker.identity in self.assigned.get(cfg.name, ())
 
-    def evictable(self, worker: WorkerState, model: str) -> bool:
-        return self.guard.may_evict(worker.worker_id, model, self.clock())
+    def asked(self, name: str, now: float) -> None:
+        """A request for ``name`` came (any model of the catalog: eviction weighs them all)."""
+        self.demand.asked(name, now)
+
+    def wanted_level(self, name: str) -> float:
+        """How much ``name`` is wanted now: placement evicts the lowest first."""
+        return self.demand.count(name, self.clock())
+
+    def evictable(self, worker: WorkerState, model: str, keep: str, hot: bool) -> bool:
+        """Whether idle ``model`` may leave ``worker`` to make room for ``keep``: past its
+        residency; and when it is one of the ``hot`` (the most wanted that fit beside
+        ``keep``) and wanted more than ``keep``, only once ``keep``'s requests have
+        waited its residency (a hot model yields to a colder one's starving requests,
+        never to its first one)."""
+        now = self.clock()
+        if not self.guard.may_evict(worker.worker_id, model, now):
+            return False
+        since = self._waiting_since(keep)
+        if not hot or since is None:   # since None: not a load on demand (a new version)
+            return True
+        return self.demand.count(model, now) <= self.demand.count(keep, now) \
+            or now - since >= self._residency_s(keep)
+
+    def _waiting_since(self, name: str) -> float | None:
+        load = self.loads.get(name)
+        return load.since_s if load is not None else self.wanted.get(name)
 
     def on_evicted(self, worker: WorkerState, model: str, reason: str) -> None:
         """Placement evicted ``model`` from ``worker``: it is not placed there any more."""
@@ -120,7 +152,7 @@ class OnDemand:
         self.guard.gone(worker.worker_id, model)
         self.metrics.evictions.inc((model, reason))
         self.evicted[model] = (f"evicted from worker {worker.worker_id} at "
-                               f"{time.strftime('%H:%M:%S')}: least recently used idle model, "
+                               f"{time.strftime('%H:%M:%S')}: least wanted idle model, "
                                "to make room" if reason == "room" else
                                f"evicted from worker {worker.worker_id}: {reason}")
 
@@ -207,8 +239,9 @@ class OnDemand:
         if worker is None:
             return False
         model = self.catalog.models[name]
-        self.wanted.pop(name, None)
-        self.loads[name] = Load(worker.identity, now, (tried or set()) | {worker.identity})
+        since = self.wanted.pop(name, now)
+        self.loads[name] = Load(worker.identity, now, since,
+                                (tried or set()) | {worker.identity})
         self.assigned.setdefault(name, set()).add(worker.identity)
         self.guard.started(now, cost_s)
         self.metrics.loads.inc((name, "retry" if tried else "request"))
@@ -247,7 +280,12 @@ class OnDemand:
             self.evicted.pop(name, None)
             self.times.forget(name)
             self.costs.forget(name)
-        for name, since in list(self.wanted.items()):
+        if len(self.demand) > len(self.catalog.models):
+            for name in self.demand.names() - self.catalog.models.keys():
+                self.demand.forget(name)
+        # the most requests waiting first: a free slot serves the most it can
+        for name, since in sorted(self.wanted.items(),
+                                  key=lambda kv: (-self.scheduler.depth(kv[0]), kv[1])):
             if not self.scheduler.depth(name) or name not in self.catalog.models \
                     or self.pool.holders(name):
                 del self.wanted[name]
@@ -281,7 +319,7 @@ class OnDemand:
         del self.loads[name]
         self.assigned.get(name, set()).discard(load.worker)
         self.catalog.clear_failure(name)   # for now only: not a failure to report
-        self.wanted[name] = load.started_s
+        self.wanted[name] = load.since_s
         logger.info("model %s: waits for room on worker %s: %s", name, worker.worker_id, why)
 
     def _failed(self, name: str, load: Load, now: float, why: str,
@@ -315,8 +353,15 @@ class OnDemand:
 
             return None
         wait_s = min(self.guard.load_wait_s(now, self.costs.predict(n)) for n in self.wanted)
-        start = now + max(wait_s, 0.05)
-        return min(start, min(self.wanted.values()) + self.opts.pending_s)
+        if wait_s > 0:
+            start = now + wait_s
+        else:   # room may open when a residency or a waiting model's patience ends (a
+            # queue that empties comes with a message, and every message ticks)
+            ends = [t for t in (self.guard.next_evictable(now),
+                                *(s + self._residency_s(n) for n, s in self.wanted.items()))
+                    if t is not None and t > now]
+            start = min(ends, default=now + PENDING_POLL_S)
+        return min(max(start, now + MIN_POLL_S), min(self.wanted.values()) + self.opts.pending_s)
 
     def _residency_s(self, name: str) -> float:
         return self.guard.residency_s(self.costs.latest(name))
@@ -343,6 +388,7 @@ class OnDemand:
         out: dict[str, Any] = {"on_demand": True, "state": got[0].lower(),
                                "loadable": bool(self._candidates(name)),
                                "predicted_load_s": round(self.times.predict(name), 4),
+                               "demand_rps": round(self.demand.rate(name, self.clock()), 3),
                                "residency_s": round(self._residency_s(name), 3)}
         if got[1]:
             out["reason"] = got[1]

@@ -13,8 +13,9 @@ measured. Each device keeps a headroom (``--memory-headroom``, reported by its w
   (measured by the worker at start) and every loaded or loading version's footprint;
 * CPU without a budget: no limit.
 
-A version that does not fit evicts the least recently used idle models on the worker
-(nothing queued or running) when that makes room, else it is refused without loading:
+A version that does not fit evicts idle models on the worker (nothing queued or
+running), the least wanted first (fewest recent requests, then least recently used),
+when that makes room, else it is refused without loading:
 the refusal reaches the swap as a failed LOADED (the old version keeps serving) and
 names the device and the bytes. After warm-up the worker's measurement replaces the
 prediction; on a budget, a measured footprint that does not fit is evicted for or
@@ -54,11 +55,11 @@ def _int(doc: Mapping[str, Any], key: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-Evictable = Callable[[WorkerState, str], bool]
+Evictable = Callable[[WorkerState, str, str, bool], bool]
 Evicted = Callable[[WorkerState, str, str], None]
 
 
-def _always(worker: WorkerState, model: str) -> bool:
+def _always(worker: WorkerState, model: str, keep: str, hot: bool) -> bool:
     return True
 
 
@@ -68,17 +69,21 @@ def _nobody(worker: WorkerState, model: str, reason: str) -> None:
 
 class Placement:
     """Reads the catalog and the pool; asks ``queued(model)`` (requests waiting) and
-    ``last_used(model)`` (when it last ran) to choose what to evict, ``evictable(worker,
-    model)`` whether an idle model may go (load on demand's minimum residency), and
+    ``wanted(model)`` (its recent requests) and ``last_used(model)`` (when it last ran) to
+    choose what to evict, the least wanted first, ``evictable(worker, model, keep, hot)``
+    whether an idle model may go to make room for ``keep`` (load on demand's residency;
+    ``hot``: the model is one of the most wanted, as many as fit beside ``keep``), and
     tells ``evicted(worker, model, reason)`` what it evicted."""
 
     def __init__(self, catalog: Catalog, pool: WorkerPool, registry: CollectorRegistry, *,
                  queued: Callable[[str], int], last_used: Callable[[str], float],
+                 wanted: Callable[[str], float] = lambda model: 0.0,
                  evictable: Evictable = _always, evicted: Evicted = _nobody) -> None:
         self.catalog = catalog
         self.pool = pool
         self._queued = queued
         self._last_used = last_used
+        self._wanted = wanted
         self.evictable = evictable
         self.evicted = evicted
         self.footprints: dict[Key, int] = {}        # what planning counts: measured, else predicted
@@ -195,7 +200,7 @@ class Placement:
         free = self.available(worker)
         if free is None or need <= free:
             return None, True
-        freed = sum(self._cost(worker, m) for m in self._idle(worker, name))
+        freed = sum(self._cost(worker, m) for m in self._idle(worker, name, free - need))
         budget = self.budget(worker)
         empty = free + sum(self._cost(worker, m) for m, _ in self._held(worker))
         fits = need <= (budget - self.headroom(worker) - self.context(worker)
@@ -241,7 +246,7 @@ class Placement:
         need, how = self.need(worker, name, version, cfg, Path(msg.path), msg.sha256)
         free = self.available(worker)   # a version reloaded in place is held twice a while
         if free is not None and need > free:
-            idle = self._idle(worker, name)
+            idle = self._idle(worker, name, free - need)
             freed = sum(self._cost(worker, m) for m in idle)
             why = self._verdict(worker, name, version, need, how, free + freed)
             if why is not None:
@@ -280,7 +285,7 @@ class Placement:
         free = budget - self.headroom(worker) - self.used(worker, (msg.model, msg.version))
         if need <= free:
             return msg
-        idle = self._idle(worker, msg.model)
+        idle = self._idle(worker, msg.model, free - need)
         freed = sum(self._cost(worker, m) for m in idle)
         why = self._verdict(worker, msg.model, msg.version, need, "measured", free + freed,
                             busy=max(0, budget - free - freed))
@@ -320,13 +325,28 @@ class Placement:
     def _cost(self, worker: WorkerState, model: str) -> int:
         return sum(self.footprint(worker, model, v) for v in worker.versions_of(model))
 
-    def _idle(self, worker: WorkerState, keep: str) -> list[str]:
-        """Models on the worker with nothing queued or running that may go, least
-        recently used first."""
+    def _idle(self, worker: WorkerState, keep: str, short: int) -> list[str]:
+        """Models on the worker with nothing queued or running that may go to make room
+        for ``keep`` (``short``: the bytes free once it is held, negative when room must
+        be made), the least wanted first, then the least recently used."""
         busy = self.pool.busy_models(worker)
+        hot = self._hot(worker, keep, short)
         return sorted({m for m, _ in worker.loaded if m != keep and m not in busy
-                       and not self._queued(m) and self.evictable(worker, m)},
-                      key=self._last_used)
+                       and not self._queued(m) and self.evictable(worker, m, keep, m in hot)},
+                      key=lambda m: (self._wanted(m), self._last_used(m)))
+
+    def _hot(self, worker: WorkerState, keep: str, short: int) -> set[str]:
+        """The most wanted of the other models the worker holds, as many as still fit
+        once ``keep`` is held (``short`` as in :meth:`_idle`): the room past them is where
+        the less wanted models take turns."""
+        others = {m for m, _ in self._held(worker) if m != keep}
+        room, hot = short + sum(self._cost(worker, m) for m in others), set()
+        for m in sorted(others, key=self._wanted, reverse=True):
+            room -= self._cost(worker, m)
+            if room < 0:
+                break
+            hot.add(m)
+        return hot
 
     def _evict(self, worker: WorkerState, keep: str, idle: list[str], needed: int,
                reason: str) -> None:
@@ -343,7 +363,7 @@ class Placement:
                 self.pool.unload(worker, model, version)
             self.catalog.routable(self.pool.workers.values(), model)
             self.evicted(worker, model, reason)
-            logger.warning("evicted %s from worker %s (least recently used idle model) to "
+            logger.warning("evicted %s from worker %s (the least wanted idle model) to "
                            "make room for %s", model, worker.worker_id, keep)
 
     # -- status and metrics ------------------------------------------------------------

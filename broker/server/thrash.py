@@ -13,6 +13,7 @@ for the cheap ones let the dear ones eat it.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from statistics import median
 
@@ -22,6 +23,10 @@ LEARN_WEIGHT = 0.3       # of each new load time in the moving average
 # A model stays loaded this many times its load time: what it costs to load it back is
 # then at most 1/RESIDENCY_FACTOR of the time it held its slot.
 RESIDENCY_FACTOR = 20.0
+# How fast a model's demand forgets: a request counts half after this long. Long beside
+# the gaps between requests of the models that churn (tens of milliseconds), so their
+# order is stable; short enough that a shift of traffic reorders them within seconds.
+DEMAND_HALF_LIFE_S = 10.0
 
 
 class LoadTimes:
@@ -57,6 +62,43 @@ class LoadTimes:
         self.last.pop(model, None)
 
 
+class Demand:
+    """Requests per model, each counting less as it ages (halved every ``half_life_s``):
+    which loaded model is wanted least, and so goes first when room is needed. A model
+    asked for 200 times a second outranks one asked for 20, whichever ran last: least
+    recently used alone evicts a hot model in the instant its queue is empty, and under
+    a skewed load that is most of the loads there are."""
+
+    def __init__(self, half_life_s: float = DEMAND_HALF_LIFE_S) -> None:
+        self._decay = math.log(2) / half_life_s
+        self._count: dict[str, tuple[float, float]] = {}   # model -> (count, at)
+
+    def asked(self, model: str, now: float, n: int = 1) -> None:
+        self._count[model] = (self.count(model, now) + n, now)
+
+    def count(self, model: str, now: float) -> float:
+        """The model's decayed count of requests at ``now``: its requests a second times
+        ``half_life_s / ln 2`` in a steady state."""
+        got = self._count.get(model)
+        if got is None:
+            return 0.0
+        count, at = got
+        return count * math.exp(-self._decay * max(0.0, now - at))
+
+    def rate(self, model: str, now: float) -> float:
+        """Requests a second, in the steady state the decayed count stands for."""
+        return self.count(model, now) * self._decay
+
+    def forget(self, model: str) -> None:
+        self._count.pop(model, None)
+
+    def names(self) -> set[str]:
+        return set(self._count)
+
+    def __len__(self) -> int:
+        return len(self._count)
+
+
 class ThrashGuard:
     """The two thrash bounds. Residency: a model loaded on demand is not evicted before
     it has been loaded ``max(min_residency_s, residency_factor x its load time)``.
@@ -71,6 +113,7 @@ class ThrashGuard:
         self.max_load_share = max_load_share
         self.evictable: dict[tuple[str, str], float] = {}   # (worker id, model) -> at
         self.starts: deque[tuple[float, float]] = deque()     # (started at, cost s)
+        self._used_s = 0.0                                    # their costs' sum
 
     # -- load share ---------------------------------------------------------------
     @property
@@ -78,34 +121,48 @@ class ThrashGuard:
         """Seconds of loading a window may hold (0: no bound)."""
         return self.max_load_share * WINDOW_S
 
-    def _recent(self, now: float) -> list[tuple[float, float]]:
-        return [(t, c) for t, c in self.starts if t + WINDOW_S > now]
+    def _window(self, now: float) -> tuple[int, float]:
+        """(how many of the oldest starts left the window by ``now``, the predicted
+        seconds of those still in it). The sum is kept as starts come and go, so asking
+        walks only the starts that left since the last one: a host that churns through
+        cheap loads starts thousands a minute, and every request for a model not loaded
+        asks. Asking changes nothing."""
+        gone, used = 0, self._used_s
+        for t, c in self.starts:   # oldest first
+            if t + WINDOW_S > now:
+                break
+            gone, used = gone + 1, used - c
+        return gone, max(0.0, used)
 
     def load_wait_s(self, now: float, cost_s: float) -> float:
         """Seconds until a load predicted to take ``cost_s`` may start (0: now): until
-        enough of the window's oldest starts leave it. Asking changes nothing."""
+        enough of the window's oldest starts leave it."""
         if not self.max_load_share:
             return 0.0
-        recent = self._recent(now)
-        used, wait = sum(c for _, c in recent), 0.0
-        for t, c in recent:   # oldest first
+        gone, used = self._window(now)
+        wait = 0.0
+        for i in range(gone, len(self.starts)):
             if used <= 1e-12 or used + cost_s <= self.budget_s:
                 break
+            t, c = self.starts[i]
             used -= c
             wait = t + WINDOW_S - now
         return wait
 
     def started(self, now: float, cost_s: float) -> None:
-        self.starts.append((now, cost_s))
-        while self.starts and self.starts[0][0] + WINDOW_S <= now:
+        gone, used = self._window(now)
+        for _ in range(gone):
             self.starts.popleft()
+        self.starts.append((now, cost_s))
+        # summed afresh when the window empties: no drift from the subtractions stays
+        self._used_s = used + cost_s if len(self.starts) > 1 else cost_s
 
     def loads_in_window(self, now: float) -> int:
-        return len(self._recent(now))
+        return len(self.starts) - self._window(now)[0]
 
     def load_s_in_window(self, now: float) -> float:
         """The predicted seconds of the loads started in the window."""
-        return sum(c for _, c in self._recent(now))
+        return self._window(now)[1]
 
     # -- residency ----------------------------------------------------------------
     def residency_s(self, load_s: float) -> float:
@@ -125,6 +182,10 @@ class ThrashGuard:
     def evictable_at(self, worker_id: str, model: str) -> float:
         """When the model may be evicted from the worker (-inf: any time)."""
         return self.evictable.get((worker_id, model), -float("inf"))
+
+    def next_evictable(self, now: float) -> float | None:
+        """When the next residency now running ends (None: none runs)."""
+        return min((t for t in self.evictable.values() if t > now), default=None)
 
     def may_evict(self, worker_id: str, model: str, now: float) -> bool:
         return now >= self.evictable_at(worker_id, model)

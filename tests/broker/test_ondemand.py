@@ -1,9 +1,10 @@
 """Load on demand in the broker without sockets (outboxes are lists, the clock a number),
 on real model files: a request for an available model loads it once however many ask,
-the least recently used idle model makes room after its minimum residency and never
-one with work queued, a deadline shorter than the predicted load is refused at once,
-the bound on the seconds spent loading in a minute answers 503 with Retry-After, and a
-worker lost while loading answers each waiting request once."""
+the least wanted idle model makes room after its minimum residency and never one with
+work queued, a hot model stays while colder ones take turns, a deadline shorter than the
+predicted load is refused at once, the bound on the seconds spent loading in a minute
+answers 503 with Retry-After, and a worker lost while loading answers each waiting request
+once."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_concurrent_requests_share_one_load_and_are_served_once_it_ends(tmp_path
     assert 'zeroserve_load_wait_seconds_count{model="a"} 2.0' in rig.b.metrics.render()
 
 
-def test_the_least_recently_used_idle_model_makes_room_never_a_busy_one(tmp_path: Path) -> None:
+def test_an_idle_model_past_its_residency_makes_room_never_a_busy_one(tmp_path: Path) -> None:
     rig = rig_with(tmp_path, "abc", min_residency_s=5.0)
     for name in "ab":
         rig.ask(name)
@@ -106,13 +107,72 @@ def test_the_least_recently_used_idle_model_makes_room_never_a_busy_one(tmp_path
     worker = rig.b.pool.get(b"w")
     assert {k.name for k in worker.loaded} == {"b"}, "a, idle and past residency, went"
     assert rig.state("a") == "evicted" and rig.state("c") == "loading"
-    assert "least recently used idle model" in rig.b.ondemand.describe("a")["reason"]
+    assert "least wanted idle model" in rig.b.ondemand.describe("a")["reason"]
     rig.load_done("w", "c")
     rig.run_batches("w")
     assert rig.answers().count("ok") == 5 and rig.census_empty()
     text = rig.b.metrics.render()
     assert 'zeroserve_model_evictions_total{model="a",reason="room"} 1.0' in text
     assert 'zeroserve_model_loads_on_demand_total{model="c",reason="request"} 1.0' in text
+
+
+def test_the_hot_model_stays_and_the_cold_ones_take_turns(tmp_path: Path) -> None:
+    """Least recently used evicts a hot model in the instant its queue is empty; the
+    least wanted keeps it and turns the other slot over among the cold ones."""
+    rig = rig_with(tmp_path, "hcd", min_residency_s=0.0)
+    for _ in range(20):   # h is hot
+        rig.ask("h")
+        rig.tick(0.01)
+        worker = rig.b.pool.get(b"w")
+        if worker.loading:
+            rig.load_done("w", "h")
+        rig.run_batches("w")
+    rig.ask("c")
+    rig.load_done("w", "c")
+    rig.run_batches("w")   # c ran last: h is now the least recently used
+    assert rig.b.requests.last_used("h") < rig.b.requests.last_used("c")
+    rig.ask("d")
+    rig.tick()
+    assert rig.loads("w") == ["h/1", "c/1", "d/1"]
+    assert rig.state("c") == "evicted" and rig.state("h") == "ready", \
+        "the cold model made room, not the hot one"
+    rig.load_done("w", "d")
+    rig.run_batches("w")
+    rig.ask("c")
+    rig.tick()
+    assert rig.loads("w")[-1] == "c/1" and rig.state("d") == "evicted"
+    rig.load_done("w", "c")
+    rig.run_batches("w")
+    assert rig.answers().count("ok") == 23 and rig.census_empty()
+    assert rig.b.ondemand.describe("h")["demand_rps"] > rig.b.ondemand.describe("d")["demand_rps"]
+
+
+def test_a_hot_model_yields_its_room_only_after_the_colder_one_waited_its_residency(
+        tmp_path: Path) -> None:
+    """Two slots: the most wanted model keeps one, the other is where the rest take
+    turns. While the turn slot is busy, a request for a cold model waits rather than evict
+    the hot model, until it has waited its residency (never forever)."""
+    rig = rig_with(tmp_path, "abc", min_residency_s=0.5)
+    for _ in range(5):
+        rig.ask("a")
+    rig.load_done("w", "a")
+    rig.run_batches("w")
+    rig.tick(1.0)   # a is idle and past its residency
+    rig.ask("b")
+    rig.load_done("w", "b")   # b's batch is sent and left running: b is busy
+    rig.ask("c")
+    rig.tick()
+    assert rig.loads("w") == ["a/1", "b/1"], "c waits: b is busy and a is the hot one"
+    assert rig.b.ondemand.next_due(rig.now) == pytest.approx(rig.now + 0.5), \
+        "the broker wakes when c's patience ends"
+    rig.tick(0.49)
+    assert rig.loads("w") == ["a/1", "b/1"]
+    rig.tick(0.02)
+    assert rig.loads("w") == ["a/1", "b/1", "c/1"], "c waited its residency: a made room"
+    assert rig.state("a") == "evicted" and rig.state("b") == "ready"
+    rig.load_done("w", "c")
+    rig.run_batches("w")
+    assert rig.answers().count("ok") == 7 and rig.census_empty()
 
 
 def test_a_deadline_shorter_than_the_predicted_load_is_refused_at_once(tmp_path: Path) -> None:

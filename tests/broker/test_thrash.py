@@ -1,13 +1,15 @@
 """Load on demand's pure decisions with a fake clock: the learned load time, the minimum
-residency scaled by the load time, and the bound on the share of a minute spent loading."""
+residency scaled by the load time, the bound on the share of a minute spent loading, and
+each model's demand (which idle model goes first)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.conftest import examples
 from zeroserve.broker.server.thrash import (DEFAULT_LOAD_S, RESIDENCY_FACTOR, WINDOW_S,
-                                            LoadTimes, ThrashGuard)
+                                            Demand, LoadTimes, ThrashGuard)
 
 
 def test_a_load_time_is_learned_per_model_with_a_default_before_the_first() -> None:
@@ -90,3 +92,30 @@ def test_no_window_of_a_minute_holds_more_loading_than_the_share(
     for s, _ in starts:
         window = [c for t, c in starts if s <= t < s + WINDOW_S]
         assert len(window) == 1 or sum(window) <= share * WINDOW_S + 1e-9, window
+
+
+def test_demand_counts_requests_halving_each_half_life_and_orders_models_by_it() -> None:
+    demand = Demand(half_life_s=10.0)
+    for i in range(100):          # 10 a second for 10 s
+        demand.asked("hot", i * 0.1)
+    demand.asked("cold", 9.9)
+    assert demand.count("hot", 10.0) > 40 * demand.count("cold", 10.0)
+    assert demand.count("cold", 19.9) == pytest.approx(0.5), "halved in one half-life"
+    assert demand.count("hot", 30.0) == pytest.approx(demand.count("hot", 10.0) / 4)
+    steady = Demand(half_life_s=10.0)
+    for i in range(2000):         # 10 a second, long enough to be steady
+        steady.asked("m", i * 0.1)
+    assert steady.rate("m", 200.0) == pytest.approx(10.0, rel=0.05)
+    assert demand.count("never", 5.0) == 0.0
+    demand.forget("hot")
+    assert demand.names() == {"cold"} and len(demand) == 1
+
+
+def test_the_next_residency_to_end_is_known_for_the_broker_to_wake() -> None:
+    guard = ThrashGuard(0.5, 0.0)
+    assert guard.next_evictable(0.0) is None
+    guard.resident("w", "a", 0.0, 0.0)
+    guard.resident("w", "b", 1.0, 0.0)
+    assert guard.next_evictable(0.0) == 0.5
+    assert guard.next_evictable(0.6) == 1.5
+    assert guard.next_evictable(2.0) is None

@@ -13,10 +13,10 @@ thrash.py) counts in the deadline check, and when the load-share bound is spent 
 seconds spent loading in the last minute) a request is refused at once (503, Retry-After)
 rather than queued to wait for a load that cannot start. A model loaded on demand stays
 at least ``residency_factor`` times its load time (``min_residency_s`` at least) before
-it may be evicted; and the models most wanted, as many as the worker holds beside the
-one asking for room, are evicted for a less wanted one only once that one has waited its
-own residency: the hot models stay while the cold ones take turns in the room left. A
-model is on demand when its config says ``"load_on_demand": true``, or
+it may be evicted; and the models most wanted, as many as the worker holds beside two of
+the one asking for room (placement's TURNS), are evicted for a less wanted one only once
+that one has waited its patience: the hot models stay while the cold ones take turns in
+the room left. A model is on demand when its config says ``"load_on_demand": true``, or
 says nothing and the broker runs with ``--load-on-demand``.
 
 The states it reports (``zeroserve models``, the repository index): AVAILABLE (on
@@ -131,7 +131,7 @@ class OnDemand:
         """Whether idle ``model`` may leave ``worker`` to make room for ``keep``: past its
         residency; and when it is one of the ``hot`` (the most wanted that fit beside
         ``keep``) and wanted more than ``keep``, only once ``keep``'s requests have
-        waited its residency (a hot model yields to a colder one's starving requests,
+        waited its patience (a hot model yields to a colder one's starving requests,
         never to its first one)."""
         now = self.clock()
         if not self.guard.may_evict(worker.worker_id, model, now):
@@ -140,7 +140,7 @@ class OnDemand:
         if not hot or since is None:   # since None: not a load on demand (a new version)
             return True
         return self.demand.count(model, now) <= self.demand.count(keep, now) \
-            or now - since >= self._residency_s(keep)
+            or now - since >= self._patience_s(keep)
 
     def _waiting_since(self, name: str) -> float | None:
         load = self.loads.get(name)
@@ -358,13 +358,21 @@ class OnDemand:
         else:   # room may open when a residency or a waiting model's patience ends (a
             # queue that empties comes with a message, and every message ticks)
             ends = [t for t in (self.guard.next_evictable(now),
-                                *(s + self._residency_s(n) for n, s in self.wanted.items()))
+                                *(s + self._patience_s(n) for n, s in self.wanted.items()))
                     if t is not None and t > now]
             start = min(ends, default=now + PENDING_POLL_S)
         return min(max(start, now + MIN_POLL_S), min(self.wanted.values()) + self.opts.pending_s)
 
     def _residency_s(self, name: str) -> float:
         return self.guard.residency_s(self.costs.latest(name))
+
+    def _patience_s(self, name: str) -> float:
+        """How long ``name``'s requests wait before a hot model yields its room: the
+        residency rule applied to what its load takes from a request's view (the round
+        trips and the batches ahead, not only the worker's time). The room past the hot
+        models turns over within a few loads, so a colder model waits its turn there
+        and takes a hot model's room only when that turn is long overdue."""
+        return self.guard.residency_s(self.times.predict(name))
 
     # -- telling ------------------------------------------------------------------------
     def state(self, name: str) -> tuple[str, str] | None:

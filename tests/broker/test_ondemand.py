@@ -149,30 +149,35 @@ def test_the_hot_model_stays_and_the_cold_ones_take_turns(tmp_path: Path) -> Non
 
 def test_a_hot_model_yields_its_room_only_after_the_colder_one_waited_its_residency(
         tmp_path: Path) -> None:
-    """Two slots: the most wanted model keeps one, the other is where the rest take
-    turns. While the turn slot is busy, a request for a cold model waits rather than evict
-    the hot model, until it has waited its residency (never forever)."""
-    rig = rig_with(tmp_path, "abc", min_residency_s=0.5)
+    """Three slots: the most wanted model keeps one, the other two are where the rest
+    take turns (one loads while another runs). While both turn slots are busy, a request
+    for a cold model waits rather than evict the hot model, until it has waited its
+    residency (never for ever)."""
+    rig = Rig(tmp_path, min_residency_s=0.5)
+    for name in "abcd":
+        rig.model(name)
+    rig.worker("w", "cpu", budget=13_000_000, context_bytes=0)   # three of them
     for _ in range(5):
         rig.ask("a")
     rig.load_done("w", "a")
     rig.run_batches("w")
     rig.tick(1.0)   # a is idle and past its residency
-    rig.ask("b")
-    rig.load_done("w", "b")   # b's batch is sent and left running: b is busy
+    for name in "bd":
+        rig.ask(name)
+        rig.load_done("w", name)   # its batch is sent and left running: busy
     rig.ask("c")
     rig.tick()
-    assert rig.loads("w") == ["a/1", "b/1"], "c waits: b is busy and a is the hot one"
+    assert rig.loads("w") == ["a/1", "b/1", "d/1"], "c waits: b, d busy, a the hot one"
     assert rig.b.ondemand.next_due(rig.now) == pytest.approx(rig.now + 0.5), \
         "the broker wakes when c's patience ends"
     rig.tick(0.49)
-    assert rig.loads("w") == ["a/1", "b/1"]
+    assert rig.loads("w") == ["a/1", "b/1", "d/1"]
     rig.tick(0.02)
-    assert rig.loads("w") == ["a/1", "b/1", "c/1"], "c waited its residency: a made room"
+    assert rig.loads("w") == ["a/1", "b/1", "d/1", "c/1"], "c waited: a made room"
     assert rig.state("a") == "evicted" and rig.state("b") == "ready"
     rig.load_done("w", "c")
     rig.run_batches("w")
-    assert rig.answers().count("ok") == 7 and rig.census_empty()
+    assert rig.answers().count("ok") == 8 and rig.census_empty()
 
 
 def test_a_deadline_shorter_than_the_predicted_load_is_refused_at_once(tmp_path: Path) -> None:

@@ -94,8 +94,11 @@ def budget_for(models: float, hidden: int, context: int) -> int:
 def cold_waits(label: str, hidden: int, count: int, context: int) -> dict[str, Any]:
     repo = repo_of(3, hidden)
     budget = budget_for(1.5, hidden, context)
+    # the thrash bounds off: this is the wait for a load, not for a residency to end (the
+    # first loads, from disk, would hold each model 20 times their 25-80 ms)
     srv = start(repo, threads=1, extra=["--load-on-demand", "--memory-budget", str(budget),
-                                        "--load-on-demand-min-residency-s", "0"])
+                                        "--load-on-demand-min-residency-s", "0",
+                                        "--load-on-demand-residency-factor", "0"])
     waits: list[float] = []
     try:
         with Client(srv.frontend, timeout_s=60) as c:

@@ -141,14 +141,16 @@ class Cluster:
                                     stderr=subprocess.STDOUT, start_new_session=True)
         return Proc(name, proc, log_path)
 
-    def start_worker(self, index: int, key: str, in_netns: bool = False) -> Proc:
+    def start_worker(self, index: int, key: str, in_netns: bool = False,
+                     extra: list[str] | None = None) -> Proc:
         prefix = self.netns.prefix() if in_netns and self.netns else None
         worker = self.start(f"worker{index}", [
             "-m", "zeroserve.workers.main", "--index", str(index), "--threads", "1",
             "--runtime-dir", str(self.runtime),
             "--backend", f"tcp://{self.host_ip}:{self.backend_port}",
             "--curve-server-key", str(self.keys / "broker.key"),
-            "--curve-secret-key", str(self.keys / f"{key}.key_secret")], prefix)
+            "--curve-secret-key", str(self.keys / f"{key}.key_secret"), *(extra or [])],
+            prefix)
         self.workers[f"w{index}"] = worker
         return worker
 

@@ -2,8 +2,10 @@
 holds about 4, every model available and none loaded at start; requests round-robin,
 then skewed (Zipf), each answered with its own model's numbers while models are loaded
 and evicted under them; a deadline shorter than the predicted load refused at once;
-SIGKILL of the worker while it loads a model answers each waiting request once; and
-nothing of any request left in the broker afterwards."""
+SIGKILL of the worker while it loads a model answers each waiting request once; two
+remote workers over CurveZMQ (one in a network namespace of its own where the host
+allows) loading on demand within their own budgets; and nothing of any request left in
+the broker afterwards."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 
-from tests.conftest import ZEROSERVE, Server, http, linear_config, short_tmpdir, wait_for, \
-    write_model
+from tests.conftest import ZEROSERVE, Server, free_port, http, linear_config, short_tmpdir, \
+    wait_for, write_model
+from tests.e2e.test_curve import Cluster, Netns, netns_unavailable
+from zeroserve.broker import curve
 from zeroserve.broker.client import AsyncClient, Client, ErrorCode, InferError
 
 pytestmark = pytest.mark.timeout(180)
@@ -77,9 +81,14 @@ def states(srv: Server) -> dict[str, str]:
 
 async def drive(srv: Server, names: list[str], concurrency: int) -> list[tuple[str, Any]]:
     """Each name asked once, ``concurrency`` at a time: (name, its output or error)."""
+    return await drive_at(AsyncClient(srv.frontend), names, concurrency)
+
+
+async def drive_at(client: AsyncClient, names: list[str],
+                   concurrency: int) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     todo = iter(names)
-    async with AsyncClient(srv.frontend) as client:
+    async with client:
         assert await client.wait_connected(10)
 
         async def lane() -> None:
@@ -174,3 +183,62 @@ def test_sigkill_of_the_worker_while_it_loads_answers_each_waiting_request_once(
         wait_for(lambda: control(srv, "status")["workers"], 60, "the worker back")
         res = c.infer("m5", {"input": X}, timeout_ms=30_000)
     assert res.outputs["output"].tolist() == [[5.0] * 3]
+
+
+def test_remote_workers_load_on_demand_within_their_own_budgets(repo: Path) -> None:
+    """Placement, eviction and the load's LOADED over tcp:// and CurveZMQ: both workers
+    hold models they were asked for, within their budgets, and every answer is its own
+    model's."""
+    folder = short_tmpdir("zsodc")
+    keys, auth = folder / "keys", folder / "auth"
+    auth.mkdir()
+    for name in ("broker", "w0", "w1", "client"):
+        public, _ = curve.generate(keys, name)
+        if name != "broker":
+            shutil.copy(public, auth)
+    runtime = folder / "rt"
+    runtime.mkdir(mode=0o700)
+    netns = None if netns_unavailable() else Netns()
+    c = Cluster(folder, keys, auth, runtime, free_port(), free_port(), netns)
+    try:
+        c.broker = c.start("broker", [
+            "-m", "zeroserve.broker.server.main", "--model-dir", str(repo),
+            "--runtime-dir", str(runtime), "--load-on-demand",
+            "--load-on-demand-min-residency-s", "0.05",
+            "--frontend", f"tcp://0.0.0.0:{c.frontend_port}",
+            "--backend", f"tcp://0.0.0.0:{c.backend_port}",
+            "--curve-secret-key", str(keys / "broker.key_secret"),
+            "--curve-authorized-keys", str(auth)])
+        for index in (0, 1):
+            c.start_worker(index, f"w{index}", in_netns=index == 1,
+                           extra=["--memory-budget", str(BUDGET)])
+        wait_for(lambda: os.path.exists(runtime / "control") and len(c.worker_ids()) == 2,
+                 90, "both remote workers registered")
+        names = [f"m{i % MODELS}" for i in range(2 * MODELS)] + zipf(MODELS, 1.1, 200, 11)
+        client = AsyncClient(c.frontend(), curve_keys=c.client_keys("client"))
+        answers = asyncio.run(drive_at(client, names, 8))
+        assert len(answers) == len(names)
+        wrong = [(n, a) for n, a in answers if a != [[float(n[1:])] * 3]]
+        assert not wrong, wrong[:5]
+        plans = c.call("status")["memory_plan"]
+        assert len(plans) == 2 and all(p["models"] for p in plans.values()), \
+            "both workers loaded models on demand"
+        for wid, plan in plans.items():
+            assert plan["planned_bytes"] <= plan["budget_bytes"], (wid, plan)
+        assert any(s == "evicted" for s in
+                   (m.get("state") for m in c.call("models")["models"].values())), \
+            "12 models on two budgets of about 4: some were evicted"
+        census = c.call("census")
+        assert not any(census.values()), census
+    except AssertionError:
+        for proc in [c.broker, *c.workers.values()]:
+            if proc is not None:
+                print(f"--- {proc.name}\n{proc.log()[-4000:]}")
+        raise
+    finally:
+        for proc in [*c.workers.values(), c.broker]:
+            if proc is not None:
+                proc.stop()
+        if netns is not None:
+            netns.remove()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -367,3 +367,66 @@ def test_the_thrash_bounds_count_the_workers_load_time_not_the_wait(tmp_path: Pa
     assert od.times.predict("a") == 2.0 and od.costs.predict("a") == 0.01
     assert od.describe("a")["residency_s"] == 0.2, "20 x 10 ms"
     assert od.guard.evictable_at("w", "a") == rig.now + 0.2
+
+
+def cheap_load(rig: Rig, name: str, load_s: float = 0.0005) -> None:
+    """The worker's LOADED for a load that cost it ``load_s`` (a move back from host
+    memory), then a tick."""
+    plan = {"footprint_bytes": WEIGHTS, "resident_bytes": WEIGHTS}
+    rig.from_worker("w", p.ModelLoaded(name, 1, True, sha256=rig.b.catalog.shas[name][1],
+                                       memory_bytes=WEIGHTS, load_s=load_s, memory=plan))
+    rig.tick()
+
+
+def batches_for(rig: Rig, name: str) -> list[p.Batch]:
+    return [b for _, _, b in rig.sent(p.Kind.BATCH) if b.model == name]
+
+
+@pytest.mark.parametrize("versions", [[1, 2, 3, 4], [1, 2, 3]])
+def test_a_batch_goes_behind_a_cheap_load_to_a_worker_that_holds_it_till_loaded(
+        tmp_path: Path, versions: list[int]) -> None:
+    """Protocol version 4: once a model's load is known to be cheap, its batch leaves
+    with the LOAD, not after the LOADED; never with a first load (it reads the disk),
+    and never to a worker of an older protocol (it would answer retry at once)."""
+    rig = Rig(tmp_path, min_residency_s=0.0, residency_factor=0.0)
+    for name in "abc":
+        rig.model(name)
+    rig.worker("w", "cpu", budget=BUDGET, context_bytes=0, versions=versions)
+    for name in "abc":   # each one's first load; c's evicts a
+        rig.ask(name)
+        rig.tick()
+        assert batches_for(rig, name) == [], "a first load: the batch waits for LOADED"
+        cheap_load(rig, name)
+        rig.run_batches("w")
+    assert rig.state("a") == "evicted"
+    rig.ask("a")
+    rig.tick()
+    assert rig.loads("w")[-1] == "a/1" and rig.state("a") == "loading"
+    early = len(batches_for(rig, "a")) == 2
+    assert early is (4 in versions), "sent behind the LOAD only to a worker that holds it"
+    cheap_load(rig, "a")
+    rig.run_batches("w")
+    assert rig.answers() == ["ok"] * 4 and rig.census_empty()
+
+
+def test_a_batch_behind_a_load_that_fails_is_answered_once_with_why(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, min_residency_s=0.0, residency_factor=0.0)
+    for name in "abc":
+        rig.model(name)
+    rig.worker("w", "cpu", budget=BUDGET, context_bytes=0, versions=[1, 2, 3, 4])
+    for name in "abc":
+        rig.ask(name)
+        rig.tick()
+        cheap_load(rig, name)
+        rig.run_batches("w")
+    rid = rig.ask("a")
+    rig.tick()
+    [batch] = batches_for(rig, "a")[1:]
+    rig.from_worker("w", p.ModelLoaded("a", 1, False, error="the disk is gone"))
+    rig.tick()
+    why = "loading model a/1 on worker w failed: the disk is gone"
+    rig.from_worker("w", p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=why))
+    rig.tick()
+    [err] = [e for e in rig.errors() if e.request_id == rid]
+    assert "the disk is gone" in err.message
+    assert rig.answers().count("error") == 1 and rig.census_empty()

@@ -46,15 +46,9 @@ __all__ = ["DTYPES", "ITEM_BYTES", "Buffer", "ProtocolError", "Tensor", "TensorM
 # its replies as REPLIES. Version 3 adds WAITING (a handler's batch waits on the models
 # it called, workers/bls.py), sent only to a broker whose LOAD listed version 3: an older
 # broker drops it as malformed, and the nested-call deadlock it prevents would return.
-# Version 4 adds no kind but a promise: a worker that speaks it holds a BATCH for a
-# version it was told to LOAD until that load ends, then runs it (or answers it
-# ``retry`` when the load failed), so the broker may send the batch behind the LOAD
-# instead of waiting for the LOADED (load on demand's turn loses two of its messages).
-# An older worker would answer such a batch ``retry`` at once; it is sent none.
-PROTOCOL_VERSION = 4
-SUPPORTED_VERSIONS = (1, 2, 3, 4)
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
 WAITING_VERSION = 3
-EARLY_BATCH_VERSION = 4
 
 
 class VersionMismatch(ProtocolError):

@@ -106,15 +106,6 @@ class Worker:
         self._last_run: dict[tuple[str, int], tuple[float, float]] = {}  # seconds, units
         self._closing = False
         self._loads: queue.Queue[Any] = queue.Queue()
-        # batches that came behind the LOAD of their version (protocol version 4): the
-        # compute thread hands those it finds not loaded to the main thread (_held),
-        # which holds them while the load runs (_behind_load) and hands them back once
-        # it ends; those whose version is not loaded then are answered retry, with why
-        # (_unheld). Only the main thread reads and writes _loading and _behind_load.
-        self._loading: set[tuple[str, int]] = set()
-        self._held: collections.deque[Job] = collections.deque()
-        self._behind_load: dict[tuple[str, int], list[Job]] = {}
-        self._unheld: dict[int, str] = {}
         # stream batches received and not finished -> their items the broker answered
         # already (STOP); the main thread adds, the compute thread reads and forgets
         self._stops: dict[int, set[str]] = {}
@@ -256,13 +247,11 @@ class Worker:
                 drain(self.channel.main_wake)
             if self.results in events:
                 while self.results.poll(0):
-                    self._forward(self.results.recv_multipart(copy=False))
+                    self._send(self.results.recv_multipart(copy=False))
             self._handle_inbox()
             while reads and self._exit is None and (frames := self.channel.recv()) is not None:
                 self._handle_inbox()   # what the compute thread read first comes first
                 self.on_message(frames)
-            if self._held:
-                self._hold()
         self._closing = True
         self.channel.wake_compute()
         self._loads.put(_STOP)
@@ -302,46 +291,6 @@ class Worker:
             return False
         return True
 
-    def _forward(self, frames: list[Any]) -> None:
-        """The loader's answer to the broker; a LOADED hands back the batches that came
-        behind that load (to run, or to answer retry when it failed)."""
-        self._send(frames)
-        if bytes(frames[0]) != p.Kind.LOADED.value:
-            return
-        done = p.decode(p.ModelLoaded, p.unpack(frames)[1])
-        key = (done.model, done.version)
-        self._loading.discard(key)
-        jobs = self._behind_load.pop(key, [])
-        if not jobs:
-            return
-        for batch, _ in jobs if not done.ok else ():
-            self._unheld[batch.batch_id] = (f"loading model {done.model}/{done.version} on "
-                                            f"worker {self.worker_id} failed: {done.error}")
-        self._jobs.extendleft(reversed(jobs))   # they came before what waits there now
-        self.channel.wake_compute()
-
-    def _hold(self) -> None:
-        """Batches the compute thread found not loaded: held behind their version's
-        load when one runs (every LOAD read before them is handled first), else handed
-        back to be answered retry."""
-        jobs = []
-        while self._held:
-            jobs.append(self._held.popleft())
-        self._handle_inbox()
-        back = []
-        for job in jobs:
-            key = (job[0].model, job[0].version)
-            if key not in self.models and key in self._loading:
-                self._behind_load.setdefault(key, []).append(job)
-            else:
-                if key not in self.models:
-                    self._unheld[job[0].batch_id] = (f"model {key[0]}/{key[1]} is not "
-                                                     f"loaded on worker {self.worker_id}")
-                back.append(job)
-        if back:
-            self._jobs.extendleft(reversed(back))
-            self.channel.wake_compute()
-
     def _handle_inbox(self) -> None:
         while self._exit is None and self._inbox:
             self.on_message(self._inbox.popleft())
@@ -362,9 +311,7 @@ class Worker:
             elif kind is p.Kind.HEARTBEAT:
                 self._on_heartbeat(p.decode(p.BrokerHeartbeat, header))
             elif kind is p.Kind.LOAD:
-                load = p.decode(p.LoadModel, header)
-                self._loading.add((load.model, load.version))
-                self._loads.put(load)
+                self._loads.put(p.decode(p.LoadModel, header))
             elif kind is p.Kind.UNLOAD:
                 self._loads.put(p.decode(p.UnloadModel, header))
             elif kind is p.Kind.DISCONNECT:
@@ -495,18 +442,12 @@ class Worker:
         taken_ns = time.monotonic_ns()
         self._busy_since = time.monotonic()
         loaded = self.models.get((batch.model, batch.version))
-        unheld = self._unheld.pop(batch.batch_id, None)   # held once: not again
         if self._busy_since >= start_by:
             self.m_expired.inc(len(batch.items))
             result = p.BatchResult(batch.batch_id, [], 0.0, expired=True,
                                    error="deadline exceeded before the batch could start")
-        elif loaded is None and unheld is None and not self._closing:
-            self._held.append(job)   # the main thread knows whether its LOAD runs
-            self.channel.wake_main()
-            self._busy_since = None
-            return
         elif loaded is None:
-            result = p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=unheld or (
+            result = p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=(
                 f"model {batch.model}/{batch.version} is not loaded on "
                 f"worker {self.worker_id}"))
         elif loaded.calls_models:

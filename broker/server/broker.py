@@ -119,7 +119,6 @@ class Broker:
             demand, sync_worker=lambda worker: self.lifecycle.sync_worker(worker),
             fail=self.requests.fail_waiting, default=self.replicas.placed)
         self.requests.admission.use_demand(self.ondemand)
-        self.requests.use_early(self.ondemand.early_worker)
         self.repository = RepositoryControl(
             opts.control_mode, opts.load_models, self.catalog, self.pool,
             self.requests.stats, load_now=lambda rm, vs: self.lifecycle.load_now(rm, vs),

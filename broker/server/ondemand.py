@@ -47,11 +47,6 @@ logger = logging.getLogger(__name__)
 
 AVAILABLE, LOADING, READY, EVICTED = "AVAILABLE", "LOADING", "READY", "EVICTED"
 NO_FIT = "the working set does not fit the memory budget"
-# A batch may be sent behind the LOAD of its model (protocol version 4: the worker holds
-# it until the load ends) when the model's last load cost the worker at most this: a
-# move back from the host-memory tier (half a millisecond), not a read from disk, during
-# which the batch would hold one of the worker's credits.
-EARLY_MAX_LOAD_S = 0.05
 PENDING_POLL_S = 0.05   # a waiting load looks again this often when no time is known
 MIN_POLL_S = 0.001      # nor more often than this
 
@@ -146,25 +141,6 @@ class OnDemand:
             return True
         return self.demand.count(model, now) <= self.demand.count(keep, now) \
             or now - since >= self._patience_s(keep)
-
-    def early_worker(self, name: str) -> tuple[WorkerState, set[int]] | None:
-        """The worker loading ``name`` on demand, when it may take the model's batches
-        before its LOADED comes (the request path asks), with the versions it loads: it
-        speaks protocol version 4, has a credit free, and the model's last load cost it
-        at most :data:`EARLY_MAX_LOAD_S` (never its first: that one reads the disk).
-        This takes two of the four messages out of a turn in the room past the kept
-        models: the LOADED back, and the batch out after it."""
-        load = self.loads.get(name)
-        model = self.catalog.get(name)
-        if load is None or model is None or model.config.decoupled \
-                or not self.costs.known(name) or self.costs.latest(name) > EARLY_MAX_LOAD_S:
-            return None
-        worker = self.pool.get(load.worker)
-        if worker is None or worker.free <= 0 \
-                or not self.pool.speaks(worker, p.EARLY_BATCH_VERSION):
-            return None
-        versions = {v for v in model.versions if ModelVersion(name, v) in worker.loading}
-        return (worker, versions) if versions else None
 
     def _waiting_since(self, name: str) -> float | None:
         load = self.loads.get(name)

@@ -44,13 +44,6 @@ STALL_MIN_S = 1.0
 
 logger = logging.getLogger(__name__)
 
-# a worker loading a model that takes its batches before the LOADED, with the versions
-Early = Callable[[str], "tuple[WorkerState, set[int]] | None"]
-
-
-def _no_early(model: str) -> tuple[WorkerState, set[int]] | None:
-    return None
-
 
 
 class RequestPath:
@@ -67,7 +60,6 @@ class RequestPath:
         self.latency = latency
         self.metrics = metrics
         self._last_used: dict[str, float] = {}
-        self._early: Early = _no_early                 # load on demand's: see use_early
         self.gate = DispatchGate()                     # when a worker may take a batch
         self.stop = stop or StopState()                # the broker's: asked at admission
         self.releases = releases                       # rollouts: told what versions answer
@@ -115,13 +107,6 @@ class RequestPath:
 
     def last_used(self, model: str) -> float:
         return self._last_used.get(model, 0.0)
-
-    def use_early(self, early: "Early") -> None:
-        """``early(model)``: a worker still loading the model that takes its batches now
-        (protocol version 4 holds them until the load ends), with the versions it
-        loads; None when there is none. Asked only when no worker holding the model
-        has a free credit."""
-        self._early = early
 
     # -- intake -------------------------------------------------------------
     def on_requests(self, client: bytes, header: dict[str, Any], bufs: Sequence[Any],
@@ -433,13 +418,10 @@ class RequestPath:
     def _dispatch_model(self, model: CatalogModel, now: float) -> None:
         name = model.config.name
         while True:
-            worker, loading = self.pool.free_holder(name), set[int]()
+            worker = self.pool.free_holder(name)
             if worker is None:
-                early = self._early(name)
-                if early is None:
-                    return
-                worker, loading = early
-            held, default = worker.versions_of(name) | loading, model.default_version
+                return
+            held, default = worker.versions_of(name), model.default_version
 
             def resolve(e: Entry, held: set[int] = held, default: int = default) -> int | None:
                 v = e.version if e.version is not None else default

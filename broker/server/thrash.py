@@ -53,10 +53,6 @@ class LoadTimes:
             return got
         return median(self.learned.values()) if self.learned else DEFAULT_LOAD_S
 
-    def known(self, model: str) -> bool:
-        """Whether a load of the model was seen (else what is predicted is a guess)."""
-        return model in self.last
-
     def latest(self, model: str) -> float:
         got = self.last.get(model)
         return self.predict(model) if got is None else got

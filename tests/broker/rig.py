@@ -55,13 +55,12 @@ class BrokerRig:
 
     def worker(self, wid: str, device: str = "", budget: int = 0,
                models: list[list[Any]] | None = None, credits: int = 1,
-               versions: list[int] | None = None, **memory: Any) -> Any:
-        """A worker registers (READY), as a real one would; returns its state.
-        ``versions``: the protocol versions it says it speaks (an old worker's 1)."""
+               **memory: Any) -> Any:
+        """A worker registers (READY), as a real one would; returns its state."""
         ready = p.WorkerReady(wid, credits, device=device, memory_budget_bytes=budget,
                               models=models or [],
                               memory={"device": device, **memory} if memory or device
-                              else {}, versions=versions or [1])
+                              else {})
         self.b.worker_ready(wid.encode(), ready, self.now)
         return self.b.pool.get(wid.encode())
 

@@ -396,6 +396,7 @@ class OnDemand:
         out: dict[str, Any] = {"on_demand": True, "state": got[0].lower(),
                                "loadable": bool(self._candidates(name)),
                                "predicted_load_s": round(self.times.predict(name), 4),
+                               "load_cost_s": round(self.costs.predict(name), 4),
                                "demand_rps": round(self.demand.rate(name, self.clock()), 3),
                                "residency_s": round(self._residency_s(name), 3)}
         if got[1]:

@@ -366,4 +366,5 @@ def test_the_thrash_bounds_count_the_workers_load_time_not_the_wait(tmp_path: Pa
     od = rig.b.ondemand
     assert od.times.predict("a") == 2.0 and od.costs.predict("a") == 0.01
     assert od.describe("a")["residency_s"] == 0.2, "20 x 10 ms"
+    assert od.describe("a")["load_cost_s"] == 0.01 and od.describe("a")["predicted_load_s"] == 2.0
     assert od.guard.evictable_at("w", "a") == rig.now + 0.2

@@ -168,6 +168,21 @@ class Cluster:
     def worker_ids(self) -> set[str]:
         return {w["id"] for w in self.call("status")["workers"]}
 
+    def print_logs(self, tail: int = 0) -> None:
+        """Each process's log (its last ``tail`` characters; 0: all), for a failure."""
+        for proc in [self.broker, *self.workers.values()]:
+            if proc is not None:
+                print(f"--- {proc.name}\n{proc.log()[-tail:]}")
+
+    def close(self) -> None:
+        """Every process stopped and reaped, the namespace and the folder removed."""
+        for proc in [*self.workers.values(), self.broker]:
+            if proc is not None:
+                proc.stop()
+        if self.netns is not None:
+            self.netns.remove()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
 
 def batches_run(cluster: Cluster) -> dict[str, float]:
     """Batches each worker ran, from its own metrics (as the broker relays them)."""
@@ -220,17 +235,10 @@ def cluster() -> Iterator[Cluster]:
                  "both workers to hold the model")
         yield c
     except AssertionError:
-        for proc in [c.broker, *c.workers.values()]:
-            if proc is not None:
-                print(f"--- {proc.name}\n{proc.log()}")
+        c.print_logs()
         raise
     finally:
-        for proc in [*c.workers.values(), c.broker]:
-            if proc is not None:
-                proc.stop()
-        if netns is not None:
-            netns.remove()
-        shutil.rmtree(folder, ignore_errors=True)
+        c.close()
 
 
 def x(value: float) -> dict[str, np.ndarray]:

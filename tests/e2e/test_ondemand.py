@@ -231,14 +231,7 @@ def test_remote_workers_load_on_demand_within_their_own_budgets(repo: Path) -> N
         census = c.call("census")
         assert not any(census.values()), census
     except AssertionError:
-        for proc in [c.broker, *c.workers.values()]:
-            if proc is not None:
-                print(f"--- {proc.name}\n{proc.log()[-4000:]}")
+        c.print_logs(4000)
         raise
     finally:
-        for proc in [*c.workers.values(), c.broker]:
-            if proc is not None:
-                proc.stop()
-        if netns is not None:
-            netns.remove()
-        shutil.rmtree(folder, ignore_errors=True)
+        c.close()

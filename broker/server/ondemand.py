@@ -130,9 +130,9 @@ class OnDemand:
     def evictable(self, worker: WorkerState, model: str, keep: str, hot: bool) -> bool:
         """Whether idle ``model`` may leave ``worker`` to make room for ``keep``: past its
         residency; and when it is one of the ``hot`` (the most wanted that fit beside
-        ``keep``) and wanted more than ``keep``, only once ``keep``'s requests have
-        waited its patience (a hot model yields to a colder one's starving requests,
-        never to its first one)."""
+        placement's TURNS of ``keep``) and wanted more than ``keep``, only once ``keep``'s
+        requests have waited its patience (a hot model yields to a colder one's starving
+        requests, never to its first one)."""
         now = self.clock()
         if not self.guard.may_evict(worker.worker_id, model, now):
             return False

@@ -125,6 +125,33 @@ class Cluster:
     broker: Proc | None = None
     workers: dict[str, Proc] = field(default_factory=dict)
 
+    @classmethod
+    def create(cls, folder: Path, trusted: tuple[str, ...],
+               untrusted: tuple[str, ...] = ()) -> "Cluster":
+        """Keys for the broker and each name (only the ``trusted`` authorized), a
+        runtime folder, and a network namespace where the host allows one."""
+        keys, auth = folder / "keys", folder / "auth"
+        auth.mkdir()
+        for name in ("broker", *trusted, *untrusted):
+            public, _ = curve.generate(keys, name)
+            if name in trusted:
+                shutil.copy(public, auth)
+        runtime = folder / "rt"
+        runtime.mkdir(mode=0o700)
+        netns = None if netns_unavailable() else Netns()
+        return cls(folder, keys, auth, runtime, free_port(), free_port(), netns)
+
+    def start_broker(self, repo: Path, extra: list[str]) -> Proc:
+        """The broker on tcp:// with CurveZMQ, serving ``repo``."""
+        self.broker = self.start("broker", [
+            "-m", "zeroserve.broker.server.main", "--model-dir", str(repo),
+            "--runtime-dir", str(self.runtime), *extra,
+            "--frontend", f"tcp://0.0.0.0:{self.frontend_port}",
+            "--backend", f"tcp://0.0.0.0:{self.backend_port}",
+            "--curve-secret-key", str(self.keys / "broker.key_secret"),
+            "--curve-authorized-keys", str(self.auth)])
+        return self.broker
+
     @property
     def host_ip(self) -> str:
         """The broker's address as the workers here reach it (the veth's, when there is one)."""
@@ -209,25 +236,12 @@ def write_slow(repo: Path) -> None:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     folder = short_tmpdir("zscurve")
-    keys, auth, repo = folder / "keys", folder / "auth", folder / "repo"
-    auth.mkdir()
-    for name in ("broker", "w0", "w1", "client", "gateway", "intruder"):
-        public, _ = curve.generate(keys, name)
-        if name not in ("broker", "intruder"):
-            shutil.copy(public, auth)
+    repo = folder / "repo"
     write_slow(repo)
-    runtime = folder / "rt"
-    runtime.mkdir(mode=0o700)
-    netns = None if netns_unavailable() else Netns()
-    c = Cluster(folder, keys, auth, runtime, free_port(), free_port(), netns)
+    c = Cluster.create(folder, ("w0", "w1", "client", "gateway"), ("intruder",))
+    runtime = c.runtime
     try:
-        c.broker = c.start("broker", [
-            "-m", "zeroserve.broker.server.main", "--model-dir", str(repo),
-            "--runtime-dir", str(runtime), "--heartbeat-s", "0.25", "--worker-expiry-s", "1.0",
-            "--frontend", f"tcp://0.0.0.0:{c.frontend_port}",
-            "--backend", f"tcp://0.0.0.0:{c.backend_port}",
-            "--curve-secret-key", str(keys / "broker.key_secret"),
-            "--curve-authorized-keys", str(auth)])
+        c.start_broker(repo, ["--heartbeat-s", "0.25", "--worker-expiry-s", "1.0"])
         c.start_worker(0, "w0")
         c.start_worker(1, "w1", in_netns=True)
         wait_for(lambda: len(c.call("models")["models"]["slow"]["workers"]) == 2

@@ -22,10 +22,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 
-from tests.conftest import ZEROSERVE, Server, free_port, http, linear_config, short_tmpdir, \
+from tests.conftest import ZEROSERVE, Server, http, linear_config, short_tmpdir, \
     wait_for, write_model
-from tests.e2e.test_curve import Cluster, Netns, netns_unavailable
-from zeroserve.broker import curve
+from tests.e2e.test_curve import Cluster
 from zeroserve.broker.client import AsyncClient, Client, ErrorCode, InferError
 
 pytestmark = pytest.mark.timeout(180)
@@ -189,26 +188,10 @@ def test_remote_workers_load_on_demand_within_their_own_budgets(repo: Path) -> N
     """Placement, eviction and the load's LOADED over tcp:// and CurveZMQ: both workers
     hold models they were asked for, within their budgets, and every answer is its own
     model's."""
-    folder = short_tmpdir("zsodc")
-    keys, auth = folder / "keys", folder / "auth"
-    auth.mkdir()
-    for name in ("broker", "w0", "w1", "client"):
-        public, _ = curve.generate(keys, name)
-        if name != "broker":
-            shutil.copy(public, auth)
-    runtime = folder / "rt"
-    runtime.mkdir(mode=0o700)
-    netns = None if netns_unavailable() else Netns()
-    c = Cluster(folder, keys, auth, runtime, free_port(), free_port(), netns)
+    c = Cluster.create(short_tmpdir("zsodc"), ("w0", "w1", "client"))
+    runtime = c.runtime
     try:
-        c.broker = c.start("broker", [
-            "-m", "zeroserve.broker.server.main", "--model-dir", str(repo),
-            "--runtime-dir", str(runtime), "--load-on-demand",
-            "--load-on-demand-min-residency-s", "0.05",
-            "--frontend", f"tcp://0.0.0.0:{c.frontend_port}",
-            "--backend", f"tcp://0.0.0.0:{c.backend_port}",
-            "--curve-secret-key", str(keys / "broker.key_secret"),
-            "--curve-authorized-keys", str(auth)])
+        c.start_broker(repo, ["--load-on-demand", "--load-on-demand-min-residency-s", "0.05"])
         for index in (0, 1):
             c.start_worker(index, f"w{index}", in_netns=index == 1,
                            extra=["--memory-budget", str(BUDGET)])

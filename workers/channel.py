@@ -1,14 +1,17 @@
 """The worker's one DEALER to the broker, and who may use it when: said here, once.
 
-Two threads use it:
+Three threads use it:
   * the compute thread reads it while it is idle and runs each batch it reads at once,
-    in the thread that received it; every other message it reads it queues for the main
-    thread (``forward``), in order. At one request at a time a hand-off to another thread
-    cost a wake-up and the GIL's passing on every batch (mlp, direct C=1), which is why
-    the socket is shared at all rather than owned by one thread;
-  * the main thread sends (heartbeats, loads' answers) and reads the socket itself only
-    while the compute thread is inside a batch that streams or may run long
-    (``main_reads``), so a long or hung batch never leaves the broker unheard.
+    in the thread that received it; every other message it reads it routes
+    (``forward``: to the loader or the main thread), in order. At one request at a time
+    a hand-off to another thread cost a wake-up and the GIL's passing on every batch
+    (mlp, direct C=1), which is why the socket is shared at all rather than owned by
+    one thread;
+  * the main thread sends (heartbeats) and reads the socket itself only while the
+    compute thread is inside a batch that streams or may run long (``main_reads``), so
+    a long or hung batch never leaves the broker unheard; what it reads it routes the
+    same way, under the lock, so the order read is the order handled;
+  * the loader thread sends each load's answer.
 
 Every call on the socket holds one lock (a full memory barrier, which is what ZeroMQ asks
 of a socket used by more than one thread). Its descriptor is edge-triggered: a call on the
@@ -94,14 +97,18 @@ class BrokerChannel:
 
     # -- sending ------------------------------------------------------------------
     def send(self, frames: list[Any]) -> None:
-        """From the main thread: never blocks (an unbounded queue only blocks with no
-        connection at all)."""
+        """From the main or the loader thread: never blocks (an unbounded queue only
+        blocks with no connection at all)."""
         with self._lock:
+            if self.closed:
+                return
             try:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:  # a refused Curve key: ZeroMQ drops the pipe, stops retrying
                 self._on_unsent()
             self._kick(self._compute_wake_w)
+            if self._main_reads:
+                self._kick(self._main_wake_w)
 
     def send_result(self, frames: list[Any], off_compute: bool = False) -> bool:
         """From the compute thread, or with ``off_compute`` from a caller thread
@@ -130,18 +137,29 @@ class BrokerChannel:
                 return None
             return self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
 
+    def recv_into(self, route: Callable[[list[Any]], bool]) -> bool:
+        """From the main thread: hand a waiting message to ``route`` while the lock is
+        held; False when none waits."""
+        with self._lock:
+            frames = self.recv()
+            if frames is None:
+                return False
+            route(frames)
+            return True
+
     def recv_batch(self, is_batch: Callable[[list[Any]], bool],
-                   forward: Callable[[list[Any]], None]) -> list[Any] | None:
+                   forward: Callable[[list[Any]], bool]) -> list[Any] | None:
         """From the compute thread: the first waiting batch, or None; any other message
         read on the way goes to ``forward`` while the lock is held, so before anything
-        the main thread reads after it, and the main thread is woken for it."""
+        the main thread reads after it, and the main thread is woken when ``forward``
+        says the message is its."""
         while True:
             with self._lock:
                 frames = self.recv()
                 if frames is None or is_batch(frames):
                     return frames
-                forward(frames)
-                _wake(self._main_wake_w)
+                if forward(frames):
+                    _wake(self._main_wake_w)
 
     # -- wake-ups -----------------------------------------------------------------
     def wake_main(self) -> None:

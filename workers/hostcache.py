@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,19 @@ def files_stamp(version_dir: Path) -> Stamp:
     """The version's files with their sizes and modification times: a cheap check that
     nothing was rewritten since its load (no hash: that is what the park saves)."""
     out = []
-    for path in sorted(p for p in version_dir.rglob("*") if p.is_file()):
-        rel = path.relative_to(version_dir).as_posix()
-        if "__pycache__" in rel:
-            continue
-        st = path.stat()
-        out.append((rel, st.st_size, st.st_mtime_ns))
-    return tuple(out)
+    # os.walk, not Path.rglob: taken on every move back, which under load on demand is
+    # many a second, and rglob's path objects were most of the move's cost
+    for top, dirs, files in os.walk(version_dir, followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        rel_top = os.path.relpath(top, version_dir)
+        for f in files:
+            try:
+                st = os.stat(os.path.join(top, f))
+            except FileNotFoundError:   # a dangling link: not a file of the version
+                continue
+            rel = f if rel_top == "." else f"{rel_top}/{f}".replace(os.sep, "/")
+            out.append((rel, st.st_size, st.st_mtime_ns))
+    return tuple(sorted(out))
 
 
 @dataclass

@@ -4,8 +4,8 @@ Threads, so heartbeats flow while a batch runs:
   * the compute thread reads the DEALER to the broker while it is idle and runs each
     batch it reads at once, in the thread that received it, then sends the result: at
     one request at a time a hand-off to another thread cost a wake-up and the GIL's
-    passing on every batch (mlp, direct C=1: see the commit that made it so). Every
-    other message it reads goes to the main thread;
+    passing on every batch (mlp, direct C=1: see the commit that made it so). A LOAD
+    or UNLOAD it reads goes to the loader, every other message to the main thread;
   * the main thread heartbeats, keeps the timers (broker expiry, drain, watchdog) and
     handles everything but batches. It reads the DEALER itself while a batch runs that
     streams (its STOPs must be read meanwhile), or that may run past TAKEOVER_S (its
@@ -14,10 +14,10 @@ Threads, so heartbeats flow while a batch runs:
     restart order is read), and what comes behind it is read on arrival, where
     deadlines count from. Batches it reads queue for the compute thread;
   * the loader thread loads and warms up versions, so the old version keeps
-    serving while a new one loads; its answers go through an inproc PUSH socket
-    that the main thread forwards (loads are rare; their ordering before READY=1
-    stays the main thread's).
-How the two threads share the broker's socket is workers/channel.py's to say and to
+    serving while a new one loads, and sends each answer itself: under load on
+    demand a host churns through loads, and each hop between threads was a wake-up
+    on every one of them.
+How the threads share the broker's socket is workers/channel.py's to say and to
 keep. torch releases the GIL inside its kernels, so the threads overlap.
 """
 
@@ -73,6 +73,9 @@ def _is_batch(frames: list[Any]) -> bool:
     return len(frames) >= 2 and bytes(frames[0]) == p.Kind.BATCH.value
 
 
+_LOADER_KINDS = {p.Kind.LOAD.value: p.LoadModel, p.Kind.UNLOAD.value: p.UnloadModel}
+
+
 class Worker:
     def __init__(self, endpoint: str, worker_id: str, *, credits: int = 2,
                  heartbeat_s: float = 0.5, broker_expiry_s: float = 3.0,
@@ -99,7 +102,8 @@ class Worker:
         self._models_lock = threading.Lock()
         # batches the main thread read while the compute thread ran one, for it to run next
         self._jobs: collections.deque[Job] = collections.deque()
-        # what the compute thread read that is not a batch, for the main thread, in order
+        # what either thread read that is neither its batch nor the loader's, for the main
+        # thread, in order
         self._inbox: collections.deque[list[Any]] = collections.deque()
         self._busy_since: float | None = None   # the compute thread's batch began then
         self._handed = False      # it runs a stream or a long batch: the main thread reads
@@ -211,12 +215,9 @@ class Worker:
 
     # -- main loop ----------------------------------------------------------
     def run(self) -> int:
-        self.results = self.ctx.socket(zmq.PULL)
-        self.results.bind(f"inproc://results-{id(self)}")
         self.channel = BrokerChannel(self.ctx, self.endpoint, self._identity, self.curve_keys,
                                      self._unsent)
         self.poller = zmq.Poller()
-        self.poller.register(self.results, zmq.POLLIN)
         # by descriptor: zmq.Poller answers a plain socket's events under its fileno
         self.poller.register(self.channel.main_wake.fileno(), zmq.POLLIN)
         self._connect()
@@ -245,13 +246,9 @@ class Worker:
             events = dict(self.poller.poll(wait_ms))
             if self.channel.main_wake.fileno() in events:
                 drain(self.channel.main_wake)
-            if self.results in events:
-                while self.results.poll(0):
-                    self._send(self.results.recv_multipart(copy=False))
             self._handle_inbox()
-            while reads and self._exit is None and (frames := self.channel.recv()) is not None:
-                self._handle_inbox()   # what the compute thread read first comes first
-                self.on_message(frames)
+            while reads and self._exit is None and self.channel.recv_into(self._route):
+                self._handle_inbox()
         self._closing = True
         self.channel.wake_compute()
         self._loads.put(_STOP)
@@ -259,7 +256,6 @@ class Worker:
         if self.models_client is not None:
             self.models_client.close()
         self.channel.close(compute_stopped=not compute.is_alive())
-        self.results.close(linger=0)
         return self._exit or 0
 
     def _tick(self, now: float) -> bool:
@@ -295,6 +291,24 @@ class Worker:
         while self._exit is None and self._inbox:
             self.on_message(self._inbox.popleft())
 
+    def _route(self, frames: list[Any]) -> bool:
+        """Under the channel's lock, as either thread reads a message that is not its
+        batch: a LOAD or UNLOAD straight to the loader, the rest to the main thread, each
+        in the order read. A load on demand is then one wake-up (the loader's) rather
+        than three (the main thread's, the loader's, the main thread's for the answer).
+        True when it is the main thread's."""
+        kind = _LOADER_KINDS.get(bytes(frames[0])) if frames else None
+        if kind is None:
+            self._inbox.append(frames)
+            return True
+        self._last_heard = time.monotonic()
+        try:
+            self._loads.put(p.decode(kind, p.unpack(frames)[1]))
+        except (p.ProtocolError, KeyError, ValueError, TypeError) as exc:
+            self._bad_log.log(logging.WARNING, "dropped a malformed message from the broker: %s",
+                              str(exc)[:300])
+        return False
+
     def on_message(self, frames: list[Any]) -> None:
         self._last_heard = time.monotonic()
         try:
@@ -310,10 +324,6 @@ class Worker:
                         self._stops[stop.batch_id].update(stop.items)
             elif kind is p.Kind.HEARTBEAT:
                 self._on_heartbeat(p.decode(p.BrokerHeartbeat, header))
-            elif kind is p.Kind.LOAD:
-                self._loads.put(p.decode(p.LoadModel, header))
-            elif kind is p.Kind.UNLOAD:
-                self._loads.put(p.decode(p.UnloadModel, header))
             elif kind is p.Kind.DISCONNECT:
                 self._on_disconnect(p.decode(p.Disconnect, header))
             elif kind is p.Kind.LOG_SETTINGS:
@@ -384,9 +394,7 @@ class Worker:
         done: its LOADs precede its first heartbeat on the same socket, so by then they
         are all queued."""
         if self.notifier.ready_sent or not self._registered or self._loads.unfinished_tasks:
-            return
-        while self.results.poll(0):  # the LOADED replies reach the broker before READY=1
-            self._send(self.results.recv_multipart(copy=False))
+            return   # (the loader sends each LOADED before it counts its load done)
         self.notifier.ready(f"serving {len(self.models)} model version(s)")
 
     def _heartbeat(self) -> None:
@@ -426,7 +434,7 @@ class Worker:
         """A batch from the socket if one is waiting; any other message goes to the main
         thread (in order, and while the lock is held, so before anything it reads)."""
         while not self._closing:
-            frames = self.channel.recv_batch(_is_batch, self._inbox.append)
+            frames = self.channel.recv_batch(_is_batch, self._route)
             if frames is None:
                 return None
             self._last_heard = received_s = time.monotonic()
@@ -520,17 +528,12 @@ class Worker:
             return frozenset(self._stops.get(batch_id, ()))
 
     def _loader_loop(self) -> None:
-        out = self.ctx.socket(zmq.PUSH)
-        out.connect(f"inproc://results-{id(self)}")
-        try:
-            while (job := self._loads.get()) is not _STOP:
-                if isinstance(job, p.UnloadModel):
-                    self.unload_version(job.model, job.version)
-                else:
-                    out.send_multipart(p.encode(self.load_version(job)))
-                self._loads.task_done()
-        finally:
-            out.close(linger=0)
+        while (job := self._loads.get()) is not _STOP:
+            if isinstance(job, p.UnloadModel):
+                self.unload_version(job.model, job.version)
+            else:   # straight to the broker: a relay through the main thread cost a wake-up
+                self._send(p.encode(self.load_version(job)))
+            self._loads.task_done()
 
     def load_version(self, msg: p.LoadModel) -> p.ModelLoaded:
         name, version = msg.model, msg.version
@@ -542,6 +545,7 @@ class Worker:
             parked = self._from_host(msg)
             if parked is not None:
                 return parked
+        self._last_run.pop((name, version), None)   # new files may run differently
         try:
             stamp = files_stamp(Path(msg.path))   # before the load reads them
             cfg = parse_config(msg.config, f"config of {name}", discover=bool(msg.discover))
@@ -604,7 +608,6 @@ class Worker:
             f"{p.WAITING_VERSION} or later (upgrade the broker first, docs/bls.md)")
 
     def unload_version(self, name: str, version: int) -> None:
-        self._last_run.pop((name, version), None)
         with self._models_lock:
             loaded = self.models.pop((name, version), None)
             later = [m.memory_bytes for m in self.models.values()
@@ -618,15 +621,24 @@ class Worker:
         dropped = [loaded] if self.stopping else \
             self.host_cache.park(loaded, loaded.extra.get("config", {}))
         parked = all(d is not loaded for d in dropped)
+        if not parked:   # a parked version keeps its timing: it moves back as it ran
+            self._last_run.pop((name, version), None)
         # what memory may legitimately stay: models loaded after this one and still held,
         # in memory or parked (on a CPU), and this one if it is parked
         expected = loaded.probe_before + sum(later) + self.host_cache.resident_after(
             loaded.extra.get("seq", 0)) + (loaded.memory_bytes if parked and
                                            self.device == "cpu" else 0)
+        released = bool(dropped)
         for old in dropped:
             old.release()
         del loaded, dropped
         self.m_host_cache.set(self.host_cache.bytes)
+        if parked and not released and self.device == "cpu":
+            # nothing left the process: a collection and a probe would find nothing to
+            # free and cost the loader a millisecond on every turn of load on demand
+            logger.info("unloaded %s/%d (parked in host memory, %d of %d bytes)", name,
+                        version, self.host_cache.bytes, self.host_cache.limit_bytes)
+            return
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()  # back to the device, where the broker's plan sees it

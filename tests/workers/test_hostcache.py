@@ -66,3 +66,21 @@ def test_taken_back_only_for_the_same_content_config_and_files(tmp_path: Path) -
 def version_dir_of(lm: LoadedModel) -> Path:
     assert lm.version_dir is not None
     return lm.version_dir
+
+
+def test_the_files_stamp_names_every_file_below_the_version_but_caches_and_dead_links(
+        tmp_path: Path) -> None:
+    vdir = tmp_path / "m" / "1"
+    (vdir / "code" / "__pycache__").mkdir(parents=True)
+    (vdir / "__pycache__").mkdir()
+    (vdir / "model.pt").write_bytes(b"w" * 10)
+    (vdir / "code" / "handler.py").write_text("x = 1\n")
+    (vdir / "code" / "__pycache__" / "handler.cpython-311.pyc").write_bytes(b"c")
+    (vdir / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"c")
+    (vdir / "gone").symlink_to(vdir / "nowhere")
+    stamp = files_stamp(vdir)
+    assert [(rel, size) for rel, size, _ in stamp] == [("code/handler.py", 6), ("model.pt", 10)]
+    (vdir / "code" / "__pycache__" / "handler.cpython-311.pyc").write_bytes(b"cc")
+    assert files_stamp(vdir) == stamp, "a bytecode cache is not the version's content"
+    (vdir / "code" / "handler.py").write_text("x = 22\n")
+    assert files_stamp(vdir) != stamp, "a rewritten file changes the stamp"

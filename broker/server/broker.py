@@ -116,7 +116,7 @@ class Broker:
             sync_worker=lambda worker: self.lifecycle.sync_worker(worker))
         self.ondemand = OnDemand(   # models loaded when asked for: where they are held
             self.catalog, self.pool, self.scheduler, self.placement, self.metrics, clock,
-            demand, sync_worker=lambda worker: self.lifecycle.sync_worker(worker),
+            demand, load_placed=lambda worker, name: self.lifecycle.load_placed(worker, name),
             fail=self.requests.fail_waiting, default=self.replicas.placed)
         self.requests.admission.use_demand(self.ondemand)
         self.repository = RepositoryControl(

@@ -336,14 +336,29 @@ class Lifecycle:
         wanted = {(name, v) for name, m in self.catalog.models.items()
                   if self.placed(m.config, worker) for v in m.versions}
         for name, version in sorted(wanted - worker.loaded - worker.loading):
-            model = self.catalog.models[name]
-            self.placement.load(worker, p.LoadModel(
-                name, version, str(model.path / str(version)), model.config.to_json(),
-                self.catalog.shas.get(name, {}).get(version, "")))
+            self._load(worker, name, version)
         for name, version in sorted(worker.loaded - wanted):
             self.pool.unload(worker, name, version)
         for key in worker.loaded & wanted:
             self.catalog.mark_ready(*key)
+
+    def load_placed(self, worker: WorkerState, name: str) -> None:
+        """What :meth:`sync_worker` does for one model placed on ``worker`` anew: load
+        its versions the worker neither holds nor loads, without walking the catalog (load
+        on demand places a model on every turn, on hosts of hundreds of models)."""
+        model = self.catalog.models.get(name)
+        if model is None or not self.placed(model.config, worker):
+            return
+        for version in model.versions:
+            key = ModelVersion(name, version)
+            if key not in worker.loaded and key not in worker.loading:
+                self._load(worker, name, version)
+
+    def _load(self, worker: WorkerState, name: str, version: int) -> None:
+        model = self.catalog.models[name]
+        self.placement.load(worker, p.LoadModel(
+            name, version, str(model.path / str(version)), model.config_json(),
+            self.catalog.shas.get(name, {}).get(version, "")), model.config)
 
     def worker_removed(self) -> None:
         """A worker left: versions no live worker holds are no longer routable."""

@@ -82,12 +82,13 @@ class Refused:
 
 class OnDemand:
     """Reads the catalog, the pool, the scheduler's queues and placement's plan; asks
-    ``sync_worker(worker)`` to load what a worker is now placed to hold, and ``fail(model,
+    ``load_placed(worker, model)`` to load a model now placed on a worker, and ``fail(model,
     code, message, retry_after_s)`` to answer every request queued for a model."""
 
     def __init__(self, catalog: Catalog, pool: WorkerPool, scheduler: Scheduler,
                  placement: Placement, metrics: BrokerMetrics, clock: Clock,
-                 options: OnDemandOptions, *, sync_worker: Callable[[WorkerState], None],
+                 options: OnDemandOptions, *,
+                 load_placed: Callable[[WorkerState, str], None],
                  fail: Fail, default: Placed = placed_on) -> None:
         self.catalog = catalog
         self.pool = pool
@@ -96,7 +97,7 @@ class OnDemand:
         self.metrics = metrics
         self.clock = clock
         self.opts = options
-        self._sync_worker = sync_worker
+        self._load_placed = load_placed
         self._fail = fail
         self._default = default
         self.times = LoadTimes()   # a request's wait for a load, for admission
@@ -245,9 +246,11 @@ class OnDemand:
         self.assigned.setdefault(name, set()).add(worker.identity)
         self.guard.started(now, cost_s)
         self.metrics.loads.inc((name, "retry" if tried else "request"))
-        logger.info("model %s: loading on demand on worker %s (%d request(s) waiting)",
+        # debug: a host that churns through its working set loads many a second, and
+        # the metrics count them (the eviction that made room is logged by placement)
+        logger.debug("model %s: loading on demand on worker %s (%d request(s) waiting)",
                     name, worker.worker_id, self.scheduler.depth(name))
-        self._sync_worker(worker)
+        self._load_placed(worker, name)
         for key in (ModelVersion(name, v) for v in model.versions):
             if key in worker.loading:   # sent: an earlier failure is not this load's
                 self.pool.begin_load(worker, key)
@@ -310,7 +313,7 @@ class OnDemand:
         wait = self.metrics.load_wait.labels(name)
         for entry in self.scheduler.queued(name):
             wait.observe(now - entry.arrival_s)
-        logger.info("model %s: loaded on demand on worker %s in %.3f s", name,
+        logger.debug("model %s: loaded on demand on worker %s in %.3f s", name,
                     worker.worker_id, took)
 
     def _wait_for_room(self, name: str, load: Load, worker: WorkerState, why: str) -> None:

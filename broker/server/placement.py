@@ -235,19 +235,22 @@ class Placement:
         return why
 
     # -- before a load -------------------------------------------------------------
-    def load(self, worker: WorkerState, msg: p.LoadModel) -> None:
+    def load(self, worker: WorkerState, msg: p.LoadModel,
+             cfg: ModelConfig | None = None) -> None:
         """Send a LOAD if the version fits (evicting idle models when that makes room);
-        else refuse it: a failed LOADED, delivered by the next tick."""
+        else refuse it: a failed LOADED, delivered by the next tick. ``cfg``: the config
+        ``msg`` carries, already parsed (else it is parsed here)."""
         name, version = msg.model, msg.version
         if name.startswith(TRIAL):
             self.pool.load(worker, msg)
             return
         key = (worker.identity, name, version)
-        try:
-            cfg = parse_config(msg.config, f"config of {name}")
-        except (ConfigError, ValueError):
-            self.pool.load(worker, msg)   # the worker says what is wrong with it
-            return
+        if cfg is None:
+            try:
+                cfg = parse_config(msg.config, f"config of {name}")
+            except (ConfigError, ValueError):
+                self.pool.load(worker, msg)   # the worker says what is wrong with it
+                return
         need, how = self.need(worker, name, version, cfg, Path(msg.path), msg.sha256)
         free = self.available(worker)   # a version reloaded in place is held twice a while
         if free is not None and need > free:

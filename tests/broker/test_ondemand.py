@@ -20,6 +20,7 @@ from tests.conftest import examples, linear_config
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.ondemand import OnDemandOptions
 from zeroserve.broker.server.pool import Loss
+from zeroserve.models.repository import RepoModel, parse_config
 
 WEIGHTS = (1000 * 1000 + 1000) * 4      # nn.Linear(1000, 1000): 4.0 MB
 BUDGET = 9_000_000                      # two of them
@@ -368,3 +369,37 @@ def test_the_thrash_bounds_count_the_workers_load_time_not_the_wait(tmp_path: Pa
     assert od.describe("a")["residency_s"] == 0.2, "20 x 10 ms"
     assert od.describe("a")["load_cost_s"] == 0.01 and od.describe("a")["predicted_load_s"] == 2.0
     assert od.guard.evictable_at("w", "a") == rig.now + 0.2
+
+
+def test_a_turns_load_asks_for_its_model_alone_with_the_config_as_committed(
+        tmp_path: Path) -> None:
+    rig = rig_with(tmp_path, "ab", min_residency_s=0.0, residency_factor=0.0)
+    rig.ask("a")
+    rig.tick()
+    [(_, first, _)] = rig.sent(p.Kind.LOAD)
+    model = rig.b.catalog.models["a"]
+    assert first["config"] == model.config.to_json()
+    assert model.config_json() is model.config_json(), "made once per config"
+    rig.load_done("w", "a")
+    rig.run_batches("w")
+    # a new config for a: the next LOAD of it carries that one, not the one made before
+    rig.b.catalog.commit(RepoModel(parse_config(linear_config("a", 1000, 1000, mbs=4), "a"),
+                                   model.path, (1,)), rig.b.catalog.shas["a"])
+    assert model.config_json()["max_batch_size"] == 4
+
+
+def test_a_turn_loads_its_model_alone_not_a_broken_one_placed_beside_it(
+        tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.model("a")
+    rig.add_model("c", linear_config("c", 1000, 1000, load_on_demand=False),
+                  factory="nn.Linear(1000, 1000)")
+    rig.worker("w", "cpu", budget=BUDGET, context_bytes=0)
+    rig.tick()
+    assert rig.loads("w") == ["c/1"], "c is always loaded; a on demand"
+    rig.from_worker("w", p.ModelLoaded("c", 1, False, error="its files are broken"))
+    rig.tick()
+    for _ in range(3):
+        rig.ask("a")
+        rig.tick()
+    assert rig.loads("w") == ["c/1", "a/1"], "asking for a retries nothing else"

@@ -109,6 +109,7 @@ class OnDemand:
         self.loads: dict[str, Load] = {}              # loading now
         self.wanted: dict[str, float] = {}            # waiting for a load to start, since
         self.evicted: dict[str, str] = {}             # model -> why (until loaded again)
+        self._last_start_s = -math.inf                # when a load last started
 
     # -- strategies the broker hands out ----------------------------------------------
     def on(self, cfg: ModelConfig) -> bool:
@@ -132,8 +133,10 @@ class OnDemand:
         """Whether idle ``model`` may leave ``worker`` to make room for ``keep``: past its
         residency; and when it is one of the ``hot`` (the most wanted that fit beside
         placement's TURNS of ``keep``) and wanted more than ``keep``, only once ``keep``'s
-        requests have waited its patience (a hot model yields to a colder one's starving
-        requests, never to its first one)."""
+        requests have waited its patience and no load has started for as long (a hot
+        model yields to a colder one's starving requests, never to its first one, nor
+        while the room past the hot ones still turns over: there a colder model's wait
+        is its place in line, and a hot model evicted costs its many requests a load)."""
         now = self.clock()
         if not self.guard.may_evict(worker.worker_id, model, now):
             return False
@@ -141,7 +144,7 @@ class OnDemand:
         if not hot or since is None:   # since None: not a load on demand (a new version)
             return True
         return self.demand.count(model, now) <= self.demand.count(keep, now) \
-            or now - since >= self._patience_s(keep)
+            or now - max(since, self._last_start_s) >= self._patience_s(keep)
 
     def _waiting_since(self, name: str) -> float | None:
         load = self.loads.get(name)
@@ -251,6 +254,7 @@ class OnDemand:
         logger.debug("model %s: loading on demand on worker %s (%d request(s) waiting)",
                     name, worker.worker_id, self.scheduler.depth(name))
         self._load_placed(worker, name)
+        self._last_start_s = now   # after: its own eviction counts the turns before it
         for key in (ModelVersion(name, v) for v in model.versions):
             if key in worker.loading:   # sent: an earlier failure is not this load's
                 self.pool.begin_load(worker, key)
@@ -361,7 +365,8 @@ class OnDemand:
         else:   # room may open when a residency or a waiting model's patience ends (a
             # queue that empties comes with a message, and every message ticks)
             ends = [t for t in (self.guard.next_evictable(now),
-                                *(s + self._patience_s(n) for n, s in self.wanted.items()))
+                                *(max(s, self._last_start_s) + self._patience_s(n)
+                                  for n, s in self.wanted.items()))
                     if t is not None and t > now]
             start = min(ends, default=now + PENDING_POLL_S)
         return min(max(start, now + MIN_POLL_S), min(self.wanted.values()) + self.opts.pending_s)

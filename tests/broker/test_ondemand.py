@@ -181,6 +181,49 @@ def test_a_hot_model_yields_its_room_only_after_the_colder_one_waited_its_reside
     assert rig.answers().count("ok") == 8 and rig.census_empty()
 
 
+def test_a_hot_model_stays_past_the_patience_while_the_turn_room_still_turns(
+        tmp_path: Path) -> None:
+    """c waits its patience, but a load started meanwhile (e's, with more requests
+    waiting): the turn room is turning, and c's wait is its place in line there. The hot
+    model yields only once no load has started for a patience."""
+    rig = Rig(tmp_path, min_residency_s=0.5)
+    for name in "abcde":
+        rig.model(name)
+    rig.worker("w", "cpu", budget=13_000_000, context_bytes=0)   # three of them
+    for _ in range(5):
+        rig.ask("a")
+    rig.load_done("w", "a")
+    rig.run_batches("w")
+    rig.tick(1.0)   # a is idle and past its residency
+    for name in "bd":
+        rig.ask(name)
+        rig.load_done("w", name)   # its batch is sent and left running: busy
+    rig.tick(0.3)
+    rig.ask("c")   # patience: 0.5 s from now
+    rig.tick(0.25)
+    rig.ask("e")
+    rig.ask("e")   # more requests waiting than c: the next turn is e's
+    rig.tick(0.05)   # b and d are past their residency, still busy
+    [(_, _, b_batch)] = [s for s in rig.sent(p.Kind.BATCH) if s[2].model == "b"]
+    rig.from_worker("w", p.BatchResult(b_batch.batch_id, [
+        p.InferReply(i.request_id, "b", 1, i.tensors) for i in b_batch.items], 1.0))
+    rig.tick()
+    assert rig.loads("w")[-1] == "e/1" and rig.state("b") == "evicted"
+    started = rig.now
+    rig.load_done("w", "e")   # e's batch left running: every slot busy or hot
+    rig.tick(0.25)
+    assert rig.state("a") == "ready", "c waited past its patience, but e's load just started"
+    assert rig.b.ondemand.next_due(rig.now) == pytest.approx(started + 0.5)
+    rig.tick(0.24)
+    assert rig.state("a") == "ready"
+    rig.tick(0.02)
+    assert rig.loads("w")[-1] == "c/1" and rig.state("a") == "evicted", \
+        "no load for a patience: the room is stuck, and a makes room"
+    rig.load_done("w", "c")
+    rig.run_batches("w")
+    assert rig.answers().count("ok") == 10 and rig.census_empty()
+
+
 def test_a_deadline_shorter_than_the_predicted_load_is_refused_at_once(tmp_path: Path) -> None:
     rig = rig_with(tmp_path, "a")
     rig.ask("a", timeout_ms=50)   # the default prediction: 1 s

@@ -79,10 +79,10 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
                         "for one loads it within the workers' memory budgets, evicting "
                         "the least wanted idle models (a model's config may say "
                         "otherwise with load_on_demand)")
-    p.add_argument("--load-on-demand-min-residency-s", type=float, default=0.02,
+    p.add_argument("--load-on-demand-min-residency-s", type=float, default=0.005,
                    metavar="S", help="a model loaded on demand is not evicted before "
                                      "this, however cheap its load")
-    p.add_argument("--load-on-demand-residency-factor", type=float, default=20.0,
+    p.add_argument("--load-on-demand-residency-factor", type=float, default=5.0,
                    metavar="X", help="a model loaded on demand is not evicted before this "
                                      "many times its last load time (0: the floor "
                                      "--load-on-demand-min-residency-s alone)")

@@ -56,7 +56,7 @@ Fail = Callable[[str, p.ErrorCode, str, "float | None"], None]
 @dataclass(frozen=True)
 class OnDemandOptions:
     enabled: bool = False            # for models whose config does not say
-    min_residency_s: float = 0.02    # the floor of the residency thrash.py scales
+    min_residency_s: float = 0.005   # the floor of the residency thrash.py scales
     max_load_share: float = 0.5      # of each minute spent loading at most; 0: no bound
     residency_factor: float = RESIDENCY_FACTOR   # x a model's load time it stays at least
     pending_s: float = 30.0          # a load that cannot start for this long gives up

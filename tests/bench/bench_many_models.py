@@ -95,7 +95,7 @@ def cold_waits(label: str, hidden: int, count: int, context: int) -> dict[str, A
     repo = repo_of(3, hidden)
     budget = budget_for(1.5, hidden, context)
     # the thrash bounds off: this is the wait for a load, not for a residency to end (the
-    # first loads, from disk, would hold each model 20 times their 25-80 ms)
+    # first loads, from disk, would hold each model 5 times their 25-80 ms)
     srv = start(repo, threads=1, extra=["--load-on-demand", "--memory-budget", str(budget),
                                         "--load-on-demand-min-residency-s", "0",
                                         "--load-on-demand-residency-factor", "0"])

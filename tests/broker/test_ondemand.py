@@ -252,7 +252,7 @@ def test_the_load_share_bound_answers_503_with_retry_after(tmp_path: Path) -> No
     assert "working set does not fit the memory budget" in err.message
     assert "--load-on-demand-max-load-share" in err.message
     assert rig.census_empty()
-    assert rig.b.ondemand.describe("a")["residency_s"] == 20.0, "20 times its 1 s load"
+    assert rig.b.ondemand.describe("a")["residency_s"] == 5.0, "5 times its 1 s load"
     summary = rig.b.ondemand.summary(rig.now)
     assert summary["load_s_last_minute"] == 2.0 and summary["max_load_s_per_minute"] == 2.5
 
@@ -399,7 +399,7 @@ def test_the_thrash_bounds_count_the_workers_load_time_not_the_wait(tmp_path: Pa
     """A load back from the worker's host memory takes it milliseconds even when the
     request waited seconds for it (batches ahead of the LOAD): the residency and the load
     share count what the worker spent, admission what a request waits."""
-    rig = rig_with(tmp_path, "a", min_residency_s=0.1)
+    rig = rig_with(tmp_path, "a", min_residency_s=0.01)
     rig.ask("a")
     rig.tick()
     rig.now += 2.0
@@ -409,9 +409,9 @@ def test_the_thrash_bounds_count_the_workers_load_time_not_the_wait(tmp_path: Pa
     rig.tick()
     od = rig.b.ondemand
     assert od.times.predict("a") == 2.0 and od.costs.predict("a") == 0.01
-    assert od.describe("a")["residency_s"] == 0.2, "20 x 10 ms"
+    assert od.describe("a")["residency_s"] == 0.05, "5 x 10 ms"
     assert od.describe("a")["load_cost_s"] == 0.01 and od.describe("a")["predicted_load_s"] == 2.0
-    assert od.guard.evictable_at("w", "a") == rig.now + 0.2
+    assert od.guard.evictable_at("w", "a") == rig.now + 0.05
 
 
 def test_a_turns_load_asks_for_its_model_alone_with_the_config_as_committed(

@@ -27,7 +27,7 @@ def test_a_load_time_is_learned_per_model_with_a_default_before_the_first() -> N
     assert times.predict("a") == 0.2
 
 
-def test_a_model_stays_twenty_times_its_load_time_and_at_least_the_floor() -> None:
+def test_a_model_stays_the_factor_times_its_load_time_and_at_least_the_floor() -> None:
     guard = ThrashGuard(min_residency_s=5.0, max_load_share=0.0)
     assert guard.may_evict("w", "a", 0.0), "a model it never loaded may go at any time"
     guard.resident("w", "a", 10.0, load_s=0.01)   # 0.2 s scaled: the 5 s floor wins
@@ -36,13 +36,13 @@ def test_a_model_stays_twenty_times_its_load_time_and_at_least_the_floor() -> No
     assert guard.may_evict("other", "a", 11.0), "residency is per worker"
     guard.gone("w")
     assert guard.may_evict("w", "a", 11.0)
-    guard = ThrashGuard(min_residency_s=0.1, max_load_share=0.0)
+    guard = ThrashGuard(min_residency_s=0.01, max_load_share=0.0)
     guard.resident("w", "cheap", 0.0, load_s=0.01)
     guard.resident("w", "dear", 0.0, load_s=1.0)
-    assert guard.evictable_at("w", "cheap") == RESIDENCY_FACTOR * 0.01 == 0.2
-    assert guard.evictable_at("w", "dear") == RESIDENCY_FACTOR * 1.0 == 20.0
+    assert guard.evictable_at("w", "cheap") == RESIDENCY_FACTOR * 0.01 == 0.05
+    assert guard.evictable_at("w", "dear") == RESIDENCY_FACTOR * 1.0 == 5.0
     guard.gone("w", "cheap")
-    assert guard.may_evict("w", "cheap", 0.0) and not guard.may_evict("w", "dear", 19.9)
+    assert guard.may_evict("w", "cheap", 0.0) and not guard.may_evict("w", "dear", 4.9)
     assert ThrashGuard(0.1, 0.0, residency_factor=0.0).residency_s(5.0) == 0.1, "floor alone"
 
 

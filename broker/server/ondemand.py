@@ -110,6 +110,10 @@ class OnDemand:
         self.wanted: dict[str, float] = {}            # waiting for a load to start, since
         self.evicted: dict[str, str] = {}             # model -> why (until loaded again)
         self._last_start_s = -math.inf                # when a load last started
+        # the waiting models are tried again when the pool changed since (room may have
+        # opened) or at this time (a residency, a patience or the load share ends)
+        self._tried_at_changes = -1
+        self._retry_at = math.inf
 
     # -- strategies the broker hands out ----------------------------------------------
     def on(self, cfg: ModelConfig) -> bool:
@@ -188,11 +192,13 @@ class OnDemand:
         return predicted
 
     def want(self, name: str, now: float) -> None:
-        """A request for ``name`` was queued: load it if nothing holds or loads it."""
-        if name in self.loads or self.pool.holders(name):
+        """A request for ``name`` was queued: load it if nothing holds or loads it. One
+        already waiting is tried again by :meth:`settle`, when room may have opened."""
+        if name in self.loads or name in self.wanted or self.pool.holders(name):
             return
-        self.wanted.setdefault(name, now)
-        self._start(name, now)
+        self.wanted[name] = now
+        if not self._start(name, now):
+            self._retry_at = min(self._retry_at, self._next_try(now))
 
     # -- loads ------------------------------------------------------------------------
     def _candidates(self, name: str) -> list[WorkerState]:
@@ -229,7 +235,7 @@ class OnDemand:
         for w in self._candidates(name):
             if w.identity in tried:
                 continue
-            if all(self.placement.room(w, name, v)[0] is None for v in model.versions):
+            if all(self.placement.fits(w, name, v) for v in model.versions):
                 free = self.placement.available(w)
                 fits.append((free is not None and free < 0, len(w.inflight),
                              self.placement.used(w), w.worker_id, w))
@@ -290,6 +296,13 @@ class OnDemand:
         if len(self.demand) > len(self.catalog.models):
             for name in self.demand.names() - self.catalog.models.keys():
                 self.demand.forget(name)
+        if self.wanted and (self.pool.changes != self._tried_at_changes
+                            or now >= self._retry_at):
+            self._retry(now)
+
+    def _retry(self, now: float) -> None:
+        """Start what may start of the models waiting for room, or give up on those that
+        waited ``pending_s``."""
         # the most requests waiting first: a free slot serves the most it can
         for name, since in sorted(self.wanted.items(),
                                   key=lambda kv: (-self.scheduler.depth(kv[0]), kv[1])):
@@ -302,6 +315,8 @@ class OnDemand:
                     f"model {name!r} could not be loaded within {self.opts.pending_s:g} s: "
                     f"the models loaded are busy or were loaded too recently to evict; "
                     f"{NO_FIT}"), max(1.0, math.ceil(self._residency_s(name))))
+        self._tried_at_changes = self.pool.changes
+        self._retry_at = self._next_try(now) if self.wanted else math.inf
 
     def _done(self, name: str, load: Load, worker: WorkerState, now: float) -> None:
         del self.loads[name]
@@ -327,6 +342,7 @@ class OnDemand:
         self.assigned.get(name, set()).discard(load.worker)
         self.catalog.clear_failure(name)   # for now only: not a failure to report
         self.wanted[name] = load.since_s
+        self._tried_at_changes = -1   # tried again at once, elsewhere or here
         logger.info("model %s: waits for room on worker %s: %s", name, worker.worker_id, why)
 
     def _failed(self, name: str, load: Load, now: float, why: str,
@@ -356,9 +372,12 @@ class OnDemand:
         self.settle(self.clock())
 
     def next_due(self, now: float) -> float | None:
-        if not self.wanted:   # a load's end is settled as its LOADED arrives
+        # a load's end is settled as its LOADED arrives
+        return self._retry_at if self.wanted else None
 
-            return None
+    def _next_try(self, now: float) -> float:
+        """When the waiting models may start though the pool did not change, or must give
+        up (``wanted`` is not empty)."""
         wait_s = min(self.guard.load_wait_s(now, self.costs.predict(n)) for n in self.wanted)
         if wait_s > 0:
             start = now + wait_s

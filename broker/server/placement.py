@@ -212,6 +212,23 @@ class Placement:
                         if _kind(worker) == "cpu" and budget else empty)
         return self._verdict(worker, name, version, need, how, free + freed), fits
 
+    def fits(self, worker: WorkerState, name: str, version: int) -> bool:
+        """Whether ``name/version`` can load on ``worker`` now, after evicting the idle
+        models that may go: :meth:`room`'s answer without its reasons. Load on demand asks
+        it for every model waiting, of every worker, each time room may have opened, and
+        mostly hears no: that answer costs no words."""
+        if (name, version) in worker.loaded or (name, version) in worker.loading:
+            return True
+        model = self.catalog.get(name)
+        if model is None:
+            return False
+        need = self.need(worker, name, version, model.config, model.path / str(version))[0]
+        free = self.available(worker)
+        if free is None or need <= free:
+            return True
+        return free + sum(self._cost(worker, m)
+                          for m in self._idle(worker, name, free, need)) >= need
+
     @staticmethod
     def for_memory(error: str) -> bool:
         """Whether a load's error is one of placement's refusals (what ``_verdict``
@@ -338,9 +355,12 @@ class Placement:
         for ``keep`` (``need`` bytes, ``free`` now), the least wanted first, then the least
         recently used."""
         busy = self.pool.busy_models(worker)
+        idle = {m for m, _ in worker.loaded if m != keep and m not in busy
+                and not self._queued(m)}
+        if not idle:
+            return []
         hot = self._hot(worker, keep, free - TURNS * need)
-        return sorted({m for m, _ in worker.loaded if m != keep and m not in busy
-                       and not self._queued(m) and self.evictable(worker, m, keep, m in hot)},
+        return sorted((m for m in idle if self.evictable(worker, m, keep, m in hot)),
                       key=lambda m: (self._wanted(m), self._last_used(m)))
 
     def _hot(self, worker: WorkerState, keep: str, short: int) -> set[str]:

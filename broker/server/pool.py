@@ -169,12 +169,18 @@ class WorkerPool:
         self._stacked: dict[bytes, WorkerState] = {}
         self._leaving: dict[bytes, WorkerState] = {}
         self._batch_ids = itertools.count(1)
+        # bumped whenever what a worker holds, runs or reports may have freed room (a
+        # batch answered, a load ended, a model dropped, a memory report, a worker come,
+        # gone or drained): load on demand retries the models that wait for room only
+        # then or when a time it knows comes, not on every request of every tick
+        self.changes = 0
         self._retiring: list[tuple[bytes, ModelVersion]] = []   # out of routing, unloaded idle
         self.log_settings: dict[str, Any] = {}   # what /v2/logging changed, for joiners too
 
     # -- membership ---------------------------------------------------------
     def register(self, identity: bytes, ready: p.WorkerReady, now: float) -> WorkerState:
         self._holders.clear()
+        self.changes += 1
         worker = WorkerState(identity, ready.worker_id or identity.decode(errors="replace"),
                              max(1, min(ready.credits, 64)), now,
                              {"pid": ready.pid, "host": ready.host, "device": ready.device,
@@ -237,12 +243,14 @@ class WorkerPool:
         if not draining and worker.exiting:
             raise LookupError(f"worker {worker_id!r} is leaving and cannot be undrained")
         worker._draining = draining
+        self.changes += 1
         logger.info("worker %s %s", worker_id, "drained" if draining else "undrained")
         return worker
 
     def leave(self, worker: WorkerState, recycle: bool = False) -> None:
         """The worker drains, then exits once nothing of ours runs on it (see drained)."""
         worker._draining = worker._exiting = True
+        self.changes += 1
         worker._recycle = worker._recycle or recycle
         self._leaving[worker.identity] = worker
 
@@ -250,11 +258,13 @@ class WorkerPool:
         """A leaving worker takes batches again until the broker's queue is done (the
         whole server stops, and it was signalled with the broker)."""
         worker._draining = False
+        self.changes += 1
 
     def drain_leavers(self) -> None:
         """The workers kept by :meth:`keep` drain again (``undrain --all``)."""
         for worker in self.workers.values():
             worker._draining = worker._draining or worker._exiting
+        self.changes += 1
 
     def heard(self, worker: WorkerState, now: float) -> None:
         """Any message from the worker: it is alive now."""
@@ -263,6 +273,7 @@ class WorkerPool:
     def beat(self, worker: WorkerState, beat: p.WorkerHeartbeat) -> None:
         """A heartbeat's report: its metrics text and its memory."""
         worker._metrics_text, worker._memory = beat.metrics, beat.memory
+        self.changes += 1
 
     def remove(self, worker: WorkerState, loss: Loss, quiet: bool = False) -> list[Inflight]:
         """Forget a worker; returns its in-flight batches, oldest first."""
@@ -271,6 +282,7 @@ class WorkerPool:
         self._holders.clear()
         self._stacked.pop(worker.identity, None)
         self._leaving.pop(worker.identity, None)
+        self.changes += 1
         if not quiet:
             logger.warning("worker %s removed: %s", worker.worker_id, loss.value)
         lost = [self.inflight.pop(b) for b in (*worker.inflight, *worker.waiting)
@@ -321,6 +333,7 @@ class WorkerPool:
         """A batch no longer holds its place in the worker's queue (it was answered, or
         it waits on models it called)."""
         if batch_id in worker.inflight:
+            self.changes += 1
             was_head = worker.inflight[0] == batch_id
             worker._inflight.remove(batch_id)
             if len(worker.inflight) < 2:
@@ -426,6 +439,7 @@ class WorkerPool:
         """No longer loading, and nothing learned: a trial load's answer, or a reload
         given up before its LOAD was sent."""
         worker._loading.discard(key)
+        self.changes += 1
 
     def loaded(self, worker: WorkerState, key: ModelVersion, load_s: float = 0.0) -> None:
         """The worker loaded it (in ``load_s``, by its clock): it holds it (routable
@@ -439,6 +453,7 @@ class WorkerPool:
         """The worker did not load it (or loaded other files): why, for status."""
         worker._loading.discard(key)
         worker._load_errors[key] = error
+        self.changes += 1
 
     def retire(self, worker: WorkerState, key: ModelVersion) -> None:
         """No new batches to it on this worker; unloaded once idle (:meth:`take_idle`)."""
@@ -469,6 +484,7 @@ class WorkerPool:
         worker._loaded.add(key)
         worker._versions.setdefault(key.name, set()).add(key.version)
         self._holders.clear()
+        self.changes += 1
 
     def _drop(self, worker: WorkerState, key: ModelVersion) -> None:
         worker._loaded.discard(key)
@@ -479,6 +495,7 @@ class WorkerPool:
             if not versions:
                 del worker._versions[key.name]
         self._holders.clear()
+        self.changes += 1
 
     def set_log_settings(self, update: dict[str, Any]) -> None:
         """The logging extension's changes, to every worker now and to later joiners."""

@@ -148,24 +148,31 @@ def test_the_hot_model_stays_and_the_cold_ones_take_turns(tmp_path: Path) -> Non
     assert rig.b.ondemand.describe("h")["demand_rps"] > rig.b.ondemand.describe("d")["demand_rps"]
 
 
-def test_a_hot_model_yields_its_room_only_after_the_colder_one_waited_its_residency(
-        tmp_path: Path) -> None:
-    """Three slots: the most wanted model keeps one, the other two are where the rest
-    take turns (one loads while another runs). While both turn slots are busy, a request
-    for a cold model waits rather than evict the hot model, until it has waited its
-    residency (never for ever)."""
+def hot_a_beside_busy_b_and_d(tmp_path: Path, names: str) -> Rig:
+    """Three slots: a, the most wanted, idle past its residency (0.5 s); b and d loaded
+    on demand after it, each with its batch sent and left running (busy)."""
     rig = Rig(tmp_path, min_residency_s=0.5)
-    for name in "abcd":
+    for name in names:
         rig.model(name)
     rig.worker("w", "cpu", budget=13_000_000, context_bytes=0)   # three of them
     for _ in range(5):
         rig.ask("a")
     rig.load_done("w", "a")
     rig.run_batches("w")
-    rig.tick(1.0)   # a is idle and past its residency
+    rig.tick(1.0)
     for name in "bd":
         rig.ask(name)
-        rig.load_done("w", name)   # its batch is sent and left running: busy
+        rig.load_done("w", name)
+    return rig
+
+
+def test_a_hot_model_yields_its_room_only_after_the_colder_one_waited_its_residency(
+        tmp_path: Path) -> None:
+    """Three slots: the most wanted model keeps one, the other two are where the rest
+    take turns (one loads while another runs). While both turn slots are busy, a request
+    for a cold model waits rather than evict the hot model, until it has waited its
+    residency (never for ever)."""
+    rig = hot_a_beside_busy_b_and_d(tmp_path, "abcd")
     rig.ask("c")
     rig.tick()
     assert rig.loads("w") == ["a/1", "b/1", "d/1"], "c waits: b, d busy, a the hot one"
@@ -186,18 +193,7 @@ def test_a_hot_model_stays_past_the_patience_while_the_turn_room_still_turns(
     """c waits its patience, but a load started meanwhile (e's, with more requests
     waiting): the turn room is turning, and c's wait is its place in line there. The hot
     model yields only once no load has started for a patience."""
-    rig = Rig(tmp_path, min_residency_s=0.5)
-    for name in "abcde":
-        rig.model(name)
-    rig.worker("w", "cpu", budget=13_000_000, context_bytes=0)   # three of them
-    for _ in range(5):
-        rig.ask("a")
-    rig.load_done("w", "a")
-    rig.run_batches("w")
-    rig.tick(1.0)   # a is idle and past its residency
-    for name in "bd":
-        rig.ask(name)
-        rig.load_done("w", name)   # its batch is sent and left running: busy
+    rig = hot_a_beside_busy_b_and_d(tmp_path, "abcde")
     rig.tick(0.3)
     rig.ask("c")   # patience: 0.5 s from now
     rig.tick(0.25)

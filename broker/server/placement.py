@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
+from zeroserve.broker.process import RateLimitedLog
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.types import ModelVersion
@@ -99,6 +100,9 @@ class Placement:
         self.refused: list[tuple[WorkerState, p.ModelLoaded]] = []  # delivered by the tick
         self.refusals: dict[tuple[str, str], int] = {}
         self._weights: WeightsCache = {}
+        # load on demand evicts for each turn, a hundred times a second on a host that
+        # churns through its working set: the metric counts them all
+        self._evictions_log = RateLimitedLog(logger, per_s=1.0)
         registry.register(self)  # a collector: see collect()
 
     # -- what a device has -------------------------------------------------------
@@ -395,8 +399,9 @@ class Placement:
                 self.pool.unload(worker, model, version)
             self.catalog.routable(self.pool.workers.values(), model)
             self.evicted(worker, model, reason)
-            logger.warning("evicted %s from worker %s (the least wanted idle model) to "
-                           "make room for %s", model, worker.worker_id, keep)
+            self._evictions_log.log(logging.WARNING, "evicted %s from worker %s (the least "
+                                    "wanted idle model) to make room for %s", model,
+                                    worker.worker_id, keep)
 
     # -- status and metrics ------------------------------------------------------------
     def _entry(self, worker: WorkerState, name: str, version: int) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from tests.bench import harness
 from tests.bench.harness import start
 from tests.conftest import Server, linear_config, short_tmpdir, write_model
 from zeroserve.broker.client import AsyncClient, Client, InferError
@@ -110,7 +111,7 @@ def cold_waits(label: str, hidden: int, count: int, context: int) -> dict[str, A
                     waits.append((time.perf_counter() - t) * 1000)
                 assert res.outputs["output"][0, 0] == float(name[1:])
             log = srv.log()
-            evictions = sum(1 for line in log.splitlines() if "evicted m" in line)
+            evictions = harness.evictions(srv)
             # the worker's own load and warm-up, as its log says: the rest of the wait
             # is the broker's, the messages' and the unload of the model evicted for it
             worker_s = [float(s) for s in re.findall(r"loaded m\d/1 \(sha256 \w+, "

@@ -31,7 +31,7 @@ from typing import Any
 
 from tests.bench import bench_many_models as mm
 from tests.bench.bench_broker import Checkout
-from tests.bench.harness import usable_cores
+from tests.bench.harness import evictions, usable_cores
 from tests.conftest import Server
 from zeroserve.broker.client import Client
 
@@ -101,7 +101,7 @@ def turns(checkouts: dict[str, Checkout], blocks: int, per_block: int) -> dict[s
                     got[key][name].append((cpu_s(pid) - was) / per_block * 1e6)
         for c in clients.values():
             c.close()
-        turns_seen = {k[0]: s.log().count("evicted m") for k, s in fleet.servers.items()
+        turns_seen = {k[0]: evictions(s) for k, s in fleet.servers.items()
                       if k[1] == "turns"}
     finally:
         fleet.close()

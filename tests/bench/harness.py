@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from tests.conftest import Server, short_tmpdir
-from zeroserve.broker.client import AsyncClient, InferError
+from zeroserve.broker.client import AsyncClient, Client, InferError
 from zeroserve.broker.runtime import cache_dir
 from zeroserve.workers.serve import usable_cores
 from zeroserve.workers.supervisor import ensure_examples
@@ -211,3 +211,10 @@ def broker_metric(text: str, name: str, labels: dict[str, str] | None = None) ->
         if all(lab.get(k) == v for k, v in (labels or {}).items()):
             total += float(m.group(3))
     return total
+
+
+def evictions(srv: Any) -> int:
+    """Models the broker evicted since it started (its metric: the log says one a second)."""
+    with Client(srv.control) as ctl:
+        text = ctl.control("metrics")["broker"]
+    return int(broker_metric(text, "zeroserve_model_evictions_total"))

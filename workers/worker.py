@@ -588,9 +588,12 @@ class Worker:
             old.release()
             del old
         self.m_model_memory.labels(name, str(version)).set(loaded.memory_bytes)
-        logger.info("loaded %s/%d (sha256 %s, %.1f MB, %.3fs%s)", name, version,
-                    loaded.sha256[:12], loaded.memory_bytes / 1e6, loaded.load_s,
-                    f", {source}" if source else "")
+        # a move back from the host-memory tier is a turn of load on demand, many a
+        # second: debug (the broker's metrics count them); a read from disk is news
+        logger.log(logging.DEBUG if source else logging.INFO,
+                   "loaded %s/%d (sha256 %s, %.1f MB, %.3fs%s)", name, version,
+                   loaded.sha256[:12], loaded.memory_bytes / 1e6, loaded.load_s,
+                   f", {source}" if source else "")
         return p.ModelLoaded(name, version, True, sha256=loaded.sha256,
                              memory_bytes=loaded.memory_bytes, load_s=loaded.load_s,
                              memory=loaded.plan,
@@ -636,8 +639,8 @@ class Worker:
         if parked and not released and self.device == "cpu":
             # nothing left the process: a collection and a probe would find nothing to
             # free and cost the loader a millisecond on every turn of load on demand
-            logger.info("unloaded %s/%d (parked in host memory, %d of %d bytes)", name,
-                        version, self.host_cache.bytes, self.host_cache.limit_bytes)
+            logger.debug("unloaded %s/%d (parked in host memory, %d of %d bytes)", name,
+                         version, self.host_cache.bytes, self.host_cache.limit_bytes)
             return
         gc.collect()
         if self.device.startswith("cuda"):

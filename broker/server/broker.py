@@ -129,7 +129,7 @@ class Broker:
                                    published=self.repository.published)
         return Lifecycle(self.catalog, self.scheduler, self.pool, self.requests, self.metrics,
                          clock, ctx, self.placement, self.registrar, options=opts,
-                         placed=self._placed,
+                         placed=self._placed, turn=lambda name: self.ondemand.loading(name),
                          source=lambda found: self.releases.unretired(
                              self.repository.source(found)))
 

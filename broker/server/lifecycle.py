@@ -65,7 +65,8 @@ class Lifecycle:
                  requests: RequestPath, metrics: BrokerMetrics, clock: Callable[[], float],
                  ctx: zmq.Context[Any], placement: Placement, registrar: Registrar, *,
                  options: LifecycleOptions | None = None, placed: Placed = placed_on,
-                 source: Source = _everything) -> None:
+                 source: Source = _everything,
+                 turn: Callable[[str], bool] = lambda name: False) -> None:
         self.catalog = catalog
         self.scheduler = scheduler
         self.pool = pool
@@ -79,6 +80,7 @@ class Lifecycle:
         self.registrar = registrar
         self.placed = placed
         self.source = source
+        self.turn = turn   # whether a model's load is load on demand's: logged at debug
         self.watcher: RepoWatcher | None = None
         self.hasher: Hasher | None = None
         self.pending: dict[str, tuple[RepoModel, int]] = {}   # hashing
@@ -323,8 +325,11 @@ class Lifecycle:
             self.metrics.model_loaded(msg.model, True, msg.load_s)
             if not self.catalog.mark_ready(*key):
                 self.pool.unload(worker, *key)
-            logger.info("worker %s loaded %s/%d in %.2fs", worker.worker_id, msg.model,
-                        msg.version, msg.load_s)
+            # a turn of load on demand loads many a second (the metrics count them, and
+            # the worker says at info what it read from disk)
+            logger.log(logging.DEBUG if self.turn(msg.model) else logging.INFO,
+                       "worker %s loaded %s/%d in %.2fs", worker.worker_id, msg.model,
+                       msg.version, msg.load_s)
         else:
             self.pool.failed(worker, key, msg.error)
             self.metrics.model_loaded(msg.model, False, 0.0)

@@ -150,6 +150,10 @@ class OnDemand:
         return self.demand.count(model, now) <= self.demand.count(keep, now) \
             or now - max(since, self._last_start_s) >= self._patience_s(keep)
 
+    def loading(self, name: str) -> bool:
+        """Whether a load on demand of ``name`` runs now."""
+        return name in self.loads
+
     def _waiting_since(self, name: str) -> float | None:
         load = self.loads.get(name)
         return load.since_s if load is not None else self.wanted.get(name)

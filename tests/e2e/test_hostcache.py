@@ -1,6 +1,6 @@
 """The worker's host-memory tier in a real server: three to five 8 MB models on one worker whose
 budget holds two, asked in turn so that each request evicts one. An evicted version is
-parked in host memory and its next load is a move back (the worker's log says so) that
+parked in host memory and its next load is a move back (the worker's debug log says so) that
 answers its own numbers; the parked bytes never exceed --host-cache-bytes; a version
 whose file changed on disk is loaded from disk, never served from the park."""
 
@@ -47,7 +47,8 @@ def serve_with(serve: Callable[..., Server], repo: Path, cache_bytes: int) -> Se
     return serve(repo, extra=["--memory-budget", str(BUDGET), "--load-on-demand",
                               "--load-on-demand-min-residency-s", "0",
                               "--load-on-demand-residency-factor", "0",
-                              "--host-cache-bytes", str(cache_bytes)])
+                              "--host-cache-bytes", str(cache_bytes),
+                              "--log-level", "debug"])   # each park and move back
 
 
 def ask(srv: Server, names: list[str]) -> list[float]:

@@ -220,8 +220,8 @@ class OnDemand:
         for w in self._candidates(name):
             fits = True
             for v in model.versions if model is not None else ():
-                why, fits_empty = self.placement.room(w, name, v)
-                if why is not None and not fits_empty:
+                why = self.placement.too_big(w, name, v)
+                if why is not None:
                     whys.append(why)
                     fits = False
                     break

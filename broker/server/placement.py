@@ -196,31 +196,35 @@ class Placement:
         need, how = self.need(worker, name, version, model[0], model[1] / str(version))
         return self._verdict(worker, name, version, need, how, self.available(worker))
 
-    def room(self, worker: WorkerState, name: str, version: int) -> tuple[str | None, bool]:
-        """(why ``name/version`` cannot load on ``worker`` now even after evicting the
-        idle models that may go, None when it can; whether it would fit the device with
-        nothing else loaded). Evicts nothing."""
-        if (name, version) in worker.loaded | worker.loading:
-            return None, True
-        model = self._model(name)
+    def too_big(self, worker: WorkerState, name: str, version: int) -> str | None:
+        """Why ``name/version`` could not load on ``worker`` even with nothing else
+        loaded there (None: it could, or it is there already). Evicts nothing; asked of
+        the first request for a model not loaded, so the words are written only for a
+        version that is too big."""
+        if (name, version) in worker.loaded or (name, version) in worker.loading:
+            return None
+        model = self.catalog.get(name)
         if model is None:
-            return wording.unknown_model(name), False
-        need, how = self.need(worker, name, version, model[0], model[1] / str(version))
+            return wording.unknown_model(name)
+        need, how = self.need(worker, name, version, model.config, model.path / str(version))
         free = self.available(worker)
         if free is None or need <= free:
-            return None, True
-        freed = sum(self._cost(worker, m) for m in self._idle(worker, name, free, need))
+            return None
         budget = self.budget(worker)
-        empty = free + sum(self._cost(worker, m) for m, _ in self._held(worker))
-        fits = need <= (budget - self.headroom(worker) - self.context(worker)
-                        if _kind(worker) == "cpu" and budget else empty)
-        return self._verdict(worker, name, version, need, how, free + freed), fits
+        if _kind(worker) == "cpu" and budget:
+            empty = budget - self.headroom(worker) - self.context(worker)
+        else:
+            empty = free + sum(self._cost(worker, m) for m, _ in self._held(worker))
+        if need <= empty:
+            return None
+        freed = sum(self._cost(worker, m) for m in self._idle(worker, name, free, need))
+        return self._verdict(worker, name, version, need, how, free + freed)
 
     def fits(self, worker: WorkerState, name: str, version: int) -> bool:
         """Whether ``name/version`` can load on ``worker`` now, after evicting the idle
-        models that may go: :meth:`room`'s answer without its reasons. Load on demand asks
-        it for every model waiting, of every worker, each time room may have opened, and
-        mostly hears no: that answer costs no words."""
+        models that may go (what :meth:`load` would do, evicting nothing). Load on demand
+        asks it for every model waiting, of every worker, each time room may have
+        opened, and mostly hears no: that answer writes no reasons."""
         if (name, version) in worker.loaded or (name, version) in worker.loading:
             return True
         model = self.catalog.get(name)

@@ -253,6 +253,22 @@ def test_the_load_share_bound_answers_503_with_retry_after(tmp_path: Path) -> No
     assert summary["load_s_last_minute"] == 2.0 and summary["max_load_s_per_minute"] == 2.5
 
 
+def test_a_model_bigger_than_the_budget_is_refused_at_once_and_the_others_serve(
+        tmp_path: Path) -> None:
+    rig = rig_with(tmp_path, "a")
+    rig.add_model("big", linear_config("big", 1000, 3000), factory="nn.Linear(1000, 3000)")
+    rig.ask("big")   # 12 MB of weights on a 9 MB budget: no eviction could make room
+    rig.tick()
+    [err] = rig.errors()
+    assert err.code is p.ErrorCode.NO_WORKER, err
+    assert "big/1 needs" in err.message and "memory budget of" in err.message, err.message
+    assert rig.loads("w") == [] and not rig.b.ondemand.wanted
+    rig.ask("a")
+    rig.load_done("w", "a")
+    rig.run_batches("w")
+    assert rig.answers() == ["error", "ok"] and rig.census_empty()
+
+
 def test_a_worker_lost_while_loading_answers_each_waiting_request_once(tmp_path: Path) -> None:
     rig = rig_with(tmp_path, "a")
     ids = [rig.ask("a") for _ in range(3)]

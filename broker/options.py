@@ -126,7 +126,8 @@ def _worker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--device", default=None, help="torch device (default: cuda:0 if any)")
     p.add_argument("--memory-budget", type=int, default=0, metavar="BYTES",
-                   help="memory a worker may spend on models (0: no limit)")
+                   help="memory a worker may spend on its context and models, on a GPU "
+                        "too (0: no limit)")
     p.add_argument("--memory-headroom", type=int, default=None, metavar="BYTES",
                    help="memory the broker's placement keeps free on the worker's device: "
                         "of its free memory on a GPU (default 512 MiB), of the budget on "

@@ -11,6 +11,10 @@ measured. Each device keeps a headroom (``--memory-headroom``, reported by its w
   was loaded or is loading since that report, less the headroom;
 * CPU with ``--memory-budget``: the budget less the headroom, the device's context cost
   (measured by the worker at start) and every loaded or loading version's footprint;
+* GPU with ``--memory-budget``: the lesser of the two above, the headroom kept of the
+  device's free memory only (an operator's cap on one process's share of a GPU: another
+  server or a job beside it, or a many-model host that must evict before the device is
+  full);
 * CPU without a budget: no limit.
 
 A version that does not fit evicts idle models on the worker (nothing queued or
@@ -141,25 +145,36 @@ class Placement:
         return self.context(worker) + sum(self.footprint(worker, m, v)
                                           for m, v in self._held(worker, skip))
 
+    def _budget_headroom(self, worker: WorkerState) -> int:
+        """The headroom kept of the budget: a GPU keeps it of its free memory instead."""
+        return self.headroom(worker) if _kind(worker) == "cpu" else 0
+
+    def _budget_room(self, worker: WorkerState,
+                     skip: tuple[str, int] | None = None) -> int | None:
+        """What the budget leaves for a new version (None: no budget)."""
+        budget = self.budget(worker)
+        if not budget:
+            return None
+        return budget - self._budget_headroom(worker) - self.used(worker, skip)
+
     def available(self, worker: WorkerState,
                   skip: tuple[str, int] | None = None) -> int | None:
         """Bytes a new version may take on the worker's device now, after the headroom
         (negative: over already); None: no limit (a CPU without a budget)."""
+        room = self._budget_room(worker, skip)
         report = worker.memory
         if _kind(worker) == "cuda" and isinstance(report.get("gpu_free_bytes"), int):
             seen = report.get("models") or {}
             unseen = sum(self.footprint(worker, m, v) for m, v in self._held(worker, skip)
                          if str(ModelVersion(m, v)) not in seen)
-            return int(report["gpu_free_bytes"]) - unseen - self.headroom(worker)
-        budget = self.budget(worker)
-        if not budget:
-            return None
-        return budget - self.headroom(worker) - self.used(worker, skip)
+            device = int(report["gpu_free_bytes"]) - unseen - self.headroom(worker)
+            return device if room is None else min(device, room)
+        return room
 
     def _where(self, worker: WorkerState) -> str:
         device = str(worker.info.get("device") or "cpu")
         budget = self.budget(worker)
-        if _kind(worker) == "cpu" and budget:
+        if budget:
             return (f"{device} on worker {worker.worker_id} (memory budget "
                     f"{size_text(budget)}, {size_text(self.context(worker))} context)")
         return f"{device} on worker {worker.worker_id}"
@@ -211,8 +226,8 @@ class Placement:
         if free is None or need <= free:
             return None
         budget = self.budget(worker)
-        if _kind(worker) == "cpu" and budget:
-            empty = budget - self.headroom(worker) - self.context(worker)
+        if budget:   # what is loading counts in neither free nor any model's cost yet
+            empty = budget - self._budget_headroom(worker) - self.context(worker)
         else:
             empty = free + sum(self._cost(worker, m) for m, _ in self._held(worker))
         if need <= empty:
@@ -251,10 +266,11 @@ class Placement:
                f"{size_text(self.headroom(worker))} headroom; {ModelVersion(name, version)} needs "
                f"{size_text(need)} ({how})")
         budget = self.budget(worker)
-        room = budget - self.headroom(worker) - self.context(worker)
-        if _kind(worker) == "cpu" and budget and need > room:
+        room = budget - self._budget_headroom(worker) - self.context(worker)
+        if budget and need > room:
             why += (f"; more than worker {worker.worker_id}'s memory budget of "
-                    f"{size_text(budget)} leaves after its context and headroom")
+                    f"{size_text(budget)} leaves after its context"
+                    f"{' and headroom' if _kind(worker) == 'cpu' else ''}")
         elif busy:
             why += f"; {size_text(busy)} of it is held by models that are busy"
         return why
@@ -313,10 +329,8 @@ class Placement:
             return msg
         need = self._learn(worker, msg)
         budget = self.budget(worker)
-        if not budget or _kind(worker) == "cuda":
-            return msg
-        free = budget - self.headroom(worker) - self.used(worker, (msg.model, msg.version))
-        if need <= free:
+        free = self._budget_room(worker, (msg.model, msg.version))
+        if free is None or need <= free:
             return msg
         idle = self._idle(worker, msg.model, free, need)
         freed = sum(self._cost(worker, m) for m in idle)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.broker.rig import BrokerRig
 from tests.conftest import linear_config
 from zeroserve.broker import protocol as p
@@ -94,6 +96,60 @@ def test_the_headroom_is_kept_on_a_budget(tmp_path: Path) -> None:
     why = rig.placement.refusal(tight, "m", 1) or ""
     assert "has 3.0 MB free after 6.0 MB headroom; m/1 needs 4.0 MB" in why
     assert "more than worker tight/0's memory budget of 10.0 MB leaves after" in why
+
+
+def test_a_budget_caps_a_gpu_below_its_free_memory(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.model("old")
+    # 80 GB free: the budget of 10 MB (1 MB context, the 512 MiB headroom kept of the
+    # device's free memory, not of the budget) is what binds
+    w = rig.worker("g/0", "cuda:0", budget=10 * MB, context_bytes=1 * MB,
+                   gpu_free_bytes=80_000 * MB, headroom_bytes=512 << 20, models={})
+    assert rig.loads("g/0") == ["old/1"]
+    assert rig.placement.available(w) == 10 * MB - 1 * MB - WEIGHTS
+    rig.loaded("g/0", "old", 1, resident_bytes=WEIGHTS, footprint_bytes=WEIGHTS)
+    rig.model("new")
+    rig.b.lifecycle.sync_worker(w)
+    assert rig.loads("g/0")[-1] == "new/1"     # 1 + 4 + 4 of 10 MB: both fit
+    rig.loaded("g/0", "new", 1, resident_bytes=WEIGHTS, footprint_bytes=WEIGHTS)
+    rig.model("third")
+    rig.b.lifecycle.sync_worker(w)
+    assert rig.loads("g/0")[-1] == "third/1"   # an idle one made room, on a roomy GPU
+    assert len(w.loaded & {("old", 1), ("new", 1)}) == 1 and ("third", 1) in w.loading
+    rig.model("huge", mbs=8)
+    rig.placement.measured[(w.identity, "huge", 1)] = {"footprint_bytes": 9_500_000}
+    why = rig.placement.refusal(w, "huge", 1) or ""
+    assert why.startswith("cuda:0 on worker g/0 (memory budget 10.0 MB, 1.0 MB context) has ")
+    assert why.endswith("more than worker g/0's memory budget of 10.0 MB leaves after its "
+                        "context"), why
+    # too big even with every idle model gone
+    assert (rig.placement.too_big(w, "huge", 1) or "").endswith("budget of 10.0 MB leaves "
+                                                                "after its context")
+    # the device's free memory still binds when it is the lesser
+    tight = rig.worker("g/1", "cuda:1", budget=10 * MB, context_bytes=2 * MB,
+                       gpu_free_bytes=5 * MB, headroom_bytes=2 * MB, models={})
+    assert rig.placement.available(tight) == 3 * MB
+    assert "has 3.0 MB free after 2.0 MB headroom" in (rig.placement.refusal(tight, "old", 1)
+                                                        or "")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_a_model_is_not_too_big_while_others_load_into_the_budget(
+        tmp_path: Path, device: str) -> None:
+    rig = Rig(tmp_path)
+    for name in "abcd":
+        rig.model(name)
+    # 1 MB context and four loading of 4 MB fill 19 MB: a fifth waits for room, it is
+    # not refused as bigger than the budget (what is loading is in no model's cost yet)
+    w = rig.worker("w/0", device, budget=19 * MB, context_bytes=1 * MB,
+                   gpu_free_bytes=80_000 * MB, headroom_bytes=0, models={})
+    assert sorted(rig.loads("w/0")) == ["a/1", "b/1", "c/1", "d/1"] and not w.loaded
+    rig.model("e")
+    assert rig.placement.too_big(w, "e", 1) is None
+    assert not rig.placement.fits(w, "e", 1)
+    rig.model("f", mbs=8)
+    rig.placement.measured[(w.identity, "f", 1)] = {"footprint_bytes": 18_500_000}
+    assert "budget of 19.0 MB leaves" in (rig.placement.too_big(w, "f", 1) or "")
 
 
 def test_an_idle_model_is_evicted_before_the_load_when_that_makes_room(tmp_path: Path) -> None:

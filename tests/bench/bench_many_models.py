@@ -64,28 +64,36 @@ def repo_of(count: int, hidden: int) -> Path:
     return repo
 
 
+def worker_device() -> str:
+    """Where a ``zeroserve serve`` worker on this host runs when not told."""
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
 def in_process_load_ms(path: Path, n: int = 5) -> float:
     import torch
 
     torch.set_num_threads(1)
+    device = worker_device()
     took = []
     for _ in range(n):
         t = time.perf_counter()
-        module = torch.jit.load(str(path))
+        module = torch.jit.load(str(path), map_location=device)
         with torch.inference_mode():
-            module(torch.from_numpy(X))
+            module(torch.from_numpy(X).to(device)).cpu()
         took.append((time.perf_counter() - t) * 1000)
     return statistics.median(took)
 
 
 def context_bytes() -> int:
-    """A CPU worker's context as its worker measures it, measured here the same way."""
+    """A worker's context on this host's device, measured here the way its worker does."""
     import torch
 
     from zeroserve.workers.memory import context_cost
 
     torch.set_num_threads(1)
-    return int(context_cost("cpu")["context_bytes"])
+    return int(context_cost(worker_device())["context_bytes"])
 
 
 def budget_for(models: float, hidden: int, context: int) -> int:

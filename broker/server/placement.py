@@ -226,10 +226,10 @@ class Placement:
         if free is None or need <= free:
             return None
         budget = self.budget(worker)
-        if budget:   # what is loading counts in neither free nor any model's cost yet
+        if budget:
             empty = budget - self._budget_headroom(worker) - self.context(worker)
-        else:
-            empty = free + sum(self._cost(worker, m) for m, _ in self._held(worker))
+        else:   # what is loading too: it is evictable once loaded
+            empty = free + sum(self.footprint(worker, m, v) for m, v in self._held(worker))
         if need <= empty:
             return None
         freed = sum(self._cost(worker, m) for m in self._idle(worker, name, free, need))

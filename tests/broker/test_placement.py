@@ -133,23 +133,27 @@ def test_a_budget_caps_a_gpu_below_its_free_memory(tmp_path: Path) -> None:
                                                         or "")
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
-def test_a_model_is_not_too_big_while_others_load_into_the_budget(
-        tmp_path: Path, device: str) -> None:
+@pytest.mark.parametrize("device,budget", [("cpu", 19 * MB), ("cuda:0", 19 * MB),
+                                           ("cuda:0", 0)])
+def test_a_model_is_not_too_big_while_others_load_into_the_room(
+        tmp_path: Path, device: str, budget: int) -> None:
     rig = Rig(tmp_path)
     for name in "abcd":
         rig.model(name)
-    # 1 MB context and four loading of 4 MB fill 19 MB: a fifth waits for room, it is
-    # not refused as bigger than the budget (what is loading is in no model's cost yet)
-    w = rig.worker("w/0", device, budget=19 * MB, context_bytes=1 * MB,
-                   gpu_free_bytes=80_000 * MB, headroom_bytes=0, models={})
+    # four loading of 4 MB fill the 18 MB left after the context, of the budget or of
+    # the GPU: a fifth waits for room, it is not refused as too big (what is loading is
+    # in no model's cost yet, and evictable once loaded)
+    w = rig.worker("w/0", device, budget=budget, context_bytes=1 * MB,
+                   gpu_free_bytes=80_000 * MB if budget else 18 * MB, headroom_bytes=0,
+                   models={})
     assert sorted(rig.loads("w/0")) == ["a/1", "b/1", "c/1", "d/1"] and not w.loaded
     rig.model("e")
     assert rig.placement.too_big(w, "e", 1) is None
     assert not rig.placement.fits(w, "e", 1)
     rig.model("f", mbs=8)
     rig.placement.measured[(w.identity, "f", 1)] = {"footprint_bytes": 18_500_000}
-    assert "budget of 19.0 MB leaves" in (rig.placement.too_big(w, "f", 1) or "")
+    assert "needs 18.5 MB (measured on this worker)" in (rig.placement.too_big(w, "f", 1)
+                                                        or "")
 
 
 def test_an_idle_model_is_evicted_before_the_load_when_that_makes_room(tmp_path: Path) -> None:

@@ -569,9 +569,8 @@ class Worker:
         start = time.monotonic()
         loaded, stale = self.host_cache.take(msg.model, msg.version, msg.sha256, msg.config,
                                              Path(msg.path))
-        for old in stale:
-            old.release()
-        del stale
+        while stale:   # popped, not a loop variable: that would hold the last one alive
+            stale.pop().release()
         self.m_host_cache.set(self.host_cache.bytes)
         if loaded is None:
             return None
@@ -632,8 +631,10 @@ class Worker:
             loaded.extra.get("seq", 0)) + (loaded.memory_bytes if parked and
                                            self.device == "cpu" else 0)
         released = bool(dropped)
-        for old in dropped:
-            old.release()
+        # popped, not a loop variable: that would hold the last one, and the memory the
+        # probe below looks for, until this returns (and recycle a worker that leaked nothing)
+        while dropped:
+            dropped.pop().release()
         del loaded, dropped
         self.m_host_cache.set(self.host_cache.bytes)
         if parked and not released and self.device == "cpu":

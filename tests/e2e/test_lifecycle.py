@@ -303,6 +303,9 @@ def test_memory_budget_evicts_the_idle_model_and_refuses_what_cannot_fit(repo: P
     except AssertionError:
         raise AssertionError(srv.log()[-4000:]) from None
     assert "more than worker" in m and "memory budget of 104.9 MB" in m, srv.log()[-3000:]
+    # the refused version's memory comes back: the worker stays, nothing read as a leak
+    wait_for(lambda: "unloaded big/1" in srv.log(), 10, "big unloaded")
+    assert "memory not returned" not in srv.log(), srv.log()[-3000:]
     assert status(srv)["workers"][0]["models"] == ["b/1"]
     assert status(srv)["workers"][0]["memory"]["budget_bytes"] == 100 << 20
 

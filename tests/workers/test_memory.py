@@ -61,6 +61,13 @@ LEAKY = textwrap.dedent('''
 ''')
 
 
+# the same handler holding its memory where an unload reaches it: it must come back
+HOLDING = LEAKY.replace('sys.__dict__.setdefault("_leak", []).append(bytearray(96 << 20))',
+                        'self.weights = bytearray(96 << 20)').replace(
+    "# a reference the unload cannot reach: memory that never comes back",
+    "# touched, and reachable from the version only")
+
+
 def _run(tmp_path: Path, tolerance: int) -> dict[str, object]:
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(tolerance)],
                          capture_output=True, text=True, timeout=100)
@@ -80,10 +87,11 @@ def test_rss_stays_within_tolerance_over_20_mlp_cycles(tmp_path: Path) -> None:
     assert doc["recycle"] == "", "a clean unload must not recycle the worker"
 
 
-def test_a_leaking_handler_makes_the_worker_recycle(tmp_path: Path) -> None:
+def _run_handler(tmp_path: Path, source: str) -> dict[str, object]:
+    """One load and unload of a Python handler (never parked: its memory must leave)."""
     script = SCRIPT.replace('torch.jit.save(torch.jit.script(make_mlp().eval()), '
                             'str(vdir / "model.pt"))',
-                            f'(vdir / "model.py").write_text({LEAKY!r})')
+                            f'(vdir / "model.py").write_text({source!r})')
     script = script.replace('"config": CONFIGS["mlp"]',
                             '"config": {**CONFIGS["mlp"], "platform": "python", '
                             '"outputs": [{"name": "output", "datatype": "FP32", '
@@ -92,8 +100,21 @@ def test_a_leaking_handler_makes_the_worker_recycle(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(32 << 20)],
                          capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_a_leaking_handler_makes_the_worker_recycle(tmp_path: Path) -> None:
+    doc = _run_handler(tmp_path, LEAKY)
     assert "memory not returned after unloading mlp/1" in doc["recycle"]
+
+
+def test_a_handler_holding_more_than_the_tolerance_gives_it_back_without_a_recycle(
+        tmp_path: Path) -> None:
+    """Its 96 MB are three times the tolerance: a reference the worker keeps through its
+    probe (once, the loop variable of the release) reads as a leak and recycles it."""
+    doc = _run_handler(tmp_path, HOLDING)
+    assert doc["footprints"][0] > 96 << 20, doc   # type: ignore[index]
+    assert doc["recycle"] == "", doc
 
 
 GPU_SCRIPT = SCRIPT.replace('device="cpu"', 'device="cuda:0"').replace(

@@ -61,11 +61,15 @@ LEAKY = textwrap.dedent('''
 ''')
 
 
-# the same handler holding its memory where an unload reaches it: it must come back
-HOLDING = LEAKY.replace('sys.__dict__.setdefault("_leak", []).append(bytearray(96 << 20))',
-                        'self.weights = bytearray(96 << 20)').replace(
-    "# a reference the unload cannot reach: memory that never comes back",
-    "# touched, and reachable from the version only")
+HOLDING = textwrap.dedent('''
+    class Model:
+        def load(self, version_dir, device):
+            # touched, and reachable from the version only: it must come back at unload
+            self.weights = bytearray(96 << 20)
+
+        def predict(self, inputs):
+            return {"output": inputs["input"]}
+''')
 
 
 def _run(tmp_path: Path, tolerance: int) -> dict[str, object]:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from zeroserve.models import ensemble as ens, formats
 from zeroserve.models.rolloutplan import PlanError, parse_plan
+from zeroserve.models.text import EMBEDDING, IDS, MASK, TextConfig, TextConfigError, parse_text
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
              "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES")
@@ -93,6 +94,11 @@ class DynamicBatching:
     aging_ms: float = 1000.0
     max_execution_ms: float = 30000.0
     padding: Padding | None = None
+    # a batch's tokens at most (0: no budget), counted by ``token_cost``: "padded" (rows x
+    # the longest row: what a padded batch computes) or "packed" (the sum of the rows'
+    # lengths, for a handler that takes ragged rows); needs a padded input to count by
+    max_batch_tokens: int = 0
+    token_cost: str = "padded"
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,9 @@ class ModelConfig:
     # broker's --load-on-demand decides; docs/many-models.md)
     load_on_demand: bool | None = None
 
+    # a model that takes text: its tokenizer and what the OpenAI routes do (models/text.py)
+    text: TextConfig | None = None
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         if out["rollout"] is None:
@@ -138,6 +147,10 @@ class ModelConfig:
             out["ensemble_scheduling"] = {"step": [s.to_json() for s in self.ensemble]}
         out["model_transaction_policy"] = {"decoupled": out.pop("decoupled")}
         out["response_cache"] = {"enable": out.pop("response_cache")}
+        if self.text is None:
+            del out["text"]
+        else:
+            out["text"] = self.text.to_json()
         out["inputs"] = [t.to_json() for t in self.inputs]
         out["outputs"] = [t.to_json() for t in self.outputs]
         if not self.outputs:   # still to be found by a registration's trial load
@@ -221,7 +234,11 @@ _DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
 _TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
                "version_policy", "traffic", "instances", "warmup", "input_shape", "backend",
                "optional", "autoscaling", "model_transaction_policy", "response_cache",
-               "rollout", "ensemble_scheduling", "load_on_demand"}
+               "rollout", "ensemble_scheduling", "load_on_demand", "text"}
+TOKEN_COSTS = ("padded", "packed")
+# a text model's queue holds one entry per text: a request of 2,048 texts fits many times
+TEXT_QUEUE_SIZE = 16384
+TEXT_MAX_BATCH_SIZE = 64
 
 
 def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
@@ -242,6 +259,12 @@ def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
             kw[key] = tuple(sorted(_int(where, fld, v, 1) for v in value))
         elif key in ("max_queue_size", "priority_levels", "default_priority"):
             kw[key] = _int(where, fld, value, 1)
+        elif key == "max_batch_tokens":
+            kw[key] = _int(where, fld, value)
+        elif key == "token_cost":
+            if value not in TOKEN_COSTS:
+                raise _fail(where, fld, f"must be one of {', '.join(TOKEN_COSTS)}, got {value!r}")
+            kw[key] = value
         elif key == "padding":
             continue   # checked against the inputs and outputs: _padding
         else:
@@ -425,6 +448,12 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     if platform is None:
         raise _fail(where, "platform", f"must be one of {formats.platforms() + [ens.ENSEMBLE]}"
                     f", got {given!r}")
+    try:
+        text = parse_text(raw.get("text"))
+    except TextConfigError as exc:
+        raise _fail(where, exc.field, str(exc)) from None
+    if text is not None:
+        raw = _text_defaults(raw)
     mbs = _int(where, "max_batch_size", raw.get("max_batch_size", 0))
     if "inputs" in raw:
         inputs = _tensors(where, "inputs", raw["inputs"])
@@ -465,6 +494,11 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
                        outputs, mbs)
     if padding is not None:
         batching = replace(batching, padding=padding)
+    if batching.max_batch_tokens and padding is None:
+        raise _fail(where, "dynamic_batching.max_batch_tokens", "counts tokens along a padded "
+                    "dimension: declare dynamic_batching.padding")
+    if text is not None:
+        _check_text(where, text, inputs, outputs)
     steps = _ensemble(where, raw.get("ensemble_scheduling"), platform, inputs, outputs, cache)
     return ModelConfig(
         name=name, platform=platform, inputs=inputs, outputs=outputs,
@@ -475,7 +509,47 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
         optional=optional, decoupled=decoupled, response_cache=cache, ensemble=steps,
-        load_on_demand=on_demand)
+        load_on_demand=on_demand, text=text)
+
+
+def _text_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """What a text model's config may leave out: the token inputs (padded together,
+    with 0), the one ``embedding`` output, batching by rows and a queue for one entry
+    per text. Anything the config gives wins."""
+    out = dict(raw)
+    out.setdefault("max_batch_size", TEXT_MAX_BATCH_SIZE)
+    out.setdefault("inputs", [{"name": IDS, "datatype": "INT64", "shape": [-1]},
+                              {"name": MASK, "datatype": "INT64", "shape": [-1]}])
+    out.setdefault("outputs", [{"name": EMBEDDING, "datatype": "FP32", "shape": [-1]}])
+    batching = dict(out.get("dynamic_batching") or {})
+    batching.setdefault("max_queue_size", TEXT_QUEUE_SIZE)
+    if isinstance(out["max_batch_size"], int) and out["max_batch_size"] > 0:
+        batching.setdefault("padding", {"inputs": [
+            {"name": t["name"], "dim": 0, "value": 0} for t in out["inputs"]
+            if isinstance(t, dict) and t.get("name") in (IDS, MASK)]})
+    out["dynamic_batching"] = batching
+    return out
+
+
+def _check_text(where: str, text: TextConfig, inputs: tuple[TensorSpec, ...],
+                outputs: tuple[TensorSpec, ...]) -> None:
+    """The tensors the OpenAI routes send and read: ``input_ids`` (and
+    ``attention_mask``) of INT64 with one free length, one ``embedding`` vector out."""
+    declared = {t.name: t for t in inputs}
+    for name in (IDS, MASK):
+        spec = declared.get(name)
+        if spec is None and name == MASK:
+            continue
+        if spec is None or spec.datatype != "INT64" or spec.shape != (-1,):
+            raise _fail(where, "inputs", f"a text model takes {IDS!r} (and {MASK!r}) as "
+                        f'INT64 of shape [-1]; got {spec.to_json() if spec else "none"}')
+    if set(declared) - {IDS, MASK}:
+        raise _fail(where, "inputs", f"a text model takes only {IDS!r} and {MASK!r}; got "
+                    f"{sorted(declared)}")
+    if outputs and [(t.name, t.datatype, len(t.shape)) for t in outputs] != \
+            [(EMBEDDING, "FP32", 1)]:
+        raise _fail(where, "outputs", f"an embeddings model answers one output "
+                    f"{EMBEDDING!r}, FP32 of one dimension (the pooled vector)")
 
 
 def _ensemble(where: str, raw: Any, platform: str, inputs: tuple[TensorSpec, ...],

@@ -67,8 +67,14 @@ class ShapeRule:
 
     def classify(self, shapes: dict[str, Sequence[int]]) -> tuple[Hashable, float]:
         """A request's shape key and scale, from its tensors' shapes by name."""
+        key, scale, _ = self.measure(shapes)
+        return key, scale
+
+    def measure(self, shapes: dict[str, Sequence[int]]) -> tuple[Hashable, float, int]:
+        """A request's shape key, scale and tokens a row (its own length along the padded
+        dimension; 0 for a model that pads nothing): what the scheduler batches by."""
         if self.fixed:
-            return None, 1.0
+            return None, 1.0, 0
         length = self.length(shapes) if self._padded else None
         target = self.padded_length(length) if length is not None else 0
         key: list[tuple[int, ...]] = []
@@ -87,7 +93,7 @@ class ShapeRule:
             else:
                 elements += math.prod(dims)
             key.append(tuple(dims))
-        return tuple(key), max(elements, 1) / self._ref
+        return tuple(key), max(elements, 1) / self._ref, length or 0
 
     def warmup_length(self) -> int:
         """The padded length warm-up runs at: the first bucket (compiled models and CUDA

@@ -98,10 +98,10 @@ class Admission:
         assert model is not None
         try:
             samples = check_inputs(model.config, [t.meta for t in req.tensors], req.outputs)
-            shape, scale = shape_class(model.config, req.tensors)
+            shape, scale, length = shape_class(model.config, req.tensors)
         except (RequestError, ShapeError) as exc:
             return Refusal(p.ErrorCode.BAD_INPUT, str(exc), "")
-        grant = self.tenancy.admit(who, key, req, samples, now)
+        grant = self.tenancy.admit(who, key, req, samples, now, samples * length)
         if isinstance(grant, Refusal):
             return grant
         digest = None
@@ -112,7 +112,7 @@ class Admission:
             digest = found
         got = demand.admit(model, now) if demand is not None else 0.0
         entry = got if isinstance(got, Refused) else \
-            self._entry(client, grant, model, samples, now, shape, scale, got)
+            self._entry(client, grant, model, samples, now, shape, scale, length, got)
         if isinstance(entry, (Refusal, Refused)):
             self.tenancy.release(key)
             self.tenancy.rejected(grant.tenant, entry.code)
@@ -150,7 +150,7 @@ class Admission:
         return self.demand
 
     def _entry(self, client: bytes, grant: Grant, model: CatalogModel, samples: int,
-               now: float, shape: Hashable, scale: float, load_s: float = 0.0
+               now: float, shape: Hashable, scale: float, length: int, load_s: float = 0.0
                ) -> Entry | Refusal:
         """The queue entry, or a refusal when the deadline cannot be met (``load_s``: the
         model is not loaded, and its load is predicted to take this long)."""
@@ -176,16 +176,17 @@ class Admission:
         return Entry(key=(client, req.request_id), model=req.model, priority=priority,
                      arrival_s=now, deadline_s=deadline, samples=samples, version=version,
                      payload=Payload(client, req, req.version is not None), shape=shape,
-                     scale=scale)
+                     scale=scale, length=length)
 
 
-def shape_class(cfg: ModelConfig, tensors: Sequence[p.Tensor]) -> tuple[Hashable, float]:
-    """A request's shape key and scale (models/shapes.py); one test for a model of fixed
-    shapes, the common case."""
+def shape_class(cfg: ModelConfig, tensors: Sequence[p.Tensor]
+                ) -> tuple[Hashable, float, int]:
+    """A request's shape key, scale and tokens a row (models/shapes.py); one test for a
+    model of fixed shapes, the common case."""
     rule = shape_rule(cfg)
     if rule.fixed:
-        return None, 1.0
-    return rule.classify({t.meta.name: t.meta.shape for t in tensors})
+        return None, 1.0, 0
+    return rule.measure({t.meta.name: t.meta.shape for t in tensors})
 
 
 def warmup_scale(model: CatalogModel | None) -> float:

@@ -86,7 +86,9 @@ class CatalogModel:
                       max_queue_delay_s=db.max_queue_delay_ms / 1000.0,
                       preferred_batch_sizes=db.preferred_batch_sizes,
                       max_queue_size=db.max_queue_size,
-                      aging_s=db.aging_ms / 1000.0)
+                      aging_s=db.aging_ms / 1000.0,
+                      max_batch_tokens=db.max_batch_tokens,
+                      packed=db.token_cost == "packed")
 
     def metadata(self) -> dict[str, Any]:
         cfg = self.config

@@ -22,6 +22,8 @@ _REJECT_REASONS = {ErrorCode.DEADLINE: "deadline", ErrorCode.OVERLOADED: "shed",
 LATENCY_BUCKETS = (.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30)
 LOAD_WAIT_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PADDING_BUCKETS = (0.0, .02, .05, .1, .2, .3, .5, .75, 1)
+TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 
 
 class Children:
@@ -137,6 +139,12 @@ class BrokerMetrics:
                                      ["model"], r, LATENCY_BUCKETS)
         self.batch_size = LoopHistogram("inference_batch_size", "Samples per batch",
                                         ["model"], r, BATCH_BUCKETS)
+        self.padding = LoopHistogram("batch_padding_ratio", "Share of a batch's computed "
+                                     "tokens that is padding (models with a padded input)",
+                                     ["model"], r, PADDING_BUCKETS)
+        self.batch_tokens = LoopHistogram("batch_tokens", "Tokens a batch computes, padding "
+                                          "included (models with a padded input)", ["model"],
+                                          r, TOKEN_BUCKETS)
         self.batches = LoopCounter("batches", "Batches sent, by why they were sent",
                                    ["model", "reason"], r)
         self.cache_hits = LoopCounter("cache_hits", "Requests answered from the response "
@@ -247,9 +255,13 @@ class BrokerMetrics:
                 last, observe = priority, self.queue.labels(model, str(priority)).observe
             observe(queue_s)
 
-    def batch_sent(self, model: str, reason: str, samples: int) -> None:
+    def batch_sent(self, model: str, reason: str, samples: int, tokens: int = 0,
+                   padded_tokens: int = 0) -> None:
         self.batches.inc((model, reason))
         self.batch_size.labels(model).observe(samples)
+        if padded_tokens:
+            self.padding.labels(model).observe(1.0 - tokens / padded_tokens)
+            self.batch_tokens.labels(model).observe(padded_tokens)
 
     def batch_done(self, model: str, samples: int, compute_s: float,
                    phases_ms: dict[str, float] | None = None) -> None:

@@ -449,10 +449,12 @@ class RequestPath:
                 if decision.doomed:
                     continue
                 return
-            self._send_batch(worker, model, decision.entries, decision.reason, now)
+            self._send_batch(worker, model, decision.entries, decision.reason, now,
+                             decision.tokens, decision.padded_tokens)
 
     def _send_batch(self, worker: WorkerState, model: CatalogModel, entries: list[Entry],
-                    reason: str, now: float) -> None:
+                    reason: str, now: float, tokens: int = 0, padded_tokens: int = 0
+                    ) -> None:
         version = entries[0].version
         assert version is not None
         items = [p.BatchItem(str(i), e.payload.request.tensors, e.payload.request.outputs)
@@ -471,7 +473,7 @@ class RequestPath:
         self._last_used[model.config.name] = now
         if rec.stream:
             self.streaming.streams_started(rec)
-        self.metrics.batch_sent(model.config.name, reason, rec.samples)
+        self.metrics.batch_sent(model.config.name, reason, rec.samples, tokens, padded_tokens)
         self.metrics.queued(model.config.name, [(e.priority, now - e.arrival_s) for e in entries])
         self.tenancy.queued([(e.tenant, now - e.arrival_s) for e in entries])
 

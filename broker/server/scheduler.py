@@ -60,6 +60,7 @@ class Entry:
     shed_rank: int = 0        # QoS class: the highest rank is shed first
     shape: Hashable = None    # shape key: only equal keys share a batch
     scale: float = 1.0        # a row's cost in units of the declared shape's
+    length: int = 0           # tokens a row: its length along the padded dimension
 
     @property
     def units(self) -> float:
@@ -72,7 +73,7 @@ class Entry:
         return Entry(self.key, self.model, self.priority, self.arrival_s, self.deadline_s,
                      self.samples, self.version, self.payload, tenant=self.tenant,
                      weight=self.weight, shed_rank=self.shed_rank, shape=self.shape,
-                     scale=self.scale)
+                     scale=self.scale, length=self.length)
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,17 @@ class Policy:
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_size: int = 1024
     aging_s: float = 1.0
+    max_batch_tokens: int = 0          # 0: batches bounded by rows alone
+    packed: bool = False               # tokens counted as the sum of lengths, not padded
 
     @property
     def cap(self) -> int:
         return max(self.max_batch_size, 1)
+
+    def tokens(self, rows: int, longest: int, total: int) -> int:
+        """What a batch costs against ``max_batch_tokens``: its rows at the longest
+        row's length, or (packed) the sum of its rows' lengths."""
+        return total if self.packed else rows * longest
 
 
 @dataclass
@@ -95,6 +103,18 @@ class Decision:
     entries: list[Entry]
     reason: str
     doomed: list[Entry] = field(default_factory=list)  # cannot finish in time: answer now
+    tokens: int = 0          # the rows' own tokens (a model with a padded input)
+    padded_tokens: int = 0   # what the batch computes: rows x its longest row
+
+    @property
+    def padding_ratio(self) -> float:
+        """The share of the computed tokens that is padding."""
+        return 1.0 - self.tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+# how far past the head of the queue a token-budget batch looks for rows of a similar
+# length (the in-process baseline sorts a window of the same size)
+TOKEN_WINDOW = 256
 
 
 Predict = Callable[[float], float]   # units (rows x scale) -> seconds
@@ -378,8 +398,11 @@ class Scheduler:
             if fitting:
                 cap = fitting[-1]
         start = now if start_s is None else max(now, start_s)
-        batch: list[Entry] = []
-        doomed: list[Entry] = []
+        if pol.max_batch_tokens:
+            batch, doomed = self._by_tokens(q, now, start, cap, predict, resolve)
+            return self._taken(q, batch, doomed, reason)
+        batch = []
+        doomed = []
         total, tightest, version, scale = 0, math.inf, None, 0.0
         for e in q.ordered(now):
             if e.deadline_s <= now:
@@ -406,17 +429,86 @@ class Scheduler:
             if total >= cap:
                 break
         for e in batch:
-            e.state = TAKEN
             e.version = version
+        return self._taken(q, batch, doomed, reason)
+
+    def _taken(self, q: _Queue, batch: list[Entry], doomed: list[Entry],
+               reason: str) -> Decision:
+        """The batch leaves the queue (charged to its tenants), the doomed with it."""
+        for e in batch:
+            e.state = TAKEN
             q.levels[e.priority].charge(e)
             q.forget(e)
             del self._by_key[e.key]
         for e in doomed:
             self._remove(e)
         self._settle()
-        if reason == IDLE and total >= pol.cap:
+        rows = sum(e.samples for e in batch)
+        longest = max((e.length for e in batch), default=0)
+        tokens = sum(e.samples * e.length for e in batch)
+        if reason == IDLE and (rows >= q.policy.cap or q.policy.max_batch_tokens and
+                               q.policy.tokens(rows, longest, tokens)
+                               >= q.policy.max_batch_tokens):
             reason = FULL
-        return Decision(batch, reason, doomed)
+        return Decision(batch, reason, doomed, tokens, rows * longest)
+
+    def _by_tokens(self, q: _Queue, now: float, start: float, cap: int, predict: Predict,
+                   resolve: Callable[[Entry], int | None]
+                   ) -> tuple[list[Entry], list[Entry]]:
+        """A batch under the token budget: the head of the dispatch order, then rows of
+        a length near its own from the next :data:`TOKEN_WINDOW` entries, so little of
+        the batch is padding. Order still comes first: rows that have aged, or whose
+        deadline is near, before the rest, and a higher priority before a lower one; by
+        length only within the same rank."""
+        pol = q.policy
+        doomed: list[Entry] = []
+        window: list[Entry] = []
+        for e in q.ordered(now):
+            if e.deadline_s <= now:
+                continue   # expired: expire() answers it; never run it
+            if start + predict(e.units) > e.deadline_s:
+                doomed.append(e)
+                continue
+            v = resolve(e)
+            if v is None or (window and (v != window[0].version or e.shape != window[0].shape)):
+                continue
+            if not window:
+                e.version = v
+            window.append(e)
+            if len(window) > TOKEN_WINDOW:
+                break
+        if not window:
+            return [], doomed
+        head, rest = window[0], window[1:]
+        # a batch runs about its budget's worth: a row whose deadline falls within twice
+        # that is urgent, and ranks with the aged ones
+        soon = start + 2 * predict(float(pol.max_batch_tokens))
+
+        def rank(e: Entry) -> tuple[int, int, int]:
+            urgent = e.arrival_s + pol.aging_s <= now or e.deadline_s <= soon
+            return (0 if urgent else 1 + e.priority, abs(e.length - head.length), e.seq)
+
+        batch = [head]
+        rows, longest, total = head.samples, head.length, head.samples * head.length
+        tightest = head.deadline_s
+        for e in sorted(rest, key=rank):
+            if rows + e.samples > cap:
+                continue
+            wide = max(longest, e.length)
+            if pol.tokens(rows + e.samples, wide, total + e.samples * e.length) \
+                    > pol.max_batch_tokens:
+                continue
+            tight = min(tightest, e.deadline_s)
+            if start + predict((rows + e.samples) * wide * head.scale / max(head.length, 1)) \
+                    > tight:
+                continue
+            e.version = head.version
+            batch.append(e)
+            rows, longest, total, tightest = rows + e.samples, wide, \
+                total + e.samples * e.length, tight
+            if rows >= cap:
+                break
+        return batch, doomed
 
     def next_due(self, model: str, now: float, predict: Predict = _no_latency) -> float | None:
         """When a waiting (delayed) queue must be looked at again."""

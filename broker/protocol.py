@@ -163,6 +163,9 @@ class InferRequest:
     # what sticks a caller to one version of a traffic split (docs/rollouts.md): empty
     # means the broker uses the API key, else the client's connection
     routing_key: str = ""
+    # one input of a request of several (an embeddings call's texts, each its own row of
+    # the batcher): its index there; tenants count the request once, at row 0
+    row: int = 0
 
 
 @dataclass(frozen=True)
@@ -784,7 +787,16 @@ def decode_request(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReq
         stream=_stream_flag(header),
         trace=_trace_context(header),
         routing_key=_field(header, "routing_key", str, ""),
+        row=_row(header),
     )
+
+
+def _row(header: dict[str, Any]) -> int:
+    """Absent on a request of its own, so the common case is one dict lookup."""
+    row = header.get("row", 0)
+    if isinstance(row, bool) or not isinstance(row, int) or row < 0:
+        raise ProtocolError(f"header field 'row' must be an integer >= 0, got {row!r}")
+    return row
 
 
 def _stream_flag(header: dict[str, Any]) -> bool:
@@ -819,6 +831,8 @@ def request_header(req: InferRequest) -> tuple[dict[str, Any], list[Buffer]]:
               "priority": req.priority, "timeout_ms": float(req.timeout_ms),
               "tenant": req.tenant, "tensors": metas,
               "outputs": list(req.outputs) if req.outputs is not None else None}
+    if req.row:
+        header["row"] = req.row
     if req.api_key:
         header["api_key"] = req.api_key
     if req.stream:   # absent otherwise: a unary request's header stays as it was

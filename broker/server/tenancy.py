@@ -55,11 +55,13 @@ class Grant(NamedTuple):
 class _State:
     """What the broker counts per tenant; survives reloads by name."""
 
-    __slots__ = ("bucket", "samples", "inflight", "admitted", "rejected", "rate", "stamp")
+    __slots__ = ("bucket", "samples", "tokens", "inflight", "admitted", "rejected", "rate",
+                 "stamp")
 
     def __init__(self) -> None:
         self.bucket: TokenBucket | None = None
         self.samples: TokenBucket | None = None
+        self.tokens: TokenBucket | None = None
         self.inflight = 0
         self.admitted = 0
         self.rejected: dict[str, int] = {}
@@ -130,6 +132,7 @@ class Tenancy:
             st = self._state.setdefault(name, _State())
             st.bucket = _bucket(st.bucket, t.rate, t.burst, now)
             st.samples = _bucket(st.samples, t.samples_rate, t.samples_burst, now)
+            st.tokens = _bucket(st.tokens, t.tokens_per_minute / 60.0, t.tokens_burst, now)
         # tenants that left keep their state only while requests of theirs are open
         for name in list(self._state):
             if name not in tset.tenants and not self._state[name].inflight:
@@ -162,32 +165,35 @@ class Tenancy:
         return self.set.tenants[name]
 
     def admit(self, t: Tenant, key: Hashable, req: p.InferRequest, samples: int,
-              now: float) -> Grant | Refusal:
+              now: float, tokens: int = 0) -> Grant | Refusal:
         """Model allowed, rate and concurrency within limits: then the request holds an
-        in-flight place until :meth:`release`, and its tokens are spent."""
+        in-flight place until :meth:`release`, and its tokens are spent. An input of a
+        request of several (``req.row`` > 0, the texts of one embeddings call) is not a
+        request of its own: it spends samples and tokens, not a request or a place."""
         if t is _ANON:  # nothing to count against: no tenants file
             return Grant(req, ANONYMOUS, 1.0, 0, {})
         if not t.allows(req.model):
             return self._refuse(t.name, p.ErrorCode.FORBIDDEN,
                                 f"tenant {t.name!r} may not call model {req.model!r}")
         st = self._state[t.name]
-        if t.max_inflight and st.inflight >= t.max_inflight:
+        whole = req.row == 0
+        if whole and t.max_inflight and st.inflight >= t.max_inflight:
             return self._refuse(t.name, p.ErrorCode.QUOTA, f"tenant {t.name!r} has "
                                 f"{st.inflight} request(s) in flight, its maximum", 1.0)
-        waits = [b.retry_after(n, now) for b, n in ((st.bucket, 1), (st.samples, samples))
-                 if b is not None]
-        wait = max(waits, default=0.0)
+        spend = [(what, b, n) for what, b, n in (
+            ("requests", st.bucket, 1 if whole else 0), ("samples", st.samples, samples),
+            ("tokens", st.tokens, tokens)) if b is not None and n]
+        wait, what, n = max(((b.retry_after(n, now), what, n) for what, b, n in spend),
+                            default=(0.0, "", 0))
         if wait > 0:
-            what = "samples" if st.samples is not None and st.samples.retry_after(
-                samples, now) == wait else "requests"
             if math.isinf(wait):
-                return self._refuse(t.name, p.ErrorCode.QUOTA, f"a request of {samples} "
-                                    f"samples is more than tenant {t.name!r}'s burst", None)
+                return self._refuse(t.name, p.ErrorCode.QUOTA, f"a request of {n} {what} "
+                                    f"is more than tenant {t.name!r}'s burst", None)
+            per = "tokens per minute" if what == "tokens" else f"{what} rate"
             return self._refuse(t.name, p.ErrorCode.QUOTA, f"tenant {t.name!r} is over its "
-                                f"{what} rate", wait)
-        for b, n in ((st.bucket, 1), (st.samples, samples)):
-            if b is not None:
-                b.take(n, now)
+                                f"{per}", wait)
+        for _, b, n in spend:
+            b.take(n, now)
         priority, p_clamped = t.clamp_priority(req.priority)
         timeout_ms, t_clamped = t.clamp_timeout(req.timeout_ms)
         notes: dict[str, float] = {}
@@ -197,10 +203,11 @@ class Tenancy:
         if t_clamped:
             notes["timeout_clamped"] = 1
             notes["timeout_ms"] = timeout_ms
-        st.inflight += 1
-        st.count(now)
-        self._open[key] = t.name
-        self.m_requests.inc((t.name,))
+        if whole:
+            st.inflight += 1
+            st.count(now)
+            self._open[key] = t.name
+            self.m_requests.inc((t.name,))
         return Grant(dataclasses.replace(req, priority=priority, timeout_ms=timeout_ms),
                      t.name, t.weight, t.qos.rank, notes)
 
@@ -253,6 +260,7 @@ class Tenancy:
                 "qos": t.qos.name, "weight": t.weight, "rate_limit": t.rate,
                 "burst": t.burst, "tokens": st.bucket.available(now) if st.bucket else None,
                 "samples_rate_limit": t.samples_rate,
+                "tokens_per_minute_limit": t.tokens_per_minute,
                 "rate": round(st.observed_rate(now), 3), "inflight": st.inflight,
                 "max_inflight": t.max_inflight, "admitted": st.admitted,
                 "rejected": dict(st.rejected),

@@ -14,6 +14,8 @@ The file (TOML)::
     rate = 100.0                    # requests/s (token bucket; 0: no limit)
     burst = 200                     # bucket size (default: max(rate, 1))
     samples_rate = 0                # samples/s (0: no limit); samples_burst likewise
+    tokens_per_minute = 0           # text models' tokens (0: no limit); tokens_burst
+                                    # (default: a minute's worth)
     max_inflight = 64               # admitted, not yet answered (0: no limit)
     models = ["mlp"]                # or "*" (the default): every model
     max_timeout_ms = 1000           # longer timeouts are clamped (0: no limit)
@@ -76,6 +78,8 @@ class Tenant:
     burst: float = 1.0
     samples_rate: float = 0.0
     samples_burst: float = 1.0
+    tokens_per_minute: float = 0.0
+    tokens_burst: float = 1.0
     max_inflight: int = 0
     models: frozenset[str] | None = None        # None: every model
     max_timeout_ms: float = 0.0
@@ -210,7 +214,7 @@ def _qos_classes(w: _Where, doc: Any) -> dict[str, QosClass]:
 
 
 _FIELDS = {"keys", "qos", "rate", "burst", "samples_rate", "samples_burst", "max_inflight",
-           "models", "max_timeout_ms", "weight"}
+           "models", "max_timeout_ms", "weight", "tokens_per_minute", "tokens_burst"}
 
 
 def _tenant(w: _Where, name: str, body: Any, classes: dict[str, QosClass]) -> Tenant:
@@ -240,11 +244,14 @@ def _tenant(w: _Where, name: str, body: Any, classes: dict[str, QosClass]) -> Te
         raise w.error(table, "max_inflight", f"must be an integer >= 0, got {inflight!r}")
     rate = _number(w, table, body, "rate", 0.0, 0.0)
     srate = _number(w, table, body, "samples_rate", 0.0, 0.0)
+    tpm = _number(w, table, body, "tokens_per_minute", 0.0, 0.0)
     return Tenant(
         name=name, qos=classes[qos], keys=tuple(keys), rate=rate,
         burst=_number(w, table, body, "burst", max(rate, 1.0), 1.0),
         samples_rate=srate,
         samples_burst=_number(w, table, body, "samples_burst", max(srate, 1.0), 1.0),
+        tokens_per_minute=tpm,
+        tokens_burst=_number(w, table, body, "tokens_burst", max(tpm, 1.0), 1.0),
         max_inflight=inflight,
         models=None if models == "*" else frozenset(models),
         max_timeout_ms=_number(w, table, body, "max_timeout_ms", 0.0, 0.0),

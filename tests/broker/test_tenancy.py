@@ -109,3 +109,33 @@ def test_samples_rate_is_a_second_bucket(tmp_path: Path) -> None:
     assert r.retry_after_s == pytest.approx(0.4)
     r = t.admit(who, ("c", "3"), req(key, "3"), 9, 0.0)   # more than the burst: never
     assert isinstance(r, Refusal) and r.retry_after_s is None and "burst" in r.message
+
+
+def test_tokens_per_minute_refuse_with_the_quota_named(tmp_path: Path) -> None:
+    t, key, _, clock = setup(tmp_path, "tokens_per_minute = 600\nrate = 100\n")
+    who = t.identify(req(key))
+    assert isinstance(who, Tenant)
+    assert isinstance(t.admit(who, ("c", "1"), req(key, "1"), 1, 0.0, tokens=500), Grant)
+    r = t.admit(who, ("c", "2"), req(key, "2"), 1, 0.0, tokens=200)
+    assert isinstance(r, Refusal) and r.code is p.ErrorCode.QUOTA
+    assert "tokens per minute" in r.message and r.retry_after_s == pytest.approx(10.0)
+    clock.now = 10.0
+    assert isinstance(t.admit(who, ("c", "3"), req(key, "3"), 1, 10.0, tokens=200), Grant)
+    r = t.admit(who, ("c", "4"), req(key, "4"), 1, 10.0, tokens=5000)
+    assert isinstance(r, Refusal) and "5000 tokens is more than" in r.message
+    assert t.describe()["tenants"]["a"]["tokens_per_minute_limit"] == 600
+
+
+def test_the_inputs_of_one_request_count_once_against_its_rate_and_places(tmp_path: Path
+                                                                           ) -> None:
+    t, key, _, _ = setup(tmp_path, "rate = 1\nburst = 1\nmax_inflight = 1\n")
+    who = t.identify(req(key))
+    assert isinstance(who, Tenant)
+    rows = [p.InferRequest(f"r{i}", "m", [], api_key=key, row=i) for i in range(5)]
+    for i, r in enumerate(rows):
+        assert isinstance(t.admit(who, ("c", f"r{i}"), r, 1, 0.0), Grant)
+    assert t.open_count() == 1    # the request, not its five inputs
+    assert isinstance(admit(t, key, "other"), Refusal)
+    for i in range(5):
+        t.release(("c", f"r{i}"))
+    assert t.open_count() == 0

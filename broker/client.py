@@ -27,6 +27,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Mapping, Sequence, cast
 
 import numpy as np
@@ -38,7 +39,7 @@ from zeroserve.broker.runtime import Endpoints
 from zeroserve.broker.streamclient import AsyncStream, Stream, StreamResponse
 
 __all__ = ["AsyncClient", "AsyncStream", "Client", "ErrorCode", "InferError", "InferResult",
-           "Stream", "StreamResponse"]
+           "RowError", "Stream", "StreamResponse"]
 
 ErrorCode = p.ErrorCode
 
@@ -56,6 +57,15 @@ class InferError(Exception):
     @property
     def retryable(self) -> bool:
         return self.code.retryable
+
+
+class RowError(InferError):
+    """One input of a request of several failed, and with it the request: ``row`` is its
+    index, the code and message its own."""
+
+    def __init__(self, row: int, cause: InferError) -> None:
+        super().__init__(cause.code, f"input {row}: {cause.message}", cause.retry_after_s)
+        self.row = row
 
 
 @dataclass
@@ -437,6 +447,62 @@ class AsyncClient:
         if isinstance(answer, InferError):
             raise answer
         return answer  # type: ignore[no-any-return]
+
+    async def infer_rows(self, model: str, rows: Sequence[Sequence[p.Tensor]], *,
+                         version: int | None = None, priority: int = 0,
+                         timeout_ms: float = 0.0, outputs: Sequence[str] | None = None,
+                         api_key: str | None = None, trace: dict[str, str] | None = None,
+                         routing_key: str = "") -> list[p.InferReply]:
+        """The inputs of one request (an embeddings call's texts), each sent as a request
+        of its own so that it is a row of the broker's batcher: batched with other
+        requests' rows by priority and deadline, never waiting for a batch of its own.
+        The answers come back in order once the last is in. The first input to fail
+        fails the request (:class:`RowError`, naming it) at once, and every input not
+        yet answered is withdrawn: nothing of the request stays in the broker."""
+        assert self._loop is not None, "call start() first"
+        if not self.connected:
+            raise _unreachable(self.endpoint, self._refused)
+        key = self.api_key if api_key is None else api_key
+        loop = self._loop
+        whole: asyncio.Future[RowError | None] = loop.create_future()
+        left = len(rows)
+        futures: list[tuple[str, asyncio.Future[Any]]] = []
+
+        def done(i: int, fut: asyncio.Future[Any]) -> None:
+            nonlocal left
+            left -= 1
+            if whole.done():
+                return
+            answer = fut.result()
+            if isinstance(answer, InferError):
+                whole.set_result(RowError(i, answer))
+            elif not left:
+                whole.set_result(None)
+
+        try:
+            for i, tensors in enumerate(rows):
+                rid = str(next(self._ids))
+                fut: asyncio.Future[Any] = loop.create_future()
+                fut.add_done_callback(partial(done, i))
+                self._pending[rid] = fut
+                futures.append((rid, fut))
+                req = p.InferRequest(rid, model, tensors, version, priority, timeout_ms, "",
+                                     outputs, key, trace=trace, routing_key=routing_key, row=i)
+                if not self._submit(req, rid):
+                    fut.set_result(InferError(*_FULL))
+            if not rows:
+                return []
+            failed = await whole
+            if failed is not None:
+                raise failed
+            return [fut.result() for _, fut in futures]
+        finally:
+            for rid, fut in futures:
+                self._pending.pop(rid, None)
+                if not fut.done():
+                    fut.cancel()
+                    if self._outbox.pop(rid, None) is None and self._sock is not None:
+                        self._send(p.encode(p.Cancel(rid)))
 
     async def infer(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor],
                     traceparent: str = "", tracestate: str = "", **kwargs: Any) -> InferResult:

@@ -4,6 +4,7 @@ what is read of it; nothing is changed but the queue-depth gauges a scrape refre
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any, Callable
 
@@ -31,6 +32,8 @@ class ReadVerbs:
         self.clock = clock
         self._describe_model = describe_model
         self._status = status
+        # the last tokenizer read: (path, mtime, size), its bytes, their sha256
+        self._tokenizer: tuple[tuple[str, int, int] | None, bytes, str] = (None, b"", "")
 
     def add_verbs(self, c: ControlTable) -> None:
         c.add("status", self.status)
@@ -38,6 +41,7 @@ class ReadVerbs:
         c.add("metadata", self.metadata)
         c.add("config", lambda a: self.model(a).config.to_json())
         c.add("metrics", self.scrape)
+        c.add("text", self.text)
 
     def model(self, args: dict[str, Any]) -> CatalogModel:
         name, version = args.get("model"), args.get("version")
@@ -83,6 +87,30 @@ class ReadVerbs:
         meta["max_batch_size"] = model.config.max_batch_size
         meta["labels"] = model.labels
         return meta
+
+    def text(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A text model's ``text`` section and its version's tokenizer file, for the
+        gateway that turns texts into tokens: the version asked for, else the default
+        one. Read from the repository, kept by the file's size and time."""
+        model = self.model(args)
+        text = model.config.text
+        if text is None:
+            raise LookupError(f"model {model.config.name!r} takes no text (its config has "
+                              "no 'text' section)")
+        version = args.get("version") or model.default_version
+        path = model.path / str(version) / text.tokenizer
+        try:
+            stat = path.stat()
+            key = (str(path), stat.st_mtime_ns, stat.st_size)
+            if self._tokenizer[0] != key:
+                data = path.read_bytes()
+                self._tokenizer = (key, data, hashlib.sha256(data).hexdigest())
+        except OSError as exc:
+            raise LookupError(f"model {model.config.name!r} version {version}: its tokenizer "
+                              f"{text.tokenizer!r} cannot be read ({exc.strerror})") from None
+        _, data, digest = self._tokenizer
+        return {"model": model.config.name, "version": version, "text": text.to_json(),
+                "tokenizer": data, "tokenizer_sha256": digest}
 
     def scrape(self, _: dict[str, Any]) -> dict[str, Any]:
         for name in self.catalog.models:

@@ -31,7 +31,7 @@ from zeroserve.broker.server.tenancy import Refusal, Tenancy
 from zeroserve.broker.server.tenants import Tenant
 
 OPEN = frozenset({"ping", "draining", "access"})
-SCOPED = frozenset({"metadata", "config", "stats", "repository_index", "whoami"})
+SCOPED = frozenset({"metadata", "config", "stats", "repository_index", "whoami", "text"})
 Filter = Callable[[Any], Any]
 
 

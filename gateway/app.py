@@ -28,6 +28,7 @@ from zeroserve.gateway.routes.infer import InferEndpoint
 from zeroserve.gateway.settings import EXTENSIONS, Settings
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.tenantgate import GateMiddleware, TenantGate, networks
+from zeroserve.gateway.tokens import Tokenizers
 
 __all__ = ["EXTENSIONS", "Gateway", "Settings", "create_app"]
 
@@ -52,6 +53,7 @@ class Gateway:
                                        self.tracer, settings.shed_lag_ms,
                                        settings.max_in_flight)
         self.shm = SharedMemory(settings.allow_shared_memory)
+        self.tokenizers = Tokenizers(self.facade.control)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -66,6 +68,7 @@ class Gateway:
             await self.facade.close()
             self.tracer.close()   # what the trace file has not been given yet
             self.shm.close()
+            self.tokenizers.close()
             await self.client.close()
 
 
@@ -91,7 +94,8 @@ def create_app(settings: Settings) -> Starlette:
 
     table = routes.routes(routes.Parts(
         facade=gw.facade, inference=gw.inference, infer=infer, shm=gw.shm, gate=gw.gate,
-        max_body_bytes=settings.max_body_bytes, admin_token=settings.admin_token))
+        max_body_bytes=settings.max_body_bytes, admin_token=settings.admin_token,
+        tokenizers=gw.tokenizers))
     app = Starlette(routes=table, lifespan=gw.lifespan,
                     middleware=[metrics.middleware(),
                                 Middleware(GateMiddleware, gate=gw.gate, refuse=refuse)],

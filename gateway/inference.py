@@ -84,6 +84,7 @@ class InferencePath:
         # with tenants, unauthorized at once without one
         self.caller = gate.caller
         self.infer = client.infer_tensors
+        self.infer_rows = client.infer_rows   # the inputs of one request, rows of the batcher
         self.stream = client.stream
 
     def start(self) -> None:

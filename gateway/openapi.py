@@ -68,6 +68,11 @@ V2_REQUEST = {
 SEED_REQUEST = {"type": "object", "required": ["inputs"], "properties": {
     "inputs": {"type": "object", "additionalProperties": ANY_JSON},
     "outputs": {"type": "array", "items": {"type": "string"}}, "id": {"type": "string"}}}
+EMBEDDINGS_REQUEST = {"type": "object", "required": ["model", "input"], "properties": {
+    "model": {"type": "string"}, "input": ANY_JSON,
+    "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+    "dimensions": {"type": "integer"}, "user": {"type": "string"}}}
+EMBEDDINGS = [200, 400, 401, 403, 404, 413, 429, 500, 503, 504]
 REGISTER = {"type": "object", "required": ["name", "platform", "model_path"], "properties": {
     "name": {"type": "string"}, "platform": {"type": "string"},
     "model_path": {"type": "string"}, "max_batch_size": {"type": "integer", "minimum": 0},
@@ -158,7 +163,14 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
     ("post", "/v1/models", "Register a model from model_path (copied, trial-loaded, then "
      "published)", [201, 400, 401, 403, 409, 413, 422, 503, 504], REGISTER,
      "application/json"),
-    ("get", "/v1/models", "Registered models", [200, 401, 403, 503], None, "application/json"),
+    ("get", "/v1/models", "Registered models, in the registration's shape and OpenAI's "
+     "(object, data)", [200, 401, 403, 503], None, "application/json"),
+    ("get", "/openai/v1/models", "As /v1/models, under KServe's OpenAI prefix",
+     [200, 401, 403, 503], None, "application/json"),
+    ("post", "/v1/embeddings", "OpenAI's embeddings: text or token ids in, one vector an "
+     "input", EMBEDDINGS, EMBEDDINGS_REQUEST, "application/json"),
+    ("post", "/openai/v1/embeddings", "As /v1/embeddings, under KServe's OpenAI prefix",
+     EMBEDDINGS, EMBEDDINGS_REQUEST, "application/json"),
     ("get", "/v1/models/{name}", "A registered model", [200, 401, 403, 404, 503], None,
      "application/json"),
     ("delete", "/v1/models/{name}", "Remove a model from the repository",

@@ -18,11 +18,13 @@ from zeroserve.gateway.routes.extensions import Extensions
 from zeroserve.gateway.routes.generate import GenerateRoutes
 from zeroserve.gateway.routes.infer import InferEndpoint
 from zeroserve.gateway.routes.models import ModelRoutes
+from zeroserve.gateway.routes.openai import OpenAIRoutes
 from zeroserve.gateway.routes.registration import Registration
 from zeroserve.gateway.routes.repository import RepositoryRoutes
 from zeroserve.gateway.routes.trace import TraceRoutes
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.tenantgate import TenantGate
+from zeroserve.gateway.tokens import Tokenizers
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Parts:
     gate: TenantGate
     max_body_bytes: int
     admin_token: str
+    tokenizers: Tokenizers
 
 
 def scrape(control: Callable[..., Awaitable[Any]],
@@ -64,6 +67,7 @@ def routes(parts: Parts) -> list[BaseRoute]:
         *predict.routes(parts.inference, facade, limit),
         Route("/metrics", scrape(facade.control, parts.gate), methods=["GET"]),
         *Registration(facade.control, facade.admin, token).routes(),
+        *OpenAIRoutes(parts.inference, parts.tokenizers, limit).routes(),
         *Extensions(parts.shm, facade, token).routes(),
         *TraceRoutes(facade, token).routes(),
         *repository.routes(),

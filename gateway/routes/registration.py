@@ -26,6 +26,7 @@ from zeroserve.broker import wording
 from zeroserve.broker.client import AsyncClient, InferError
 from zeroserve.broker.protocol import ErrorCode
 from zeroserve.gateway.access import require_admin
+from zeroserve.gateway.openai import model_entry
 from zeroserve.gateway.http import MAX_INT, BadRequest, error_response, json_response, \
     parse_version, path_version, read_body
 
@@ -49,6 +50,7 @@ class Registration:
         return [
             Route("/v1/models", self.create, methods=["POST"]),
             Route("/v1/models", self.list, methods=["GET"]),
+            Route("/openai/v1/models", self.list, methods=["GET"]),
             Route("/v1/models/{name}", self.get, methods=["GET"]),
             Route("/v1/models/{name}", self.delete, methods=["DELETE"]),
             Route("/v1/models/{name}/versions/{version}", self.delete, methods=["DELETE"]),
@@ -127,7 +129,11 @@ class Registration:
 
     async def list(self, request: Request) -> Response:
         doc = await self.control("models")
-        return json_response({"models": [_summary(n, m) for n, m in doc["models"].items()],
+        # OpenAI's shape beside the registration's, so OpenAI(base_url=".../v1") lists
+        # the served models: its clients read "data" and leave the rest
+        return json_response({"object": "list",
+                              "data": [model_entry(n) for n in doc["models"]],
+                              "models": [_summary(n, m) for n, m in doc["models"].items()],
                               "errors": doc["errors"]})
 
     async def get(self, request: Request) -> Response:
@@ -138,7 +144,8 @@ class Registration:
             raise InferError(ErrorCode.NOT_FOUND, wording.unknown_model(name) +
                              (f": {error}" if error else ""))
         config = await self.control("config", model=name)
-        return json_response({**_summary(name, doc["models"][name]), "config": config})
+        return json_response({**model_entry(name), **_summary(name, doc["models"][name]),
+                              "config": config})
 
     async def delete(self, request: Request) -> Response:
         require_admin(request, self.admin_token)

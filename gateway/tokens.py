@@ -1,0 +1,124 @@
+"""Text to tokens in the gateway, with each text model's own tokenizer.
+
+A tokenizer is data of a model version (models/text.py): the broker reads the file from
+the version folder (the ``text`` verb) and the gateway builds it once with Hugging
+Face's ``tokenizers`` (Rust, no torch), kept by the file's sha256, so versions that
+share a tokenizer share one object. When an answer comes from another version than
+the one the tokenizer was read for, the next request reads it again (a swap).
+
+Where the tokens are made: short inputs on the event loop, long ones on a thread.
+``Tokenizer.encode_batch`` releases the GIL, so a long list costs the loop nothing but
+the hand-off; for a short text the hand-off (about 40 µs) costs more than the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence
+
+from tokenizers import Tokenizer
+
+from zeroserve.models.text import TextConfig
+
+__all__ = ["INLINE_CHARS", "TextModel", "Tokenizers", "TooLong"]
+
+# inputs of up to this many characters in all are tokenized on the event loop
+# (docs/openai.md: where the cost was measured)
+INLINE_CHARS = 2048
+MAX_TOKENIZERS = 32
+
+
+class TooLong(ValueError):
+    """An input longer than the model takes, where the config says not to cut it."""
+
+    def __init__(self, index: int, length: int, limit: int) -> None:
+        super().__init__(f"input[{index}] has {length} tokens, more than the model's maximum "
+                         f"of {limit}; shorten it, or set \"truncate\": true in the model's "
+                         "text section")
+        self.index = index
+
+
+@dataclass(frozen=True)
+class TextModel:
+    """A text model as the gateway uses it: its settings and its tokenizer."""
+
+    name: str
+    version: int
+    text: TextConfig
+    tokenizer: Tokenizer
+    vocab_size: int
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """The token ids of each text, special tokens included, cut or refused past
+        ``max_length`` as the config says."""
+        encodings = self.tokenizer.encode_batch(list(texts))
+        return self.limit([e.ids for e in encodings])
+
+    def limit(self, rows: list[list[int]]) -> list[list[int]]:
+        """Rows past ``max_length`` refused, or cut (token ids a client sent; texts are
+        cut by the tokenizer itself, which keeps the special tokens at the end)."""
+        cap = self.text.max_length
+        for i, ids in enumerate(rows):
+            if len(ids) > cap:
+                if not self.text.truncate:
+                    raise TooLong(i, len(ids), cap)
+                rows[i] = ids[:cap]
+        return rows
+
+
+Control = Callable[..., Awaitable[Any]]
+
+
+class Tokenizers:
+    """Each text model's tokenizer, read from the broker once per file."""
+
+    def __init__(self, control: Control) -> None:
+        self._control = control
+        self._by_model: dict[str, TextModel] = {}
+        self._by_sha: dict[tuple[str, int], Tokenizer] = {}
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="zeroserve-tokenize")
+
+    async def model(self, name: str, api_key: str | None) -> TextModel:
+        """The model's settings and tokenizer; LookupError-backed InferErrors (not found,
+        not a text model) come from the broker's ``text`` verb."""
+        got = self._by_model.get(name)
+        if got is not None:
+            return got
+        args: dict[str, Any] = {"model": name}
+        if api_key is not None:
+            args["api_key"] = api_key
+        doc = await self._control("text", **args)
+        text = TextConfig(**doc["text"])
+        key = (doc["tokenizer_sha256"], text.max_length if text.truncate else 0)
+        tok = self._by_sha.get(key)
+        if tok is None:
+            tok = Tokenizer.from_str(bytes(doc["tokenizer"]).decode("utf-8"))
+            tok.no_padding()   # one row a text: the batch pads, in the worker
+            if text.truncate:
+                tok.enable_truncation(text.max_length)
+            else:
+                tok.no_truncation()   # counted, and refused past max_length
+            if len(self._by_sha) >= MAX_TOKENIZERS:
+                self._by_sha.clear()
+            self._by_sha[key] = tok
+        got = TextModel(name, int(doc["version"]), text, tok, tok.get_vocab_size())
+        self._by_model[name] = got
+        return got
+
+    def answered_by(self, model: TextModel, version: int) -> None:
+        """An answer came from ``version``: another than the tokenizer's means a swap, so
+        the next request reads the tokenizer again."""
+        if version != model.version and self._by_model.get(model.name) is model:
+            del self._by_model[model.name]
+
+    async def encode(self, model: TextModel, texts: Sequence[str]) -> list[list[int]]:
+        if sum(map(len, texts)) <= INLINE_CHARS:
+            return model.encode(texts)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, model.encode, texts)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)

@@ -39,14 +39,18 @@ def write_tokenizer(folder: Path) -> Path:
 
 
 HANDLER = f'''
+import time
 import torch
 
 class Model:
     def load(self, version_dir, device):
         g = torch.Generator().manual_seed(0)
         self.table = torch.randn({len(SPECIAL) + WORDS}, {HIDDEN}, generator=g)
+        self.delay_s = float((version_dir / "delay_s").read_text()) \\
+            if (version_dir / "delay_s").exists() else 0.0
 
     def predict(self, inputs):
+        time.sleep(self.delay_s)  # noqa: sleep-ok (a model's compute, for fault tests)
         ids, mask = inputs["input_ids"], inputs["attention_mask"].float()
         summed = (self.table[ids] * mask.unsqueeze(-1)).sum(1)
         vec = summed / mask.sum(1, keepdim=True).clamp(min=1.0)
@@ -66,11 +70,14 @@ def reference(ids: list[int]) -> Any:
 
 def write_embedder(repo: Path, name: str = "emb", version: int = 1,
                    text_section: dict[str, Any] | None = None,
-                   batching: dict[str, Any] | None = None) -> Path:
-    """A handler embeddings model with its tokenizer, in ``repo``."""
+                   batching: dict[str, Any] | None = None, delay_s: float = 0.0) -> Path:
+    """A handler embeddings model with its tokenizer, in ``repo``; ``delay_s``: what a
+    batch takes, at least."""
     folder = repo / name / str(version)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "model.py").write_text(HANDLER)
+    if delay_s:
+        (folder / "delay_s").write_text(str(delay_s))
     write_tokenizer(folder)
     config: dict[str, Any] = {"name": name, "platform": "python",
                               "text": {"task": "embeddings", "max_length": 64,

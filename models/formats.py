@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from zeroserve.models import archives
+from zeroserve.models import archives, hfweights
 
 __all__ = ["FORMATS", "Format", "FormatError", "canonical", "identify", "model_file",
            "platforms", "triton_names", "weights_bytes"]
@@ -58,6 +58,11 @@ FORMATS: tuple[Format, ...] = (
            what="torch.export.save"),
     Format("Python handler", "python", "model.py", "zeroserve.models.loader:load_python",
            "", "python"),
+    # a save_pretrained folder as it is: Hugging Face's config.json marks it (Triton
+    # serves such a model through its Python backend)
+    Format("transformers folder", "transformers", "config.json",
+           "zeroserve.models.pretrained:load_pretrained", "", "python",
+           weights=hfweights.weights_bytes, what="save_pretrained"),
 )
 
 

@@ -129,3 +129,50 @@ def expected(module: Any, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray
     with torch.inference_mode():
         hidden, pooled = module(torch.from_numpy(ids), torch.from_numpy(mask))[:2]
     return hidden.numpy(), pooled.numpy()
+
+
+def vocabulary(size: int) -> list[str]:
+    """A WordPiece vocabulary of ``size`` entries written by the test (no download): the
+    special tokens, letters and digits (also as ``##`` pieces), then words ``w0``, ``w1``,
+    ... so that a text of k words ``w<i>`` is k + 2 tokens."""
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
+    head = special + chars + ["##" + c for c in chars]
+    return head + [f"w{i}" for i in range(size - len(head))]
+
+
+def save_pretrained(folder: Path, size: dict[str, int] | None = None,
+                    torchscript: bool = False) -> Any:
+    """A BertModel (random weights from seed 0) and a BertTokenizerFast on
+    :func:`vocabulary`, both written by ``save_pretrained`` into ``folder`` as a user
+    brings them: config.json, model.safetensors, tokenizer.json and its companions.
+    Returns the model, in eval mode (a ModelOutput unless ``torchscript``)."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    dims = size or SMALL
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = folder / "vocab.txt"
+    vocab.write_text("\n".join(vocabulary(dims["vocab_size"])) + "\n")
+    BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True,
+                      model_max_length=512).save_pretrained(str(folder))
+    torch.manual_seed(0)
+    cfg = BertConfig(**dims, max_position_embeddings=512, torchscript=torchscript,
+                     attn_implementation="eager")
+    module = BertModel(cfg).eval()
+    module.save_pretrained(str(folder))
+    return module
+
+
+def embedding(module: Any, ids: np.ndarray, pooling: str = "mean",
+              normalize: bool = True) -> np.ndarray:
+    """The model run in-process on one request's rows, unpadded, its last hidden state
+    pooled over the (all-ones) mask and L2-normalized: what a text model answers."""
+    import torch
+
+    with torch.inference_mode():
+        hidden = module(torch.from_numpy(ids), torch.ones_like(torch.from_numpy(ids)))[0]
+    vec = {"mean": hidden.mean(1), "cls": hidden[:, 0], "last": hidden[:, -1]}[pooling]
+    if normalize:
+        vec = torch.nn.functional.normalize(vec, dim=1)
+    return vec.numpy()

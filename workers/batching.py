@@ -12,6 +12,8 @@ from zeroserve.broker import protocol as p, tracing
 from zeroserve.models.loader import DATATYPE_OF, TORCH_DTYPES, LoadedModel
 from zeroserve.models.repository import PaddedInput
 from zeroserve.models.shapes import ShapeError, rule as shape_rule
+from zeroserve.models.text import IDS, MASK
+from zeroserve.workers.pooling import pool
 
 # numpy views used to copy raw bytes into torch tensors of the same item size;
 # bfloat16 has no numpy dtype, so it moves as int16 words.
@@ -239,11 +241,35 @@ def _numpy_output(name: str, datatype: str, value: Any) -> torch.Tensor:
         TORCH_DTYPES[datatype])
 
 
-def _call(loaded: LoadedModel, inputs: list[Any]) -> list[Any]:
+def _call(loaded: LoadedModel, inputs: list[Any], sizes: Sequence[int],
+          own: Sequence[int] | None) -> list[Any]:
+    text = loaded.config.text
     if loaded.handler is not None:
         named = {spec.name: t for spec, t in zip(loaded.config.inputs, inputs)}
-        return handler_outputs(loaded, loaded.fn(named))
-    return _as_outputs(loaded, loaded.fn(*inputs))
+        out = loaded.fn(named)
+        if text is None:
+            return handler_outputs(loaded, out)
+    else:
+        out = loaded.fn(*inputs)
+        if text is None:
+            return _as_outputs(loaded, out)
+    # a text model answers its one output, the pooled vectors (workers/pooling.py)
+    return [pool(text, out, _mask(loaded, inputs, sizes, own)).to("cpu").contiguous()]
+
+
+def _mask(loaded: LoadedModel, inputs: list[Any], sizes: Sequence[int],
+          own: Sequence[int] | None) -> torch.Tensor:
+    """Which positions of each row are its own tokens: the attention mask the model was
+    given, or (a model that takes none) each request's length within the padded batch."""
+    names = [spec.name for spec in loaded.config.inputs]
+    if MASK in names:
+        mask: torch.Tensor = inputs[names.index(MASK)]
+        return mask
+    ids = inputs[names.index(IDS)]
+    if own is None:
+        return torch.ones(ids.shape, dtype=torch.int64, device=ids.device)
+    per_row = torch.repeat_interleave(torch.tensor(own), torch.tensor(sizes)).to(ids.device)
+    return (torch.arange(ids.shape[1], device=ids.device) < per_row.unsqueeze(1)).long()
 
 
 def encode_output(name: str, part: Any) -> p.Tensor:
@@ -350,7 +376,7 @@ def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
                                  own=own)
         marks.append(time.monotonic())
         with torch.inference_mode():
-            outputs = _call(loaded, inputs)
+            outputs = _call(loaded, inputs, sizes, own)
         marks.append(time.monotonic())
         replies = _replies(loaded, batch, outputs, sizes, own)
     except Exception as exc:  # the model's code can raise anything

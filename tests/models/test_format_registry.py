@@ -47,7 +47,8 @@ def test_the_names_a_platform_went_by_keep_their_meaning() -> None:
     expect = {"pytorch_torchscript": "pytorch_torchscript",
               "pytorch_libtorch": "pytorch_torchscript",   # Triton's
               "pytorch": "pytorch_torchscript",            # the seed's
-              "pytorch_export": "pytorch_export", "python": "python"}
+              "pytorch_export": "pytorch_export", "python": "python",
+              "transformers": "transformers"}
     assert {n: formats.canonical(n) for n in expect} == expect
     assert set(formats.platforms()) == set(expect)
     assert {p: formats.model_file(p) for p in ("pytorch_torchscript", "pytorch_export",

@@ -1,0 +1,110 @@
+"""Platform ``transformers`` (models/pretrained.py, models/hfweights.py): a
+``save_pretrained`` folder is a version as it is; its weights are read from the
+safetensors headers without torch and equal the loaded model's state (one file or
+shards, in the dtype saved); a worker without transformers refuses it saying what to
+install."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import bert
+from zeroserve.models import formats, hfweights
+from zeroserve.models.footprint import predict
+from zeroserve.models.repository import list_versions, parse_config
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = {"name": "emb", "platform": "transformers", "text": {"task": "embeddings"}}
+
+
+def loaded_bytes(folder: Path) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModel.from_pretrained(str(folder), dtype="auto")
+    # the saved tensors: a buffer the model makes itself (position ids) is not in the file
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def save(folder: Path, **kw: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = bert.save_pretrained(folder)
+        if kw:
+            module.save_pretrained(str(folder), **kw)
+    return module
+
+
+@pytest.mark.parametrize("how", ["one file", "shards", "half"])
+def test_the_weights_read_without_torch_are_what_the_model_loads(tmp_path: Path,
+                                                                 how: str) -> None:
+    folder = tmp_path / "1"
+    if how == "half":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            bert.save_pretrained(folder).half().save_pretrained(str(folder))
+    else:
+        save(folder, **({"max_shard_size": "200KB"} if how == "shards" else {}))
+    shards = sorted(f.name for f in folder.glob("*.safetensors"))
+    assert len(shards) > 1 if how == "shards" else shards == ["model.safetensors"]
+    cfg = parse_config(CONFIG, "t")
+    assert cfg.model_file == "config.json" and list_versions(tmp_path, cfg) == [1]
+    weights = predict(cfg, folder).weights_bytes
+    assert weights == loaded_bytes(folder) > 0
+
+
+def test_the_broker_reads_them_without_importing_torch(tmp_path: Path) -> None:
+    save(tmp_path / "emb" / "1")
+    (tmp_path / "emb" / "config.json").write_text(json.dumps(CONFIG))
+    code = ("import json, sys; from pathlib import Path\n"
+            "from zeroserve.models.footprint import predict\n"
+            "from zeroserve.models.repository import load_config\n"
+            "cfg = load_config(Path(sys.argv[1]) / 'emb')\n"
+            "pred = predict(cfg, Path(sys.argv[1]) / 'emb' / '1')\n"
+            "print(json.dumps([pred.weights_bytes, 'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    weights, torch_loaded = json.loads(out.stdout)
+    assert weights == loaded_bytes(tmp_path / "emb" / "1") and not torch_loaded
+
+
+def test_what_does_not_read_is_not_predicted(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert hfweights.weights_bytes(tmp_path / "config.json") is None   # no weights
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 16)
+    assert hfweights.weights_bytes(tmp_path / "config.json") is None   # torch's pickle
+    bad = tmp_path / "model.safetensors"
+    for raw in (b"\1\2", struct.pack("<Q", 1 << 40) + b"{}",
+                struct.pack("<Q", 2) + b"[]",
+                struct.pack("<Q", 40) + json.dumps({"w": {"data_offsets": [8, 0]}})
+                .encode().ljust(40)):
+        bad.write_bytes(raw)
+        assert hfweights.safetensors_bytes(bad) is None, raw
+        assert formats.weights_bytes("transformers", tmp_path / "config.json") is None
+
+
+def test_a_worker_without_transformers_says_what_to_install(tmp_path: Path) -> None:
+    save(tmp_path / "1")
+    code = ("import sys; from pathlib import Path\n"
+            "sys.modules['transformers'] = None   # as where it is not installed\n"
+            "from zeroserve.models.loader import LoadError, load\n"
+            "from zeroserve.models.repository import parse_config\n"
+            f"cfg = parse_config({CONFIG!r}, 't')\n"
+            "try:\n"
+            "    load(cfg, 1, Path(sys.argv[1]), 'cpu', lambda: 0)\n"
+            "except LoadError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "1")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "platform 'transformers' needs the transformers library" in out.stdout
+    assert "pip install 'zeroserve[text]'" in out.stdout

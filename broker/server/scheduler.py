@@ -491,16 +491,22 @@ class Scheduler:
         batch = [head]
         rows, longest, total = head.samples, head.length, head.samples * head.length
         tightest = head.deadline_s
+        per_token = head.scale / max(head.length, 1)   # the latency model's units a token
         for e in sorted(rest, key=rank):
             if rows + e.samples > cap:
                 continue
             wide = max(longest, e.length)
-            if pol.tokens(rows + e.samples, wide, total + e.samples * e.length) \
-                    > pol.max_batch_tokens:
+            cost = pol.tokens(rows + e.samples, wide, total + e.samples * e.length)
+            if cost > pol.max_batch_tokens:
                 continue
             tight = min(tightest, e.deadline_s)
-            if start + predict((rows + e.samples) * wide * head.scale / max(head.length, 1)) \
-                    > tight:
+            joined = predict(cost * per_token)
+            if start + joined > tight:
+                continue
+            # as in a padded batch without a budget: a row of another length joins only
+            # where running it padded costs no more than running it apart
+            if not pol.packed and e.length != longest and joined > \
+                    predict(rows * longest * per_token) + predict(e.units):
                 continue
             e.version = head.version
             batch.append(e)

@@ -85,9 +85,25 @@ def test_the_deadline_of_a_row_bounds_what_joins_it():
     s.add(text("tight", 10, deadline=0.35))
     for i in range(10):
         s.add(text(i, 100))
+    d = s.take("m", 0.0, predict=lambda units: 0.05 + 0.0005 * units)
+    # 50 ms a batch and 0.5 ms a token: six rows at 100 tokens end at 350 ms, a seventh
+    # would miss the head's deadline
+    assert keys(d) == ["tight", 0, 1, 2, 3, 4]
+
+
+def test_a_row_of_another_length_joins_only_where_padding_pays():
+    s = make(budget=1024)
+    for key, n in (("a", 50), ("b", 50), ("c", 60), ("d", 10)):
+        s.add(text(key, n))
+    # cost proportional to tokens, nothing a batch: padding never pays, equal lengths do
     d = s.take("m", 0.0, predict=lambda units: 0.001 * units)
-    # alone it takes 10 ms; three rows at 100 tokens take 300 ms, four would miss 350
-    assert keys(d) == ["tight", 0, 1]
+    assert keys(d) == ["a", "b"] and d.padding_ratio == 0.0
+    # a large cost a batch: padding 60 to 50 pays, padding 10 to 60 does not
+    s = make(budget=1024)
+    for key, n in (("a", 50), ("b", 50), ("c", 60), ("d", 10)):
+        s.add(text(key, n))
+    d = s.take("m", 0.0, predict=lambda units: 0.03 + 0.001 * units)
+    assert keys(d) == ["a", "b", "c"]
 
 
 @settings(max_examples=examples(300))

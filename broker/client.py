@@ -66,6 +66,7 @@ class RowError(InferError):
     def __init__(self, row: int, cause: InferError) -> None:
         super().__init__(cause.code, f"input {row}: {cause.message}", cause.retry_after_s)
         self.row = row
+        self.cause = cause
 
 
 @dataclass

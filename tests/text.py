@@ -22,6 +22,12 @@ def text(n: int) -> str:
     return " ".join(f"w{(i * 7919) % WORDS}" for i in range(n - 2))
 
 
+def distinct(i: int, n: int) -> str:
+    """A text of exactly n tokens (n >= 3) that differs from distinct(j, n) for j != i
+    below WORDS: its first word is w<i>."""
+    return " ".join([f"w{i % WORDS}"] + [f"w{(k * 7919) % WORDS}" for k in range(1, n - 2)])
+
+
 def write_tokenizer(folder: Path) -> Path:
     """BERT's tokenizer shape (lower case, WordPiece, [CLS] ... [SEP]) as tokenizer.json."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker.client import InferError
+from zeroserve.broker.client import InferError, RowError
 from zeroserve.gateway import openai
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.http import build_headers, header_int, json_response, read_body
@@ -89,14 +89,23 @@ class OpenAIRoutes:
             raise openai.OpenAIError(str(exc), "input", "context_length_exceeded") from None
         logger.debug("embeddings of %d inputs for model %s, user %r", len(ids), req.model,
                      req.user)
-        replies = await inference.infer_rows(
-            req.model, [_row(row) for row in ids], priority=priority,
-            timeout_ms=inference.budget_ms(timeout_ms, accepted) if timeout_ms else 0.0,
-            outputs=[EMBEDDING], api_key=key,
-            routing_key=routing_key(request.headers, {"routing_key": req.user}, key,
-                                    peer_host(request.scope.get("client"))))
+        # an input repeated in one request is computed once (across requests, the
+        # model's response cache answers repeats)
+        slot: dict[tuple[int, ...], int] = {}
+        of = [slot.setdefault(tuple(row), len(slot)) for row in ids]
+        first = {u: i for i, u in reversed(list(enumerate(of)))}
+        try:
+            replies = await inference.infer_rows(
+                req.model, [_row(list(row)) for row in slot], priority=priority,
+                timeout_ms=inference.budget_ms(timeout_ms, accepted) if timeout_ms else 0.0,
+                outputs=[EMBEDDING], api_key=key,
+                routing_key=routing_key(request.headers, {"routing_key": req.user}, key,
+                                        peer_host(request.scope.get("client"))))
+        except RowError as exc:   # named by the caller's index, not the one sent
+            raise RowError(first[exc.row], exc.cause) from None
         self.tokenizers.answered_by(model, replies[0].version)
-        vectors = openai.vectors([_vector(r) for r in replies], req.dimensions,
+        computed = [_vector(r) for r in replies]
+        vectors = openai.vectors([computed[u] for u in of], req.dimensions,
                                  model.text.matryoshka, model.text.normalize)
         answer = openai.embeddings_answer(req.model, vectors, req.base64, sum(map(len, ids)))
         return json_response(answer, headers=build_headers(replies[0].version,

@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import Server, free_port  # noqa: E402
+from tests.conftest import Server  # noqa: E402
 from tests.bench.harness import broker_metric  # noqa: E402
 from zeroserve.broker.bench.http import HttpConnection, Url, request_bytes  # noqa: E402
 

@@ -77,8 +77,8 @@ def test_mixed_lengths_at_once_equal_the_model_in_process(served: tuple[Server, 
         np.testing.assert_allclose(got.data[0].embedding, w, atol=1e-4)
     assert whole.usage.prompt_tokens == sum(LENGTHS)
     ids = [tok(t)["input_ids"] for t in texts[:3]]
-    by_ids = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused").embeddings.create(
-        model="bert", input=ids, encoding_format="float")
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused") as client:
+        by_ids = client.embeddings.create(model="bert", input=ids, encoding_format="float")
     for got, w in zip(by_ids.data, want):
         np.testing.assert_allclose(got.embedding, w, atol=1e-4)
 

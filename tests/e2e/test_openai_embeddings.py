@@ -30,8 +30,9 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> Any:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+def client(server: Server) -> Iterator[Any]:
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def ids_of(texts: list[str]) -> list[list[int]]:
@@ -149,7 +150,7 @@ def test_langchain_embeds_documents_and_a_query(server: Server) -> None:
 
 
 def test_a_thousand_texts_answered_once_in_order(client: Any, server: Server) -> None:
-    texts = [tx.text(3 + i % 50) for i in range(1000)]
+    texts = [tx.distinct(i, 3 + i % 50) for i in range(1000)]
     got = client.embeddings.create(model="emb", input=texts, encoding_format="float")
     assert len(got.data) == 1000
     refs = ids_of(texts)

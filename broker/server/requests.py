@@ -268,6 +268,9 @@ class RequestPath:
         bundles: dict[bytes, list[tuple[dict[str, Any], list[Any]]]] = {}
         totals_s: list[float] = []   # the metrics and statistics take the batch's at once
         queued_s = 0.0
+        # a model with a free length: the tokens its batch computed, padding included
+        longest = max((e.length for e in rec.entries.values()), default=0)
+        shared: dict[str, float] = {"batch_tokens": rec.samples * longest} if longest else {}
         for rep in result.replies:
             entry = rec.entries.get(rep.request_id)
             if entry is None or not self.ledger.is_open(entry.key):
@@ -277,7 +280,7 @@ class RequestPath:
             totals_s.append(now - entry.arrival_s)
             queued_s += queue_s
             stats = {"queue_ms": queue_s * 1000.0, "compute_ms": result.compute_ms,
-                     "batch_size": rec.samples, **pl.notes}
+                     "batch_size": rec.samples, **shared, **pl.notes}
             trace = None
             if pl.request is not None and pl.request.trace is not None:
                 trace = tracing.broker_stamps(entry.arrival_s, rec.sent_s, now, result.trace)

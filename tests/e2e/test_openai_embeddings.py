@@ -158,3 +158,13 @@ def test_a_thousand_texts_answered_once_in_order(client: Any, server: Server) ->
         np.testing.assert_allclose(got.data[i].embedding, tx.reference(refs[i]), atol=1e-4)
     _, _, raw = http("GET", server.url + "/metrics")
     assert b"zeroserve_batch_padding_ratio_bucket" in raw
+
+
+def test_a_reply_names_the_tokens_its_batch_computed(server: Server) -> None:
+    from zeroserve.broker.client import Client
+    ids = np.array([[2, 7, 9, 11, 3]], np.int64)
+    with Client(server.frontend, timeout_s=30) as c:
+        out = c.infer("emb", {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    assert out.stats["batch_tokens"] >= 5 and out.stats["batch_size"] >= 1
+    np.testing.assert_allclose(out.outputs["embedding"][0], tx.reference(list(ids[0])),
+                               atol=1e-4)

@@ -8,7 +8,10 @@ model in-process in the same run:
   is (``platform: transformers``) with ``max_batch_tokens``;
 - served, today's batching: the same, batched by rows (``max_batch_size`` 32, padding
   where the latency model says it pays), no token budget;
-- one request of 1,000 texts against 1,000 concurrent one-text requests.
+- one request of 1,000 texts against 1,000 concurrent one-text requests;
+- with ``--infinity PATH`` (the ``infinity_emb`` command of Infinity, a Python embedding
+  server, installed in its own venv: ``pip install "infinity-emb[server,torch]"``), the
+  same load against it serving the same folder (``--engine torch --device cpu``).
 
     python tests/bench/bench_embeddings.py [--budget 2048] [--duration-s 20]
 
@@ -36,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import Server  # noqa: E402
+from tests.conftest import Server, free_port  # noqa: E402
 from tests.bench.harness import broker_metric  # noqa: E402
 from zeroserve.broker.bench.http import HttpConnection, Url, request_bytes  # noqa: E402
 
@@ -106,9 +109,9 @@ def in_process(folder: Path, budget: int, threads: int, seconds: float) -> float
 
 
 async def closed_loop(url: Url, model: str, text: Any, concurrency: int, warmup_s: float,
-                      duration_s: float) -> dict[str, Any]:
+                      duration_s: float, route: str = "/v1/embeddings") -> dict[str, Any]:
     draw = lengths(4096)
-    raws = [(n, request_bytes(url, "POST", "/v1/embeddings", json.dumps(
+    raws = [(n, request_bytes(url, "POST", route, json.dumps(
         {"model": model, "input": text(n), "encoding_format": "base64"}).encode(),
         {"Content-Type": "application/json"})) for n in draw]
     conns = [await HttpConnection.open(url) for _ in range(concurrency)]
@@ -184,6 +187,37 @@ def padding_ratio(url: str, model: str) -> float:
     return total / count if count else (math.nan if not tokens else 0.0)
 
 
+def infinity(command: str, folder: Path, threads: int, batch: int, text: Any,
+             concurrency: int, warmup_s: float, duration_s: float) -> dict[str, Any]:
+    """Infinity serving the same folder, the same load (its route is /embeddings)."""
+    import subprocess
+    import urllib.request
+    port = free_port()
+    log = open(folder.parent / "infinity.log", "wb")
+    proc = subprocess.Popen([command, "v2", "--model-id", str(folder), "--engine", "torch",
+                             "--device", "cpu", "--batch-size", str(batch), "--host",
+                             "127.0.0.1", "--port", str(port)], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit((folder.parent / "infinity.log").read_text()) from None
+                time.sleep(0.5)  # noqa: sleep-ok (polls a starting server until its deadline)
+        return asyncio.run(closed_loop(Url.parse(f"http://127.0.0.1:{port}"), str(folder),
+                                       text, concurrency, warmup_s, duration_s,
+                                       "/embeddings"))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=int, default=2048, help="max_batch_tokens served")
@@ -191,16 +225,19 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--duration-s", type=float, default=20.0)
+    ap.add_argument("--infinity", default="", help="Infinity's infinity_emb command")
     args = ap.parse_args()
     mk = builder()
     work = Path(tempfile.mkdtemp(prefix="zsemb"))
     folder = work / "bert-emb"
     mk.make_bert_emb(str(folder))
     results: dict[str, Any] = {"load_before": os.getloadavg()[0]}
-    for budget in sorted({1024, args.budget}):
-        results[f"in_process_{budget}"] = in_process(folder, budget, args.threads, 8.0)
-        print(f"in-process, sorted windows of {WINDOW}, budget {budget}: "
-              f"{results[f'in_process_{budget}']:8.0f} tokens/s", flush=True)
+    for threads in sorted({1, args.threads}):
+        for budget in sorted({1024, args.budget}):
+            key = f"in_process_{budget}_{threads}t"
+            results[key] = in_process(folder, budget, threads, 8.0)
+            print(f"in-process, sorted windows of {WINDOW}, budget {budget}, {threads} "
+                  f"thread(s): {results[key]:8.0f} tokens/s", flush=True)
     repo = repo_with(folder, work / "repo", {
         "emb": {"max_batch_tokens": args.budget, "max_queue_delay_ms": 0},
         "emb_rows": {"rows": 32}})
@@ -223,6 +260,16 @@ def main() -> int:
               f"({one / many:.2f}x)", flush=True)
     finally:
         srv.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    if args.infinity:
+        work.mkdir(exist_ok=True)
+        mk.make_bert_emb(str(folder))
+        got = infinity(args.infinity, folder, args.threads, 32, mk.text, args.concurrency,
+                       args.warmup_s, args.duration_s)
+        results["infinity"] = got
+        print(f"Infinity        C={args.concurrency}: {got['tokens_s']:8.0f} tokens/s "
+              f"{got['rps']:6.1f} req/s  p50 {got['p50_ms']:7.1f}  p99 {got['p99_ms']:7.1f} ms"
+              f"  errors {sum(got['errors'].values())}", flush=True)
         shutil.rmtree(work, ignore_errors=True)
     best = max(v for k, v in results.items() if k.startswith("in_process_"))
     print(f"served / best in-process: {results['emb']['tokens_s'] / best:.0%}; token budget / "

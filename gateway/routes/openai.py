@@ -8,10 +8,13 @@ the tenant gate, the priority shed, the deadline from ``X-Timeout-Ms``), then it
 become tokens (gateway/tokens.py) and each text becomes a row of the broker's batcher
 (``AsyncClient.infer_rows``): batched with other requests' rows by priority and
 deadline, answered together, in order. Errors are OpenAI's object (gateway/openai.py).
+A client that goes away before its answer takes its inputs out of the broker's queue
+(gateway/leaving.py), as on the v2 infer route.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import numpy as np
 import orjson
@@ -25,6 +28,8 @@ from zeroserve.gateway import openai
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.http import build_headers, header_int, json_response, read_body
 from zeroserve.gateway.inference import InferencePath, peer_host, routing_key
+from zeroserve.gateway.leaving import Leaving
+from zeroserve.gateway.routes.infer import WATCH_AFTER_S
 from zeroserve.gateway.tokens import Tokenizers, TooLong
 from zeroserve.models.text import EMBEDDING, IDS, MASK
 
@@ -39,6 +44,7 @@ class OpenAIRoutes:
         self.inference = inference
         self.tokenizers = tokenizers
         self.max_body_bytes = max_body_bytes
+        self.leaving = Leaving(WATCH_AFTER_S)
 
     def routes(self) -> list[Route]:
         return [Route(f"{prefix}/embeddings", self.embeddings, methods=["POST"])
@@ -94,6 +100,9 @@ class OpenAIRoutes:
         slot: dict[tuple[int, ...], int] = {}
         of = [slot.setdefault(tuple(row), len(slot)) for row in ids]
         first = {u: i for i, u in reversed(list(enumerate(of)))}
+        task = asyncio.current_task()
+        assert task is not None   # the server runs each request in a task of its own
+        waiting = self.leaving.add(task, request.receive)
         try:
             replies = await inference.infer_rows(
                 req.model, [_row(list(row)) for row in slot], priority=priority,
@@ -103,6 +112,13 @@ class OpenAIRoutes:
                                         peer_host(request.scope.get("client"))))
         except RowError as exc:   # named by the caller's index, not the one sent
             raise RowError(first[exc.row], exc.cause) from None
+        except asyncio.CancelledError:
+            if waiting.gone:   # the client left: its inputs were withdrawn from the broker
+                task.uncancel()
+                return Response(status_code=499)
+            raise
+        finally:
+            self.leaving.remove(waiting)
         self.tokenizers.answered_by(model, replies[0].version)
         computed = [_vector(r) for r in replies]
         vectors = openai.vectors([computed[u] for u in of], req.dimensions,

@@ -86,3 +86,24 @@ def test_a_worker_killed_under_a_thousand_texts(srv: Server) -> None:
     # the server keeps serving
     with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as again:
         assert again.embeddings.create(model="emb", input="w1").data
+
+
+def test_a_client_that_leaves_takes_its_texts_out_of_the_queue(srv: Server) -> None:
+    import socket
+    texts = [tx.distinct(i, 3 + i % 40) for i in range(1000)]
+    body = json.dumps({"model": "emb", "input": texts}).encode()
+    before = batches(srv)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: batches(srv) >= before + 3, 60, "the request's first batches")
+    # the connection closed: the rest of its 1,000 texts leave the queue
+
+    def empty() -> bool:
+        with Client(srv.control, timeout_s=10) as c:
+            census = c.control("census")
+        return bool(census) and not any(census.values())
+    wait_for(empty, 30, "the texts withdrawn from the broker")
+    ran = batches(srv) - before
+    # 1,000 texts of 3-42 tokens under a budget of 256 tokens take over 100 batches
+    assert ran < 60, f"{ran} batches ran for a client that had left"

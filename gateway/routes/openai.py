@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Sequence
 import numpy as np
 import orjson
 from starlette.requests import Request
@@ -58,11 +59,7 @@ class OpenAIRoutes:
             return _error(exc)
         try:
             return await self._embeddings(request, accepted)
-        except (InferError, ValueError, openai.OpenAIError) as exc:
-            return _error(exc)
-        except Exception as exc:   # the codec's other client errors (a body too large)
-            if openai.error_of(exc) is None:
-                raise
+        except Exception as exc:
             return _error(exc)
         finally:
             inference.leave()
@@ -105,7 +102,7 @@ class OpenAIRoutes:
         waiting = self.leaving.add(task, request.receive)
         try:
             replies = await inference.infer_rows(
-                req.model, [_row(list(row)) for row in slot], priority=priority,
+                req.model, [_row(row) for row in slot], priority=priority,
                 timeout_ms=inference.budget_ms(timeout_ms, accepted) if timeout_ms else 0.0,
                 outputs=[EMBEDDING], api_key=key,
                 routing_key=routing_key(request.headers, {"routing_key": req.user}, key,
@@ -128,7 +125,7 @@ class OpenAIRoutes:
                                                           replies[0].build))
 
 
-def _row(ids: list[int]) -> list[p.Tensor]:
+def _row(ids: Sequence[int]) -> list[p.Tensor]:
     """One text's tensors: its ids and a mask of ones (the batch pads both)."""
     shape = (1, len(ids))
     return [p.Tensor(p.TensorMeta(IDS, "INT64", shape), np.asarray(ids, np.int64).data),
@@ -142,7 +139,9 @@ def _vector(reply: p.InferReply) -> np.ndarray:
     raise InferError(p.ErrorCode.INTERNAL, f"the model answered no {EMBEDDING!r}")
 
 
-def _error(exc: BaseException) -> Response:
+def _error(exc: Exception) -> Response:
+    """A client's error in OpenAI's shape; anything else is a bug, raised again for the
+    app's handler to log and answer 500."""
     got = openai.error_of(exc)
     if got is None:
         raise exc

@@ -1,9 +1,10 @@
 """Every inference entry point is the same door (gateway/inference.py): flooded past the
 gateway's in-flight bound with a model that holds its batch, HTTP v2 infer, gRPC
-ModelInfer and ModelStreamInfer, generate, generate_stream, the seed's predict and
-TorchServe's predictions each shed what is past the bound at once (503 with Retry-After
-over HTTP, UNAVAILABLE over gRPC), count it in the shed counter, and never hold more in
-flight than the bound; what they let in is answered once the model lets go."""
+ModelInfer and ModelStreamInfer, generate, generate_stream, the seed's predict,
+TorchServe's predictions and OpenAI's embeddings each shed what is past the bound at
+once (503 with Retry-After over HTTP, UNAVAILABLE over gRPC), count it in the shed
+counter, and never hold more in flight than the bound; what they let in is answered
+once the model lets go."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 import tritonclient.grpc as tg
 from tritonclient.utils import InferenceServerException
 
+from tests import text as tx
 from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -75,6 +77,14 @@ def rig() -> Iterator[Rig]:
     (repo / "held" / "config.json").write_text(json.dumps(
         {**linear_config("held", n_out=4), "platform": "python",
          "warmup": {"batch_sizes": []}}))
+    # a text model that holds its batch likewise, for OpenAI's embeddings
+    text = tx.write_embedder(repo, "held_text")
+    (text / "model.py").write_text(HELD.replace("RELEASE", repr(str(release))).replace(
+        'return {"output": inputs["input"]}',
+        'return {"embedding": inputs["input_ids"][:, :1].float().repeat(1, 16)}'))
+    config = json.loads((repo / "held_text" / "config.json").read_text())
+    (repo / "held_text" / "config.json").write_text(json.dumps(
+        {**config, "warmup": {"batch_sizes": []}}))
     srv = Server(repo, extra=["--max-in-flight", str(BOUND)])
     try:
         srv.wait_ready(120)
@@ -99,6 +109,8 @@ def over_http(path: str, body: Any) -> Callable[[Rig], Outcome]:
                                     {"Content-Type": "application/json"}, timeout=60)
         text = got.decode(errors="replace")
         error = json.loads(text).get("error", "") if status != 200 else ""
+        if isinstance(error, dict):   # OpenAI's error object
+            error = error["message"]
         return str(status), headers.get("retry-after") or headers.get("Retry-After"), error
     return call
 
@@ -121,6 +133,7 @@ ENTRY_POINTS: dict[str, Callable[[Rig], Outcome]] = {
     "generate_stream": over_http("/v2/models/held/generate_stream", {"input": X}),
     "seed predict": over_http("/models/held/predict", {"inputs": {"input": X}}),
     "TorchServe predictions": over_http("/predictions/held", X),
+    "OpenAI embeddings": over_http("/v1/embeddings", {"model": "held_text", "input": "w1"}),
 }
 SHED = {"503", "UNAVAILABLE"}
 OK = {"200", "OK"}

@@ -1,0 +1,86 @@
+"""Text models through a real broker and worker (issue 42, the worker's half): a
+``save_pretrained`` folder served as platform ``transformers`` and the same BertModel
+traced to TorchScript, both with a ``text`` section and nothing else declared. Token ids
+of mixed lengths sent at once through the direct client batch together padded to their
+longest, and every ``embedding`` equals the model run in-process on that request alone,
+pooled and normalized, for each pooling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from tests import bert
+from tests.conftest import Server, short_tmpdir
+from zeroserve.broker.client import AsyncClient
+
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.timeout(300)
+
+POOLINGS = ("mean", "cls", "last")
+LENGTHS = (2, 7, 19, 4, 33, 11)
+
+
+@pytest.fixture(scope="module")
+def repo() -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The repository, and the in-process models it was written from by kind: the
+    pretrained one (answering a ModelOutput) and the traced one."""
+    root = short_tmpdir("zstext")
+    with warnings.catch_warnings():   # transformers' and the tracer's, not ours
+        warnings.simplefilter("ignore")
+        modules = {"hf": bert.save_pretrained(root / ".pretrained"), "ts": bert.model()}
+        for pooling in POOLINGS:
+            shutil.copytree(root / ".pretrained", root / f"hf_{pooling}" / "1")
+            bert.save_traced(modules["ts"], root / f"ts_{pooling}" / "1" / "model.pt")
+            for kind, platform in (("hf", "transformers"), ("ts", "pytorch_torchscript")):
+                (root / f"{kind}_{pooling}" / "config.json").write_text(json.dumps(
+                    {"platform": platform,
+                     "text": {"task": "embeddings", "pooling": pooling},
+                     # a window wide enough that the requests sent at once share batches
+                     "dynamic_batching": {"max_queue_delay_ms": 50}}))
+    yield root, modules
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def srv(repo: tuple[Path, dict[str, Any]]) -> Iterator[Server]:
+    server = Server(repo[0], workers=1)
+    try:
+        yield server.wait_ready(180)
+    finally:
+        server.stop()
+
+
+async def embed_all(srv: Server, model: str, reqs: list[np.ndarray]
+                    ) -> list[tuple[np.ndarray, float]]:
+    async with AsyncClient(srv.frontend) as client:
+        assert await client.wait_connected(10), "the broker does not answer"
+        results = await asyncio.gather(*(
+            client.infer(model, {"input_ids": ids, "attention_mask": np.ones_like(ids)},
+                         timeout_ms=60000) for ids in reqs))
+    return [(r.outputs["embedding"], r.stats.get("batch_size", 0.0)) for r in results]
+
+
+@pytest.mark.parametrize("kind", ["hf", "ts"])
+@pytest.mark.parametrize("pooling", POOLINGS)
+def test_every_vector_is_the_model_run_alone(srv: Server, repo: tuple[Path, dict[str, Any]],
+                                             kind: str, pooling: str) -> None:
+    modules = repo[1]
+    rng = np.random.default_rng(len(pooling))
+    reqs = [bert.inputs(LENGTHS[i % len(LENGTHS)], bert.SMALL["vocab_size"], rng)
+            ["input_ids"] for i in range(24)]
+    got = asyncio.run(embed_all(srv, f"{kind}_{pooling}", reqs))
+    for ids, (vec, _) in zip(reqs, got):
+        assert vec.dtype == np.float32 and vec.shape == (1, bert.SMALL["hidden_size"])
+        np.testing.assert_allclose(vec, bert.embedding(modules[kind], ids, pooling),
+                                   atol=1e-4)
+    # lengths from 2 to 33 shared batches: each was padded, and its vector did not move
+    assert max(size for _, size in got) > 1, got

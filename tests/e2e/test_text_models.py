@@ -3,19 +3,23 @@
 traced to TorchScript, both with a ``text`` section and nothing else declared. Token ids
 of mixed lengths sent at once through the direct client batch together padded to their
 longest, and every ``embedding`` equals the model run in-process on that request alone,
-pooled and normalized, for each pooling."""
+pooled and normalized, for each pooling. A Python handler declaring ``token_cost:
+"packed"`` gets the same rows packed with their offsets, and its packed hidden states are
+pooled per row."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
+import textwrap
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import pytest
+import torch
 
 from tests import bert
 from tests.conftest import Server, short_tmpdir
@@ -27,6 +31,22 @@ pytestmark = pytest.mark.timeout(300)
 
 POOLINGS = ("mean", "cls", "last")
 LENGTHS = (2, 7, 19, 4, 33, 11)
+# hidden states that are a running sum of each row's token vectors, restarting at every
+# row: right only where the handler read the offsets right
+PACKED = textwrap.dedent('''
+    import torch
+
+    class Model:
+        def load(self, version_dir, device):
+            torch.manual_seed(0)
+            self.table = torch.randn(1000, 8)
+
+        def predict(self, inputs):
+            ids, cu = inputs["input_ids"], inputs["cu_seqlens"]
+            assert ids.shape == inputs["attention_mask"].shape == (1, int(cu[-1]))
+            rows = self.table[ids[0]].split((cu[1:] - cu[:-1]).tolist())
+            return {"hidden": torch.cat([h.cumsum(0) for h in rows]).unsqueeze(0)}
+''')
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +66,11 @@ def repo() -> Iterator[tuple[Path, dict[str, Any]]]:
                      "text": {"task": "embeddings", "pooling": pooling},
                      # a window wide enough that the requests sent at once share batches
                      "dynamic_batching": {"max_queue_delay_ms": 50}}))
+        (root / "packed" / "1").mkdir(parents=True)
+        (root / "packed" / "1" / "model.py").write_text(PACKED)
+        (root / "packed" / "config.json").write_text(json.dumps(
+            {"platform": "python", "text": {"task": "embeddings"},
+             "dynamic_batching": {"max_queue_delay_ms": 50, "token_cost": "packed"}}))
     yield root, modules
     shutil.rmtree(root, ignore_errors=True)
 
@@ -83,4 +108,17 @@ def test_every_vector_is_the_model_run_alone(srv: Server, repo: tuple[Path, dict
         np.testing.assert_allclose(vec, bert.embedding(modules[kind], ids, pooling),
                                    atol=1e-4)
     # lengths from 2 to 33 shared batches: each was padded, and its vector did not move
+    assert max(size for _, size in got) > 1, got
+
+
+def test_a_packed_handler_s_rows_are_pooled_each_on_its_own(srv: Server) -> None:
+    rng = np.random.default_rng(7)
+    reqs = [bert.inputs(LENGTHS[i % len(LENGTHS)], 1000, rng)["input_ids"]
+            for i in range(24)]
+    got = asyncio.run(embed_all(srv, "packed", reqs))
+    torch.manual_seed(0)
+    table = torch.randn(1000, 8)
+    for ids, (vec, _) in zip(reqs, got):
+        want = torch.nn.functional.normalize(table[torch.from_numpy(ids)].cumsum(1).mean(1))
+        np.testing.assert_allclose(vec, want.numpy(), atol=1e-5)
     assert max(size for _, size in got) > 1, got

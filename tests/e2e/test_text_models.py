@@ -1,11 +1,11 @@
 """Text models through a real broker and worker (issue 42, the worker's half): a
 ``save_pretrained`` folder served as platform ``transformers`` and the same BertModel
-traced to TorchScript, both with a ``text`` section and nothing else declared. Token ids
-of mixed lengths sent at once through the direct client batch together padded to their
-longest, and every ``embedding`` equals the model run in-process on that request alone,
-pooled and normalized, for each pooling. A Python handler declaring ``token_cost:
-"packed"`` gets the same rows packed with their offsets, and its packed hidden states are
-pooled per row."""
+traced to TorchScript (and exported, for one pooling), each with a ``text`` section and
+nothing else declared. Token ids of mixed lengths sent at once through the direct client
+batch together padded to their longest, and every ``embedding`` equals the model run
+in-process on that request alone, pooled and normalized, for each pooling. A Python
+handler declaring ``token_cost: "packed"`` gets the same rows packed with their offsets,
+and its packed hidden states are pooled per row."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests import bert
-from tests.conftest import Server, short_tmpdir
+from tests.conftest import Server, http, short_tmpdir
 from zeroserve.broker.client import AsyncClient
 
 pytest.importorskip("transformers")
@@ -66,6 +66,12 @@ def repo() -> Iterator[tuple[Path, dict[str, Any]]]:
                      "text": {"task": "embeddings", "pooling": pooling},
                      # a window wide enough that the requests sent at once share batches
                      "dynamic_batching": {"max_queue_delay_ms": 50}}))
+        # exported as a plain tuple (a ModelOutput only loads where transformers is)
+        modules["exp"] = modules["ts"]
+        bert.save_exported(modules["ts"], root / "exp_mean" / "1" / "model.pt2", 64)
+        (root / "exp_mean" / "config.json").write_text(json.dumps(
+            {"platform": "pytorch_export", "text": {"task": "embeddings"},
+             "dynamic_batching": {"max_queue_delay_ms": 50}}))
         (root / "packed" / "1").mkdir(parents=True)
         (root / "packed" / "1" / "model.py").write_text(PACKED)
         (root / "packed" / "config.json").write_text(json.dumps(
@@ -94,8 +100,8 @@ async def embed_all(srv: Server, model: str, reqs: list[np.ndarray]
     return [(r.outputs["embedding"], r.stats.get("batch_size", 0.0)) for r in results]
 
 
-@pytest.mark.parametrize("kind", ["hf", "ts"])
-@pytest.mark.parametrize("pooling", POOLINGS)
+@pytest.mark.parametrize("kind, pooling", [(kind, pooling) for kind in ("hf", "ts")
+                                           for pooling in POOLINGS] + [("exp", "mean")])
 def test_every_vector_is_the_model_run_alone(srv: Server, repo: tuple[Path, dict[str, Any]],
                                              kind: str, pooling: str) -> None:
     modules = repo[1]
@@ -122,3 +128,10 @@ def test_a_packed_handler_s_rows_are_pooled_each_on_its_own(srv: Server) -> None
         want = torch.nn.functional.normalize(table[torch.from_numpy(ids)].cumsum(1).mean(1))
         np.testing.assert_allclose(vec, want.numpy(), atol=1e-5)
     assert max(size for _, size in got) > 1, got
+
+
+def test_the_metadata_gives_a_pretrained_folder_s_width(srv: Server) -> None:
+    status, _, body = http("GET", f"{srv.url}/v2/models/hf_mean")
+    assert status == 200, body
+    assert json.loads(body)["outputs"] == [
+        {"name": "embedding", "datatype": "FP32", "shape": [-1, bert.SMALL["hidden_size"]]}]

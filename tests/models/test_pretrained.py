@@ -1,8 +1,8 @@
 """Platform ``transformers`` (models/pretrained.py, models/hfweights.py): a
 ``save_pretrained`` folder is a version as it is; its weights are read from the
 safetensors headers without torch and equal the loaded model's state (one file or
-shards, in the dtype saved); a worker without transformers refuses it saying what to
-install."""
+shards, in the dtype saved); the embedding's width is the folder's hidden size; a worker
+without transformers refuses it saying what to install."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from tests import bert
 from zeroserve.models import formats, hfweights
 from zeroserve.models.footprint import predict
-from zeroserve.models.repository import list_versions, parse_config
+from zeroserve.models.repository import list_versions, parse_config, scan
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,3 +108,18 @@ def test_a_worker_without_transformers_says_what_to_install(tmp_path: Path) -> N
     assert out.returncode == 0, out.stderr
     assert "platform 'transformers' needs the transformers library" in out.stdout
     assert "pip install 'zeroserve[text]'" in out.stdout
+
+
+def test_the_embedding_s_width_is_the_folder_s_hidden_size(tmp_path: Path) -> None:
+    save(tmp_path / "emb" / "1")
+    (tmp_path / "emb" / "config.json").write_text(json.dumps(CONFIG))
+    with warnings.catch_warnings():   # transformers' and the tracer's, not ours
+        warnings.simplefilter("ignore")
+        bert.save_traced(bert.model(), tmp_path / "ts" / "1" / "model.pt")
+    (tmp_path / "ts" / "config.json").write_text(json.dumps(
+        {**CONFIG, "name": "ts", "platform": "pytorch_torchscript"}))
+    models, errors = scan(tmp_path)
+    assert errors == {}
+    assert [(t.name, t.shape) for t in models["emb"].config.outputs] == \
+        [("embedding", (bert.SMALL["hidden_size"],))]
+    assert models["ts"].config.outputs[0].shape == (-1,)   # a traced file does not say

@@ -63,6 +63,8 @@ def test_the_weights_read_without_torch_are_what_the_model_loads(tmp_path: Path,
     assert len(shards) > 1 if how == "shards" else shards == ["model.safetensors"]
     cfg = parse_config(CONFIG, "t")
     assert cfg.model_file == "config.json" and list_versions(tmp_path, cfg) == [1]
+    # an adapter's file beside the model's is not the model's
+    (folder / "adapter_model.safetensors").write_bytes((folder / shards[0]).read_bytes())
     weights = predict(cfg, folder).weights_bytes
     assert weights == loaded_bytes(folder) > 0
 

@@ -13,7 +13,7 @@ __all__ = ["safetensors_bytes", "weights_bytes"]
 
 # a header longer than this is no safetensors file (the format caps it at 100 MB)
 MAX_HEADER_BYTES = 100 << 20
-INDEX = "model.safetensors.index.json"
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def safetensors_bytes(path: Path) -> int | None:
@@ -45,7 +45,12 @@ def safetensors_bytes(path: Path) -> int | None:
 
 
 def _shards(folder: Path) -> list[Path] | None:
-    """The safetensors files of a folder: its index's shards, else the folder's own."""
+    """The safetensors files ``from_pretrained`` reads, in its order of preference:
+    ``model.safetensors``, else the shards its index lists (another safetensors file
+    beside them, an adapter's, is not the model's)."""
+    single = folder / SINGLE
+    if single.is_file():
+        return [single]
     index = folder / INDEX
     if index.is_file():
         try:
@@ -56,7 +61,7 @@ def _shards(folder: Path) -> list[Path] | None:
             return None
         return [folder / name for name in sorted(set(weight_map.values()))
                 if isinstance(name, str) and "/" not in name]
-    return sorted(folder.glob("*.safetensors"))
+    return None
 
 
 def weights_bytes(config_file: Path) -> int | None:

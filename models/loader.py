@@ -30,6 +30,9 @@ TORCH_DTYPES = {
     "UINT32": torch.uint32, "UINT64": torch.uint64,
 }
 DATATYPE_OF = {v: k for k, v in TORCH_DTYPES.items()}
+# what a packed batch's handler is also given: the offsets of its rows (flash-attention's
+# name), INT64 [rows + 1]
+CU_SEQLENS = "cu_seqlens"
 
 
 class LoadError(Exception):
@@ -62,6 +65,15 @@ class LoadedModel:
     warmup_seconds: dict[int, float] = field(default_factory=dict)
     # a handler that calls other models: its batches wait on them, off the compute thread
     calls_models: bool = False
+
+    @property
+    def packed(self) -> bool:
+        """Whether its batches run packed, not padded (workers/packing.py): a handler
+        declaring ``token_cost: "packed"`` with padded inputs (what it packs). Another
+        format runs padded: only a handler's code reads the offsets."""
+        batching = self.config.dynamic_batching
+        return (self.handler is not None and batching.token_cost == "packed"
+                and batching.padding is not None and self.config.max_batch_size > 0)
 
     def ref(self) -> "weakref.ref[Any]":
         return weakref.ref(self.handler if self.handler is not None else self.fn)
@@ -199,11 +211,30 @@ def _run(loaded: LoadedModel, batch: int) -> None:
             close = getattr(gen, "close", None)
             if close is not None:
                 close()
+    elif loaded.packed:
+        loaded.fn(_packed_sample(loaded.config, args))
     elif loaded.handler is not None:
         loaded.fn(named)
     else:
         loaded.fn(*args)
     del args, named
+
+
+def _packed_sample(cfg: ModelConfig, args: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Warm-up's sample as a packed batch: each padded input's rows one after the other
+    in one row, and their offsets."""
+    assert cfg.dynamic_batching.padding is not None
+    pads = {i.name: i.dim for i in cfg.dynamic_batching.padding.inputs}
+    named, length, rows = {}, 1, 1
+    for spec, t in zip(cfg.inputs, args):
+        dim = pads.get(spec.name)
+        if dim is not None:
+            rows, length = t.shape[0], t.shape[dim + 1]
+            t = torch.cat(t.unbind(0), dim=dim).unsqueeze(0)
+        named[spec.name] = t
+    named[CU_SEQLENS] = torch.arange(0, rows * length + 1, length, dtype=torch.int64,
+                                     device=args[0].device)
+    return named
 
 
 def warm_up(loaded: LoadedModel, probe: Probe | None = None) -> dict[int, int]:

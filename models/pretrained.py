@@ -35,6 +35,8 @@ def load_pretrained(src: Source) -> Opened:
     except ImportError:
         raise LoadError(f"{src.version_dir}: platform 'transformers' needs the transformers "
                         f"library in the worker's environment: {INSTALL_HINT}") from None
+    # the worker's log is lines of its own format, not a terminal's progress bars
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     try:
         model = transformers.AutoModel.from_pretrained(
             str(src.version_dir),

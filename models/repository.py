@@ -776,9 +776,27 @@ def scan(root: Path, skip: Callable[[str, int], bool] | None = None
         if not versions:
             errors[entry.name] = f"{entry}: no version folder holds {cfg.model_file}"
             continue
+        cfg = _text_width(cfg, entry / str(versions[-1]))
         models[cfg.name] = RepoModel(cfg, entry, tuple(versions))
     check_ensembles(models, errors)
     return models, errors
+
+
+def _text_width(cfg: ModelConfig, version_dir: Path) -> ModelConfig:
+    """A ``save_pretrained`` embeddings model whose config leaves the vector's width free
+    (``[-1]``, the default) answers its last hidden state's width: the ``hidden_size`` of
+    the newest version's Hugging Face config.json, so its metadata says it."""
+    if cfg.text is None or cfg.platform != "transformers" or cfg.text.output not in (
+            "", "last_hidden_state") or [t.shape for t in cfg.outputs] != [(-1,)]:
+        return cfg
+    try:
+        raw = json.loads((version_dir / cfg.model_file).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return cfg   # the load says what is wrong with the folder
+    width = raw.get("hidden_size") if isinstance(raw, dict) else None
+    if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
+        return cfg
+    return replace(cfg, outputs=(replace(cfg.outputs[0], shape=(width,)),))
 
 
 def _entries(folder: Path) -> list[Path]:

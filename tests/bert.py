@@ -157,8 +157,7 @@ def save_pretrained(folder: Path, size: dict[str, int] | None = None,
     BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True,
                       model_max_length=512).save_pretrained(str(folder))
     torch.manual_seed(0)
-    cfg = BertConfig(**dims, max_position_embeddings=512, torchscript=torchscript,
-                     attn_implementation="eager")
+    cfg = BertConfig(**dims, max_position_embeddings=512, torchscript=torchscript)
     module = BertModel(cfg).eval()
     module.save_pretrained(str(folder))
     return module

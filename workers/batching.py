@@ -13,6 +13,7 @@ from zeroserve.models.loader import DATATYPE_OF, TORCH_DTYPES, LoadedModel
 from zeroserve.models.repository import PaddedInput
 from zeroserve.models.shapes import ShapeError, rule as shape_rule
 from zeroserve.models.text import IDS, MASK
+from zeroserve.workers import packing
 from zeroserve.workers.pooling import pool
 
 # numpy views used to copy raw bytes into torch tensors of the same item size;
@@ -241,11 +242,14 @@ def _numpy_output(name: str, datatype: str, value: Any) -> torch.Tensor:
         TORCH_DTYPES[datatype])
 
 
-def _call(loaded: LoadedModel, inputs: list[Any], sizes: Sequence[int],
+def _call(loaded: LoadedModel, inputs: list[Any] | dict[str, Any], sizes: Sequence[int],
           own: Sequence[int] | None) -> list[Any]:
+    """The model on a batch: ``inputs`` in the config's order, or by name for a packed
+    batch (workers/packing.py, which adds the offsets)."""
     text = loaded.config.text
+    named = inputs if isinstance(inputs, dict) else \
+        {spec.name: t for spec, t in zip(loaded.config.inputs, inputs)}
     if loaded.handler is not None:
-        named = {spec.name: t for spec, t in zip(loaded.config.inputs, inputs)}
         out = loaded.fn(named)
         if text is None:
             return handler_outputs(loaded, out)
@@ -254,19 +258,20 @@ def _call(loaded: LoadedModel, inputs: list[Any], sizes: Sequence[int],
         if text is None:
             return _as_outputs(loaded, out)
     # a text model answers its one output, the pooled vectors (workers/pooling.py)
-    return [pool(text, out, _mask(loaded, inputs, sizes, own)).to("cpu").contiguous()]
+    cu = named.get(packing.CU_SEQLENS)
+    mask = _mask(loaded, named, sizes, None if cu is not None else own)
+    return [pool(text, out, mask, cu).to("cpu").contiguous()]
 
 
-def _mask(loaded: LoadedModel, inputs: list[Any], sizes: Sequence[int],
+def _mask(loaded: LoadedModel, named: dict[str, Any], sizes: Sequence[int],
           own: Sequence[int] | None) -> torch.Tensor:
     """Which positions of each row are its own tokens: the attention mask the model was
     given, or (a model that takes none) each request's length within the padded batch."""
-    names = [spec.name for spec in loaded.config.inputs]
-    if MASK in names:
-        mask: torch.Tensor = inputs[names.index(MASK)]
+    if MASK in named:
+        mask: torch.Tensor = named[MASK]
         return mask
-    ids = inputs[names.index(IDS)]
-    if own is None:
+    ids = named[IDS]
+    if own is None:   # nothing padded
         return torch.ones(ids.shape, dtype=torch.int64, device=ids.device)
     per_row = torch.repeat_interleave(torch.tensor(own), torch.tensor(sizes)).to(ids.device)
     return (torch.arange(ids.shape[1], device=ids.device) < per_row.unsqueeze(1)).long()
@@ -333,14 +338,19 @@ def _cut(spec_name: str, t: torch.Tensor, dim: int, sizes: Sequence[int],
 
 
 def _replies(loaded: LoadedModel, batch: p.Batch, outputs: list[Any],
-             sizes: Sequence[int], own: Sequence[int] | None = None) -> list[p.InferReply]:
+             sizes: Sequence[int], own: Sequence[int] | None = None,
+             packed: bool = False) -> list[p.InferReply]:
     total = sum(sizes)
     cfg = loaded.config
     padding = cfg.dynamic_batching.padding
     cuts = {o.name: o.dim for o in padding.outputs} if padding is not None and own else {}
     per_output: list[list[p.Tensor]] = []
     for spec, t in zip(cfg.outputs, outputs):
-        if cfg.max_batch_size > 0:
+        if packed and spec.name in cuts and isinstance(t, torch.Tensor):
+            assert own is not None
+            per_output.append([encode_output(spec.name, part.contiguous()) for part in
+                               packing.split(spec.name, t, cuts[spec.name], sizes, own)])
+        elif cfg.max_batch_size > 0:
             if t.shape[0] != total:
                 raise BatchError(f"output {spec.name!r} has {t.shape[0]} rows for a batch "
                                  f"of {total}")
@@ -372,13 +382,19 @@ def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
     marks = [start]
     try:
         own = lengths(loaded, batch.items)
-        inputs, sizes = assemble(loaded, batch.items, pin=loaded.device.startswith("cuda"),
-                                 own=own)
+        packed = own is not None and loaded.packed
+        inputs: list[Any] | dict[str, Any]
+        if packed:
+            assert own is not None
+            inputs, sizes = packing.assemble(loaded, batch.items, own)
+        else:
+            inputs, sizes = assemble(loaded, batch.items,
+                                     pin=loaded.device.startswith("cuda"), own=own)
         marks.append(time.monotonic())
         with torch.inference_mode():
             outputs = _call(loaded, inputs, sizes, own)
         marks.append(time.monotonic())
-        replies = _replies(loaded, batch, outputs, sizes, own)
+        replies = _replies(loaded, batch, outputs, sizes, own, packed)
     except Exception as exc:  # the model's code can raise anything
         return p.BatchResult(batch.batch_id, [], (time.monotonic() - start) * 1000.0,
                              error=f"{type(exc).__name__}: {exc}")

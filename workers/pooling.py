@@ -46,11 +46,16 @@ def hidden_of(text: TextConfig, out: Any) -> torch.Tensor:
     return out
 
 
-def pool(text: TextConfig, out: Any, mask: torch.Tensor) -> torch.Tensor:
+def pool(text: TextConfig, out: Any, mask: torch.Tensor,
+         cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """One FP32 vector a row of ``mask`` ([rows, length], 1 where a token is the row's
     own): the mean over its tokens, its first token (CLS) or its last one. A model that
-    answers vectors already ([rows, hidden]) is only normalized."""
+    answers vectors already ([rows, hidden]) is only normalized. A packed batch
+    (workers/packing.py): hidden states and mask of one row [1, total], cut into rows
+    by ``cu_seqlens``."""
     hidden = hidden_of(text, out).float()
+    if cu_seqlens is not None and hidden.dim() == 3:
+        hidden, mask = _unpacked(hidden, mask, cu_seqlens)
     if hidden.shape[0] != mask.shape[0]:
         raise PoolingError(f"the model answered {hidden.shape[0]} rows for a batch of "
                            f"{mask.shape[0]}")
@@ -75,3 +80,16 @@ def _pooled(how: str, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     summed = (hidden * weights.unsqueeze(-1)).sum(dim=1)
     return summed / weights.sum(dim=1, keepdim=True).clamp(min=1.0)
+
+
+def _unpacked(hidden: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed row's segments as rows padded to the longest, with their mask."""
+    total = int(cu_seqlens[-1])
+    if hidden.shape[0] != 1 or hidden.shape[1] != total:
+        raise PoolingError(f"the hidden states of a packed batch must be [1, {total}, "
+                           f"hidden], got {list(hidden.shape)}")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    pad = torch.nn.utils.rnn.pad_sequence
+    return (pad(list(hidden[0].split(lengths)), batch_first=True),
+            pad(list(mask.reshape(-1).to(hidden.device).split(lengths)), batch_first=True))

@@ -1,8 +1,8 @@
 """Platform ``transformers`` (models/pretrained.py, models/hfweights.py): a
 ``save_pretrained`` folder is a version as it is; its weights are read from the
 safetensors headers without torch and equal the loaded model's state (one file or
-shards, in the dtype saved); a worker without transformers refuses it saying what to
-install."""
+shards, in the dtype saved); the embedding's width is the folder's hidden size; a worker
+without transformers refuses it saying what to install."""
 
 from __future__ import annotations
 
@@ -14,12 +14,18 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from tests import bert
+from zeroserve.broker import protocol as p
 from zeroserve.models import formats, hfweights
 from zeroserve.models.footprint import predict
-from zeroserve.models.repository import list_versions, parse_config
+from zeroserve.models.loader import load
+from zeroserve.models.repository import list_versions, parse_config, scan
+from zeroserve.workers import batching
+from zeroserve.workers.memory import rss_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,6 +63,8 @@ def test_the_weights_read_without_torch_are_what_the_model_loads(tmp_path: Path,
     assert len(shards) > 1 if how == "shards" else shards == ["model.safetensors"]
     cfg = parse_config(CONFIG, "t")
     assert cfg.model_file == "config.json" and list_versions(tmp_path, cfg) == [1]
+    # an adapter's file beside the model's is not the model's
+    (folder / "adapter_model.safetensors").write_bytes((folder / shards[0]).read_bytes())
     weights = predict(cfg, folder).weights_bytes
     assert weights == loaded_bytes(folder) > 0
 
@@ -108,3 +116,47 @@ def test_a_worker_without_transformers_says_what_to_install(tmp_path: Path) -> N
     assert out.returncode == 0, out.stderr
     assert "platform 'transformers' needs the transformers library" in out.stdout
     assert "pip install 'zeroserve[text]'" in out.stdout
+
+
+def test_the_embedding_s_width_is_the_folder_s_hidden_size(tmp_path: Path) -> None:
+    save(tmp_path / "emb" / "1")
+    (tmp_path / "emb" / "config.json").write_text(json.dumps(CONFIG))
+    with warnings.catch_warnings():   # transformers' and the tracer's, not ours
+        warnings.simplefilter("ignore")
+        bert.save_traced(bert.model(), tmp_path / "ts" / "1" / "model.pt")
+    (tmp_path / "ts" / "config.json").write_text(json.dumps(
+        {**CONFIG, "name": "ts", "platform": "pytorch_torchscript"}))
+    models, errors = scan(tmp_path)
+    assert errors == {}
+    assert [(t.name, t.shape) for t in models["emb"].config.outputs] == \
+        [("embedding", (bert.SMALL["hidden_size"],))]
+    assert models["ts"].config.outputs[0].shape == (-1,)   # a traced file does not say
+
+
+def test_a_folder_without_a_text_section_answers_its_outputs_by_name(tmp_path: Path) -> None:
+    """The platform serves any AutoModel: its ModelOutput's fields are the outputs the
+    config names, whatever their order in it."""
+    module = save(tmp_path / "1")
+    hidden = bert.SMALL["hidden_size"]
+    cfg = parse_config({
+        "name": "raw", "platform": "transformers", "max_batch_size": 4,
+        "inputs": [{"name": "attention_mask", "datatype": "INT64", "shape": [-1]},
+                   {"name": "input_ids", "datatype": "INT64", "shape": [-1]}],
+        "outputs": [{"name": "pooler_output", "datatype": "FP32", "shape": [hidden]},
+                    {"name": "last_hidden_state", "datatype": "FP32",
+                     "shape": [-1, hidden]}]}, "t")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = load(cfg, 1, tmp_path / "1", "cpu", rss_bytes)
+    ids = np.random.default_rng(0).integers(0, 1000, (2, 6), dtype=np.int64)
+    mask = np.ones_like(ids)
+    result = batching.run(loaded, p.Batch(1, "raw", 1, [p.BatchItem("0", [
+        p.from_numpy("input_ids", ids), p.from_numpy("attention_mask", mask)], None)], 0))
+    assert result.error is None, result.error
+    got = {t.meta.name: p.to_numpy(t) for t in result.replies[0].tensors}
+    with torch.inference_mode():
+        want = module(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))
+    np.testing.assert_allclose(got["last_hidden_state"], want.last_hidden_state.numpy(),
+                               atol=1e-5)
+    np.testing.assert_allclose(got["pooler_output"], want.pooler_output.numpy(), atol=1e-5)
+    loaded.release()

@@ -69,11 +69,11 @@ class LoadedModel:
     @property
     def packed(self) -> bool:
         """Whether its batches run packed, not padded (workers/packing.py): a handler
-        declaring ``token_cost: "packed"`` with padded inputs (what it packs). Another
-        format runs padded: only a handler's code reads the offsets."""
+        declaring ``token_cost: "packed"`` with padded inputs (what it packs; the config
+        refuses "packed" for any other format, whose code reads no offsets)."""
         batching = self.config.dynamic_batching
-        return (self.handler is not None and batching.token_cost == "packed"
-                and batching.padding is not None and self.config.max_batch_size > 0)
+        return (batching.token_cost == "packed" and batching.padding is not None
+                and self.config.max_batch_size > 0)
 
     def ref(self) -> "weakref.ref[Any]":
         return weakref.ref(self.handler if self.handler is not None else self.fn)

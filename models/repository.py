@@ -497,6 +497,11 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     if batching.max_batch_tokens and padding is None:
         raise _fail(where, "dynamic_batching.max_batch_tokens", "counts tokens along a padded "
                     "dimension: declare dynamic_batching.padding")
+    if batching.token_cost == "packed" and platform != "python":
+        # only a handler is given its rows packed (with cu_seqlens); any other format
+        # runs its batch padded, which a budget of packed tokens would underprice
+        raise _fail(where, "dynamic_batching.token_cost", f'"packed" needs platform '
+                    f'"python" (a handler that takes ragged rows), not {platform!r}')
     if text is not None:
         _check_text(where, text, inputs, outputs)
     steps = _ensemble(where, raw.get("ensemble_scheduling"), platform, inputs, outputs, cache)

@@ -17,7 +17,7 @@ import torch
 
 from zeroserve.broker import protocol as p
 from zeroserve.models.loader import LoadedModel, load
-from zeroserve.models.repository import parse_config
+from zeroserve.models.repository import ConfigError, parse_config
 from zeroserve.workers import batching
 from zeroserve.workers.memory import rss_bytes
 
@@ -112,22 +112,20 @@ def test_a_packed_output_of_the_wrong_length_fails_the_batch(tmp_path: Path) -> 
     loaded.release()
 
 
-@pytest.mark.parametrize("platform", ["python", "pytorch_torchscript"])
-def test_only_a_handler_runs_packed(tmp_path: Path, platform: str) -> None:
-    """A compiled model reads no offsets: it runs padded whatever its cost rule."""
+def test_only_a_handler_is_given_packed_rows(tmp_path: Path) -> None:
+    """A compiled model reads no offsets: its config may not count its tokens packed,
+    which would price a padded batch at its rows' own lengths."""
+    raw = {"name": "m", "platform": "python", "max_batch_size": 4,
+           "inputs": [{"name": "ids", "datatype": "INT64", "shape": [-1]}],
+           "outputs": [{"name": "tokens", "datatype": "FP32", "shape": [-1, 3]}],
+           "dynamic_batching": {"token_cost": "packed",
+                                "padding": {"inputs": [{"name": "ids", "dim": 0}]}},
+           "warmup": {"batch_sizes": []}}
     vdir = tmp_path / "1"
     vdir.mkdir()
-    if platform == "python":
-        (vdir / "model.py").write_text(HANDLER)
-    else:
-        torch.jit.save(torch.jit.script(torch.nn.Embedding(100, 3)), str(vdir / "model.pt"))
-    cfg = parse_config({
-        "name": "m", "platform": platform, "max_batch_size": 4,
-        "inputs": [{"name": "ids", "datatype": "INT64", "shape": [-1]}],
-        "outputs": [{"name": "tokens", "datatype": "FP32", "shape": [-1, 3]}],
-        "dynamic_batching": {"token_cost": "packed",
-                             "padding": {"inputs": [{"name": "ids", "dim": 0}]}},
-        "warmup": {"batch_sizes": []}}, "t")
-    loaded = load(cfg, 1, vdir, "cpu", rss_bytes)
-    assert loaded.packed == (platform == "python")
+    (vdir / "model.py").write_text(HANDLER)
+    loaded = load(parse_config(raw, "t"), 1, vdir, "cpu", rss_bytes)
+    assert loaded.packed
     loaded.release()
+    with pytest.raises(ConfigError, match='"packed" needs platform "python"'):
+        parse_config({**raw, "platform": "pytorch_torchscript"}, "t")

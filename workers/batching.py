@@ -401,6 +401,11 @@ def run(loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
     marks.append(time.monotonic())
     phases = {name: (b - a) * 1000.0
               for name, a, b in zip(("input", "infer", "output"), marks, marks[1:])}
+    trace = None
+    if batch.trace is not None:
+        trace = tracing.worker_stamps(marks)
+        if own:   # a model with a padded input: the tokens its batch computed
+            trace["tokens"] = sum(n * k for n, k in zip(sizes, own)) if packed else \
+                sum(sizes) * shape_rule(loaded.config).padded_length(max(own))
     return p.BatchResult(batch.batch_id, replies, (marks[-1] - start) * 1000.0,
-                         phases_ms=phases,
-                         trace=tracing.worker_stamps(marks) if batch.trace is not None else None)
+                         phases_ms=phases, trace=trace)

@@ -47,6 +47,8 @@ class BatchSpans:
         attrs: dict[str, Any] = {**model, "zeroserve.batch.requests": len(batch.items),
                                  "zeroserve.worker": self.worker_id}
         stamps: dict[str, int] = result.trace["ns"] if result.trace is not None else {}
+        if result.trace is not None and "tokens" in result.trace:
+            attrs["zeroserve.batch.tokens"] = result.trace["tokens"]
         # run: from COMPUTE_START to COMPUTE_END, the stamps between as events; else
         # (expired, not loaded, the model raised) from its taking up to its answer
         span = self.exporter.start("batch", None, stamps.get("COMPUTE_START", start_ns)

@@ -21,6 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from tests import text as tx
 from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for, write_model
 from zeroserve.broker.client import AsyncClient, Client
 
@@ -82,6 +83,7 @@ class World:
                  "output_map": {"output": "mid"}},
                 {"model_name": "head", "model_version": -1, "input_map": {"input": "mid"},
                  "output_map": {"output": "OUT"}}]}}))
+        tx.write_embedder(self.repo)   # a text model: its batches count their tokens
         self.server = Server(self.repo, extra=[
             "--trace-config", "mode=opentelemetry", "--trace-config",
             f"opentelemetry,url=127.0.0.1:{self.receiver.port}/v1/traces",
@@ -231,6 +233,16 @@ def test_a_batch_span_links_every_request_it_held(traced: World) -> None:
             batch.attributes["zeroserve.batch.requests"]
     assert sum(len(b.links) for b in batches.values()) == len(callers)
     assert max(len(b.links) for b in batches.values()) > 1, "no batch held several"
+
+
+def test_a_text_models_batch_span_counts_its_tokens(traced: World) -> None:
+    tp, trace_id, _ = caller()
+    ids = np.array([[2, 7, 9, 11, 3]], np.int64)
+    with Client(traced.server.frontend) as c:
+        c.infer("emb", {"input_ids": ids, "attention_mask": np.ones_like(ids)},
+                traceparent=tp)
+    queue = traced.spans_of(trace_id, {"queue"})["queue"]
+    assert traced.batch_of(trace_id, queue).attributes["zeroserve.batch.tokens"] == 5
 
 
 def test_sampling_at_zero_at_a_rate_and_an_unsampled_caller(traced: World) -> None:

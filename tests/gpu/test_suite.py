@@ -1,0 +1,67 @@
+"""The device suite (tests/gpu/suite.py) on a host without a CUDA device, as CI runs it:
+it runs, says by name which device parts it skipped and why, keeps its budget, and its
+reports have their shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.gpu import report, suite
+
+pytestmark = pytest.mark.skipif(
+    bool(list(Path("/dev").glob("nvidia[0-9]*"))), reason="a GPU host runs the suite itself")
+
+
+def run_suite(out: Path, *args: str) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.suite", "--out", str(out), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((out / "suite.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_without_a_gpu_the_suite_runs_and_skips_every_device_part_by_name(tmp_path: Path
+                                                                         ) -> None:
+    doc = run_suite(tmp_path, "--budget-s", "60")
+    parts = doc["parts"]
+    assert list(parts) == [p.name for p in suite.PARTS]
+    assert doc["device"] == "cpu" and doc["rehearsal"] is False
+    assert doc["wall_s"] <= doc["budget_s"]
+    env = parts["environment"]
+    assert env["status"] == "ran", env
+    assert env["figures"]["torch"] and env["figures"]["gpu_count"] == 0
+    skipped = {n: r["reason"] for n, r in parts.items() if r["status"] == "skipped"}
+    device_parts = {p.name for p in suite.PARTS if p.cuda}
+    assert set(skipped) == device_parts and {"gpu_tests", "cnn", "bert", "formats", "memory",
+                                             "data_path", "load_on_demand"} <= device_parts
+    assert all(why.startswith("no CUDA device") for why in skipped.values()), skipped
+    text = (tmp_path / "suite.md").read_text()
+    assert text == report.markdown(doc)
+    for name in device_parts:
+        assert f"| {name} | skipped | - | no CUDA device on this host" in text, name
+    assert f"torch {env['figures']['torch']}" in text
+
+
+def test_what_does_not_fit_in_the_budget_is_left_out_and_said(tmp_path: Path) -> None:
+    doc = run_suite(tmp_path, "--budget-s", "8", "--only", "gpu_tests")
+    assert list(doc["parts"]) == ["environment", "gpu_tests"]
+    env = doc["parts"]["environment"]
+    assert env["status"] == "skipped" and env["reason"].startswith("does not fit: about 15 s")
+    assert not (tmp_path / "environment.json").exists()   # never started
+
+
+def test_a_part_past_its_share_is_cut_and_the_suite_ends_in_time(tmp_path: Path) -> None:
+    """The environment part alone takes seconds (two imports of torch): given one, it is
+    stopped, and the suite goes on."""
+    part = suite.Part("environment", 1, "a part that runs past its share", cuda=False)
+    started = time.monotonic()
+    got = suite.run_part(part, "cpu", True, tmp_path, timeout_s=1.0)
+    assert got["status"] == "cut" and got["reason"] == "ran past its 1 s (budget)", got
+    assert time.monotonic() - started < suite.GRACE_S

@@ -160,7 +160,11 @@ def served(repo: Path, names: list[str], bodies: dict[str, Path], seconds: float
             if body is not None:
                 cmd += ["--input-data", str(body)]
             deadline = time.monotonic() + 600
-            while subprocess.run(cmd, capture_output=True).returncode != 0:
+            # until the server is up and the model answers every request (a bench run
+            # while it still loads exits 0 with errors)
+            while subprocess.run(cmd, capture_output=True).returncode != 0 or any(
+                    r["error_count"] or r["p50_ms"] is None
+                    for r in json.loads((runtime / "b.json").read_text())["levels"]):
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise SystemExit((runtime / "serve.log").read_text()[-3000:])
                 time.sleep(1)  # noqa: sleep-ok (polls a loading server until its deadline)

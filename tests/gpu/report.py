@@ -7,12 +7,28 @@ import json
 from typing import Any
 
 
+def _rounded(v: Any) -> Any:
+    if isinstance(v, float):
+        return float(f"{v:.4g}")
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
+
+
 def _value(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, (dict, list)):
-        return "`" + json.dumps(v, separators=(", ", ": ")) + "`"
+        return "`" + json.dumps(_rounded(v), separators=(", ", ": ")) + "`"
     return "-" if v is None else str(v)
+
+
+def _figure(key: str, value: Any) -> list[str]:
+    if isinstance(value, list) and value and all(isinstance(x, str) for x in value):
+        return [f"- {key}:", "", "  ```", *(f"  {x}" for x in value), "  ```", ""]
+    return [f"- {key}: {_value(value)}"]
 
 
 def _environment(doc: dict[str, Any]) -> str:
@@ -51,7 +67,7 @@ def markdown(doc: dict[str, Any]) -> str:
             continue
         lines += ["", f"## {name}", ""]
         for key, value in r.get("figures", {}).items():
-            lines.append(f"- {key}: {_value(value)}")
+            lines += _figure(key, value)
         lines += [f"- note: {n}" for n in r.get("notes", [])]
         if r["status"] in ("failed", "cut"):
             lines += ["", "```", *r.get("log_tail", []), "```"]

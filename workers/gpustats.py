@@ -88,7 +88,12 @@ class DriverView:
             return None
         import torch   # only once NVML runs: the device's UUID names it to the driver
 
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        try:
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+        except (RuntimeError, AttributeError, AssertionError) as exc:   # a torch without it
+            logger.info("no GPU signals: no UUID for %s from torch (%s)", device, exc)
+            pynvml.nvmlShutdown()
+            return None
         for name in _names(uuid):
             try:
                 return cls(pynvml, pynvml.nvmlDeviceGetHandleByUUID(name))

@@ -6,8 +6,8 @@ fits a GPU machine's few minutes, with one JSON and one Markdown report.
 Each part runs as a process of its own (``python -m tests.gpu.parts NAME``), most
 important first: the ``gpu``-marked tests, then the figures of issue 47, each beside its
 in-process baseline from the same run. The suite keeps its own time: a part that would
-not fit in what is left is left out, and one that runs past its share is stopped (its
-servers with it) and reported as cut, so the suite ends within ``--budget-s`` and says
+not fit in what is left is left out, and one that runs past its share (twice its
+estimate, or what is left) is stopped (its servers with it) and reported as cut, so the suite ends within ``--budget-s`` and says
 what it did not do. Without a CUDA device every device part is skipped by name;
 ``--rehearse`` runs them on the CPU with short loads instead, to test the suite itself
 (its figures then mean nothing).
@@ -145,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{max(left, 0):.0f} s of the budget left"}
         else:
             print(f"suite: {part.name} ({left:.0f} s left)", flush=True)
+            # twice its estimate at most, so that one part that hangs leaves the rest
+            # their time
+            share = min(left - GRACE_S, 2 * part.estimate_s)
             results[part.name] = {**entry, **run_part(part, device or "cpu", quick, out,
-                                                      max(1.0, left - GRACE_S))}
+                                                      max(1.0, share))}
         print(f"suite: {part.name}: {results[part.name]['status']}"
               f"{': ' + results[part.name]['reason'] if 'reason' in results[part.name] else ''}",
               flush=True)

@@ -65,3 +65,26 @@ def test_a_part_past_its_share_is_cut_and_the_suite_ends_in_time(tmp_path: Path)
     got = suite.run_part(part, "cpu", True, tmp_path, timeout_s=1.0)
     assert got["status"] == "cut" and got["reason"] == "ran past its 1 s (budget)", got
     assert time.monotonic() - started < suite.GRACE_S
+
+
+def test_the_data_path_phases_time_the_workers_own_batch_on_the_cpu() -> None:
+    """The part a GPU session measures before and after a data path change, run here so
+    that a change to the worker's batching breaks it in CI, not on the device."""
+    from tests.gpu import datapath
+
+    got = datapath.measure("cpu", reps=2)
+    assert set(got) == {"cnn b=1", "cnn b=16", "mlp b=1", "mlp b=64"}
+    for key, phases in got.items():
+        assert phases["rows"] == int(key.split("=")[1])
+        assert phases["assembly_ms"] > 0 and phases["compute_ms"] > 0, phases
+        assert set(phases["worker_phases_ms"]) == {"input", "infer", "output"}, phases
+        assert "h2d_pinned_ms" not in phases   # a device's phase: none on a CPU
+
+
+def test_the_unload_figures_come_from_the_workers_own_unload_on_the_cpu() -> None:
+    from tests.gpu import unload
+
+    got = unload.measure("cpu", 16 << 20)   # a square Linear: 2048 x 2048 floats
+    assert got["size_bytes"] == 16 << 20 and got["host_tier_hits"] == 1
+    assert got["recycle_reason"] == "" and got["move_back_ratio"] is None
+    assert got["memory_source"] == "resident memory (CPU)"

@@ -7,10 +7,10 @@ Each part runs as a process of its own (``python -m tests.gpu.parts NAME``), mos
 important first: the ``gpu``-marked tests, then the figures of issue 47, each beside its
 in-process baseline from the same run. The suite keeps its own time: a part that would
 not fit in what is left is left out, and one that runs past its share (twice its
-estimate, or what is left) is stopped (its servers with it) and reported as cut, so the suite ends within ``--budget-s`` and says
-what it did not do. Without a CUDA device every device part is skipped by name;
-``--rehearse`` runs them on the CPU with short loads instead, to test the suite itself
-(its figures then mean nothing).
+estimate, or what is left) is stopped (its servers with it) and reported as cut, so
+the suite ends within ``--budget-s`` and says what it did not do. Without a CUDA device
+every device part is skipped by name; ``--rehearse`` runs them on the CPU with short
+loads instead, to test the suite itself (its figures then mean nothing).
 """
 
 from __future__ import annotations

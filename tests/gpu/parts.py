@@ -99,6 +99,15 @@ try:
 except Exception as exc:   # no binding, no driver: said, not fatal
     out["driver"] = None
     out["nvml"] = f"{type(exc).__name__}: {exc}"
+# what the parts need beyond torch: a part whose package is missing fails on its own
+from importlib import metadata
+out["packages"] = {}
+for name in ("zeroserve", "nvidia-ml-py", "transformers", "tritonclient", "pytest",
+             "pytest-timeout", "hypothesis"):
+    try:
+        out["packages"][name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        out["packages"][name] = None
 print(json.dumps(out))
 """
     got = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True,
@@ -110,8 +119,12 @@ print(json.dumps(out))
                                 text=True).stdout.strip())
     got.update(python=platform.python_version(), cpus=os.cpu_count(), commit=commit,
                dirty=dirty, host=platform.node(), load_avg=os.getloadavg()[0])
-    return {"figures": got, "notes": [] if got.get("driver") else
-            [f"no NVML: {got.get('nvml')} (GPU busy shares will be absent)"]}
+    missing = [n for n, v in got["packages"].items() if v is None]
+    return {"figures": got, "notes": ([] if got.get("driver") else
+                                      [f"no NVML: {got.get('nvml')} (GPU busy shares will "
+                                       "be absent)"]) +
+            ([f"not installed: {', '.join(missing)} (the parts that need them fail)"]
+             if missing else [])}
 
 
 def gpu_tests(device: str, quick: bool) -> dict[str, Any]:

@@ -61,8 +61,27 @@ PARTS = [
 ]
 
 
-def run_part(part: Part, device: str, quick: bool, out: Path, timeout_s: float
-             ) -> dict[str, Any]:
+def part_environment(out: Path, python: str = sys.executable) -> dict[str, str]:
+    """The environment the parts run in. Where zeroserve is not installed (a bare copy of
+    this tree on a device machine), a link named ``zeroserve`` to the tree, on
+    PYTHONPATH, makes it importable as an install would (``zeroserve = .``)."""
+    env = dict(os.environ)
+    probe = subprocess.run([python, "-c", "import zeroserve.broker"], cwd=out,
+                           capture_output=True, timeout=60)
+    if probe.returncode == 0:
+        return env
+    shim = out / "pythonpath"
+    shim.mkdir(exist_ok=True)
+    link = shim / "zeroserve"
+    if not link.is_symlink():
+        link.symlink_to(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(shim), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def run_part(part: Part, device: str, quick: bool, out: Path, timeout_s: float,
+             env: dict[str, str] | None = None) -> dict[str, Any]:
     """One part in its own process group; SIGTERM past ``timeout_s`` (the part stops its
     servers), SIGKILL after the grace."""
     result = out / f"{part.name}.json"
@@ -72,7 +91,7 @@ def run_part(part: Part, device: str, quick: bool, out: Path, timeout_s: float
     start = time.monotonic()
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout_s)
             cut = False
@@ -131,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--only: no part {sorted(unknown)}; parts: {[p.name for p in PARTS]}")
     parts = [p for p in PARTS if not names or p.name in names or p.name == "environment"]
     device = cuda_device()
+    env = part_environment(out)
     left_out = plan(parts, device is not None, args.rehearse)
     quick = device is None
     results: dict[str, dict[str, Any]] = {}
@@ -149,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             # their time
             share = min(left - GRACE_S, 2 * part.estimate_s)
             results[part.name] = {**entry, **run_part(part, device or "cpu", quick, out,
-                                                      max(1.0, share))}
+                                                      max(1.0, share), env)}
         print(f"suite: {part.name}: {results[part.name]['status']}"
               f"{': ' + results[part.name]['reason'] if 'reason' in results[part.name] else ''}",
               flush=True)

@@ -5,6 +5,7 @@ reports have their shape."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -88,3 +89,24 @@ def test_the_unload_figures_come_from_the_workers_own_unload_on_the_cpu() -> Non
     assert got["size_bytes"] == 16 << 20 and got["host_tier_hits"] == 1
     assert got["recycle_reason"] == "" and got["move_back_ratio"] is None
     assert got["memory_source"] == "resident memory (CPU)"
+
+
+def test_where_zeroserve_is_importable_the_parts_get_the_environment_as_it_is(
+        tmp_path: Path) -> None:
+    assert suite.part_environment(tmp_path) == dict(os.environ)
+    assert not (tmp_path / "pythonpath").exists()
+
+
+def test_where_zeroserve_is_not_installed_a_link_to_this_tree_stands_in(tmp_path: Path
+                                                                        ) -> None:
+    """A bare copy of the tree on a device machine: the interpreter this venv was made
+    from has no zeroserve."""
+    base = str(Path(sys.base_prefix) / "bin" / "python3")
+    probe = subprocess.run([base, "-c", "import zeroserve"], capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip(f"{base} has zeroserve installed")
+    env = suite.part_environment(tmp_path, base)
+    got = subprocess.run([base, "-c", "import zeroserve.broker as b; print(b.__file__)"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert Path(got.stdout.strip()).resolve() == ROOT / "broker" / "__init__.py"

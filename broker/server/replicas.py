@@ -41,13 +41,13 @@ def policy_of(cfg: ModelConfig) -> ScalePolicy | None:
     return ScalePolicy.of(cfg.instances, cfg.autoscaling)
 
 
-
 def gpu_utilization(workers: list[WorkerState]) -> float | None:
     """The mean utilization the workers' drivers last reported (heartbeats), or None when
     none reports one."""
     seen = [w.memory["gpu"]["utilization"] for w in workers
             if (w.memory.get("gpu") or {}).get("utilization") is not None]
     return sum(seen) / len(seen) if seen else None
+
 
 class Replicas:
     """Reads the catalog, the pool, the scheduler's queues and placement's memory plan;

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Callable
@@ -75,6 +76,17 @@ class GpuSampler:
         seen = [g["utilization"] for t, g in self.samples
                 if start <= t <= end and g.get("utilization") is not None]
         return round(sum(seen) / len(seen), 3) if seen else None
+
+
+def gpu_signals(srv: Server, sampler: GpuSampler) -> dict[str, Any]:
+    """What the workers' GPU signals looked like: status samples, the last reading, and
+    which of their series the one scrape of /metrics holds."""
+    with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {"status_samples": len(sampler.samples),
+            "last": sampler.samples[-1][1] if sampler.samples else None,
+            "metrics": [m for m in ("zeroserve_gpu_utilization_ratio",
+                                    "zeroserve_gpu_driver_memory_bytes") if m in text]}
 
 
 def worker_device(srv: Server) -> str:
@@ -209,6 +221,11 @@ def cnn(device: str, quick: bool) -> dict[str, Any]:
                            at_least(f"{transport}: GPU busy at C=64 "
                                     f"({'NVML' if nvml else 'worker batch time: no NVML'})",
                                     got["gpu_busy" if nvml else "worker_busy_share"], 0.85)]
+        figures["gpu_signals"] = signals = gpu_signals(srv, sampler)
+        checks.append(check("GPU signals (NVML) in zeroserve status and /metrics",
+                            len(signals["metrics"]), "both series, status samples",
+                            bool(signals["status_samples"]) and len(signals["metrics"]) == 2
+                            if device.startswith("cuda") else None))
     finally:
         srv.stop()
     return {"figures": figures, "checks": checks,

@@ -32,6 +32,8 @@ from zeroserve.broker.client import Client
 GPU_TESTS = ["tests/models/test_aoti.py", "tests/workers/test_memory.py",
              "tests/workers/test_memplan.py", "tests/workers/test_hosttier_gpu.py",
              "tests/e2e/test_gpu_bert.py"]
+# tests of any host that mean more on a GPU: two workers sharing one device
+DEVICE_TESTS = ["tests/workers/test_device_map.py"]
 
 
 def check(name: str, value: float | None, target: str, ok: bool | None) -> dict[str, Any]:
@@ -139,12 +141,12 @@ print(json.dumps(out))
              if missing else [])}
 
 
-def gpu_tests(device: str, quick: bool) -> dict[str, Any]:
+def _pytest(args: list[str], tests: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """One pytest run; each test's outcome, time and reason into ``tests``."""
     xml = Path(os.environ.get("TMPDIR", "/tmp")) / f"zs-gpu-tests-{os.getpid()}.xml"
-    out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs",
-                          "-p", "no:cacheprovider", f"--junitxml={xml}", *GPU_TESTS],
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p",
+                          "no:cacheprovider", f"--junitxml={xml}", *args],
                          cwd=ROOT, capture_output=True, text=True)
-    tests: dict[str, Any] = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         outcome, why = "passed", ""
@@ -156,12 +158,21 @@ def gpu_tests(device: str, quick: bool) -> dict[str, Any]:
         tests[name] = {"outcome": outcome, "s": round(float(case.get("time", 0)), 1),
                        **({"why": why} if why else {})}
     xml.unlink(missing_ok=True)
+    return out
+
+
+def gpu_tests(device: str, quick: bool) -> dict[str, Any]:
+    tests: dict[str, Any] = {}
+    out = _pytest(["-m", "gpu", *GPU_TESTS], tests)
+    both = _pytest(DEVICE_TESTS, tests)
     counts = {k: sum(t["outcome"] == k for t in tests.values())
               for k in ("passed", "failed", "error", "skipped")}
-    checks = [check(f"gpu test {n}", None, "passes", None if t["outcome"] == "skipped"
+    checks = [check(f"test {n}", None, "passes", None if t["outcome"] == "skipped"
                     else t["outcome"] == "passed") for n, t in tests.items()]
-    return {"figures": {"counts": counts, "tests": tests, "pytest_exit": out.returncode},
-            "checks": checks, "notes": out.stdout.strip().splitlines()[-3:]}
+    return {"figures": {"counts": counts, "tests": tests,
+                        "pytest_exit": [out.returncode, both.returncode]},
+            "checks": checks,
+            "notes": [line for o in (out, both) for line in o.stdout.strip().splitlines()[-2:]]}
 
 
 def data_path(device: str, quick: bool) -> dict[str, Any]:

@@ -43,8 +43,9 @@ class Part:
 
 PARTS = [
     Part("environment", 15, "device, driver, torch and CUDA versions, the commit", cuda=False),
-    Part("gpu_tests", 150, "the gpu-marked tests: AOTInductor on CUDA, BERT end to end, "
-         "memory returned after an unload and after a move back from the host tier"),
+    Part("gpu_tests", 160, "the gpu-marked tests: AOTInductor on CUDA, BERT end to end, "
+         "memory returned after an unload and after a move back from the host tier; and "
+         "two workers sharing one device (a device map)"),
     Part("data_path", 25, "a worker's batch phase by phase: assembly, host to device, "
          "compute, device to host (the phases a pinned, streamed data path would change)"),
     Part("cnn", 70, "cnn served at C=64 (HTTP binary, direct) against in-process at the "

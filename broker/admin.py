@@ -264,6 +264,16 @@ def _mb(n: Any) -> str:
     return f"{n / 1e6:.1f}" if isinstance(n, (int, float)) else "-"
 
 
+def gpu_columns(gpu: dict[str, Any] | None) -> str:
+    """A worker's device as its driver sees it (NVML), or dashes: no GPU, no
+    nvidia-ml-py, or (busy only) a MIG slice, whose utilization the driver keeps."""
+    gpu = gpu or {}
+    busy = gpu.get("utilization")
+    memory = (f"{gpu['memory_used_bytes'] / 1e6:.0f}/{gpu['memory_total_bytes'] / 1e6:.0f}"
+              if "memory_used_bytes" in gpu else "-")
+    return f"{'-' if busy is None else f'{busy:.0%}':>8} {memory:>17}"
+
+
 def memory_plan_lines(plan: dict[str, Any]) -> list[str]:
     """The placement's view: each device's free memory after headroom, and each version's
     predicted footprint against what its warm-up measured."""
@@ -300,11 +310,13 @@ def _release_lines(models: dict[str, Any]) -> list[str]:
 
 def human(verb: str, result: Any) -> str:
     if verb == "status":
-        lines = [f"{'WORKER':<24} {'STATE':<9} {'INFLIGHT':>8} {'RSS MB':>8}  MODELS"]
+        lines = [f"{'WORKER':<24} {'STATE':<9} {'INFLIGHT':>8} {'RSS MB':>8} "
+                 f"{'GPU BUSY':>8} {'GPU MB USED/TOTAL':>17}  MODELS"]
         for w in result["workers"]:
             rss = w.get("memory", {}).get("rss_bytes", 0) / 1e6
             lines.append(f"{w['id']:<24} {w['state']:<9} {w['inflight_batches']:>8} "
-                         f"{rss:>8.0f}  {', '.join(w['models'])}")
+                         f"{rss:>8.0f} {gpu_columns(w.get('memory', {}).get('gpu'))}  "
+                         f"{', '.join(w['models'])}")
         lines.append("queues: " + (", ".join(f"{m}={d}" for m, d in result["queues"].items())
                                    or "none"))
         lines.extend(_autoscaling_lines(result.get("autoscaling") or {}))

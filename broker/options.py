@@ -207,6 +207,11 @@ def parser() -> argparse.ArgumentParser:
     _curve_opts(p, "server")
     p.add_argument("--workers", type=int, default=0,
                    help="worker processes (default: one per GPU, else 1)")
+    p.add_argument("--devices", default=None,
+                   help="each worker's device, comma-separated, one per worker, as "
+                        "CUDA_VISIBLE_DEVICES names it: an index, a GPU-... or MIG-... "
+                        "UUID; one named twice is shared by two workers (default: one "
+                        "worker per visible GPU)")
     p.add_argument("--pin-workers", action="store_true",
                    help="pin each CPU worker to its own --threads cores, from the last "
                         "usable core down (the gateway and broker stay unpinned)")

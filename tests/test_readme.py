@@ -103,10 +103,11 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 
 def every_flag() -> set[str]:
-    """Every flag of a ``zeroserve`` command or of a benchmark script in tests/bench."""
+    """Every flag of a ``zeroserve`` command or of a script in tests/bench or tests/gpu."""
     flags = {flag for sub in subcommands().values() for action in sub._actions
              for flag in action.option_strings if flag.startswith("--")}
-    for script in (ROOT / "tests" / "bench").glob("*.py"):
+    for script in [*(ROOT / "tests" / "bench").glob("*.py"),
+                   *(ROOT / "tests" / "gpu").glob("*.py")]:
         flags |= set(re.findall(r'add_argument\(\s*"(--[a-z][a-z0-9-]*)"', script.read_text()))
     return flags
 
@@ -198,12 +199,12 @@ def test_every_component_option_is_documented():
 
 @pytest.mark.parametrize("path", EVERY, ids=rel)
 def test_benchmark_and_test_commands_name_real_files(path):
-    """``python -m tests.bench.X --flag`` names a script that declares that flag;
-    ``python -m pytest PATH`` names files that exist."""
+    """``python -m tests.bench.X --flag`` (or ``tests.gpu.X``) names a script that
+    declares that flag; ``python -m pytest PATH`` names files that exist."""
     wrong = []
     commands = shell_lines(path.read_text()) + inline_code(path.read_text())
     for line in commands:
-        for m in re.finditer(r"python3? -m (tests\.bench\.\w+)([^&;|`]*)", line):
+        for m in re.finditer(r"python3? -m (tests\.(?:bench|gpu)\.\w+)([^&;|`]*)", line):
             script = ROOT / (m.group(1).replace(".", "/") + ".py")
             if not script.is_file():
                 wrong.append(f"{m.group(0)}: no {rel(script)}")

@@ -59,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
     # operations) out of every later full collection: the gc.collect of each load and
     # unload then walks only what is new, 1 ms instead of ~90-180 ms (on the cold path)
     gc.freeze()
-    logger.info("worker %s on %s, %d torch threads, cores %s, broker %s (pid %d)", worker_id,
-                worker.device, torch.get_num_threads(),
+    # the device as the driver names it (a MIG slice's UUID, where one is pinned)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    logger.info("worker %s on %s%s, %d torch threads, cores %s, broker %s (pid %d)", worker_id,
+                worker.device, f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "",
+                torch.get_num_threads(),
                 affinity.format_cpus(list(os.sched_getaffinity(0))), endpoint, os.getpid())
     try:
         return worker.run()

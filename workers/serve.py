@@ -14,8 +14,8 @@ from zeroserve.broker import options
 from zeroserve.broker.runtime import BrokerLock, RuntimeDirError, ServerLock, cache_dir, \
     ensure_runtime_dir, hostname, runtime_dir
 from zeroserve.workers import affinity
-from zeroserve.workers.supervisor import Child, Supervisor, visible_gpus, ensure_examples, \
-    wait_http_ready
+from zeroserve.workers.supervisor import Child, Supervisor, device_map, ensure_examples, \
+    visible_gpus, wait_http_ready
 
 logger = logging.getLogger(__name__)
 
@@ -149,9 +149,12 @@ def _run(args: argparse.Namespace) -> int:
                      "load every model folder)")
         return 2
     model_dir = Path(args.model_dir) if args.model_dir else ensure_examples(cache_dir())
-    devices = visible_gpus()
-    gpus = len(devices)
-    n = args.workers or max(gpus, 1)
+    try:
+        devices = device_map(args.devices or "", visible_gpus(), args.workers)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    n, gpus = len(devices), sum(d is not None for d in devices)
     # one core stays with the gateway and the broker: torch's spinning threads on every
     # core cut mlp's HTTP throughput by a third on a 2-core host (measured)
     threads = args.threads or max(1, (usable_cores() - 1) // n)
@@ -161,7 +164,8 @@ def _run(args: argparse.Namespace) -> int:
                       own_registry)]
     pins = pinning(args.pin_workers, n, threads, gpus)
     for i in range(n):
-        env = {**own_registry, **({"CUDA_VISIBLE_DEVICES": devices[i]} if i < gpus else {})}
+        device = devices[i]
+        env = {**own_registry, **({"CUDA_VISIBLE_DEVICES": device} if device else {})}
         argv = _base(args, "worker") + ["--index", str(i), "--threads", str(threads)]
         if pins is not None:
             argv += ["--cpus", affinity.format_cpus(pins[i])]
@@ -180,7 +184,9 @@ def _run(args: argparse.Namespace) -> int:
     def started() -> None:
         threading.Thread(target=announce, daemon=True).start()
 
-    logger.info("serving %s with %d worker(s) of %d torch thread(s)", model_dir, n, threads)
+    logger.info("serving %s with %d worker(s) of %d torch thread(s)%s", model_dir, n, threads,
+                "; devices " + ", ".join(f"{hostname()}/{i}={d}" for i, d in enumerate(devices)
+                                         if d) if gpus else "")
     return sup.run(started)
 
 

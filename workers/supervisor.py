@@ -41,6 +41,30 @@ def visible_gpus() -> list[str]:
     return devices
 
 
+def device_map(devices: str, visible: list[str], workers: int) -> list[str | None]:
+    """Each worker's ``CUDA_VISIBLE_DEVICES``, one entry per worker. ``devices``
+    (``--devices``) names one device per worker as the driver names it (an index, a
+    ``GPU-`` or ``MIG-`` UUID; a MIG slice is a device of its own) and may name one
+    twice, so that two workers share it. Without it, worker ``i`` takes the ``i``-th
+    visible device, and one beyond them keeps the environment as it is (None).
+    ``workers`` 0 means one per device (at least one). ValueError for a map that cannot
+    be meant."""
+    if not devices:
+        n = workers or max(len(visible), 1)
+        return [visible[i] if i < len(visible) else None for i in range(n)]
+    entries = [e.strip() for e in devices.split(",")]
+    for entry in entries:
+        # CUDA stops reading its list at an entry that is not a device ("-1", ""): that
+        # worker would see no GPU, or another one, without a word
+        if not entry or entry.startswith("-") or any(c.isspace() for c in entry):
+            raise ValueError(f"--devices {devices!r}: {entry!r} is not a device (an "
+                             f"index, a GPU-... or MIG-... UUID, one per worker)")
+    if workers and workers != len(entries):
+        raise ValueError(f"--devices names {len(entries)} device(s), one per worker, but "
+                         f"--workers asks for {workers}")
+    return list(entries)
+
+
 def ensure_examples(cache: Path) -> Path:
     repo = cache / "examples"
     if not all((repo / n / "1" / "model.pt").is_file() for n in ("mlp", "cnn")):

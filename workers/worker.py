@@ -50,7 +50,7 @@ from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models import handlers
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
-from zeroserve.workers import batching, bls, discovery, memory, streaming
+from zeroserve.workers import batching, bls, discovery, gpustats, memory, streaming
 from zeroserve.workers.hostcache import DEFAULT_HOST_CACHE_BYTES, HostCache, files_stamp
 from zeroserve.workers.callers import CallerThreads
 from zeroserve.workers.channel import BrokerChannel, drain
@@ -129,6 +129,7 @@ class Worker:
         self.memory_budget_bytes = memory_budget_bytes
         self.memory_headroom_bytes = memory_headroom_bytes
         self.context = memory.context_cost(self.device)  # once, before any model
+        self.driver = gpustats.DriverView.open(self.device)   # None: no GPU signals
         self.host_cache = HostCache(host_cache_bytes, self.device)   # loader thread only
         self.recycle_reason = ""
         self._load_seq = 0
@@ -159,6 +160,16 @@ class Worker:
                                   "(--host-cache-bytes)", registry=r)
         self.m_gpu = Gauge("zeroserve_gpu_memory_used_bytes", "CUDA memory allocated",
                            registry=r) if self.device.startswith("cuda") else None
+        # the driver's view (NVML): series only where it answers, never a made-up 0
+        driver = self.driver
+        self.m_gpu_driver = None if driver is None else Gauge(
+            "zeroserve_gpu_driver_memory_bytes", "Device memory as the driver sees it "
+            "(NVML): used by every process, the CUDA context included, and the total",
+            ["kind"], registry=r)
+        self.m_gpu_busy = Gauge(
+            "zeroserve_gpu_utilization_ratio", "Share of the driver's last sample period "
+            "in which a kernel ran on the worker's device (NVML)", registry=r) \
+            if driver is not None and driver.has_utilization else None
 
     # -- sockets ------------------------------------------------------------
     def _connect(self) -> None:
@@ -404,6 +415,13 @@ class Worker:
         report.update(rss_bytes=rss, free_bytes=self._free_bytes(report["models"]))
         if self.m_gpu is not None:
             self.m_gpu.set(report["gpu_used_bytes"])
+        seen = self.driver.read() if self.driver is not None else None
+        if seen is not None and self.m_gpu_driver is not None:
+            report["gpu"] = seen.report()
+            self.m_gpu_driver.labels("used").set(seen.memory_used_bytes)
+            self.m_gpu_driver.labels("total").set(seen.memory_total_bytes)
+            if self.m_gpu_busy is not None and seen.utilization is not None:
+                self.m_gpu_busy.set(seen.utilization)
         self._send(p.encode(p.WorkerHeartbeat(report, generate_latest(self.registry).decode())))
 
     # -- threads ------------------------------------------------------------

@@ -102,6 +102,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the repository for --in-process (default: the bundled examples)")
     ap.add_argument("--in-process-threads", type=int, default=0,
                     help="torch threads for --in-process (default: as serve gives 1 worker)")
+    ap.add_argument("--in-process-device", default="cpu",
+                    help="the torch device for --in-process, the served worker's to compare "
+                         "alike (e.g. cuda:0; default cpu)")
     ap.add_argument("--csv", default=None, help="write one row per level")
     ap.add_argument("--json", default=None, help="write the levels and the run's settings")
     ap.add_argument("--plot", default=None, help="FILE.png: latency and throughput vs load")
@@ -303,7 +306,7 @@ def in_process(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str
     batches = br.baseline_batches(rows)
     cmd = [sys.executable, "-m", "zeroserve.workers.inprocess", "--model-dir", str(model_dir),
            "--model", args.model, "--batch-sizes", ",".join(map(str, batches)),
-           "--threads", str(threads)]
+           "--threads", str(threads), "--device", args.in_process_device]
     if args.model_version is not None:
         cmd += ["--version", str(args.model_version)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -110,6 +110,10 @@ class Sample:
     busy: int        # serving replicas with a batch of this model in flight
     replicas: int    # serving replicas
     capacity_rps: float = 0.0   # one replica's requests/s at full batches; 0: unknown
+    # the serving replicas' devices as their driver sees them (NVML): the mean share of
+    # time a kernel ran, 0..1; None where none reports it (CPU workers, no nvidia-ml-py,
+    # MIG slices). An input only: no decision below reads it yet.
+    gpu_utilization: float | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ class Signals:
     depth: int = 0                  # queued now
     depth_before: int = 0           # queued a window ago
     recent_rps: float = 0.0         # arrivals over the later half of the window
+    gpu_utilization: float | None = None   # over window_s, the samples that carry it
 
     def needed(self, pol: "ScalePolicy", utilization: float) -> int | None:
         """Replicas that would carry the demand (arrivals, and the backlog drained over
@@ -141,7 +146,9 @@ class Signals:
     def brief(self) -> str:
         return (f"queue {self.queue_s * 1000:.0f} ms, depth/replica "
                 f"{self.depth_per_replica:.1f}, utilization {self.utilization:.2f}/"
-                f"{self.utilization_down:.2f}, {self.arrival_rps:.0f} req/s")
+                f"{self.utilization_down:.2f}, {self.arrival_rps:.0f} req/s"
+                + ("" if self.gpu_utilization is None
+                   else f", GPU busy {self.gpu_utilization:.0%}"))
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,16 @@ def _mean(samples: deque[tuple[float, Sample]], start: float, now: float,
             total += value(s) * (hi - lo)
             weight += hi - lo
     return total / weight if weight > 0 else 0.0
+
+
+def _gpu_mean(samples: deque[tuple[float, Sample]], start: float, now: float
+              ) -> float | None:
+    """The time-weighted GPU utilization over the samples that carry one, or None."""
+    known: deque[tuple[float, Sample]] = deque(
+        (t, s) for t, s in samples if s.gpu_utilization is not None)
+    if not known:
+        return None
+    return _mean(known, max(start, known[0][0]), now, lambda s: s.gpu_utilization or 0.0)
 
 
 class Controller:
@@ -254,7 +271,8 @@ class Controller:
             capacity_rps=last.capacity_rps if last is not None else 0.0,
             depth=last.depth if last is not None else 0,
             depth_before=before.depth if before is not None else 0,
-            recent_rps=late / max(now - mid, 1e-9))
+            recent_rps=late / max(now - mid, 1e-9),
+            gpu_utilization=_gpu_mean(m.samples, start, now))
 
     # -- deciding -----------------------------------------------------------
     def decide(self, model: str, now: float, serving: int, loading: int,

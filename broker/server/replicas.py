@@ -41,6 +41,14 @@ def policy_of(cfg: ModelConfig) -> ScalePolicy | None:
     return ScalePolicy.of(cfg.instances, cfg.autoscaling)
 
 
+def gpu_utilization(workers: list[WorkerState]) -> float | None:
+    """The mean utilization the workers' drivers last reported (heartbeats), or None when
+    none reports one."""
+    seen = [w.memory["gpu"]["utilization"] for w in workers
+            if (w.memory.get("gpu") or {}).get("utilization") is not None]
+    return sum(seen) / len(seen) if seen else None
+
+
 class Replicas:
     """Reads the catalog, the pool, the scheduler's queues and placement's memory plan;
     asks ``predict(model)`` for a batch's run time (the latency model), ``swapping(model)``
@@ -133,7 +141,8 @@ class Replicas:
         serving = self.serving(name)
         busy = sum(1 for w in serving if name in self.pool.busy_models(w))
         return Sample(now - oldest if oldest is not None else 0.0,
-                      self.scheduler.depth(name), busy, len(serving), self._capacity(name))
+                      self.scheduler.depth(name), busy, len(serving), self._capacity(name),
+                      gpu_utilization(serving))
 
     def _capacity(self, name: str) -> float:
         """One replica's requests/s at full batches, by the broker's latency model (0

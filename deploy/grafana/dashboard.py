@@ -87,6 +87,12 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Model versions' measured footprint", "bytes", [
             (f"max by (model, version, worker) (zeroserve_model_memory_measured_bytes{{{M}}})",
              "{{model}}/{{version}} on {{worker}}")]),
+        # GPU workers with nvidia-ml-py only (GPU_ONLY): the driver's view of each device
+        ("GPU busy and memory used, as the driver sees them", "percentunit", [
+            ("max by (instance) (zeroserve_gpu_utilization_ratio)", "busy {{instance}}"),
+            ('max by (instance) (zeroserve_gpu_driver_memory_bytes{kind="used"}) / '
+             'max by (instance) (zeroserve_gpu_driver_memory_bytes{kind="total"})',
+             "memory {{instance}}")]),
     ]),
     ("Tenants", [
         ("Admitted by tenant", "reqps", [
@@ -100,6 +106,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("tenant:zeroserve_tenant_queue_seconds:p99_5m", "{{tenant}}")]),
     ]),
 ]
+
+# series that only a GPU worker with nvidia-ml-py exports: a CPU host's scrape has none
+GPU_ONLY = ("zeroserve_gpu_utilization_ratio", "zeroserve_gpu_driver_memory_bytes")
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 

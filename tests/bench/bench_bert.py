@@ -108,9 +108,11 @@ async def closed_loop(url: Url, model: str, lengths: tuple[int, int], streams: i
 
 
 def in_process(module: Any, batch: int, lengths: tuple[int, int], padding: Any,
-               seconds: float = 3.0) -> float:
+               seconds: float = 3.0, device: str = "cpu") -> float:
     """Samples/s of the model called directly at ``batch``, lengths from the same draw:
-    padded, a batch of mixed lengths padded to its bucket; else a batch of one length."""
+    padded, a batch of mixed lengths padded to its bucket; else a batch of one length.
+    On ``device`` (the module is there already), each call with its copies in and out,
+    as a worker's batch has them."""
     import torch
 
     rng = np.random.default_rng(1)
@@ -127,7 +129,8 @@ def in_process(module: Any, batch: int, lengths: tuple[int, int], padding: Any,
                 mask = torch.ones((batch, n), dtype=torch.int64)
             ids = torch.from_numpy(rng.integers(0, VOCAB, (batch, n), dtype=np.int64))
             t = time.perf_counter()
-            module(ids, mask)
+            out = module(ids.to(device), mask.to(device))
+            out[1].cpu()   # the pooled output back, as served: waits for the device
             spent += time.perf_counter() - t
             done += batch
     return done / spent

@@ -78,8 +78,10 @@ def bert() -> tuple[torch.nn.Module, dict[str, Any], Callable[[int], tuple[torch
 
 
 def build(root: Path, module: torch.nn.Module, config: dict[str, Any],
-          inputs: Callable[[int], tuple[torch.Tensor, ...]]) -> dict[str, LoadedModel]:
-    """The three files, each in its own version folder, loaded by zeroserve's loader."""
+          inputs: Callable[[int], tuple[torch.Tensor, ...]], device: str = "cpu"
+          ) -> dict[str, LoadedModel]:
+    """The three files, each in its own version folder, loaded by zeroserve's loader on
+    ``device`` (the package compiled for it)."""
     sample = inputs(2)
     name = config["name"]
     dirs = {f: root / f"{name}_{f}" / "1" for f in FORMATS}
@@ -94,7 +96,7 @@ def build(root: Path, module: torch.nn.Module, config: dict[str, Any],
     torch.export.save(program, str(dirs["export"] / "model.pt2"))
     cfg = parse_config({**config, "platform": "pytorch_export"}, "bench")
     start = time.monotonic()
-    compile_package(dirs["export"] / "model.pt2", cfg, dirs["aoti"] / "model.pt2")
+    compile_package(dirs["export"] / "model.pt2", cfg, dirs["aoti"] / "model.pt2", device)
     print(f"  {config['name']}: AOTInductor package compiled in {time.monotonic() - start:.0f}s",
           file=sys.stderr)
     configs: dict[str, ModelConfig] = {
@@ -103,7 +105,7 @@ def build(root: Path, module: torch.nn.Module, config: dict[str, Any],
     for f, c in configs.items():   # a repository for --served
         (dirs[f].parent / "config.json").write_text(json.dumps(
             {**c.to_json(), "name": f"{name}_{f}", "warmup": {"batch_sizes": [1, 16]}}))
-    return {f: load(configs[f], 1, dirs[f], "cpu", rss_bytes) for f in FORMATS}
+    return {f: load(configs[f], 1, dirs[f], device, rss_bytes) for f in FORMATS}
 
 
 def measure(loaded: dict[str, LoadedModel], inputs: Callable[[int], tuple[torch.Tensor, ...]],
@@ -111,7 +113,9 @@ def measure(loaded: dict[str, LoadedModel], inputs: Callable[[int], tuple[torch.
     """Median ms per call, by format and batch; every round calls every format once at
     every batch size."""
     times: dict[str, dict[int, list[float]]] = {f: {b: [] for b in BATCHES} for f in FORMATS}
-    args = {b: inputs(b) for b in BATCHES}
+    device = next(iter(loaded.values())).device
+    args = {b: tuple(t.to(device) for t in inputs(b)) for b in BATCHES}
+    cuda = device.startswith("cuda")
     with torch.inference_mode():
         for f in FORMATS:   # first-shape costs are not the steady state
             for b in BATCHES:
@@ -121,6 +125,8 @@ def measure(loaded: dict[str, LoadedModel], inputs: Callable[[int], tuple[torch.
                 for f in FORMATS:
                     t = time.perf_counter()
                     loaded[f].fn(*args[b])
+                    if cuda:   # the call's own time, not its launch
+                        torch.cuda.synchronize()
                     times[f][b].append((time.perf_counter() - t) * 1000.0)
     return {f: {b: statistics.median(v) for b, v in by.items()} for f, by in times.items()}
 
@@ -154,7 +160,11 @@ def served(repo: Path, names: list[str], bodies: dict[str, Path], seconds: float
             if body is not None:
                 cmd += ["--input-data", str(body)]
             deadline = time.monotonic() + 600
-            while subprocess.run(cmd, capture_output=True).returncode != 0:
+            # until the server is up and the model answers every request (a bench run
+            # while it still loads exits 0 with errors)
+            while subprocess.run(cmd, capture_output=True).returncode != 0 or any(
+                    r["error_count"] or r["p50_ms"] is None
+                    for r in json.loads((runtime / "b.json").read_text())["levels"]):
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise SystemExit((runtime / "serve.log").read_text()[-3000:])
                 time.sleep(1)  # noqa: sleep-ok (polls a loading server until its deadline)

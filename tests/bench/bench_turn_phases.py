@@ -42,24 +42,20 @@ def timed(fn: Callable[[], Any], wall: list[float], cpu: list[float]) -> Any:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--turns", type=int, default=300)
-    ap.add_argument("--device", default=mm.worker_device())
-    ap.add_argument("--profile-top", type=int, default=14)
-    args = ap.parse_args()
+def measure(device: str, turns: int, profile_top: int = 14) -> dict[str, Any]:
+    """Each phase's median wall and CPU time in microseconds, and the profile's top lines."""
     torch.set_num_threads(1)
     repo = mm.repo_of(MODELS, mm.SIZES["8 MB"])
     try:
-        worker = Worker("ipc:///nonexistent", "bench/0", device=args.device)
+        worker = Worker("ipc:///nonexistent", "bench/0", device=device)
         names = [f"m{i}" for i in range(MODELS)]
         msgs = {n: p.LoadModel(n, 1, str(repo / n / "1"), linear_config(n)) for n in names}
         for n in names:   # each read from disk once, then known by its content
             reply = worker.load_version(msgs[n])
             assert reply.ok, reply.error
             msgs[n] = p.LoadModel(n, 1, msgs[n].path, msgs[n].config, sha256=reply.sha256)
-        x = torch.from_numpy(mm.X).to(args.device)
-        cuda = args.device.startswith("cuda")
+        x = torch.from_numpy(mm.X).to(device)
+        cuda = device.startswith("cuda")
 
         def batch(name: str) -> float:
             with torch.inference_mode():
@@ -77,10 +73,10 @@ def main() -> int:
         profile = cProfile.Profile()
         # timed first, then the same turns again under the profiler (its cost stays out
         # of the figures)
-        for i in range(args.turns + args.turns // 2):
+        for i in range(turns + turns // 2):
             take, park = names[i % MODELS], names[(i + 1) % MODELS]
             kept = names[(i + 2) % MODELS]
-            if i == args.turns:
+            if i == turns:
                 profile.enable()
             reply = timed(lambda: worker.load_version(msgs[take]), *phases["take back"])
             got = timed(lambda: batch(take), *phases["first batch"])
@@ -89,21 +85,35 @@ def main() -> int:
             assert reply.ok and got == float(take[1:]), (reply, got)
         profile.disable()
         for wall, cpu in phases.values():
-            del wall[args.turns:], cpu[args.turns:]
+            del wall[turns:], cpu[turns:]
         hits = worker.host_cache.hits
     finally:
         shutil.rmtree(repo, ignore_errors=True)
-    print(f"device {args.device}, torch {torch.__version__}; {args.turns} turns of 5 models "
-          f"of 8 MB, {hits} taken back from host memory; medians")
-    print(f"  {'phase':<12} {'wall us':>9} {'CPU us':>9}")
-    for name, (wall, cpu) in phases.items():
-        print(f"  {name:<12} {statistics.median(wall):>9.0f} {statistics.median(cpu):>9.0f}")
     out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.profile_top)
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(profile_top)
     lines = out.getvalue().splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip().startswith("ncalls"))
+    return {"device": device, "torch": torch.__version__, "turns": turns, "host_hits": hits,
+            "phases": {name: {"wall_us": round(statistics.median(wall), 1),
+                              "cpu_us": round(statistics.median(cpu), 1)}
+                       for name, (wall, cpu) in phases.items()},
+            "profile": [line for line in lines[start:] if line.strip()]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--turns", type=int, default=300)
+    ap.add_argument("--device", default=mm.worker_device())
+    ap.add_argument("--profile-top", type=int, default=14)
+    args = ap.parse_args()
+    got = measure(args.device, args.turns, args.profile_top)
+    print(f"device {args.device}, torch {got['torch']}; {args.turns} turns of 5 models "
+          f"of 8 MB, {got['host_hits']} taken back from host memory; medians")
+    print(f"  {'phase':<12} {'wall us':>9} {'CPU us':>9}")
+    for name, row in got["phases"].items():
+        print(f"  {name:<12} {row['wall_us']:>9.0f} {row['cpu_us']:>9.0f}")
     print(f"under a turn (cProfile, own time, {args.turns // 2} turns):")
-    print("\n".join("  " + line for line in lines[start:] if line.strip()))
+    print("\n".join("  " + line for line in got["profile"]))
     return 0
 
 

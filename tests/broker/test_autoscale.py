@@ -283,3 +283,28 @@ def test_policy_from_config() -> None:
                 {"autoscaling": {"nope": 1}}):
         with pytest.raises(ConfigError):
             parse_config({**base, **bad}, "t")
+
+
+def test_gpu_utilization_is_a_time_weighted_input_over_the_samples_that_carry_it() -> None:
+    s = Sim()
+    s.run(1.0, Sample(0.0, 0, 1, 1))   # CPU workers, or no nvidia-ml-py: no figure
+    assert s.c.signals("m", s.now).gpu_utilization is None
+    s.run(0.5, Sample(0.0, 0, 1, 1, gpu_utilization=0.9))
+    s.run(0.5, Sample(0.0, 0, 1, 1, gpu_utilization=0.3))
+    assert s.c.signals("m", s.now).gpu_utilization == pytest.approx(0.6, abs=0.04)
+
+
+@pytest.mark.parametrize("gpu", [0.0, 0.5, 1.0])
+def test_gpu_utilization_changes_no_decision_yet(gpu: float) -> None:
+    """An input the controller reads and reports; its decisions stay those of the tree."""
+    def decisions(with_gpu: bool) -> list[tuple[str, str]]:
+        s = Sim()
+        got = []
+        for load in [hot(1), hot(1), idle(2), idle(2), idle(2), hot(2)] * 2:
+            sample = Sample(load.queue_s, load.depth, load.busy, load.replicas,
+                            gpu_utilization=gpu if with_gpu else None)
+            s.run(1.5, sample, rate_rps=50)
+            d = s.apply(s.decide(serving=load.replicas))
+            got.append((d.action, d.reason))
+        return got
+    assert decisions(True) == decisions(False)

@@ -4,12 +4,16 @@ so a burst of load and its end take a fraction of a second."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.bench.simcluster import SimCluster, write_repo
+from tests.broker.rig import BrokerRig
+from zeroserve.broker import protocol as p
+from zeroserve.broker.server.replicas import gpu_utilization
 
 TUNING = {"queue_slo_ms": 20, "window_s": 1, "down_window_s": 3, "up_cooldown_s": 1,
           "down_cooldown_s": 2}
@@ -95,3 +99,18 @@ def test_fixed_count_places_exactly_that_many() -> None:
         assert len(sim.broker.pool.holders("m")) == 2
     finally:
         sim.close(repo)
+
+
+def test_the_controller_reads_the_gpu_utilization_the_workers_heartbeat(tmp_path: Path
+                                                                        ) -> None:
+    """What each worker's driver last said (its heartbeat's ``gpu``), averaged over the
+    replicas that report one: a CPU worker and a MIG slice (no utilization) count none."""
+    rig = BrokerRig(tmp_path)
+    states = [rig.worker(w, device=d) for w, d in
+              (("h/0", "cuda:0"), ("h/1", "cuda:0"), ("h/2", "cpu"), ("h/3", "cuda:0"))]
+    assert gpu_utilization(states) is None
+    for wid, busy in (("h/0", 0.9), ("h/1", 0.5), ("h/3", None)):
+        rig.from_worker(wid, p.WorkerHeartbeat({"gpu": {
+            "utilization": busy, "memory_used_bytes": 1 << 30,
+            "memory_total_bytes": 80 << 30}}, ""))
+    assert gpu_utilization(states) == pytest.approx(0.7)

@@ -267,10 +267,10 @@ def load_errors(srv: Server) -> dict[str, str]:
     return worker["load_errors"]  # type: ignore[no-any-return]
 
 
+# skipped before its fixture compiles the CPU packages (tens of seconds for nothing)
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_package_runs_on_the_workers_gpu(packages: Packages, tmp_path: Path) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     index = torch.cuda.device_count() - 1
     cfg = parse_config(config(), "t")
     vdir = tmp_path / "1"

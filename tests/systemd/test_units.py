@@ -65,7 +65,10 @@ def test_units_are_notify_hardened_and_stop_slower_than_they_drain() -> None:
         assert u["WatchdogSec"]
     assert unit("zeroserve-broker.service")["RuntimeDirectory"] == ["zeroserve"]
     assert unit("zeroserve-broker.service")["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
-    assert "CUDA_VISIBLE_DEVICES=%i" in unit("zeroserve-worker@.service")["Environment"]
+    worker = unit("zeroserve-worker@.service")
+    assert "CUDA_VISIBLE_DEVICES=%i" in worker["Environment"]
+    # a device map (a MIG slice per instance): the instance's own file, read last, wins
+    assert worker["EnvironmentFile"][-1] == "-/etc/zeroserve/worker-%i.env"
 
 
 def test_the_runtime_folder_systemd_makes_passes_the_brokers_own_check(tmp_path: Path

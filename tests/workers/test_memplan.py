@@ -107,7 +107,10 @@ def test_a_worker_reports_its_context_cost_and_learns_the_activation_term(
     assert weights <= plan["resident_bytes"] < weights + (8 << 20), plan
     rig.send(identity, p.BrokerHeartbeat(0.2, 5.0))
     _, beat = rig.expect(p.Kind.HEARTBEAT)
-    report = p.decode(p.WorkerHeartbeat, beat).memory
+    heartbeat = p.decode(p.WorkerHeartbeat, beat)
+    report = heartbeat.memory
+    # no device for the driver to see: no GPU signals, and no series made up for them
+    assert "gpu" not in report and "zeroserve_gpu_" not in heartbeat.metrics
     assert report["context_bytes"] == mem["context_bytes"]
     assert report["models"] == {"wide/1": plan["resident_bytes"]}
     assert report["plans"]["wide/1"]["activation_bytes_per_sample"] == per_sample

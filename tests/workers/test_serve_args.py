@@ -67,3 +67,33 @@ def test_workers_take_the_gpus_the_host_left_visible(
         monkeypatch: pytest.MonkeyPatch, visible: str, devices: list[str]) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert supervisor.visible_gpus() == devices
+
+
+MIG = [f"MIG-4f1b2c3d-0000-5000-8000-00000000000{i}" for i in range(7)]
+
+
+@pytest.mark.parametrize("devices, visible, workers, expected", [
+    ("", ["3", "5"], 0, ["3", "5"]),               # one worker per visible GPU
+    ("", [], 0, [None]),                           # a CPU host: one worker, as it is
+    ("", ["0"], 3, ["0", None, None]),             # more workers than GPUs
+    ("0,0", ["0", "1"], 0, ["0", "0"]),            # two workers share GPU 0
+    ("0,0", [], 2, ["0", "0"]),                    # --workers agreeing with the map
+    (",".join(MIG), ["0"], 0, MIG),                # one A100 in 7 slices, one worker each
+    (" GPU-8f2a , MIG-1c0d ", [], 0, ["GPU-8f2a", "MIG-1c0d"]),
+])
+def test_the_device_map_gives_each_worker_its_device(devices: str, visible: list[str],
+                                                    workers: int, expected: list[str | None]
+                                                    ) -> None:
+    assert supervisor.device_map(devices, visible, workers) == expected
+
+
+@pytest.mark.parametrize("devices, workers, why", [
+    ("0,,1", 0, "'' is not a device"),
+    ("0,-1", 0, "'-1' is not a device"),
+    ("MIG-a b", 0, "'MIG-a b' is not a device"),
+    ("0,0", 3, "names 2 device.s., one per worker, but --workers asks for 3"),
+])
+def test_a_device_map_that_cannot_be_meant_is_refused(devices: str, workers: int,
+                                                      why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        supervisor.device_map(devices, ["0"], workers)

@@ -322,11 +322,16 @@ class Client:
             left_ms = int((deadline - time.monotonic()) * 1000)
             events = dict(self._poller.poll(left_ms)) if left_ms > 0 else {}
             if self._sock in events:
+                # one message may hold answers to several requests (the parts one step of
+                # a batch of streams made): each is kept, not only the one awaited
+                mine: list[Any] = []
                 for _, got, answer in _decode_answers(self._sock.recv_multipart(copy=False)):
-                    if got == rid:
-                        return answer
-                    if got in self._inbox:
+                    if got == rid and not mine:
+                        mine.append(answer)
+                    elif got in self._inbox:
                         self._inbox[got].append(answer)
+                if mine:
+                    return mine[0]
             elif self._monitor in events:
                 if self._disconnected():
                     self._fail_streams(InferError(p.ErrorCode.UNAVAILABLE, LOST))

@@ -103,10 +103,14 @@ def sync_predict(predict: Any) -> Any:
 
 
 def load_handler(model: str, version: int, sha256: str, version_dir: Path,
-                 device: str, models: Any = None) -> tuple[Any, str]:
+                 device: str, models: Any = None,
+                 methods: tuple[str, ...] = ("predict",)) -> tuple[Any, str]:
     """Import ``model.py`` as a unique package, build ``Model()`` and call its load().
     A handler whose load() takes ``models`` is given ``models``: the client its
     predict() calls other models with (workers/bls.py builds it).
+
+    ``methods``: what the class must define beside load() (an iterative model's are
+    join() and step()).
 
     Returns (handler, package name). Raises HandlerError with the reason; on
     failure nothing of the package stays in ``sys.modules``.
@@ -137,7 +141,7 @@ def load_handler(model: str, version: int, sha256: str, version_dir: Path,
         if not isinstance(cls, type):
             raise HandlerError(f"{model}/{version}: model.py defines no class Model")
         handler = cls()
-        for method in ("load", "predict"):
+        for method in ("load", *methods):
             if not callable(getattr(handler, method, None)):
                 raise HandlerError(f"{model}/{version}: class Model has no {method}() method")
         if calls_models(handler):

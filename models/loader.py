@@ -138,6 +138,12 @@ def load_export(src: Source) -> Opened:
 
 
 def load_python(src: Source) -> Opened:
+    if src.cfg.max_sequences:
+        # an iterative model's worker calls join() and step() (workers/sequences.py)
+        handler, pkg = handlers.load_handler(src.cfg.name, src.version, src.sha256,
+                                             src.version_dir, src.device, src.models,
+                                             methods=("join", "step"))
+        return Opened(handler.step, handler=handler, package=pkg)
     handler, pkg = handlers.load_handler(src.cfg.name, src.version, src.sha256,
                                          src.version_dir, src.device, src.models)
     return Opened(handlers.sync_predict(handler.predict), handler=handler, package=pkg,
@@ -197,7 +203,9 @@ def _warm_sizes(cfg: ModelConfig) -> list[int]:
 def _run(loaded: LoadedModel, batch: int) -> None:
     args = sample_inputs(loaded.config, batch, loaded.device, loaded.min_sizes)
     named = {s.name: t for s, t in zip(loaded.config.inputs, args)}
-    if loaded.config.decoupled:
+    if loaded.config.max_sequences:
+        _run_sequences(loaded, named, batch)
+    elif loaded.config.decoupled:
         # a batch of one-row requests, run to its first response (what a deadline bounds)
         rows = [slice(i, i + 1) for i in range(batch)] if loaded.config.max_batch_size > 0 \
             else [slice(None)]
@@ -235,6 +243,25 @@ def _packed_sample(cfg: ModelConfig, args: list[torch.Tensor]) -> dict[str, torc
     named[CU_SEQLENS] = torch.arange(0, rows * length + 1, length, dtype=torch.int64,
                                      device=args[0].device)
     return named
+
+
+def _run_sequences(loaded: LoadedModel, named: dict[str, torch.Tensor], batch: int) -> None:
+    """An iterative model's warm-up: ``batch`` sequences joined (each a one-row request)
+    and one step of them all, then they leave."""
+    handler = loaded.handler
+    batched = loaded.config.max_batch_size > 0
+    ids = [-1 - i for i in range(min(batch, loaded.config.max_sequences))]   # not a request's
+    states = {}
+    try:
+        for i, seq in enumerate(ids):
+            rows = slice(i, i + 1) if batched else slice(None)
+            states[seq] = handler.join(seq, {k: v[rows] for k, v in named.items()})
+        handler.step(states)
+    finally:
+        leave = getattr(handler, "leave", None)
+        if leave is not None:
+            for seq in states:
+                leave(seq)
 
 
 def warm_up(loaded: LoadedModel, probe: Probe | None = None) -> dict[int, int]:

@@ -121,6 +121,10 @@ class ModelConfig:
     # Triton's model_transaction_policy.decoupled: a request gets a sequence of responses
     # (a Python handler whose predict is a generator; docs/streaming.md)
     decoupled: bool = False
+    # an iterative model (``"sequences": {"max": N}``): a decoupled handler whose worker runs
+    # its steps, up to N sequences at once, joining and retiring them at every step
+    # (continuous batching; docs/generation.md). 0: not iterative
+    max_sequences: int = 0
     # Triton's response_cache.enable: identical requests answered by the broker from
     # its response cache (docs/many-models.md)
     response_cache: bool = False
@@ -147,6 +151,8 @@ class ModelConfig:
             out["ensemble_scheduling"] = {"step": [s.to_json() for s in self.ensemble]}
         out["model_transaction_policy"] = {"decoupled": out.pop("decoupled")}
         out["response_cache"] = {"enable": out.pop("response_cache")}
+        if out.pop("max_sequences"):
+            out["sequences"] = {"max": self.max_sequences}
         if self.text is None:
             del out["text"]
         else:
@@ -234,7 +240,7 @@ _DB_FIELDS = {f: f for f in DynamicBatching.__dataclass_fields__}
 _TOP_FIELDS = {"name", "platform", "inputs", "outputs", "max_batch_size", "dynamic_batching",
                "version_policy", "traffic", "instances", "warmup", "input_shape", "backend",
                "optional", "autoscaling", "model_transaction_policy", "response_cache",
-               "rollout", "ensemble_scheduling", "load_on_demand", "text"}
+               "rollout", "ensemble_scheduling", "load_on_demand", "text", "sequences"}
 TOKEN_COSTS = ("padded", "packed")
 # a text model's queue holds one entry per text: a request of 2,048 texts fits many times
 TEXT_QUEUE_SIZE = 16384
@@ -481,6 +487,8 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     if not isinstance(optional, bool):
         raise _fail(where, "optional", f"must be true or false, got {optional!r}")
     decoupled = _transaction_policy(where, raw.get("model_transaction_policy"), platform)
+    max_sequences = _sequences(where, raw, platform)
+    decoupled = decoupled or max_sequences > 0
     if not outputs:
         _check_discoverable(where, inputs, decoupled)
     cache = _response_cache(where, raw.get("response_cache"), decoupled)
@@ -513,7 +521,8 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
         autoscaling=autoscaling,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
-        optional=optional, decoupled=decoupled, response_cache=cache, ensemble=steps,
+        optional=optional, decoupled=decoupled, max_sequences=max_sequences,
+        response_cache=cache, ensemble=steps,
         load_on_demand=on_demand, text=text)
 
 
@@ -641,6 +650,30 @@ def _transaction_policy(where: str, raw: Any, platform: str) -> bool:
                     f"needs platform 'python' (a handler whose predict yields responses), "
                     f"not {platform!r}")
     return decoupled
+
+
+# the platforms whose models can run as sequences: a handler with join and step
+ITERATIVE_PLATFORMS = ("python",)
+
+
+def _sequences(where: str, raw: dict[str, Any], platform: str) -> int:
+    """``{"max": N}``: an iterative model, N sequences at once. It answers with a stream,
+    so it is decoupled; a config that says ``decoupled: false`` contradicts itself."""
+    given = raw.get("sequences")
+    if given is None:
+        return 0
+    if not isinstance(given, dict) or set(given) != {"max"}:
+        raise _fail(where, "sequences", 'must be {"max": N}, N the sequences run at once')
+    most = _int(where, "sequences.max", given["max"], 1)
+    if platform not in ITERATIVE_PLATFORMS:
+        allowed = " or ".join(map(repr, ITERATIVE_PLATFORMS))
+        raise _fail(where, "sequences", f"needs platform {allowed} (a handler with join() "
+                    f"and step()), not {platform!r}")
+    policy = raw.get("model_transaction_policy")
+    if isinstance(policy, dict) and policy.get("decoupled") is False:
+        raise _fail(where, "model_transaction_policy.decoupled", "is false, but an iterative "
+                    "model (sequences) answers with a stream: leave it out or set it true")
+    return most
 
 
 def _response_cache(where: str, raw: Any, decoupled: bool) -> bool:

@@ -51,8 +51,9 @@ def row_slices(loaded: LoadedModel, sizes: Sequence[int]) -> list[slice]:
     return out
 
 
-def _tensors(loaded: LoadedModel, outputs: Any, rows: int,
+def response_tensors(loaded: LoadedModel, outputs: Any, rows: int,
              wanted: Sequence[str] | None) -> list[p.Tensor]:
+    """One response's outputs of a request of ``rows`` rows, the ones it asked for."""
     values = handler_outputs(loaded, outputs)
     tensors = []
     for spec, value in zip(loaded.config.outputs, values):
@@ -90,7 +91,7 @@ def parts_of(loaded: LoadedModel, batch: p.Batch, sizes: Sequence[int], out: Any
                 raise BatchError(f"request {index}: an empty response must be final")
             tensors: list[p.Tensor] = []
         else:
-            tensors = _tensors(loaded, outputs, sizes[index], item.outputs)
+            tensors = response_tensors(loaded, outputs, sizes[index], item.outputs)
         parts.append(p.PartialItem(item.request_id, final, tensors))
         if final:
             del running[index]

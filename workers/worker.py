@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import functools
 import gc
+import itertools
 import logging
 import math
 import os
@@ -51,6 +52,7 @@ from zeroserve.models import handlers
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import parse_config
 from zeroserve.workers import batching, bls, discovery, gpustats, memory, streaming
+from zeroserve.workers.sequences import SequenceTable
 from zeroserve.workers.hostcache import DEFAULT_HOST_CACHE_BYTES, HostCache, files_stamp
 from zeroserve.workers.callers import CallerThreads
 from zeroserve.workers.channel import BrokerChannel, drain
@@ -114,6 +116,11 @@ class Worker:
         # already (STOP); the main thread adds, the compute thread reads and forgets
         self._stops: dict[int, set[str]] = {}
         self._stops_lock = threading.Lock()
+        # iterative models' running sequences, by the loaded version they run on (the
+        # compute thread's alone); while one is busy the compute thread steps it between
+        # the batches it runs, and the main thread reads the socket
+        self._tables: dict[int, SequenceTable] = {}
+        self._seq_ids = itertools.count(1)
         self.drain_timeout_s = drain_timeout_s
         self.stopping = False
         self._draining = False
@@ -150,6 +157,11 @@ class Worker:
         self.m_expired = Counter("zeroserve_worker_expired_requests",
                                  "Requests not run because their deadline passed first",
                                  registry=r)
+        self.m_sequences = Gauge("zeroserve_worker_sequences",
+                                 "Sequences an iterative model runs on this worker now",
+                                 ["model"], registry=r)
+        self.m_steps = Counter("zeroserve_worker_steps", "Steps an iterative model ran",
+                               ["model"], registry=r)
         self.m_memory = Gauge("zeroserve_worker_memory_bytes", "Worker resident memory",
                               registry=r)
         self.m_model_memory = Gauge("zeroserve_model_memory_bytes",
@@ -431,8 +443,14 @@ class Worker:
         poller.register(wake.fileno(), select.POLLIN)
         polled = -1
         while not self._closing:
+            if self._jobs:
+                self._run(self._jobs.popleft())
+                continue
+            if self._tables:
+                self._step()   # a step boundary: what came meanwhile ran or joined first
+                continue
             try:
-                job = self._jobs.popleft() if self._jobs else self._read_batch()
+                job = self._read_batch()
             except (zmq.ZMQError, OSError) as exc:  # the main thread closed it: we are exiting
                 logger.debug("compute thread stops reading: %s", exc)
                 return
@@ -476,10 +494,15 @@ class Worker:
             result = p.BatchResult(batch.batch_id, [], 0.0, retry=True, error=(
                 f"model {batch.model}/{batch.version} is not loaded on "
                 f"worker {self.worker_id}"))
+        elif loaded.config.max_sequences:
+            self._table(loaded).join(batch, taken_ns)   # at the next step boundary
+            self._handed = True   # the main thread reads meanwhile (STOPs, joins)
+            self.channel.wake_main()
+            return
         elif loaded.calls_models:
             # it may wait on models this very worker runs: off the compute thread
             self._callers.run(loaded, batch, start_by, taken_ns)
-            self._busy_since = None
+            self._settle()
             return
         else:
             units = batching.units(loaded, batch.items)
@@ -493,9 +516,34 @@ class Worker:
             if not loaded.config.decoupled:
                 self._last_run[(batch.model, batch.version)] = (result.compute_ms / 1e3, units)
         self._finish(batch, result, taken_ns)
-        self._handed = False
-        self._busy_since = None
+        self._settle()
         del loaded, result  # hold no version between batches: unloads free it
+
+    def _settle(self) -> None:
+        """The compute thread is idle after a batch, or steps sequences on."""
+        self._handed = bool(self._tables)
+        self._busy_since = time.monotonic() if self._tables else None
+
+    def _table(self, loaded: LoadedModel) -> SequenceTable:
+        table = self._tables.get(id(loaded))
+        if table is None:
+            table = self._tables[id(loaded)] = SequenceTable(
+                loaded, lambda part: self._send_result(p.encode_partial(part)),
+                self._finish, self._stopped, self._seq_ids)
+        return table
+
+    def _step(self) -> None:
+        """One step of every iterative model with sequences; a table with none left
+        goes (it holds its version)."""
+        for key, table in list(self._tables.items()):
+            name = table.loaded.name
+            if table.step():
+                self.m_steps.labels(name).inc()
+            self.m_sequences.labels(name).set(table.running)
+            if not table.busy:
+                del self._tables[key]
+        if not self._tables:
+            self._settle()
 
     def _execute(self, loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
         """Run a batch (on the compute thread, or a caller thread: workers/callers.py)."""

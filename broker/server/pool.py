@@ -67,7 +67,7 @@ class WorkerState:
     __slots__ = ("_identity", "_worker_id", "_credits", "_info", "_last_seen_s",
                  "_loading", "_load_errors", "_inflight", "_waiting", "_draining", "_stalled",
                  "_exiting", "_recycle", "_metrics_text", "_memory", "_loaded", "_versions",
-                 "_load_s")
+                 "_load_s", "_sequences")
 
     def __init__(self, identity: bytes, worker_id: str, credits: int, last_seen_s: float,
                  info: dict[str, Any]) -> None:
@@ -95,6 +95,9 @@ class WorkerState:
         # the seconds the worker spent loading each version it holds, as it said: what a
         # load costs it (the broker's own measure adds the wait before and after)
         self._load_s: dict[ModelVersion, float] = {}
+        # batches of iterative models whose requests run as sequences there: they hold
+        # sequence slots (counted by their open requests), not a credit
+        self._sequences: set[int] = set()
 
     def __repr__(self) -> str:
         return f"WorkerState({self._worker_id!r})"
@@ -110,6 +113,7 @@ class WorkerState:
     load_s: ReadOnly[Mapping[ModelVersion, float]] = ReadOnly()
     inflight: ReadOnly[Sequence[int]] = ReadOnly()
     waiting: ReadOnly[AbstractSet[int]] = ReadOnly()
+    sequences: ReadOnly[AbstractSet[int]] = ReadOnly()
     draining: ReadOnly[bool] = ReadOnly()
     stalled: ReadOnly[bool] = ReadOnly()
     exiting: ReadOnly[bool] = ReadOnly()
@@ -142,6 +146,7 @@ class WorkerState:
             "credits": self._credits,
             "inflight_batches": len(self._inflight),
             "waiting_batches": len(self._waiting),
+            "sequence_batches": len(self._sequences),
             "models": sorted(str(k) for k in self._loaded),
             "loading": sorted(str(k) for k in self._loading),
             "load_errors": {str(k): e for k, e in self._load_errors.items()},
@@ -230,6 +235,24 @@ class WorkerPool:
                     best = w
         return best
 
+    def running_sequences(self, worker: WorkerState, model: str) -> int:
+        """The requests of ``model`` running as sequences on ``worker`` (open ones: a
+        final part or a stop frees the slot)."""
+        return sum(len(rec.entries) for b in worker.sequences
+                   if (rec := self.inflight[b]).model == model)
+
+    def sequence_holder(self, model: str, most: int) -> tuple[WorkerState | None, int]:
+        """The worker holding an iterative ``model`` with the most free sequence slots of
+        ``most``, and how many; (None, 0) when every slot is taken."""
+        best, free = None, 0
+        for w in self.holders(model):
+            if w.draining or w.stalled:
+                continue
+            left = most - self.running_sequences(w, model)
+            if left > free:
+                best, free = w, left
+        return best, free
+
     def named(self, worker_id: str) -> WorkerState:
         worker = self.by_id(worker_id)
         if worker is None:
@@ -285,10 +308,12 @@ class WorkerPool:
         self.changes += 1
         if not quiet:
             logger.warning("worker %s removed: %s", worker.worker_id, loss.value)
-        lost = [self.inflight.pop(b) for b in (*worker.inflight, *worker.waiting)
+        lost = [self.inflight.pop(b) for b in (*worker.inflight, *worker.waiting,
+                                               *sorted(worker.sequences))
                 if b in self.inflight]
         worker._inflight = []
         worker._waiting = set()
+        worker._sequences = set()
         return lost
 
     # -- batches ------------------------------------------------------------
@@ -296,16 +321,18 @@ class WorkerPool:
                    entries: list[Entry], items: list[p.BatchItem], reason: str, now: float,
                    exec_s: float, stream: bool = False,
                    trace: p.BatchTrace | None = None,
-                   callers: Sequence[p.Caller] | None = None
-                   ) -> Inflight | None:
-        """Send a batch; None (and the worker is unreachable) if the send failed."""
+                   callers: Sequence[p.Caller] | None = None,
+                   sequences: bool = False) -> Inflight | None:
+        """Send a batch; None (and the worker is unreachable) if the send failed.
+        ``sequences``: an iterative model's, whose requests join the worker's running
+        sequences: it holds their slots rather than a credit, and starts at once."""
         batch_id = next(self._batch_ids)
         tightest = min(e.deadline_s for e in entries)
         rec = Inflight(batch_id, worker.identity, model, version,
                        {it.request_id: e for it, e in zip(items, entries)},
                        sum(e.samples for e in entries), reason, now,
                        now + exec_s if exec_s > 0 else math.inf, stream,
-                       math.inf if worker.inflight else now,
+                       math.inf if worker.inflight and not sequences else now,
                        rec_units(entries))
         frames = p.encode_batch(p.Batch(batch_id, model, version, items,
                                         (tightest - now) * 1000.0 if tightest < math.inf else 0,
@@ -313,6 +340,9 @@ class WorkerPool:
         if not self._send(worker.identity, frames):
             return None
         self.inflight[batch_id] = rec
+        if sequences:
+            worker._sequences.add(batch_id)
+            return rec
         worker._inflight.append(batch_id)
         if len(worker.inflight) > 1:
             self._stacked[worker.identity] = worker
@@ -326,6 +356,9 @@ class WorkerPool:
             worker = self.workers.get(rec.worker)
             if worker is not None:
                 worker._waiting.discard(batch_id)
+                if batch_id in worker.sequences:
+                    worker._sequences.discard(batch_id)
+                    self.changes += 1
                 self._off_queue(worker, batch_id)
         return rec
 
@@ -523,7 +556,8 @@ class WorkerPool:
 
     def drained(self) -> Iterable[WorkerState]:
         """Workers leaving with nothing of ours in flight: they may go now."""
-        return [w for w in self._leaving.values() if not w.inflight and not w.waiting]
+        return [w for w in self._leaving.values()
+                if not w.inflight and not w.waiting and not w.sequences]
 
     def release(self, worker: WorkerState) -> None:
         """A drained worker that is leaving: tell it to exit and forget it."""

@@ -96,6 +96,7 @@ class RequestPath:
         out.update({
             "pool.inflight": len(self.pool.inflight),
             "pool.worker_batches": sum(len(w.inflight) for w in self.pool.workers.values()),
+            "pool.worker_sequences": sum(len(w.sequences) for w in self.pool.workers.values()),
             "tenancy.open": self.tenancy.open_count(), **self.pipelines.census(),
             **{f"streams.{k}": n for k, n in self.streams.sizes().items()}})
         return out
@@ -421,15 +422,16 @@ class RequestPath:
     def _dispatch_model(self, model: CatalogModel, now: float) -> None:
         name = model.config.name
         while True:
+            if model.config.max_sequences:
+                # an iterative model's requests join the sequences running on a worker at
+                # its next step: as many as it has free slots, whatever else it runs
+                worker, free = self.pool.sequence_holder(name, model.config.max_sequences)
+                if worker is None or not self._take(worker, model, now, now, free):
+                    return
+                continue
             worker = self.pool.free_holder(name)
             if worker is None:
                 return
-            held, default = worker.versions_of(name), model.default_version
-
-            def resolve(e: Entry, held: set[int] = held, default: int = default) -> int | None:
-                v = e.version if e.version is not None else default
-                return v if v in held else None
-
             predict = self.latency.predictor(name, worker.worker_id)
             busy = bool(worker.inflight)
             queued = self.scheduler.queued_samples(name)
@@ -439,21 +441,33 @@ class RequestPath:
                 return  # its result frees it
             half = self.gate.split(name, now, busy, worker.free, queued,
                                    self.scheduler.queued_units(name) / max(queued, 1), predict)
-            decision = self.scheduler.take(name, now, predict, resolve,
-                                           start_s=self._busy_until(worker, now),
-                                           max_samples=half)
-            if decision is None:
+            if not self._take(worker, model, now, self._busy_until(worker, now), half):
                 return
-            for entry in decision.doomed:
-                self.answer_error(entry, p.ErrorCode.DEADLINE,
-                                  "deadline cannot be met: the work ahead of this request "
-                                  "takes longer than its remaining time")
-            if not decision.entries:
-                if decision.doomed:
-                    continue
-                return
-            self._send_batch(worker, model, decision.entries, decision.reason, now,
-                             decision.tokens, decision.padded_tokens)
+
+    def _take(self, worker: WorkerState, model: CatalogModel, now: float, start_s: float,
+              max_samples: int | None) -> bool:
+        """A batch for ``worker`` taken from the queue and sent; False when the queue has
+        none for it now."""
+        name = model.config.name
+        held, default = worker.versions_of(name), model.default_version
+
+        def resolve(e: Entry, held: set[int] = held, default: int = default) -> int | None:
+            v = e.version if e.version is not None else default
+            return v if v in held else None
+
+        decision = self.scheduler.take(name, now, self.latency.predictor(name, worker.worker_id),
+                                       resolve, start_s=start_s, max_samples=max_samples)
+        if decision is None:
+            return False
+        for entry in decision.doomed:
+            self.answer_error(entry, p.ErrorCode.DEADLINE,
+                              "deadline cannot be met: the work ahead of this request "
+                              "takes longer than its remaining time")
+        if not decision.entries:
+            return bool(decision.doomed)
+        self._send_batch(worker, model, decision.entries, decision.reason, now,
+                         decision.tokens, decision.padded_tokens)
+        return True
 
     def _send_batch(self, worker: WorkerState, model: CatalogModel, entries: list[Entry],
                     reason: str, now: float, tokens: int = 0, padded_tokens: int = 0
@@ -467,7 +481,7 @@ class RequestPath:
                                    now, exec_s, model.config.decoupled,
                                    _batch_trace(entries, now),
                                    _callers(entries, now) if model.config.platform == "python"
-                                   else None)
+                                   else None, sequences=model.config.max_sequences > 0)
         if rec is None:
             self.worker_lost(self.pool.remove(worker, Loss.UNREACHABLE), Loss.UNREACHABLE,
                              worker.worker_id, now)

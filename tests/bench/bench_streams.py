@@ -47,18 +47,18 @@ class Figures:
     def row(self, name: str) -> str:
         q = statistics.quantiles(self.first_s, n=10) if len(self.first_s) > 1 else \
             [self.first_s[0]] * 9
-        return (f"{name:<22} {statistics.median(self.first_s) * 1000:>9.2f} "
+        return (f"{name:<30} {statistics.median(self.first_s) * 1000:>9.2f} "
                 f"{q[8] * 1000:>9.2f} {self.responses / self.wall_s:>12,.0f}")
 
 
-def in_process(tokens: int, concurrency: int, rounds: int) -> Figures:
+def in_process(tokens: int, concurrency: int, rounds: int, model: Path = CHARGEN) -> Figures:
     import torch
 
     from zeroserve.models.loader import load
     from zeroserve.models.repository import load_config
 
-    cfg = load_config(CHARGEN)
-    loaded = load(cfg, 1, CHARGEN / "1", "cpu", lambda: 0)
+    cfg = load_config(model)
+    loaded = load(cfg, 1, model / "1", "cpu", lambda: 0)
     fig = Figures()
     start = time.perf_counter()
     for r in range(rounds):
@@ -148,7 +148,7 @@ def main() -> None:
     try:
         print(f"chargen, {args.tokens} responses a request, 1 worker; time to first "
               f"response (ms) and responses/s")
-        print(f"{'':<22} {'TTFR p50':>9} {'TTFR p90':>9} {'responses/s':>12}")
+        print(f"{'':<30} {'TTFR p50':>9} {'TTFR p90':>9} {'responses/s':>12}")
         for c in (int(x) for x in args.concurrency.split(",")):
             rounds = max(1, args.streams // c)
             runs: list[tuple[str, Callable[[], Figures]]] = [

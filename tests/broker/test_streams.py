@@ -124,13 +124,13 @@ def test_the_transaction_policy_is_parsed_validated_and_written_back() -> None:
 # -- the request path -------------------------------------------------------------
 
 class Harness:
-    def __init__(self, exec_ms: float = 30000.0) -> None:
+    def __init__(self, exec_ms: float = 30000.0, **config: Any) -> None:
         self.now = 0.0
         self.to_workers: list[tuple[bytes, list[Any]]] = []
         self.to_clients: list[tuple[bytes, list[Any]]] = []
         self.catalog = Catalog(Path("/nonexistent"))
-        cfg = parse_config(decoupled_config(dynamic_batching={"max_execution_ms": exec_ms}),
-                           "test")
+        cfg = parse_config(decoupled_config(dynamic_batching={"max_execution_ms": exec_ms},
+                                            **config), "test")
         model = CatalogModel(cfg, Path("/nonexistent/s"), (1,), {1})
         self.catalog.models["s"] = model
         self.scheduler = Scheduler()
@@ -152,9 +152,10 @@ class Harness:
         self.pool.register(name.encode(), p.WorkerReady(name, credits=2, models=[["s", 1]]),
                            self.now)
 
-    def request(self, rid: str, stream: bool = True, timeout_ms: float = 0.0) -> None:
+    def request(self, rid: str, stream: bool = True, timeout_ms: float = 0.0,
+                priority: int = 0) -> None:
         req = p.InferRequest(rid, "s", [p.from_numpy("input", np.ones((1, 4), np.float32))],
-                             timeout_ms=timeout_ms, stream=stream)
+                             priority=priority, timeout_ms=timeout_ms, stream=stream)
         _, header, bufs = frames_of(p.encode_request(req))
         self.path.on_request(b"client", header, bufs, self.now)
 

@@ -1,0 +1,120 @@
+"""The broker's side of iterative models (continuous batching), without sockets: a worker
+takes as many requests as it has free sequence slots, whatever its batch credits; a final
+part or a stop frees a slot at once and the queue's next request, by priority, is sent;
+a lost worker's sequences end once (an error after a response, a retry before one); a
+draining worker waits for its sequences."""
+
+from __future__ import annotations
+
+from zeroserve.broker import protocol as p
+from zeroserve.broker.server.pool import Loss
+from tests.broker.test_streams import Harness
+
+
+def harness(most: int = 3) -> Harness:
+    h = Harness(sequences={"max": most})
+    h.worker("w")   # 2 batch credits
+    return h
+
+
+def ids(batch: p.Batch) -> list[str]:
+    return [i.request_id for i in batch.items]
+
+
+def test_a_worker_takes_requests_up_to_its_free_sequence_slots() -> None:
+    h = harness(most=3)
+    for rid in "abcde":
+        h.request(rid)
+    h.path.dispatch(h.now)
+    [(w, first)] = h.batches()
+    assert len(first.items) == 3   # 3 slots, though the model batches 4
+    h.path.dispatch(h.now)
+    assert h.batches() == []       # every slot held: d and e wait
+    h.request("f")                 # a third batch would exceed its 2 credits: not a limit
+    h.partial(w, first, [("0", True), ("1", False), ("2", True)])
+    h.path.dispatch(h.now)
+    [(_, second)] = h.batches()
+    assert len(second.items) == 2  # two slots freed by two final parts
+    worker = h.pool.get(w)
+    assert worker is not None and worker.inflight == [] and len(worker.sequences) == 2
+    assert h.pool.running_sequences(worker, "s") == 3
+
+
+def test_a_freed_slot_goes_to_the_highest_priority_waiting() -> None:
+    h = harness(most=1)
+    h.request("running", priority=2)
+    h.path.dispatch(h.now)
+    [(w, batch)] = h.batches()
+    h.request("low", priority=2)
+    h.request("high", priority=1)
+    h.partial(w, batch, [("0", True)])
+    h.path.dispatch(h.now)
+    [(_, nxt)] = h.batches()
+    assert len(nxt.items) == 1
+    h.partial(w, nxt, [("0", False)])
+    assert h.answers()["high"] == [("part", (0, False))]
+    assert "low" not in h.answers()
+
+
+def test_a_cancel_frees_its_slot_before_the_worker_stops_it() -> None:
+    h = harness(most=1)
+    h.request("a")
+    h.request("b")
+    h.path.dispatch(h.now)
+    [(w, first)] = h.batches()
+    h.path.on_cancel(b"client", "a")
+    assert h.stops() == [p.Stop(first.batch_id, ["0"])]
+    h.path.dispatch(h.now)
+    [(_, second)] = h.batches()    # the worker queues it until a slot frees there
+    h.end(w, first)                # the worker's RESULT once a left
+    h.partial(w, second, [("0", True)])
+    h.end(w, second)
+    assert h.finals() == {"a": 1, "b": 1} and h.empty()
+
+
+def test_a_lost_worker_ends_its_sequences_once() -> None:
+    h = harness(most=4)
+    h.worker("other")
+    for rid in "ab":
+        h.request(rid)
+    h.path.dispatch(h.now)
+    sent = h.batches()
+    w, batch = sent[0]
+    items = {i.request_id for _, b in sent for i in b.items}
+    assert items == {"0", "1"}
+    h.partial(w, batch, [(batch.items[0].request_id, False)])
+    worker = h.pool.get(w)
+    assert worker is not None
+    lost = h.pool.remove(worker, Loss.CRASHED)
+    assert {r.batch_id for r in lost} == {b.batch_id for i, b in sent if i == w}
+    h.path.worker_lost(lost, Loss.CRASHED, "w", h.now)
+    h.path.dispatch(h.now)
+    responded = [rid for rid, got in h.answers().items() if got[0][0] == "part"]
+    assert len(responded) == 1
+    assert h.answers()[responded[0]][-1] == ("error", "worker_lost")
+    for i, b in h.batches():       # what had not answered runs again on the other worker
+        assert i == b"other"
+        h.partial(i, b, [(it.request_id, True) for it in b.items])
+        h.end(i, b)
+    for i, b in sent:
+        if i == b"other":
+            h.partial(i, b, [(it.request_id, True) for it in b.items])
+            h.end(i, b)
+    assert set(h.finals().values()) == {1} and h.empty()
+
+
+def test_a_draining_worker_waits_for_its_sequences() -> None:
+    h = harness(most=2)
+    h.request("a")
+    h.path.dispatch(h.now)
+    [(w, batch)] = h.batches()
+    worker = h.pool.get(w)
+    assert worker is not None
+    h.pool.leave(worker)
+    assert list(h.pool.drained()) == []
+    h.request("b")
+    h.path.dispatch(h.now)
+    assert h.batches() == []       # no new sequence on a leaving worker
+    h.partial(w, batch, [("0", True)])
+    h.end(w, batch)
+    assert list(h.pool.drained()) == [worker]

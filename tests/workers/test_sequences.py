@@ -1,0 +1,223 @@
+"""The worker's sequence table (workers/sequences.py), in-process with real torch: requests
+join at step boundaries up to ``sequences.max``, each step's responses go out as one
+PARTIAL per join, a stopped sequence leaves at the next step, a join's RESULT follows its
+last request, and the handler contract is checked with a message."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from zeroserve.broker import protocol as p
+from zeroserve.models.loader import LoadedModel
+from zeroserve.models.repository import ConfigError, parse_config
+from zeroserve.workers.sequences import SequenceTable
+from tests.conftest import linear_config
+
+
+class Counter:
+    """Counts each sequence up to its input's first value; answers [count, step, running]."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.joined: list[Any] = []
+        self.left: list[Any] = []
+        self.fail_step: int | None = None
+
+    def join(self, seq_id: int, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
+        x = inputs["input"]
+        assert x.shape == (1, 4)
+        if float(x[0, 1]) == -2.0:
+            raise ValueError("refused on purpose")
+        self.joined.append(seq_id)
+        return {"left": int(x[0, 0]), "sent": 0}
+
+    def step(self, states: dict[int, dict[str, int]]) -> dict[int, Any]:
+        self.steps += 1
+        if self.steps == self.fail_step:
+            raise RuntimeError("step failed on purpose")
+        out = {}
+        for seq_id, st in states.items():
+            if st["left"] == 0:
+                out[seq_id] = (None, True)
+                continue
+            st["sent"] += 1
+            out[seq_id] = ({"output": torch.tensor([[st["sent"], self.steps, len(states)]],
+                                                   dtype=torch.float32)},
+                           st["sent"] >= st["left"])
+        return out
+
+    def leave(self, seq_id: int) -> None:
+        self.left.append(seq_id)
+
+
+def config(most: int = 2) -> Any:
+    return parse_config({**linear_config("c", mbs=8), "platform": "python",
+                         "sequences": {"max": most}}, "test")
+
+
+class Rig:
+    def __init__(self, most: int = 2, handler: Any = None) -> None:
+        self.handler = handler or Counter()
+        loaded = LoadedModel("c", 1, config(most), "0" * 64, self.handler.step, "cpu",
+                             handler=self.handler, version_dir=Path("/nonexistent"))
+        self.parts: list[tuple[int, str, bool, list[float]]] = []
+        self.results: list[p.BatchResult] = []
+        self.stops: dict[int, set[str]] = {}
+        self.table = SequenceTable(loaded, self._emit, self._finish,
+                                   lambda b: frozenset(self.stops.get(b, ())),
+                                   itertools.count(1))
+        self._ids = itertools.count(1)
+
+    def _emit(self, part: p.Partial) -> None:
+        for x in part.parts:
+            values = p.to_numpy(x.tensors[0]).reshape(-1).tolist() if x.tensors else []
+            self.parts.append((part.batch_id, x.item, x.final, values))
+
+    def _finish(self, batch: p.Batch, result: p.BatchResult, taken_ns: int) -> None:
+        self.results.append(result)
+
+    def join(self, *counts: float, flag: float = 0.0) -> int:
+        batch_id = next(self._ids)
+        items = [p.BatchItem(f"r{batch_id}.{i}", [p.from_numpy(
+            "input", np.array([[n, flag, 0, 0]], np.float32))]) for i, n in enumerate(counts)]
+        self.table.join(p.Batch(batch_id, "c", 1, items), 0)
+        return batch_id
+
+    def of(self, item: str) -> list[tuple[bool, list[float]]]:
+        return [(final, v) for _, i, final, v in self.parts if i == item]
+
+
+def test_a_request_joins_at_the_next_step_while_others_run() -> None:
+    rig = Rig(most=4)
+    long = rig.join(50)
+    for _ in range(5):
+        assert rig.table.step()
+    short = rig.join(2)
+    rig.table.step()
+    rig.table.step()
+    got = rig.of(f"r{short}.0")
+    # joined at the step boundary after it came: its first response is from step 6
+    assert got == [(False, [1.0, 6.0, 2.0]), (True, [2.0, 7.0, 2.0])]
+    assert [r.batch_id for r in rig.results] == [short]   # its RESULT, the long one runs on
+    assert rig.results[0].error is None
+    assert len(rig.of(f"r{long}.0")) == 7 and rig.table.busy
+
+
+def test_sequences_beyond_the_maximum_wait_for_a_slot() -> None:
+    rig = Rig(most=2)
+    rig.join(3, 1, 3)
+    while rig.table.busy:
+        rig.table.step()
+    assert max(v[2] for *_, v in rig.parts) == 2   # never more than 2 in a step
+    # the third joined at the boundary after the second ended (step 1), so ran steps 2-4
+    assert [v[1] for _, v in rig.of("r1.2")] == [2.0, 3.0, 4.0]
+    assert [len(rig.of(f"r1.{i}")) for i in range(3)] == [3, 1, 3]
+    assert len(rig.results) == 1 and rig.results[0].error is None   # once all three left
+    assert sorted(rig.handler.left) == sorted(rig.handler.joined)
+
+
+def test_a_stopped_sequence_leaves_at_the_next_step_and_frees_its_slot() -> None:
+    rig = Rig(most=1)
+    first = rig.join(100)
+    second = rig.join(1)
+    rig.table.step()
+    rig.stops[first] = {f"r{first}.0"}
+    rig.table.step()   # the first leaves, the second joins and ends in the same step
+    assert rig.handler.left == [1, 2]
+    assert [r.batch_id for r in rig.results] == [first, second]
+    assert rig.of(f"r{second}.0") == [(True, [1.0, 2.0, 1.0])]
+    assert not rig.table.busy
+
+
+def test_a_stopped_request_that_never_joined_never_runs() -> None:
+    rig = Rig(most=1)
+    rig.join(5)
+    waiting = rig.join(5)
+    rig.stops[waiting] = {f"r{waiting}.0"}
+    rig.table.step()
+    assert [r.batch_id for r in rig.results] == [waiting]
+    assert rig.handler.joined == [1]
+
+
+def test_a_zero_count_is_one_empty_final_response() -> None:
+    rig = Rig()
+    rig.join(0)
+    rig.table.step()
+    assert rig.parts == [(1, "r1.0", True, [])]
+    assert not rig.table.busy
+
+
+def test_a_failed_step_fails_the_joins_it_ran_and_the_rest_go_on() -> None:
+    rig = Rig(most=2)
+    rig.handler.fail_step = 2
+    running = rig.join(5, 5)
+    waiting = rig.join(5)   # waits for a slot: it was not in the failed step
+    rig.table.step()
+    rig.table.step()
+    failed = [r for r in rig.results if r.error]
+    assert [r.batch_id for r in failed] == [running]
+    assert "step failed on purpose" in (failed[0].error or "")
+    assert sorted(rig.handler.left) == [1, 2]
+    while rig.table.busy:
+        rig.table.step()
+    assert [f for f, _ in rig.of(f"r{waiting}.0")] == [False] * 4 + [True]
+
+
+def test_a_failed_join_fails_its_batch_only() -> None:
+    rig = Rig(most=4)
+    good = rig.join(2)
+    bad = rig.join(3, flag=-2.0)
+    rig.table.step()
+    assert [(r.batch_id, "refused on purpose" in (r.error or "")) for r in rig.results] == \
+        [(bad, True)]
+    rig.table.step()
+    assert [r.batch_id for r in rig.results][-1] == good
+
+
+@pytest.mark.parametrize("answer, says", [
+    (lambda s: [1], "step() returned list"),
+    (lambda s: {99: (None, True)}, "answered sequence 99, which is not running"),
+    (lambda s: {k: {"output": torch.ones(1, 3)} for k in s},
+     "each response is (outputs, final)"),
+    (lambda s: {k: (None, False) for k in s}, "an empty response must be final"),
+    (lambda s: {k: ({"output": torch.ones(2, 3)}, True) for k in s},
+     "has 2 rows for a request of 1"),
+])
+def test_a_step_that_breaks_the_contract_fails_with_a_message(answer: Any, says: str) -> None:
+    class Bad(Counter):
+        def step(self, states: dict[int, Any]) -> Any:
+            return answer(states)
+    rig = Rig(handler=Bad())
+    rig.join(3)
+    rig.table.step()
+    assert rig.parts == []
+    [result] = rig.results
+    assert result.error is not None and says in result.error, result.error
+    assert not rig.table.busy
+
+
+@pytest.mark.parametrize("raw, says", [
+    ({"sequences": {"max": 0}}, "sequences.max"),
+    ({"sequences": 4}, 'must be {"max": N}'),
+    ({"sequences": {"max": 4}, "model_transaction_policy": {"decoupled": False}},
+     "model_transaction_policy.decoupled"),
+    ({"sequences": {"max": 4}, "platform": "pytorch_torchscript"}, "needs platform 'python'"),
+])
+def test_the_sequences_section_is_checked(raw: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({**linear_config("c", mbs=8), "platform": "python", **raw}, "test")
+    assert says in str(err.value)
+
+
+def test_an_iterative_model_is_decoupled_and_says_so_in_its_json() -> None:
+    cfg = config(16)
+    assert cfg.decoupled and cfg.max_sequences == 16
+    again = parse_config(cfg.to_json(), "again")
+    assert again == cfg and cfg.to_json()["sequences"] == {"max": 16}
+    assert "sequences" not in parse_config(linear_config("x"), "x").to_json()

@@ -1,0 +1,225 @@
+"""Iterative models: the sequence table that runs a handler's steps (continuous batching).
+
+The contract (docs/generation.md), a class ``Model`` in ``model.py`` with::
+
+    def load(self, version_dir, device): ...
+    def join(self, seq_id, inputs) -> state
+        # a request becomes a sequence: inputs {name: tensor} are its own (dim 0 its
+        # rows when the model batches), as a batch of one; do its prefill here
+    def step(self, states) -> {seq_id: (outputs, final)}
+        # one step of every sequence running: states {seq_id: the state join returned}
+    def leave(self, seq_id): ...      # optional: the sequence is gone (ended or stopped)
+
+``step`` maps a sequence to ``(outputs, final)`` as a decoupled generator's yield maps a
+request (workers/streaming.py): ``outputs`` a dict of that request's outputs, ``None`` or
+``{}`` for an empty response (final only), and ``final`` ends its stream. A step names
+only the sequences it has a response for. The state is the handler's: the table keeps
+what ``join`` returned and hands it back; a state that changes is changed in place (a
+dict, an object), or kept by the handler under ``seq_id``.
+
+At each step boundary the table retires the sequences the broker stopped (a cancel, a
+client gone, a deadline before the first response), joins waiting requests up to
+``sequences.max``, runs one step and sends each join's responses as one PARTIAL; a
+join (the broker's batch) gets its RESULT once every request of it has left. An
+exception in ``join`` or ``step`` fails the joins of the sequences it touched, whole:
+their requests still open end with the message, their sequences leave the table.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Mapping
+from typing import AbstractSet, Any, Callable
+
+import torch
+
+from zeroserve.broker import protocol as p
+from zeroserve.models.loader import LoadedModel
+from zeroserve.workers.batching import BatchError, assemble, rows
+from zeroserve.workers.streaming import response_tensors
+
+logger = logging.getLogger(__name__)
+
+
+class _Join:
+    """One batch of the broker's: its requests join as sequences, its RESULT goes once
+    every one has left."""
+
+    __slots__ = ("batch", "left", "start_s", "taken_ns")
+
+    def __init__(self, batch: p.Batch, taken_ns: int) -> None:
+        self.batch = batch
+        self.left = len(batch.items)   # requests that have not left yet
+        self.start_s = time.perf_counter()
+        self.taken_ns = taken_ns
+
+
+class _Seq:
+    __slots__ = ("join", "item", "rows", "state")
+
+    def __init__(self, join: _Join, item: p.BatchItem, rows: int, state: Any) -> None:
+        self.join, self.item, self.rows, self.state = join, item, rows, state
+
+
+class SequenceTable:
+    """One iterative model version's running sequences, on the compute thread."""
+
+    def __init__(self, loaded: LoadedModel, emit: Callable[[p.Partial], None],
+                 finish: Callable[[p.Batch, p.BatchResult, int], None],
+                 stopped: Callable[[int], AbstractSet[str]],
+                 ids: itertools.count[int]) -> None:
+        self.loaded = loaded
+        self._emit = emit            # a step's responses of one join, sent at once
+        self._finish = finish        # a join's RESULT (and when it was taken, for spans)
+        self._stopped = stopped      # a join's items the broker has answered already
+        self._ids = ids
+        self._handler = loaded.handler
+        self._leave = getattr(loaded.handler, "leave", None)
+        self._waiting: collections.deque[tuple[_Join, p.BatchItem]] = collections.deque()
+        self._running: dict[int, _Seq] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def join(self, batch: p.Batch, taken_ns: int) -> None:
+        """A batch's requests wait to join at the next step boundary."""
+        join = _Join(batch, taken_ns)
+        self._waiting.extend((join, item) for item in batch.items)
+
+    def step(self) -> bool:
+        """One step boundary: retire, join, run one step, answer the joins done; False
+        when no sequence was left to step."""
+        self._retire_stopped()
+        self._admit()
+        if not self._running:
+            return False
+        self._run_step()
+        return True
+
+    # -- the step boundary ------------------------------------------------------
+    def _retire_stopped(self) -> None:
+        known: dict[int, AbstractSet[str]] = {}
+
+        def gone(join: _Join) -> AbstractSet[str]:
+            batch_id = join.batch.batch_id
+            if batch_id not in known:
+                known[batch_id] = self._stopped(batch_id)
+            return known[batch_id]
+
+        for seq_id, seq in list(self._running.items()):
+            if seq.item.request_id in gone(seq.join):
+                self._retire(seq_id)
+                self._left(seq.join)
+        if self._waiting:
+            keep: collections.deque[tuple[_Join, p.BatchItem]] = collections.deque()
+            for join, item in self._waiting:
+                if item.request_id in gone(join):
+                    self._left(join)
+                else:
+                    keep.append((join, item))
+            self._waiting = keep
+
+    def _admit(self) -> None:
+        capacity = self.loaded.config.max_sequences
+        while self._waiting and len(self._running) < capacity:
+            join, item = self._waiting.popleft()
+            seq_id = next(self._ids)
+            try:
+                inputs, _ = assemble(self.loaded, [item],
+                                     pin=self.loaded.device.startswith("cuda"))
+                named = {spec.name: t for spec, t in zip(self.loaded.config.inputs, inputs)}
+                with torch.inference_mode():
+                    state = self._handler.join(seq_id, named)
+            except Exception as exc:  # the model's code can raise anything
+                self._fail([join], f"join() failed: {type(exc).__name__}: {exc}")
+                continue
+            self._running[seq_id] = _Seq(join, item, rows(self.loaded, [item]), state)
+
+    def _run_step(self) -> None:
+        states = {seq_id: seq.state for seq_id, seq in self._running.items()}
+        try:
+            with torch.inference_mode():
+                out = self._handler.step(states)
+            parts = self._parts(out)
+        except Exception as exc:  # the model's code can raise anything
+            self._fail(list({id(s.join): s.join for s in self._running.values()}.values()),
+                       f"{type(exc).__name__}: {exc}")
+            return
+        by_join: dict[int, tuple[_Join, list[p.PartialItem]]] = {}
+        for seq_id, part in parts:
+            seq = self._running[seq_id]
+            by_join.setdefault(seq.join.batch.batch_id, (seq.join, []))[1].append(part)
+        ended = [(seq_id, self._running[seq_id].join) for seq_id, part in parts if part.final]
+        for seq_id, _ in ended:
+            self._retire(seq_id)
+        for join, items in by_join.values():
+            self._emit(p.Partial(join.batch.batch_id, items))
+        for _, join in ended:
+            self._left(join)
+
+    def _parts(self, out: Any) -> list[tuple[int, p.PartialItem]]:
+        """A step's responses, checked whole before any is sent (a bad one fails the
+        step, and no stream gets half of it)."""
+        if not isinstance(out, Mapping):
+            raise BatchError(f"step() returned {type(out).__name__}; it maps a sequence's "
+                             "id to (outputs, final)")
+        parts = []
+        for seq_id, value in out.items():
+            seq = self._running.get(seq_id)
+            if seq is None:
+                raise BatchError(f"step() answered sequence {seq_id!r}, which is not "
+                                 "running (it was not in the states it was given)")
+            if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], bool)):
+                raise BatchError(f"sequence {seq_id}: each response is (outputs, final), "
+                                 f"got {type(value).__name__}")
+            outputs, final = value
+            if outputs is None or (isinstance(outputs, Mapping) and not outputs):
+                if not final:
+                    raise BatchError(f"sequence {seq_id}: an empty response must be final")
+                tensors: list[p.Tensor] = []
+            else:
+                tensors = response_tensors(self.loaded, outputs, seq.rows, seq.item.outputs)
+            parts.append((seq_id, p.PartialItem(seq.item.request_id, final, tensors)))
+        return parts
+
+    # -- leaving ------------------------------------------------------------------
+    def _retire(self, seq_id: int) -> None:
+        self._running.pop(seq_id, None)
+        if self._leave is not None:
+            try:
+                self._leave(seq_id)
+            except Exception as exc:  # the model's code can raise anything
+                logger.warning("%s: leave(%s) raised %s: %s", self.loaded.name, seq_id,
+                               type(exc).__name__, exc)
+
+    def _left(self, join: _Join) -> None:
+        join.left -= 1
+        if join.left == 0:
+            elapsed_ms = (time.perf_counter() - join.start_s) * 1000.0
+            self._finish(join.batch, p.BatchResult(join.batch.batch_id, [], elapsed_ms,
+                                                   phases_ms={"infer": elapsed_ms}),
+                         join.taken_ns)
+
+    def _fail(self, joins: list[_Join], error: str) -> None:
+        """Each of ``joins`` fails whole: its RESULT carries the error, its sequences
+        leave, running or waiting."""
+        doomed = {id(j) for j in joins}
+        for seq_id, seq in list(self._running.items()):
+            if id(seq.join) in doomed:
+                self._retire(seq_id)
+        self._waiting = collections.deque((j, it) for j, it in self._waiting
+                                          if id(j) not in doomed)
+        for join in joins:
+            if join.left > 0:
+                join.left = 0
+                elapsed_ms = (time.perf_counter() - join.start_s) * 1000.0
+                self._finish(join.batch, p.BatchResult(join.batch.batch_id, [], elapsed_ms,
+                                                       error=error), join.taken_ns)

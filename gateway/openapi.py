@@ -73,6 +73,13 @@ EMBEDDINGS_REQUEST = {"type": "object", "required": ["model", "input"], "propert
     "encoding_format": {"type": "string", "enum": ["float", "base64"]},
     "dimensions": {"type": "integer"}, "user": {"type": "string"}}}
 EMBEDDINGS = [200, 400, 401, 403, 404, 413, 429, 500, 503, 504]
+COMPLETIONS_REQUEST = {"type": "object", "required": ["model", "prompt"], "properties": {
+    "model": {"type": "string"}, "prompt": ANY_JSON, "max_tokens": {"type": "integer"},
+    "stream": {"type": "boolean"}, "stop": ANY_JSON}}
+CHAT_REQUEST = {"type": "object", "required": ["model", "messages"], "properties": {
+    "model": {"type": "string"}, "messages": {"type": "array"},
+    "max_completion_tokens": {"type": "integer"}, "stream": {"type": "boolean"},
+    "stop": ANY_JSON}}
 REGISTER = {"type": "object", "required": ["name", "platform", "model_path"], "properties": {
     "name": {"type": "string"}, "platform": {"type": "string"},
     "model_path": {"type": "string"}, "max_batch_size": {"type": "integer", "minimum": 0},
@@ -171,6 +178,15 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
      "input", EMBEDDINGS, EMBEDDINGS_REQUEST, "application/json"),
     ("post", "/openai/v1/embeddings", "As /v1/embeddings, under KServe's OpenAI prefix",
      EMBEDDINGS, EMBEDDINGS_REQUEST, "application/json"),
+    ("post", "/v1/completions", "OpenAI's completions: a prompt in, text out, streamed as "
+     "server-sent events with stream", EMBEDDINGS, COMPLETIONS_REQUEST, "application/json"),
+    ("post", "/openai/v1/completions", "As /v1/completions, under KServe's OpenAI prefix",
+     EMBEDDINGS, COMPLETIONS_REQUEST, "application/json"),
+    ("post", "/v1/chat/completions", "OpenAI's chat: messages in through the model's chat "
+     "template, a reply out, streamed as server-sent events with stream", EMBEDDINGS,
+     CHAT_REQUEST, "application/json"),
+    ("post", "/openai/v1/chat/completions", "As /v1/chat/completions, under KServe's "
+     "OpenAI prefix", EMBEDDINGS, CHAT_REQUEST, "application/json"),
     ("get", "/v1/models/{name}", "A registered model", [200, 401, 403, 404, 503], None,
      "application/json"),
     ("delete", "/v1/models/{name}", "Remove a model from the repository",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from tokenizers import Tokenizer
@@ -42,13 +42,29 @@ class TooLong(ValueError):
 
 @dataclass(frozen=True)
 class TextModel:
-    """A text model as the gateway uses it: its settings and its tokenizer."""
+    """A text model as the gateway uses it: its settings and its tokenizer; for a
+    generating one, its chat template, special tokens and inputs (name: datatype)."""
 
     name: str
     version: int
     text: TextConfig
     tokenizer: Tokenizer
     vocab_size: int
+    chat_template: str | None = None
+    special: dict[str, str] = field(default_factory=dict)
+    inputs: dict[str, str] = field(default_factory=dict)
+
+    def prompt(self, text: str, special_tokens: bool) -> list[int]:
+        """A prompt's ids, uncut (a generating model refuses one past its context)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=special_tokens).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def end_token(self) -> int | None:
+        """The id of the end token the model stops at, where its tokenizer names one."""
+        name = self.special.get("eos_token")
+        return self.tokenizer.token_to_id(name) if name else None
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """The token ids of each text, special tokens included, cut or refused past
@@ -92,19 +108,22 @@ class Tokenizers:
             args["api_key"] = api_key
         doc = await self._control("text", **args)
         text = TextConfig(**doc["text"])
-        key = (doc["tokenizer_sha256"], text.max_length if text.truncate else 0)
+        cut = text.truncate and text.task == "embeddings"   # a prompt is never cut
+        key = (doc["tokenizer_sha256"], text.max_length if cut else 0)
         tok = self._by_sha.get(key)
         if tok is None:
             tok = Tokenizer.from_str(bytes(doc["tokenizer"]).decode("utf-8"))
             tok.no_padding()   # one row a text: the batch pads, in the worker
-            if text.truncate:
+            if cut:
                 tok.enable_truncation(text.max_length)
             else:
                 tok.no_truncation()   # counted, and refused past max_length
             if len(self._by_sha) >= MAX_TOKENIZERS:
                 self._by_sha.clear()
             self._by_sha[key] = tok
-        got = TextModel(name, int(doc["version"]), text, tok, tok.get_vocab_size())
+        got = TextModel(name, int(doc["version"]), text, tok, tok.get_vocab_size(),
+                        doc.get("chat_template"), dict(doc.get("special_tokens") or {}),
+                        dict(doc.get("inputs") or {}))
         self._by_model[name] = got
         return got
 

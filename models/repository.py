@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 from zeroserve.models import ensemble as ens, formats
 from zeroserve.models.rolloutplan import PlanError, parse_plan
-from zeroserve.models.text import EMBEDDING, IDS, MASK, TextConfig, TextConfigError, parse_text
+from zeroserve.models.text import EMBEDDING, IDS, MASK, MAX_TOKENS, SAMPLING, TOKEN, TextConfig, \
+    TextConfigError, parse_text
 
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
              "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES")
@@ -245,6 +246,7 @@ TOKEN_COSTS = ("padded", "packed")
 # a text model's queue holds one entry per text: a request of 2,048 texts fits many times
 TEXT_QUEUE_SIZE = 16384
 TEXT_MAX_BATCH_SIZE = 64
+TEXT_SEQUENCES = 16   # a generating text model's sequences at once, unless it says
 
 
 def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
@@ -511,7 +513,7 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
         raise _fail(where, "dynamic_batching.token_cost", f'"packed" needs platform '
                     f'"python" (a handler that takes ragged rows), not {platform!r}')
     if text is not None:
-        _check_text(where, text, inputs, outputs)
+        _check_text(where, text, inputs, outputs, max_sequences)
     steps = _ensemble(where, raw.get("ensemble_scheduling"), platform, inputs, outputs, cache)
     return ModelConfig(
         name=name, platform=platform, inputs=inputs, outputs=outputs,
@@ -527,11 +529,19 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
 
 
 def _text_defaults(raw: dict[str, Any]) -> dict[str, Any]:
-    """What a text model's config may leave out: the token inputs (padded together,
-    with 0), the one ``embedding`` output, batching by rows and a queue for one entry
-    per text. Anything the config gives wins."""
+    """What a text model's config may leave out: for embeddings, the token inputs (padded
+    together, with 0), the one ``embedding`` output, batching by rows and a queue for one
+    entry per text; for generation, the prompt's ids and ``max_tokens`` in, a
+    ``token_id`` a step out, 16 sequences at once. Anything the config gives wins."""
     out = dict(raw)
     out.setdefault("max_batch_size", TEXT_MAX_BATCH_SIZE)
+    text = raw.get("text")
+    if isinstance(text, dict) and text.get("task") == "generate":
+        out.setdefault("inputs", [{"name": IDS, "datatype": "INT64", "shape": [-1]},
+                                  {"name": MAX_TOKENS, "datatype": "INT32", "shape": [1]}])
+        out.setdefault("outputs", [{"name": TOKEN, "datatype": "INT64", "shape": [1]}])
+        out.setdefault("sequences", {"max": TEXT_SEQUENCES})
+        return out
     out.setdefault("inputs", [{"name": IDS, "datatype": "INT64", "shape": [-1]},
                               {"name": MASK, "datatype": "INT64", "shape": [-1]}])
     out.setdefault("outputs", [{"name": EMBEDDING, "datatype": "FP32", "shape": [-1]}])
@@ -546,9 +556,12 @@ def _text_defaults(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_text(where: str, text: TextConfig, inputs: tuple[TensorSpec, ...],
-                outputs: tuple[TensorSpec, ...]) -> None:
-    """The tensors the OpenAI routes send and read: ``input_ids`` (and
+                outputs: tuple[TensorSpec, ...], max_sequences: int) -> None:
+    """The tensors the OpenAI routes send and read: for embeddings, ``input_ids`` (and
     ``attention_mask``) of INT64 with one free length, one ``embedding`` vector out."""
+    if text.task == "generate":
+        _check_generate(where, inputs, outputs, max_sequences)
+        return
     declared = {t.name: t for t in inputs}
     for name in (IDS, MASK):
         spec = declared.get(name)
@@ -565,6 +578,26 @@ def _check_text(where: str, text: TextConfig, inputs: tuple[TensorSpec, ...],
         raise _fail(where, "outputs", f"an embeddings model answers one output "
                     f"{EMBEDDING!r}, FP32 of one dimension (the pooled vector)")
 
+
+
+def _check_generate(where: str, inputs: tuple[TensorSpec, ...],
+                    outputs: tuple[TensorSpec, ...], max_sequences: int) -> None:
+    """A generating text model: iterative, ``input_ids`` (INT64 [-1]) and ``max_tokens``
+    (INT32 or INT64 [1]) in, and only the sampling settings besides; ``token_id`` (INT64
+    [1]) out, a step at a time."""
+    if not max_sequences:
+        raise _fail(where, "sequences", 'a generating text model runs as sequences: set '
+                    '"sequences": {"max": N}')
+    declared = {t.name: (t.datatype, t.shape) for t in inputs}
+    if declared.get(IDS) != ("INT64", (-1,)) or declared.get(MAX_TOKENS) not in (
+            ("INT32", (1,)), ("INT64", (1,))) or set(declared) - {IDS, MAX_TOKENS, *SAMPLING}:
+        raise _fail(where, "inputs", f"a generating text model takes {IDS!r} (INT64 [-1]) "
+                    f"and {MAX_TOKENS!r} (INT32 or INT64 [1]), and may take "
+                    f"{', '.join(SAMPLING)}; got {sorted(declared)}")
+    if [(t.name, t.datatype, t.shape) for t in outputs] not in (
+            [], [(TOKEN, "INT64", (1,))]):
+        raise _fail(where, "outputs", f"a generating text model answers one {TOKEN!r} "
+                    "(INT64 [1]) a step")
 
 def _ensemble(where: str, raw: Any, platform: str, inputs: tuple[TensorSpec, ...],
               outputs: tuple[TensorSpec, ...], cache: bool) -> tuple[ens.Step, ...]:

@@ -5,7 +5,9 @@ version (hashed into its build, swapped with it), and says here how requests bec
 tokens and how its output becomes an answer::
 
     "text": {
-      "task": "embeddings",          # what the model answers (/v1/embeddings)
+      "task": "embeddings",          # what the model answers: "embeddings"
+                                     # (/v1/embeddings) or "generate" (/v1/completions
+                                     # and /v1/chat/completions)
       "tokenizer": "tokenizer.json", # the file of each version folder (Hugging Face's)
       "max_length": 512,             # tokens a text may have, special tokens included
       "truncate": false,             # past it: cut (true) or a 400 naming the item
@@ -16,10 +18,13 @@ tokens and how its output becomes an answer::
       "output": ""                   # the model output pooled (default: the first)
     }
 
-The token ids and attention mask go to the model as ``input_ids`` and
+An embeddings model gets the token ids and attention mask as ``input_ids`` and
 ``attention_mask`` (INT64, one row per text, padded with the batch); the worker pools
-and normalizes, so a request answers ``embedding`` (FP32, one vector a text). No torch
-here: the broker and the gateway read it.
+and normalizes, so a request answers ``embedding`` (FP32, one vector a text). A
+generating model is an iterative one (``sequences``): it gets the prompt's ``input_ids``
+and ``max_tokens``, and answers a ``token_id`` a step (``max_length`` is then its
+context: the prompt and what it generates). No torch here: the broker and the gateway
+read it.
 """
 
 from __future__ import annotations
@@ -27,13 +32,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EMBEDDING", "IDS", "MASK", "POOLINGS", "TASKS", "TextConfig", "TextConfigError",
-           "parse_text"]
+__all__ = ["EMBEDDING", "IDS", "MASK", "MAX_TOKENS", "POOLINGS", "SAMPLING", "TASKS", "TOKEN",
+           "TextConfig", "TextConfigError", "parse_text"]
 
-TASKS = ("embeddings",)
+TASKS = ("embeddings", "generate")
 POOLINGS = ("mean", "cls", "last")
 IDS, MASK = "input_ids", "attention_mask"   # the model's inputs, as transformers names them
 EMBEDDING = "embedding"                     # the answer of an embeddings model
+# a generating model (an iterative one: ``sequences``) takes the prompt's ids and how many
+# tokens it may answer, and answers a token a step; it may take the sampling settings
+MAX_TOKENS, TOKEN = "max_tokens", "token_id"
+SAMPLING = ("temperature", "top_p", "seed")
 DEFAULT_MAX_LENGTH = 512
 
 

@@ -94,3 +94,73 @@ def write_embedder(repo: Path, name: str = "emb", version: int = 1,
         config["dynamic_batching"] = batching
     (repo / name / "config.json").write_text(json.dumps(config))
     return folder
+
+
+# -- a generating model: an iterative handler that counts up from its prompt's last word --
+GEN_WORDS = 100   # w0 .. w99; id 0 is the end token, ids 1..100 the words
+COUNTER = '''
+import time
+import torch
+
+class Model:
+    """Each step answers the word after the prompt's last word (w41 after w40; the chat
+    roles are not words); after w99 the end token. A step takes at least STEP_S, so that
+    sequences overlap."""
+
+    def load(self, version_dir, device):
+        pass
+
+    def join(self, seq_id, inputs):
+        words = [i for i in inputs["input_ids"].reshape(-1).tolist() if 0 < i <= WORDS]
+        return {"last": words[-1] if words else 1,
+                "left": int(inputs["max_tokens"].reshape(-1)[0])}
+
+    def step(self, states):
+        time.sleep(STEP_S)  # noqa: sleep-ok (a model's step, so that sequences overlap)
+        out = {}
+        for seq_id, st in states.items():
+            nxt = st["last"] + 1 if 0 < st["last"] < WORDS else 0
+            st["last"], st["left"] = nxt, st["left"] - 1
+            out[seq_id] = ({"token_id": torch.tensor([[nxt]])}, nxt == 0 or st["left"] <= 0)
+        return out
+'''
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def write_generator(repo: Path, name: str = "gen", step_s: float = 0.005,
+                    most: int = 8) -> Path:
+    """An iterative handler with a word tokenizer (``<eos>`` w0 .. w99, and the roles of
+    the chat template) and a chat template, served as a generating text model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    folder = repo / name / "1"
+    folder.mkdir(parents=True, exist_ok=True)
+    words = ["<eos>"] + [f"w{i}" for i in range(GEN_WORDS)] + \
+        ["system:", "user:", "assistant:", "<unk>"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<eos>", "chat_template": CHAT_TEMPLATE}))
+    (folder / "model.py").write_text(COUNTER.replace("STEP_S", repr(step_s))
+                                     .replace("WORDS", str(GEN_WORDS)))
+    (repo / name / "config.json").write_text(json.dumps(
+        {"name": name, "platform": "python", "max_batch_size": 8,
+         "sequences": {"max": most}, "text": {"task": "generate", "max_length": 64},
+         "warmup": {"batch_sizes": []}}))
+    return folder
+
+
+def counted(prompt_last: int, n: int) -> str:
+    """What the counter answers after a prompt ending in w<prompt_last - 1>: up to n words,
+    fewer where it reaches the end token."""
+    out, last = [], prompt_last
+    for _ in range(n):
+        last = last + 1 if 0 < last < GEN_WORDS else 0
+        if last == 0:
+            break
+        out.append(f"w{last - 1}")
+    return " ".join(out)

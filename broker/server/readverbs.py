@@ -5,7 +5,9 @@ what is read of it; nothing is changed but the queue-depth gauges a scrape refre
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 from zeroserve.broker import wording
@@ -98,7 +100,8 @@ class ReadVerbs:
             raise LookupError(f"model {model.config.name!r} takes no text (its config has "
                               "no 'text' section)")
         version = args.get("version") or model.default_version
-        path = model.path / str(version) / text.tokenizer
+        folder = model.path / str(version)
+        path = folder / text.tokenizer
         try:
             stat = path.stat()
             key = (str(path), stat.st_mtime_ns, stat.st_size)
@@ -110,10 +113,42 @@ class ReadVerbs:
                               f"{text.tokenizer!r} cannot be read ({exc.strerror})") from None
         _, data, digest = self._tokenizer
         return {"model": model.config.name, "version": version, "text": text.to_json(),
-                "tokenizer": data, "tokenizer_sha256": digest}
+                "tokenizer": data, "tokenizer_sha256": digest,
+                "inputs": {t.name: t.datatype for t in model.config.inputs},
+                **chat_settings(folder)}
 
     def scrape(self, _: dict[str, Any]) -> dict[str, Any]:
         for name in self.catalog.models:
             self.metrics.queue_depth.labels(name).set(self.scheduler.depth(name))
         return {"broker": self.metrics.render(), "instance": f"{hostname()}:{os.getpid()}",
                 "workers": {w.worker_id: w.metrics_text for w in self.pool.workers.values()}}
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"   # where transformers 5 saves it
+MAX_SETTINGS_BYTES = 1 << 20
+
+
+def chat_settings(folder: Path) -> dict[str, Any]:
+    """A tokenizer's chat template and special tokens, as ``save_pretrained`` writes them
+    (``chat_template.jinja``, or ``tokenizer_config.json``'s ``chat_template``), for the
+    gateway that renders chat messages; none where the folder has none."""
+    config: dict[str, Any] = {}
+    try:
+        raw = (folder / "tokenizer_config.json").read_bytes()[:MAX_SETTINGS_BYTES]
+        loaded = json.loads(raw)
+        config = loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        pass
+    try:
+        template: Any = (folder / CHAT_TEMPLATE_FILE).read_text()[:MAX_SETTINGS_BYTES]
+    except (OSError, UnicodeDecodeError):
+        template = config.get("chat_template")
+    if not isinstance(template, str):
+        template = None   # a list of named templates: the default is not chosen here
+    special = {}
+    for name in ("bos_token", "eos_token"):
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            special[name] = token
+    return {"chat_template": template, "special_tokens": special}

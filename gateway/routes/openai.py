@@ -1,4 +1,5 @@
-"""OpenAI's routes: ``POST /v1/embeddings`` (also under KServe's ``/openai/v1``), so that
+"""OpenAI's routes: ``POST /v1/embeddings``, ``/v1/completions`` and
+``/v1/chat/completions`` (also under KServe's ``/openai/v1``), so that
 ``OpenAI(base_url="http://host:port/v1")`` and the tools built on it work unchanged.
 ``GET /v1/models`` is the registration listing, which answers OpenAI's shape too
 (gateway/routes/registration.py).
@@ -10,13 +11,19 @@ become tokens (gateway/tokens.py) and each text becomes a row of the broker's ba
 deadline, answered together, in order. Errors are OpenAI's object (gateway/openai.py).
 A client that goes away before its answer takes its inputs out of the broker's queue
 (gateway/leaving.py), as on the v2 infer route.
+
+A completion or chat request is one stream to a generating (iterative) model: the prompt
+goes in as token ids, a token comes back a step, and the gateway turns tokens back into
+text (gateway/chat.py), streamed as server-sent events or answered whole. A stop string
+or a client that goes away closes the stream, and the sequence leaves its worker at the
+next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Sequence
+from typing import Any, AsyncIterator, Sequence
 import numpy as np
 import orjson
 from starlette.requests import Request
@@ -24,15 +31,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker.client import InferError, RowError
-from zeroserve.gateway import openai
+from zeroserve.broker.client import AsyncStream, InferError, RowError, StreamResponse
+from zeroserve.gateway import chat, openai
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway.http import build_headers, header_int, json_response, read_body
 from zeroserve.gateway.inference import InferencePath, peer_host, routing_key
 from zeroserve.gateway.leaving import Leaving
+from zeroserve.gateway.routes.generate import Events
 from zeroserve.gateway.routes.infer import WATCH_AFTER_S
-from zeroserve.gateway.tokens import Tokenizers, TooLong
-from zeroserve.models.text import EMBEDDING, IDS, MASK
+from zeroserve.gateway.tokens import TextModel, Tokenizers, TooLong
+from zeroserve.models.text import EMBEDDING, IDS, MASK, MAX_TOKENS, TOKEN
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +56,10 @@ class OpenAIRoutes:
         self.leaving = Leaving(WATCH_AFTER_S)
 
     def routes(self) -> list[Route]:
-        return [Route(f"{prefix}/embeddings", self.embeddings, methods=["POST"])
-                for prefix in PREFIXES]
+        return [route for prefix in PREFIXES for route in (
+            Route(f"{prefix}/embeddings", self.embeddings, methods=["POST"]),
+            Route(f"{prefix}/completions", self.completions, methods=["POST"]),
+            Route(f"{prefix}/chat/completions", self.chat, methods=["POST"]))]
 
     async def embeddings(self, request: Request) -> Response:
         inference = self.inference
@@ -123,6 +133,195 @@ class OpenAIRoutes:
         answer = openai.embeddings_answer(req.model, vectors, req.base64, sum(map(len, ids)))
         return json_response(answer, headers=build_headers(replies[0].version,
                                                           replies[0].build))
+
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generation(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generation(request, chat=True)
+
+    async def _generation(self, request: Request, chat: bool) -> Response:
+        inference = self.inference
+        try:
+            accepted = inference.enter()
+        except InferError as exc:   # shed at the door
+            return _error(exc)
+        streaming = False
+        try:
+            response = await self._generate(request, accepted, chat)
+            streaming = isinstance(response, Events)   # in flight until its last event
+            return response
+        except Exception as exc:
+            return _error(exc)
+        finally:
+            if not streaming:
+                inference.leave()
+
+    async def _generate(self, request: Request, accepted: float, is_chat: bool) -> Response:
+        inference = self.inference
+        await inference.caller(request.headers)   # with tenants: 401 without a key
+        priority = header_int(request, "x-priority")
+        timeout_ms = header_int(request, "x-timeout-ms")
+        inference.check_priority(priority, timeout_ms > 0)
+        body = await read_body(request, self.max_body_bytes)
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise openai.OpenAIError(f"the body is not valid JSON: {exc}") from None
+        req = chat.parse_chat(doc) if is_chat else chat.parse_completions(doc)
+        key = api_key_of(request.headers)
+        model = await self.tokenizers.model(req.model, key)
+        if model.text.task != "generate":
+            raise openai.OpenAIError(f"model {req.model!r} does not generate text (its task "
+                                     f"is {model.text.task})", "model")
+        prompt = _prompt(model, req)
+        room = model.text.max_length - len(prompt)
+        max_tokens = req.max_tokens if req.max_tokens is not None else room
+        if max_tokens > room or room < 1:
+            raise openai.OpenAIError(
+                f"this model's maximum context length is {model.text.max_length} tokens; "
+                f"the prompt has {len(prompt)} and {max_tokens} more were asked for",
+                "max_tokens" if room >= 1 else "messages" if is_chat else "prompt",
+                "context_length_exceeded")
+        stream = inference.stream(
+            req.model, _generation_inputs(model, req, prompt, max_tokens), priority=priority,
+            timeout_ms=inference.budget_ms(timeout_ms, accepted) if timeout_ms else 0.0,
+            api_key=key, routing_key=routing_key(request.headers, {"routing_key": req.user},
+                                                 key, peer_host(request.scope.get("client"))))
+        answer = Answer(req, model, len(prompt), max_tokens)
+        if not req.stream:
+            async with stream:
+                async for response in stream:
+                    answer.add(response)
+                    if answer.ended:
+                        break
+            return json_response(answer.whole(), headers=build_headers(answer.version,
+                                                                        answer.build))
+        try:
+            first = await stream.__anext__()   # an error now is a plain JSON answer
+        except BaseException:
+            stream.close()
+            raise
+        return Events(answer.events(stream, first), stream, inference,
+                      build_headers(first.version, first.build))
+
+
+class Answer:
+    """One generation's answer as it comes: tokens to text, stop strings, the finish."""
+
+    def __init__(self, req: chat.GenerationRequest, model: TextModel, prompt_tokens: int,
+                 max_tokens: int) -> None:
+        self.req = req
+        self.ids = chat.Ids(req.chat)
+        self.detok = chat.Detokenizer(model.decode, req.stop)
+        self.end = model.end_token()
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.text: list[str] = []
+        self.finish: str | None = None
+        self.version, self.build = 0, ""
+        self._tokens = 0
+
+    @property
+    def ended(self) -> bool:
+        return self.finish is not None
+
+    def add(self, response: StreamResponse) -> str:
+        """A response's tokens; the text they add that may be sent."""
+        self.version, self.build = response.version, response.build
+        got = response.outputs.get(TOKEN)
+        tokens = [int(t) for t in got.reshape(-1)] if got is not None else []
+        self._tokens += len(tokens)
+        piece = self.detok.add(tokens)
+        if self.detok.stopped:
+            self.finish = "stop"
+        elif response.final:
+            piece += self.detok.rest()
+            self.finish = "stop" if tokens and tokens[-1] == self.end else "length"
+        self.text.append(piece)
+        return piece
+
+    def counts(self) -> dict[str, int]:
+        return chat.usage(self.prompt_tokens, self._tokens)
+
+    def whole(self) -> dict[str, Any]:
+        if self.finish is None:   # the stream ended without a final response
+            raise InferError(p.ErrorCode.INTERNAL, "the model's stream ended early")
+        return chat.completion(self.ids, self.req.model, "".join(self.text), self.finish,
+                               self.counts())
+
+    async def events(self, stream: AsyncStream, first: StreamResponse
+                     ) -> AsyncIterator[bytes]:
+        """Server-sent events: the role (chat), the text as it comes, the finish, the
+        usage when asked, ``[DONE]``. An error after the first is an error event that
+        ends the stream (the openai client raises it); a stop string, or the client
+        going away, withdraws the sequence (Events closes the stream)."""
+        model = self.req.model
+        if self.req.chat:
+            yield _sse(chat.chunk(self.ids, model, None, None, first=True))
+        response: StreamResponse | None = first
+        try:
+            while response is not None:
+                piece = self.add(response)
+                if piece:
+                    yield _sse(chat.chunk(self.ids, model, piece, None))
+                response = None if self.ended or response.final else \
+                    await stream.__anext__()
+        except InferError as exc:
+            got = openai.error_of(exc)
+            assert got is not None
+            yield _sse(got[1])
+            return
+        yield _sse(chat.chunk(self.ids, model, None, self.finish or "length"))
+        if self.req.include_usage:
+            yield _sse(chat.usage_chunk(self.ids, model, self.counts()))
+        yield b"data: [DONE]\n\n"
+
+
+def _sse(doc: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+def _prompt(model: TextModel, req: chat.GenerationRequest) -> list[int]:
+    """The prompt's token ids: chat messages through the model's chat template, a text
+    with the tokenizer's own special tokens, or ids as given."""
+    if req.messages is not None:
+        rendered = chat.render_chat(model.chat_template, req.messages, model.special)
+        return model.prompt(rendered, special_tokens=False)
+    if req.prompt is not None:
+        return model.prompt(req.prompt, special_tokens=True)
+    assert req.prompt_ids is not None
+    openai.check_ids([req.prompt_ids], model.vocab_size)
+    return list(req.prompt_ids)
+
+
+def _generation_inputs(model: TextModel, req: chat.GenerationRequest, prompt: list[int],
+                       max_tokens: int) -> list[p.Tensor]:
+    """The prompt, the bound and the sampling settings the model takes. A model that
+    decodes greedily refuses sampling rather than answer what was not asked."""
+    out = [p.Tensor(p.TensorMeta(IDS, "INT64", (1, len(prompt))),
+                    np.asarray(prompt, np.int64).data),
+           _scalar(MAX_TOKENS, model.inputs.get(MAX_TOKENS, "INT32"), max_tokens)]
+    for name, value, neutral in (("temperature", req.temperature, 0.0),
+                                 ("top_p", req.top_p, 1.0), ("seed", req.seed, None)):
+        if value is None:
+            continue
+        datatype = model.inputs.get(name)
+        if datatype is not None:
+            out.append(_scalar(name, datatype, value))
+        elif neutral is not None and value != neutral:
+            raise openai.OpenAIError(f"this model decodes greedily: '{name}' {value:g} is not "
+                                     f"supported (leave it out, or {neutral:g})", name)
+    return out
+
+
+_NUMPY = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "FP64": np.float64}
+
+
+def _scalar(name: str, datatype: str, value: float) -> p.Tensor:
+    arr = np.asarray([[value]], _NUMPY.get(datatype, np.float32))
+    return p.Tensor(p.TensorMeta(name, datatype, (1, 1)), arr.data)
 
 
 def _row(ids: Sequence[int]) -> list[p.Tensor]:

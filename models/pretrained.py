@@ -35,6 +35,9 @@ def load_pretrained(src: Source) -> Opened:
     except ImportError:
         raise LoadError(f"{src.version_dir}: platform 'transformers' needs the transformers "
                         f"library in the worker's environment: {INSTALL_HINT}") from None
+    if src.cfg.max_sequences:   # a causal LM run by zeroserve's own steps
+        from zeroserve.models.causal_lm import load_causal_lm
+        return load_causal_lm(src, transformers, _dtype_argument(transformers.__version__))
     try:
         model = transformers.AutoModel.from_pretrained(
             str(src.version_dir),

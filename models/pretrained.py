@@ -37,6 +37,9 @@ def load_pretrained(src: Source) -> Opened:
                         f"library in the worker's environment: {INSTALL_HINT}") from None
     # the worker's log is lines of its own format, not a terminal's progress bars
     transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    if src.cfg.max_sequences:   # a causal LM run by zeroserve's own steps
+        from zeroserve.models.causal_lm import load_causal_lm
+        return load_causal_lm(src, transformers, _dtype_argument(transformers.__version__))
     try:
         model = transformers.AutoModel.from_pretrained(
             str(src.version_dir),

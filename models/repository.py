@@ -488,9 +488,9 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     optional = raw.get("optional", False)
     if not isinstance(optional, bool):
         raise _fail(where, "optional", f"must be true or false, got {optional!r}")
-    decoupled = _transaction_policy(where, raw.get("model_transaction_policy"), platform)
     max_sequences = _sequences(where, raw, platform)
-    decoupled = decoupled or max_sequences > 0
+    decoupled = _transaction_policy(where, raw.get("model_transaction_policy"), platform,
+                                    max_sequences > 0) or max_sequences > 0
     if not outputs:
         _check_discoverable(where, inputs, decoupled)
     cache = _response_cache(where, raw.get("response_cache"), decoupled)
@@ -667,9 +667,10 @@ def _check_discoverable(where: str, inputs: tuple[TensorSpec, ...], decoupled: b
                     f"({', '.join(strings)}): a trial run has no strings to give it")
 
 
-def _transaction_policy(where: str, raw: Any, platform: str) -> bool:
+def _transaction_policy(where: str, raw: Any, platform: str, iterative: bool) -> bool:
     """``{"decoupled": bool}``. Only a Python handler can answer with a sequence (its
-    predict is a generator): a TorchScript or export program returns once."""
+    predict is a generator), or an iterative model (``sequences``): a TorchScript or
+    export program returns once."""
     if raw is None:
         return False
     if not isinstance(raw, dict) or set(raw) - {"decoupled"}:
@@ -678,15 +679,16 @@ def _transaction_policy(where: str, raw: Any, platform: str) -> bool:
     if not isinstance(decoupled, bool):
         raise _fail(where, "model_transaction_policy.decoupled",
                     f"must be true or false, got {decoupled!r}")
-    if decoupled and platform != "python":
+    if decoupled and platform != "python" and not iterative:
         raise _fail(where, "model_transaction_policy.decoupled",
                     f"needs platform 'python' (a handler whose predict yields responses), "
                     f"not {platform!r}")
     return decoupled
 
 
-# the platforms whose models can run as sequences: a handler with join and step
-ITERATIVE_PLATFORMS = ("python",)
+# the platforms whose models can run as sequences: a handler with join and step, or a
+# save_pretrained causal LM, which zeroserve's own step handler runs (models/causal_lm.py)
+ITERATIVE_PLATFORMS = ("python", "transformers")
 
 
 def _sequences(where: str, raw: dict[str, Any], platform: str) -> int:
@@ -701,7 +703,7 @@ def _sequences(where: str, raw: dict[str, Any], platform: str) -> int:
     if platform not in ITERATIVE_PLATFORMS:
         allowed = " or ".join(map(repr, ITERATIVE_PLATFORMS))
         raise _fail(where, "sequences", f"needs platform {allowed} (a handler with join() "
-                    f"and step()), not {platform!r}")
+                    f"and step(), or a causal LM), not {platform!r}")
     policy = raw.get("model_transaction_policy")
     if isinstance(policy, dict) and policy.get("decoupled") is False:
         raise _fail(where, "model_transaction_policy.decoupled", "is false, but an iterative "

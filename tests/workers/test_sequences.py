@@ -18,6 +18,7 @@ from zeroserve.models.loader import LoadedModel
 from zeroserve.models.repository import ConfigError, parse_config
 from zeroserve.workers.sequences import SequenceTable
 from tests.conftest import linear_config
+from tests.lm import lm_config
 
 
 class Counter:
@@ -221,3 +222,5 @@ def test_an_iterative_model_is_decoupled_and_says_so_in_its_json() -> None:
     again = parse_config(cfg.to_json(), "again")
     assert again == cfg and cfg.to_json()["sequences"] == {"max": 16}
     assert "sequences" not in parse_config(linear_config("x"), "x").to_json()
+    lm = parse_config(lm_config(), "lm")   # what the broker sends its workers reads back
+    assert parse_config(lm.to_json(), "again") == lm and lm.decoupled

@@ -1,0 +1,186 @@
+"""Platform ``transformers`` with ``sequences``: a ``save_pretrained`` causal LM served as
+an iterative model by zeroserve's own step handler, so that no ``model.py`` is written.
+
+The version folder is what ``AutoModelForCausalLM``'s and the tokenizer's
+``save_pretrained`` wrote. Each request is one sequence: its prompt's token ids
+(``input_ids``, INT64, one row) and how many tokens it may generate (``max_tokens``);
+each step answers one token (``token_id``, INT64), the last one final, at ``max_tokens``
+or at the model's end token (which is sent, as ``generate`` returns it).
+
+- ``join`` runs the prompt's prefill and keeps its key/value cache and the greedy next
+  token: the first step answers it at once.
+- ``step`` answers each sequence's token, then runs one batched decode of every sequence
+  that goes on. Their caches are packed into one batch, left-padded to the longest, with
+  an attention mask over each one's own positions and its own position ids; the pack is
+  kept while the same sequences step on (a column more per step) and rebuilt from each
+  sequence's own cache when one joins or leaves.
+
+Decoding is greedy (argmax), as ``model.generate(do_sample=False)``; float32 batching may
+flip a near-tie, where the top two logits differ by less than the sums' rounding.
+Torch and transformers are imported by the loader only (models/pretrained.py calls it).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zeroserve.models.loader import LoadError, Opened, Source
+from zeroserve.models.text import IDS
+
+MAX_TOKENS = "max_tokens"   # INT32 or INT64 [1]: tokens a request may generate
+TOKEN = "token_id"          # INT64 [1]: each step's token
+Layers = list[tuple[torch.Tensor, torch.Tensor]]   # a cache: (keys, values) per layer
+
+
+def check_signature(src: Source) -> None:
+    """The inputs and output the step handler reads and answers, as the config declares."""
+    cfg = src.cfg
+    got = {t.name: (t.datatype, t.shape) for t in cfg.inputs}
+    want = {IDS: {("INT64", (-1,))}, MAX_TOKENS: {("INT32", (1,)), ("INT64", (1,))}}
+    outs = {t.name: (t.datatype, t.shape) for t in cfg.outputs}
+    if set(got) != set(want) or any(got[k] not in v for k, v in want.items()) or \
+            outs != {TOKEN: ("INT64", (1,))} or cfg.max_batch_size <= 0:
+        raise LoadError(
+            f"{cfg.name}: a transformers causal LM with sequences takes inputs "
+            f"{IDS!r} (INT64 [-1]) and {MAX_TOKENS!r} (INT32 or INT64 [1]), answers output "
+            f"{TOKEN!r} (INT64 [1]), with max_batch_size > 0; the config declares inputs "
+            f"{got} and outputs {outs}")
+
+
+def load_causal_lm(src: Source, transformers: Any, dtype_arg: str) -> Opened:
+    check_signature(src)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(src.version_dir), **{dtype_arg: "auto"})
+    except (OSError, ValueError, KeyError) as exc:
+        raise LoadError(f"{src.version_dir}: not a folder transformers' "
+                        f"AutoModelForCausalLM loads (what save_pretrained writes): "
+                        f"{exc}") from None
+    steps = CausalLMSteps(model.to(src.device).eval())
+    return Opened(steps.step, handler=steps)
+
+
+@dataclass
+class _Seq:
+    length: int              # tokens in its cache
+    next_token: int          # the greedy token its last forward chose
+    left: int                # tokens it may still answer
+    layers: Layers | None    # its own cache; None while it lives in the pack
+    sent: int = 0
+
+
+@dataclass
+class _Pack:
+    """The caches of the sequences that stepped together last, one batch."""
+
+    ids: tuple[int, ...]
+    cache: Any
+    mask: torch.Tensor                       # [batch, positions]: 1 where a token is
+    width: int                               # positions, padding included
+
+
+class CausalLMSteps:
+    """The iterative contract (workers/sequences.py) over a transformers causal LM."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        eos = model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        params = inspect.signature(model.forward).parameters
+        # transformers 5 renamed past_key_values to cache
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._pack: _Pack | None = None
+        self._states: dict[int, _Seq] = {}
+
+    def join(self, seq_id: int, inputs: dict[str, torch.Tensor]) -> _Seq:
+        ids = inputs[IDS].reshape(1, -1).to(self.device, torch.long)
+        if ids.shape[1] == 0:
+            raise ValueError("a prompt of no tokens: nothing to continue")
+        out = self.model(input_ids=ids, use_cache=True)
+        seq = _Seq(ids.shape[1], int(out.logits[0, -1].argmax()),
+                   int(inputs[MAX_TOKENS].reshape(-1)[0]), _layers(self._cache_of(out)))
+        self._states[seq_id] = seq
+        return seq
+
+    def leave(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)
+
+    def step(self, states: dict[int, _Seq]) -> dict[int, tuple[Any, bool]]:
+        out: dict[int, tuple[Any, bool]] = {}
+        going = []
+        for seq_id, seq in states.items():
+            if seq.left <= 0:
+                out[seq_id] = (None, True)
+                continue
+            seq.sent += 1
+            final = seq.sent >= seq.left or seq.next_token in self.eos
+            out[seq_id] = ({TOKEN: torch.tensor([[seq.next_token]])}, final)
+            if not final:
+                going.append(seq_id)
+        if going:
+            self._decode(going, states)
+        return out
+
+    def _decode(self, ids: list[int], states: dict[int, _Seq]) -> None:
+        pack = self._pack
+        if pack is None or pack.ids != tuple(ids):
+            pack = self._repack(ids, states)
+        tokens = torch.tensor([[states[i].next_token] for i in ids], device=self.device)
+        mask = torch.cat([pack.mask, torch.ones(len(ids), 1, dtype=pack.mask.dtype,
+                                                device=self.device)], dim=1)
+        positions = torch.tensor([[states[i].length] for i in ids], device=self.device)
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                         use_cache=True, **{self._cache_arg: pack.cache})
+        chosen = out.logits[:, -1].argmax(dim=-1).tolist()
+        for i, seq_id in enumerate(ids):
+            seq = states[seq_id]
+            seq.length += 1
+            seq.next_token = chosen[i]
+        self._pack = _Pack(tuple(ids), self._cache_of(out), mask, pack.width + 1)
+
+    def _repack(self, ids: list[int], states: dict[int, _Seq]) -> _Pack:
+        """The sequences' own caches, left-padded into one batch; those of the old pack
+        taken out of it first (a sequence that left is dropped with it)."""
+        old = self._pack
+        if old is not None:
+            layers = _layers(old.cache)
+            for row, seq_id in enumerate(old.ids):
+                seq = self._states.get(seq_id)
+                if seq is not None and seq.layers is None:
+                    start = old.width - seq.length
+                    seq.layers = [(k[row:row + 1, :, start:], v[row:row + 1, :, start:])
+                                  for k, v in layers]
+        width = max(states[i].length for i in ids)
+        mask = torch.zeros(len(ids), width, dtype=torch.long, device=self.device)
+        packed: Layers = []
+        for layer in range(len(_own(states[ids[0]]))):
+            keys, values = [], []
+            for seq_id in ids:
+                k, v = _own(states[seq_id])[layer]
+                pad = width - k.shape[2]
+                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+            packed.append((torch.cat(keys), torch.cat(values)))
+        for row, seq_id in enumerate(ids):
+            seq = states[seq_id]
+            mask[row, width - seq.length:] = 1
+            seq.layers = None   # it lives in the pack from now on
+        from transformers import DynamicCache
+        return _Pack(tuple(ids), DynamicCache(ddp_cache_data=packed), mask, width)
+
+    def _cache_of(self, out: Any) -> Any:
+        return getattr(out, self._cache_arg)
+
+
+def _own(seq: _Seq) -> Layers:
+    assert seq.layers is not None, "a sequence outside the pack has its own cache"
+    return seq.layers
+
+
+def _layers(cache: Any) -> Layers:
+    return [(layer.keys, layer.values) for layer in cache.layers]

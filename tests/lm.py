@@ -1,0 +1,94 @@
+"""A causal LM the tests make, as /work/shared/bench/make_text_models.py's ``make_lm``
+does (no download): a byte-level BPE tokenizer trained here with the ``tokenizers``
+library and a GPT-2 of a small config with random weights, both saved with
+``save_pretrained``, and the zeroserve config that serves the folder as an iterative
+model (models/causal_lm.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SYLLABLES = ["ka", "to", "ri", "ne", "mu", "sa", "lo", "pe", "di", "fu", "ge", "ho", "ji",
+             "wa", "zo", "be", "chi", "ru", "ta", "mi", "an", "el", "or", "us"]
+
+
+def corpus(lines: int = 800) -> list[str]:
+    n = len(SYLLABLES)
+    words = [SYLLABLES[i % n] + SYLLABLES[(i // n) % n] + (SYLLABLES[(i * 7) % n] if i % 3
+                                                           else "") for i in range(n * n)]
+    return [" ".join(words[(i * 31 + k * 17) % len(words)] for k in range(16)) + "."
+            for i in range(lines)]
+
+
+def lm_config(name: str = "lm", most: int = 16) -> dict[str, Any]:
+    return {"name": name, "platform": "transformers", "max_batch_size": 8,
+            "inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [-1]},
+                       {"name": "max_tokens", "datatype": "INT32", "shape": [1]}],
+            "outputs": [{"name": "token_id", "datatype": "INT64", "shape": [1]}],
+            "sequences": {"max": most}, "warmup": {"batch_sizes": [1]}}
+
+
+def write_lm(repo: Path, name: str = "lm", most: int = 16, hidden: int = 64,
+             layers: int = 2) -> tuple[Path, Any]:
+    """``repo/name/1`` holds the model and its tokenizer; returns the folder and the
+    tokenizer (a ``PreTrainedTokenizerFast``)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    out = repo / name / "1"
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus(), trainers.BpeTrainer(
+        vocab_size=1024, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                 eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                 model_max_length=512)
+    hf.save_pretrained(str(out))
+    torch.manual_seed(0)
+    # wider random weights than the default 0.02: the next token then depends on the
+    # context (positions, the whole prompt), rather than one token repeated for ever
+    cfg = GPT2Config(vocab_size=len(hf), n_positions=512, n_embd=hidden, n_layer=layers,
+                     n_head=4, bos_token_id=hf.eos_token_id, eos_token_id=hf.eos_token_id,
+                     initializer_range=0.3)
+    model = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():   # random weights would often end at once: the end token's (tied)
+        model.transformer.wte.weight[hf.eos_token_id].zero_()   # row at 0 makes its logit 0
+    model.save_pretrained(str(out))
+    (repo / name / "config.json").write_text(json.dumps(lm_config(name, most)))
+    return out, hf
+
+
+def prompt_ids(tokenizer: Any, i: int, length: int) -> list[int]:
+    """``length`` token ids of the corpus's text, from line i."""
+    text = " ".join(corpus(i + 40)[i:i + 40])
+    ids: list[int] = tokenizer(text)["input_ids"][:length]
+    assert len(ids) == length, (len(ids), length)
+    return ids
+
+
+def greedy(folder: Path, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """``model.generate(do_sample=False)`` in-process, and at each step the gap between
+    its top two logits (a gap under 1e-4 may flip in another batch's float sums)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = _models.get(folder)
+    if model is None:
+        model = _models[folder] = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=max_tokens, output_scores=True,
+                             return_dict_in_generate=True,
+                             pad_token_id=model.generation_config.eos_token_id)
+    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+    return out.sequences[0, len(ids):].tolist(), gaps
+
+
+_models: dict[Path, Any] = {}

@@ -227,9 +227,11 @@ class Detokenizer:
         return self._take(len(text) - hold)
 
     def rest(self) -> str:
-        """At the end of the tokens: what was held back and turned out not to be a stop."""
+        """At the end of the tokens: what was held back and turned out not to be a stop,
+        an unfinished last character included (as the tokenizer decodes it)."""
         if self.stopped:
             return ""
+        self._text = self._decode(self.ids)
         return self._take(len(self._text))
 
     def _take(self, end: int) -> str:

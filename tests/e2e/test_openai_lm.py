@@ -1,0 +1,97 @@
+"""A save_pretrained GPT-2 (random weights, a byte-level BPE tokenizer made by the test,
+a chat template) behind OpenAI's completions and chat: 16 concurrent requests of mixed
+prompt lengths from the `openai` client, streamed and not, each answer the text of
+``model.generate(do_sample=False)`` in-process (a near-tie in float32, top two logits
+within 1e-4, may flip a token, and is named)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+from typing import Any, Iterator
+
+import pytest
+
+from tests.conftest import Server, short_tmpdir
+from tests.lm import greedy, prompt_ids, write_lm
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(400)
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[Server, Any, Any]]:
+    repo = short_tmpdir("zsoail")
+    folder, tokenizer = write_lm(repo, most=8)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    config = json.loads((repo / "lm" / "config.json").read_text())
+    config["text"] = {"task": "generate", "max_length": 512}
+    (repo / "lm" / "config.json").write_text(json.dumps(config))
+    srv = Server(repo, workers=1).wait_ready(180)
+    yield srv, folder, tokenizer
+    srv.stop()
+    shutil.rmtree(repo, ignore_errors=True)
+
+
+def check(folder: Any, tokenizer: Any, ids: list[int], m: int, text: str,
+          notes: list[str]) -> None:
+    want, gaps = greedy(folder, ids, m)
+    expected = tokenizer.decode(want, skip_special_tokens=True)
+    if text != expected:
+        assert min(gaps) < 1e-4, f"{text!r} where generate() says {expected!r}"
+        notes.append(f"a near-tie ({min(gaps):.1e}) in a prompt of {len(ids)} tokens")
+
+
+def test_concurrent_completions_equal_generate(served: tuple[Server, Any, Any]) -> None:
+    srv, folder, tokenizer = served
+    rng = random.Random(7)
+    plan = [(rng.randint(4, 200), rng.randint(1, 40)) for _ in range(16)]
+    prompts = [prompt_ids(tokenizer, i, n) for i, (n, _) in enumerate(plan)]
+
+    async def run() -> list[tuple[str, Any]]:
+        c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        try:
+            async def one(k: int, ids: list[int], m: int) -> tuple[str, Any]:
+                if k % 2:   # half streamed
+                    stream = await c.completions.create(model="lm", prompt=ids, max_tokens=m,
+                                                        stream=True)
+                    chunks = [ch async for ch in stream]
+                    return "".join(ch.choices[0].text for ch in chunks), \
+                        chunks[-1].choices[0].finish_reason
+                got = await c.completions.create(model="lm", prompt=ids, max_tokens=m)
+                assert got.usage.prompt_tokens == len(ids)
+                return got.choices[0].text, got.choices[0].finish_reason
+            return list(await asyncio.gather(*(one(k, ids, m) for k, (ids, (_, m))
+                                               in enumerate(zip(prompts, plan)))))
+        finally:
+            await c.close()
+    notes: list[str] = []
+    for ids, (_, m), (text, finish) in zip(prompts, plan, asyncio.run(run())):
+        check(folder, tokenizer, ids, m, text, notes)
+        assert finish in ("length", "stop")
+    assert len(notes) <= 2, notes
+
+
+def test_chat_streamed_is_the_template_and_generate(served: tuple[Server, Any, Any]) -> None:
+    srv, folder, tokenizer = served
+    messages = [{"role": "system", "content": "kato rine"},
+                {"role": "user", "content": "musa lope dife"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             chat_template=TEMPLATE, tokenize=False)
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as c:
+        stream = c.chat.completions.create(model="lm", messages=messages, max_tokens=24,
+                                           stream=True,
+                                           stream_options={"include_usage": True})
+        chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+    notes: list[str] = []
+    check(folder, tokenizer, ids, 24, text, notes)
+    assert len(notes) <= 1, notes

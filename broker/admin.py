@@ -285,7 +285,7 @@ def memory_plan_lines(plan: dict[str, Any]) -> list[str]:
 
 
 def _release_lines(models: dict[str, Any]) -> list[str]:
-    """Rollouts in progress and versions rolled back, one line each."""
+    """Rollouts in progress, versions rolled back and loads tried again, one line each."""
     lines = []
     for name, m in models.items():
         r = m.get("rollout")
@@ -295,6 +295,9 @@ def _release_lines(models: dict[str, Any]) -> list[str]:
                          f"{len(r['plan']['steps'])}) against version {r['stable']}")
         for version, why in (m.get("rolled_back") or {}).items():
             lines.append(f"{name}/{version}: rolled back: {why}")
+        for version, r in (m.get("load_retries") or {}).items():
+            lines.append(f"{name}/{version}: load attempt {r['attempts']} of {r['of']} failed "
+                         f"({r['last_error']}); tried again in {r['next_in_s']:.1f} s")
     return lines
 
 

@@ -104,6 +104,15 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
                    help="seconds between rescans with --watch poll")
     p.add_argument("--watch-debounce-ms", type=float, default=200.0,
                    help="quiet time after the last change before it is acted on")
+    p.add_argument("--load-retries", type=int, default=5, metavar="N",
+                   help="loads of one version's files that failed for a reason that may "
+                        "pass (out of memory, I/O, a timeout), the first included, before "
+                        "its failure stands (1: no retry)")
+    p.add_argument("--load-retry-base-s", type=float, default=1.0, metavar="S",
+                   help="the wait before the first retry; each next one doubles, drawn "
+                        "in its upper half (jitter)")
+    p.add_argument("--load-retry-max-s", type=float, default=60.0, metavar="S",
+                   help="no wait between retries of a load longer than this")
     p.add_argument("--import-root", action="append", default=None, metavar="DIR",
                    help="folder that POST /v1/models may copy models from (repeatable; "
                         "none: registration is disabled)")

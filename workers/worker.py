@@ -48,7 +48,7 @@ from zeroserve.broker.liveness import AliveFile
 from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models import handlers
-from zeroserve.models.loader import LoadError, LoadedModel, load
+from zeroserve.models.loader import LoadError, LoadedModel, load, transient
 from zeroserve.models.repository import parse_config
 from zeroserve.workers import batching, bls, discovery, memory, streaming
 from zeroserve.workers.hostcache import DEFAULT_HOST_CACHE_BYTES, HostCache, files_stamp
@@ -554,7 +554,8 @@ class Worker:
                           memory.PeakProbe(self.device), settle, self._models_for(msg))
         except (LoadError, ValueError, OSError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)
-            return p.ModelLoaded(name, version, False, error=str(exc))
+            passes = exc.transient if isinstance(exc, LoadError) else transient(exc)
+            return p.ModelLoaded(name, version, False, error=str(exc), transient=passes)
         if loaded.calls_models and self.models_client is not None:
             self.models_client.start()   # now: the broker's first answer takes a round trip
         self._load_seq += 1

@@ -385,7 +385,7 @@ class Broker:
         self.metrics.worker_lost(worker.worker_id, loss.name.lower())
         self.requests.worker_lost(lost, loss, worker.worker_id, self.clock())
         self.requests.worker_gone(worker.worker_id)
-        self.lifecycle.worker_removed()
+        self.lifecycle.worker_removed(worker.worker_id)
         self.ondemand.worker_lost(worker)
         self.metrics.workers_alive(len(self.pool.workers))
 

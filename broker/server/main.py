@@ -19,6 +19,7 @@ from zeroserve.broker.server.broker import Broker
 from zeroserve.broker.server import tenants
 from zeroserve.broker.server.loop import BrokerLoop
 from zeroserve.broker.server.lifecycle import LifecycleOptions
+from zeroserve.broker.server.loadretry import RetryPolicy
 from zeroserve.broker.server.ondemand import OnDemandOptions
 from zeroserve.broker.tracesettings import TraceSettingError, TraceState, parse_config
 
@@ -76,7 +77,10 @@ def build(endpoints: Endpoints, model_dir: Path, args: Any, ctx: zmq.Context[Any
                         poll_s=args.watch_interval_s,
                         import_roots=tuple(Path(r) for r in args.import_root or ()),
                         control_mode=args.model_control_mode,
-                        load_models=tuple(args.load_model or ())))
+                        load_models=tuple(args.load_model or ()),
+                        load_retry=RetryPolicy(max(1, args.load_retries),
+                                               args.load_retry_base_s,
+                                               args.load_retry_max_s)))
     if security is not None:
         security.register(broker.metrics.registry)
     return loop, broker

@@ -339,6 +339,12 @@ def _operate_parsers(sub: Any) -> None:
                         "refused unless its files are the same")
     p.add_argument("--wait-timeout", type=float, default=300.0,
                    help="seconds to wait for the copy and the trial load")
+    p.add_argument("--meta", action="append", default=None, metavar="FIELD=VALUE",
+                   help="the version's provenance (repeatable): source, run_id, "
+                        "data_version, commit, created_by, created_at; kept in its "
+                        "metadata.json, no part of its sha256")
+    p.add_argument("--label", action="append", default=None, metavar="KEY=VALUE",
+                   help="a free-form provenance label (repeatable)")
     p = verb("rollout", "canary VERSION of MODEL: a growing share of the traffic, step by "
              "step, rolled back by itself if it does worse (docs/rollouts.md)")
     p.add_argument("model", help="the model")

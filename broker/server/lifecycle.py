@@ -292,7 +292,8 @@ class Lifecycle:
         if not forced and cur is not None and cur.config == rm.config \
                 and cur.versions == rm.versions \
                 and all(committed.get(v) == shas[v] for v in rm.versions):
-            return  # the same content again: nothing to do
+            self.catalog.reread_provenance(name)   # the same builds: only that may change
+            return
         reload_all = cur is not None and any(
             getattr(cur.config, f) != getattr(rm.config, f) for f in _RELOAD_FIELDS)
         changed = forced | {v for v in rm.versions

@@ -300,16 +300,24 @@ def memory_plan_lines(plan: dict[str, Any]) -> list[str]:
 
 
 def _release_lines(models: dict[str, Any]) -> list[str]:
-    """Rollouts in progress, versions rolled back and loads tried again, one line each."""
+    """Rollouts and watches in progress, versions rolled back, breakers not closed and
+    loads tried again, one line each."""
     lines = []
     for name, m in models.items():
         r = m.get("rollout")
-        if r and not r.get("outcome"):
+        if r and not r.get("outcome") and r.get("watch"):
+            lines.append(f"{name}: version {r['canary']} watched against version "
+                         f"{r['stable']} for {r['plan']['dwell_s']:g} s after its swap")
+        elif r and not r.get("outcome"):
             lines.append(f"{name}: rollout of version {r['canary']} at "
                          f"{r['weights'][str(r['canary'])]}% (step {r['step'] + 1} of "
                          f"{len(r['plan']['steps'])}) against version {r['stable']}")
         for version, why in (m.get("rolled_back") or {}).items():
             lines.append(f"{name}/{version}: rolled back: {why}")
+        b = m.get("breaker") or {}
+        if b.get("state", "closed") != "closed":
+            lines.append(f"{name}: circuit breaker {b['state'].replace('_', '-')}: "
+                         f"{b['reason']}")
         for version, r in (m.get("load_retries") or {}).items():
             lines.append(f"{name}/{version}: load attempt {r['attempts']} of {r['of']} failed "
                          f"({r['last_error']}); tried again in {r['next_in_s']:.1f} s")

@@ -308,6 +308,8 @@ class Lifecycle:
         self.scheduler.set_policy(name, model.policy())
         self.requests.reroute(name, gone)
         self.requests.answers.retain(name)   # a retired version's answers hold no memory
+        if swap.changed:   # a new build: what the old one failed is moot
+            self.requests.breakers.reset(name)
         if self.requests.releases is not None:   # a new build may start a rollout
             self.requests.releases.committed(name, swap.changed)
         for w in list(self.pool.workers.values()):
@@ -435,6 +437,7 @@ class Lifecycle:
             return
         self.swaps.cancel(name)
         self.requests.answers.retain(name)
+        self.requests.breakers.reset(name)
         self.requests.fail_queued(name, p.ErrorCode.NOT_FOUND, f"model {name!r} was removed")
         for w in self.pool.workers.values():
             for v in w.versions_of(name):

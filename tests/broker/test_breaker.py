@@ -1,0 +1,93 @@
+"""Breakers: a model's own failures open its breaker, probes close it, on a fake clock."""
+
+from __future__ import annotations
+
+from hypothesis import given, strategies as st
+
+from zeroserve.broker.server.autoscale import HOLD, Controller, Sample, ScalePolicy
+from zeroserve.broker.server.breaker import CLOSED, HALF_OPEN, OPEN, BreakerOptions, \
+    Breakers
+
+OPTS = BreakerOptions(error_rate=0.5, min_failures=5, window_s=2.0, open_s=5.0,
+                      max_open_s=20.0, probes=3)
+
+
+def test_a_failing_model_opens_then_probes_then_closes() -> None:
+    b = Breakers(OPTS)
+    b.answered("m", 10, now=0.0)
+    assert not b.failed("m", 4, 0.5, "boom")           # 4 of 14: under both bounds
+    assert b.failed("m", 8, 1.0, "boom")               # 12 of 22 failed in the window
+    assert b.state("m") == OPEN and b.trips("m") == 1
+    assert b.admit("m", 1.0) == 5.0 and b.admit("m", 5.9) is not None
+    assert b.describe("m", 2.0)["breaker"]["probe_in_s"] == 4.0
+    # half-open: three probes through, the fourth waits for their answers
+    assert [b.admit("m", 6.0) for _ in range(3)] == [None, None, None]
+    assert b.state("m") == HALF_OPEN and b.admit("m", 6.0) is not None
+    b.answered("m", 3, 6.5)
+    assert b.state("m") == CLOSED and b.admit("m", 6.6) is None
+
+
+def test_a_failed_probe_opens_it_again_for_twice_as_long_up_to_the_bound() -> None:
+    b = Breakers(OPTS)
+    b.failed("m", 5, 0.0, "boom")
+    waits = []
+    now = 0.0
+    for _ in range(4):
+        now += b.admit("m", now) or 0.0
+        assert b.admit("m", now) is None                # a probe
+        assert b.failed("m", 1, now, "boom")
+        waits.append(b.admit("m", now))
+    assert waits == [10.0, 20.0, 20.0, 20.0]
+
+
+def test_failures_outside_the_window_and_healthy_traffic_do_not_open_it() -> None:
+    b = Breakers(OPTS)
+    for t in range(10):     # 2 failures among 22 answers a second: under both bounds
+        b.answered("m", 20, float(t))
+        assert not b.failed("m", 2, t + 0.5, "one bad input")
+    assert b.state("m") == CLOSED and b.describe("m", 10.0) == {}
+
+
+def test_a_new_build_closes_it_and_no_breaker_when_disabled() -> None:
+    b = Breakers(OPTS)
+    b.failed("m", 5, 0.0, "boom")
+    b.reset("m")
+    assert b.state("m") == CLOSED and b.admit("m", 0.1) is None
+    off = Breakers(BreakerOptions(error_rate=0.0))
+    assert not off.failed("m", 100, 0.0, "boom") and off.admit("m", 0.0) is None
+
+
+def test_unanswered_probes_do_not_keep_it_half_open_for_ever() -> None:
+    b = Breakers(OPTS)
+    b.failed("m", 5, 0.0, "boom")
+    for _ in range(3):
+        assert b.admit("m", 5.0) is None   # refused further on, they never answer
+    assert b.admit("m", 6.0) is not None
+    assert b.admit("m", 10.1) is None      # past another open_s: probes again
+
+
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), max_size=40))
+def test_it_opens_only_past_both_bounds(batches: list[tuple[int, int]]) -> None:
+    b = Breakers(OPTS)
+    answered = failed = 0
+    for i, (ok, bad) in enumerate(batches):
+        now = i * 0.01    # all inside one window
+        b.answered("m", ok, now)
+        answered += ok
+        opened = b.failed("m", bad, now, "boom") if bad else False
+        failed += bad
+        if opened:
+            assert failed >= 5 and failed >= 0.5 * (answered + failed)
+            return
+    assert b.state("m") == CLOSED
+
+
+def test_the_replica_controller_holds_while_the_breaker_is_open() -> None:
+    c = Controller()
+    c.set_policy("m", ScalePolicy(min_replicas=1, max_replicas=4, window_s=1.0), 0.0)
+    for t in range(20):   # a queue far over its SLO, every replica busy
+        c.observe("m", t * 0.1, Sample(1.0, 50, 1, 1))
+    assert c.decide("m", 2.0, 1, 0, lambda: None).action == "up"
+    c.observe("m", 2.1, Sample(1.0, 50, 1, 1, breaker_open=True))
+    held = c.decide("m", 2.2, 1, 0, lambda: None)
+    assert (held.action, held.reason) == (HOLD, "breaker_open")

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
-STATES = (CLOSED, HALF_OPEN, OPEN)
 
 
 @dataclass(frozen=True)
@@ -64,10 +63,6 @@ class Breakers:
     def state(self, model: str) -> str:
         m = self._models.get(model)
         return CLOSED if m is None else m.state
-
-    def trips(self, model: str) -> int:
-        m = self._models.get(model)
-        return 0 if m is None else m.trips
 
     def admit(self, model: str, now: float) -> float | None:
         """None to let a request through; else the seconds after which to try again."""
@@ -123,10 +118,6 @@ class Breakers:
     def reset(self, model: str) -> None:
         """A new build committed, or the model removed: what the old one did is moot."""
         self._models.pop(model, None)
-
-    def retain(self, models: set[str]) -> None:
-        for name in [n for n in self._models if n not in models]:
-            del self._models[name]
 
     def _add(self, m: _Model, now: float, requests: int, failures: int) -> None:
         m.events.append((now, requests, failures))

@@ -119,7 +119,7 @@ class Releases:
             if name in self.watches and rollout.next_due() is not None \
                     and now >= rollout.started_s + rollout.plan.dwell_s and not rollout.health():
                 # a watch ends with its window, however little traffic came
-                self._apply(name, rollout, rollout.end("promoted", Verdict("promote", {})))
+                self._apply(name, rollout, rollout.end("watched", Verdict("promote", {})))
                 continue
             verdict = rollout.decide(now)
             if verdict is not None:
@@ -221,6 +221,7 @@ class Releases:
     def begin(self, name: str, canary: int, stable: int, plan: Plan) -> Rollout:
         rollout = Rollout(canary, stable, plan, self.clock())
         self.rollouts[name] = rollout
+        self.watches.discard(name)   # a plan, or a rollout by hand, replaces a watch
         self.watched.add(name)
         self.catalog.clear_failed(name, canary)
         self.catalog.set_weights(name, rollout.weights)

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from hypothesis import given, strategies as st
 
+from tests.broker.rig import BrokerRig
+from tests.conftest import linear_config
+from zeroserve.broker import protocol as p
+from zeroserve.broker.server.swap import Swap
+from zeroserve.models.repository import RepoModel
 from zeroserve.broker.server.autoscale import HOLD, Controller, Sample, ScalePolicy
 from zeroserve.broker.server.breaker import CLOSED, HALF_OPEN, OPEN, BreakerOptions, \
     Breakers
@@ -17,7 +25,7 @@ def test_a_failing_model_opens_then_probes_then_closes() -> None:
     b.answered("m", 10, now=0.0)
     assert not b.failed("m", 4, 0.5, "boom")           # 4 of 14: under both bounds
     assert b.failed("m", 8, 1.0, "boom")               # 12 of 22 failed in the window
-    assert b.state("m") == OPEN and b.trips("m") == 1
+    assert b.state("m") == OPEN and b.describe("m", 1.0)["breaker"]["trips"] == 1
     assert b.admit("m", 1.0) == 5.0 and b.admit("m", 5.9) is not None
     assert b.describe("m", 2.0)["breaker"]["probe_in_s"] == 4.0
     # half-open: three probes through, the fourth waits for their answers
@@ -91,3 +99,67 @@ def test_the_replica_controller_holds_while_the_breaker_is_open() -> None:
     c.observe("m", 2.1, Sample(1.0, 50, 1, 1, breaker_open=True))
     held = c.decide("m", 2.2, 1, 0, lambda: None)
     assert (held.action, held.reason) == (HOLD, "breaker_open")
+
+
+# -- in the broker, without sockets (BrokerRig) ------------------------------------------
+
+def _rig(tmp_path: Path, policy: dict[str, Any], versions: tuple[int, ...],
+         **config: Any) -> BrokerRig:
+    rig = BrokerRig(tmp_path, breaker=BreakerOptions(watch_s=30.0))
+    rig.add_model("m", linear_config("m", version_policy=policy, **config),
+                  versions=versions, factory="nn.Linear(4, 3)")
+    rig.worker("w1", credits=64)
+    for v in versions:
+        rig.loaded("w1", "m", v)
+    return rig
+
+
+def test_a_swap_with_the_previous_version_loaded_is_watched_and_the_watch_just_ends(
+        tmp_path: Path) -> None:
+    rig = _rig(tmp_path / "repo", {"latest": 2}, (1, 2))
+    rig.b.releases.committed("m", {2})     # what a swap's commit says
+    watch = rig.b.releases.describe("m")["rollout"]
+    assert watch["watch"] is True and watch["weights"] == {"2": 100, "1": 0}
+    assert watch["plan"]["steps"] == [100] and watch["plan"]["dwell_s"] == 30.0
+    rig.tick(29.0)
+    assert "m" in rig.b.releases.rollouts
+    rig.tick(2.0)      # no traffic came: it ends with its window all the same
+    ended = rig.b.releases.describe("m")["rollout"]
+    assert ended["outcome"] == "watched" and ended["watch"] is True
+    model = rig.b.catalog.models["m"]
+    assert model.versions == (1, 2) and model.weights is None and not model.failed
+
+
+def test_no_watch_without_a_previous_version_or_with_a_split(tmp_path: Path) -> None:
+    rig = _rig(tmp_path / "a", {"latest": 1}, (2,))
+    rig.b.releases.committed("m", {2})
+    assert not rig.b.releases.rollouts
+    rig = _rig(tmp_path / "b", {"latest": 2}, (1, 2), traffic={"1": 50, "2": 50})
+    rig.b.releases.committed("m", {2})
+    assert not rig.b.releases.rollouts
+
+
+def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -> None:
+    rig = _rig(tmp_path / "repo", {"latest": 1}, (1,))
+    for _ in range(6):
+        rig.request()
+    rig.tick()
+    for _, _, batch in rig.sent(p.Kind.BATCH):
+        rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0,
+                                            error="RuntimeError: the model broke"))
+    assert rig.b.requests.breakers.state("m") == OPEN
+    sent = len(rig.sent(p.Kind.BATCH))
+    rig.request()
+    rig.tick()
+    assert len(rig.sent(p.Kind.BATCH)) == sent     # never queued
+    _, frames = rig.to_clients[-1]
+    err = p.decode_error(p.unpack(frames)[1])
+    assert err.code is p.ErrorCode.UNAVAILABLE and err.retry_after_s == 5.0
+    assert "circuit breaker is open" in err.message
+    # a new build of version 1 swapped in (its LOAD answered): closed at its commit
+    model = rig.b.catalog.models["m"]
+    rig.b.lifecycle.swaps.start(Swap(RepoModel(model.config, model.path, model.versions),
+                                     {1: "b" * 64}, {1}, rig.now))
+    assert rig.b.requests.breakers.state("m") == OPEN
+    rig.from_worker("w1", p.ModelLoaded("m", 1, True, sha256="b" * 64))
+    assert rig.b.requests.breakers.state("m") == CLOSED

@@ -204,7 +204,13 @@ class Releases:
         if model is None:
             return
         running = self.rollouts.get(name)
-        if running is not None and not {running.canary, running.stable} <= set(model.ready):
+        if running is not None and name in self.watches and changed:
+            # a newer build (or its own, rebuilt) supersedes the one watched: its weights
+            # must not keep the traffic on the old build
+            self.catalog.set_weights(name, None)
+            running.end("superseded", Verdict("promote", {}))
+            self._end(name, running)
+        elif running is not None and not {running.canary, running.stable} <= set(model.ready):
             self._end(name, running)   # a version it compares left: nothing to compare
         if not model.ready:
             return

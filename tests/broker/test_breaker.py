@@ -130,6 +130,22 @@ def test_a_swap_with_the_previous_version_loaded_is_watched_and_the_watch_just_e
     assert model.versions == (1, 2) and model.weights is None and not model.failed
 
 
+def test_a_newer_build_during_a_watch_takes_the_traffic_and_the_watch(
+        tmp_path: Path) -> None:
+    rig = _rig(tmp_path / "repo", {"all": True}, (1, 2, 3))
+    model = rig.b.catalog.models["m"]
+    rig.b.catalog.commit(RepoModel(model.config, model.path, (1, 2)), {1: "a", 2: "b"},
+                         {1, 2})
+    rig.b.releases.committed("m", {2})
+    assert rig.b.catalog.models["m"].default_version == 2
+    rig.b.catalog.commit(RepoModel(model.config, model.path, (1, 2, 3)),
+                         {1: "a", 2: "b", 3: "c"}, {1, 2, 3})
+    rig.b.releases.committed("m", {3})
+    watch = rig.b.releases.describe("m")["rollout"]
+    assert (watch["canary"], watch["stable"], watch["outcome"]) == (3, 2, "")
+    assert rig.b.catalog.models["m"].default_version == 3
+
+
 def test_no_watch_without_a_previous_version_or_with_a_split(tmp_path: Path) -> None:
     rig = _rig(tmp_path / "a", {"latest": 1}, (2,))
     rig.b.releases.committed("m", {2})

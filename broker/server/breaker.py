@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
+# a batch fails whole, so one input the model chokes on fails every request batched with
+# it: that is one event, not the model failing; two batches failed in the window are
+MIN_FAILED_BATCHES = 2
 
 
 @dataclass(frozen=True)
@@ -34,9 +37,11 @@ class BreakerOptions:
 @dataclass
 class _Model:
     state: str = CLOSED
-    events: deque[tuple[float, int, int]] = field(default_factory=deque)  # t, asked, failed
+    # per batch answered in the window: when, its requests, how many of them failed
+    events: deque[tuple[float, int, int]] = field(default_factory=deque)
     requests: int = 0              # in the window
     failures: int = 0
+    failed_batches: int = 0
     until_s: float = 0.0           # open: when the probes may start
     open_s: float = 0.0            # the wait that opened it last
     probing: int = 0               # half-open: probes admitted, not yet answered
@@ -107,8 +112,8 @@ class Breakers:
         if m.state == OPEN:
             return False
         self._add(m, now, requests, requests)
-        if m.failures >= self.opts.min_failures and \
-                m.failures >= self.opts.error_rate * m.requests:
+        if m.failures >= self.opts.min_failures and m.failed_batches >= MIN_FAILED_BATCHES \
+                and m.failures >= self.opts.error_rate * m.requests:
             self._open(m, now, self.opts.open_s,
                        f"{m.failures} of {m.requests} requests failed in "
                        f"{self.opts.window_s:g} s: {why}")
@@ -123,17 +128,19 @@ class Breakers:
         m.events.append((now, requests, failures))
         m.requests += requests
         m.failures += failures
+        m.failed_batches += failures > 0
         horizon = now - self.opts.window_s
         while m.events and m.events[0][0] < horizon:
             _, r, f = m.events.popleft()
             m.requests -= r
             m.failures -= f
+            m.failed_batches -= f > 0
 
     def _open(self, m: _Model, now: float, wait_s: float, reason: str) -> None:
         m.state, m.until_s, m.open_s, m.reason = OPEN, now + wait_s, wait_s, reason
         m.trips += 1
         m.events.clear()
-        m.requests = m.failures = m.probing = m.passed = 0
+        m.requests = m.failures = m.failed_batches = m.probing = m.passed = 0
 
     def _close(self, m: _Model) -> None:
         m.state, m.probing, m.passed = CLOSED, 0, 0

@@ -37,7 +37,8 @@ def test_a_failing_model_opens_then_probes_then_closes() -> None:
 
 def test_a_failed_probe_opens_it_again_for_twice_as_long_up_to_the_bound() -> None:
     b = Breakers(OPTS)
-    b.failed("m", 5, 0.0, "boom")
+    b.failed("m", 3, 0.0, "boom")
+    b.failed("m", 3, 0.0, "boom")
     waits = []
     now = 0.0
     for _ in range(4):
@@ -56,9 +57,16 @@ def test_failures_outside_the_window_and_healthy_traffic_do_not_open_it() -> Non
     assert b.state("m") == CLOSED and b.describe("m", 10.0) == {}
 
 
+def test_one_failed_batch_is_one_bad_input_not_the_model_failing() -> None:
+    b = Breakers(OPTS)
+    assert not b.failed("m", 64, 0.0, "ValueError: this input")   # a batch fails whole
+    assert b.failed("m", 1, 0.1, "ValueError: this input")        # a second batch fails
+
+
 def test_a_new_build_closes_it_and_no_breaker_when_disabled() -> None:
     b = Breakers(OPTS)
-    b.failed("m", 5, 0.0, "boom")
+    b.failed("m", 3, 0.0, "boom")
+    b.failed("m", 3, 0.0, "boom")
     b.reset("m")
     assert b.state("m") == CLOSED and b.admit("m", 0.1) is None
     off = Breakers(BreakerOptions(error_rate=0.0))
@@ -67,7 +75,8 @@ def test_a_new_build_closes_it_and_no_breaker_when_disabled() -> None:
 
 def test_unanswered_probes_do_not_keep_it_half_open_for_ever() -> None:
     b = Breakers(OPTS)
-    b.failed("m", 5, 0.0, "boom")
+    b.failed("m", 3, 0.0, "boom")
+    b.failed("m", 3, 0.0, "boom")
     for _ in range(3):
         assert b.admit("m", 5.0) is None   # refused further on, they never answer
     assert b.admit("m", 6.0) is not None
@@ -77,15 +86,17 @@ def test_unanswered_probes_do_not_keep_it_half_open_for_ever() -> None:
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), max_size=40))
 def test_it_opens_only_past_both_bounds(batches: list[tuple[int, int]]) -> None:
     b = Breakers(OPTS)
-    answered = failed = 0
+    answered = failed = failed_batches = 0
     for i, (ok, bad) in enumerate(batches):
         now = i * 0.01    # all inside one window
         b.answered("m", ok, now)
         answered += ok
         opened = b.failed("m", bad, now, "boom") if bad else False
         failed += bad
+        failed_batches += bad > 0
         if opened:
-            assert failed >= 5 and failed >= 0.5 * (answered + failed)
+            assert failed >= 5 and failed_batches >= 2 \
+                and failed >= 0.5 * (answered + failed)
             return
     assert b.state("m") == CLOSED
 
@@ -157,12 +168,13 @@ def test_no_watch_without_a_previous_version_or_with_a_split(tmp_path: Path) -> 
 
 def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -> None:
     rig = _rig(tmp_path / "repo", {"latest": 1}, (1,))
-    for _ in range(6):
-        rig.request()
-    rig.tick()
-    for _, _, batch in rig.sent(p.Kind.BATCH):
-        rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0,
-                                            error="RuntimeError: the model broke"))
+    for _ in range(2):     # two batches of three, each failed whole
+        for _ in range(3):
+            rig.request()
+        rig.tick()
+        for _, _, batch in rig.sent(p.Kind.BATCH)[-1:]:
+            rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0,
+                                                error="RuntimeError: the model broke"))
     assert rig.b.requests.breakers.state("m") == OPEN
     sent = len(rig.sent(p.Kind.BATCH))
     rig.request()

@@ -191,3 +191,15 @@ def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -
     assert rig.b.requests.breakers.state("m") == OPEN
     rig.from_worker("w1", p.ModelLoaded("m", 1, True, sha256="b" * 64))
     assert rig.b.requests.breakers.state("m") == CLOSED
+
+
+def test_zeroserve_models_names_an_open_breaker() -> None:
+    from zeroserve.broker.admin import human
+
+    b = Breakers(OPTS)
+    b.failed("m", 3, 0.0, "RuntimeError: the model broke")
+    b.failed("m", 3, 0.0, "RuntimeError: the model broke")
+    doc = {"models": {"m": {"versions": [1], "ready": [1], "workers": ["w"],
+                            **b.describe("m", 1.0)}}, "errors": {}}
+    assert "m: circuit breaker open: 6 of 6 requests failed in 2 s: RuntimeError: the " \
+           "model broke" in human("models", doc)

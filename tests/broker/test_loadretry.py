@@ -83,3 +83,14 @@ def test_a_retry_no_longer_wanted_gives_the_turn_to_the_next() -> None:
     r.failed("w0", other, "OSError", True, now=0.0)
     r.forget("n")
     assert not r
+
+
+def test_zeroserve_models_says_how_far_the_retries_are() -> None:
+    from zeroserve.broker.admin import human
+
+    r = retries()
+    r.failed("w0", LOAD, "m/1: MemoryError: no room", True, now=0.0)
+    doc = {"models": {"m": {"versions": [1], "ready": [], "workers": [],
+                            **r.describe("m", 0.25)}}, "errors": {}}
+    assert "m/1: load attempt 1 of 4 failed (m/1: MemoryError: no room); tried again in " \
+           "0.2 s" in human("models", doc)

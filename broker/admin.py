@@ -143,7 +143,12 @@ def push(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
             {"model_path": str(path.resolve())}
     except OSError as exc:
         raise InferError(ErrorCode.BAD_INPUT, f"cannot read {args.path}: {exc}") from None
-    job = client.control("push", model=args.model, version=args.push_version, **files)
+    meta = _pairs(args.meta, "--meta")
+    labels = _pairs(args.label, "--label")
+    if labels:
+        meta["labels"] = labels
+    job = client.control("push", model=args.model, version=args.push_version,
+                         **({"metadata": meta} if meta else {}), **files)
     deadline = time.monotonic() + args.wait_timeout
     while (st := client.control("register_status", token=job["token"]))["state"] \
             not in ("published", "failed"):
@@ -158,6 +163,16 @@ def push(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
     done = "unchanged (the same files)" if st["kind"] == "same" else "published"
     return st, f"{args.model}: version {st['versions'][0]} {done}, sha256 {st['sha256'][:12]}"
 
+
+
+def _pairs(raw: list[str] | None, flag: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in raw or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InferError(ErrorCode.BAD_INPUT, f"{flag} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
 
 
 def rollout(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
@@ -295,16 +310,38 @@ def memory_plan_lines(plan: dict[str, Any]) -> list[str]:
 
 
 def _release_lines(models: dict[str, Any]) -> list[str]:
-    """Rollouts in progress and versions rolled back, one line each."""
+    """Rollouts and watches in progress, versions rolled back, breakers not closed and
+    loads tried again, one line each."""
     lines = []
     for name, m in models.items():
         r = m.get("rollout")
-        if r and not r.get("outcome"):
+        if r and not r.get("outcome") and r.get("watch"):
+            lines.append(f"{name}: version {r['canary']} watched against version "
+                         f"{r['stable']} for {r['plan']['dwell_s']:g} s after its swap")
+        elif r and not r.get("outcome"):
             lines.append(f"{name}: rollout of version {r['canary']} at "
                          f"{r['weights'][str(r['canary'])]}% (step {r['step'] + 1} of "
                          f"{len(r['plan']['steps'])}) against version {r['stable']}")
         for version, why in (m.get("rolled_back") or {}).items():
             lines.append(f"{name}/{version}: rolled back: {why}")
+        b = m.get("breaker") or {}
+        if b.get("state", "closed") != "closed":
+            lines.append(f"{name}: circuit breaker {b['state'].replace('_', '-')}: "
+                         f"{b['reason']}")
+        for version, r in (m.get("load_retries") or {}).items():
+            lines.append(f"{name}/{version}: load attempt {r['attempts']} of {r['of']} failed "
+                         f"({r['last_error']}); tried again in {r['next_in_s']:.1f} s")
+    return lines
+
+
+def _provenance_lines(models: dict[str, Any]) -> list[str]:
+    """Where each version came from (its metadata.json), one line each."""
+    lines = []
+    for name, m in models.items():
+        for version, prov in (m.get("provenance") or {}).items():
+            fields = [f"{k}={v}" for k, v in prov.items() if k != "labels"]
+            fields += [f"label {k}={v}" for k, v in (prov.get("labels") or {}).items()]
+            lines.append(f"{name}/{version}: {', '.join(fields)}")
     return lines
 
 
@@ -336,5 +373,6 @@ def human(verb: str, result: Any) -> str:
                          f"{', '.join(m['workers'])}")
         for name, err in result["errors"].items():
             lines.append(f"{name:<20} ERROR {err}")
-        return "\n".join(lines + _release_lines(result["models"]))
+        return "\n".join(lines + _release_lines(result["models"])
+                         + _provenance_lines(result["models"]))
     return json.dumps(result, indent=2, sort_keys=True)

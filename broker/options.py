@@ -104,6 +104,33 @@ def _broker_opts(p: argparse.ArgumentParser) -> None:
                    help="seconds between rescans with --watch poll")
     p.add_argument("--watch-debounce-ms", type=float, default=200.0,
                    help="quiet time after the last change before it is acted on")
+    p.add_argument("--load-retries", type=int, default=5, metavar="N",
+                   help="loads of one version's files that failed for a reason that may "
+                        "pass (out of memory, I/O, a timeout), the first included, before "
+                        "its failure stands (1: no retry)")
+    p.add_argument("--load-retry-base-s", type=float, default=1.0, metavar="S",
+                   help="the wait before the first retry; each next one doubles, drawn "
+                        "in its upper half (jitter)")
+    p.add_argument("--load-retry-max-s", type=float, default=60.0, metavar="S",
+                   help="no wait between retries of a load longer than this")
+    p.add_argument("--breaker-error-rate", type=float, default=0.5, metavar="RATE",
+                   help="a model's circuit breaker opens when this share of its requests "
+                        "answered in the window failed by the model's own error (not bad "
+                        "input, not deadlines; 0: no breaker)")
+    p.add_argument("--breaker-min-failures", type=int, default=5, metavar="N",
+                   help="failed requests in the window before the breaker may open")
+    p.add_argument("--breaker-window-s", type=float, default=2.0, metavar="S",
+                   help="the window the breaker counts a model's answers over")
+    p.add_argument("--breaker-open-s", type=float, default=5.0, metavar="S",
+                   help="an open breaker answers 503 this long before probing (doubled after "
+                        "a failed probe, up to 60 s)")
+    p.add_argument("--breaker-probes", type=int, default=3, metavar="N",
+                   help="half-open: requests let through, all answered well, before the "
+                        "breaker closes")
+    p.add_argument("--swap-watch-s", type=float, default=120.0, metavar="S",
+                   help="after a swap of a model without a rollout plan whose previous "
+                        "version is still loaded, the new build is watched this long and "
+                        "rolled back on errors (0: not watched)")
     p.add_argument("--import-root", action="append", default=None, metavar="DIR",
                    help="folder that POST /v1/models may copy models from (repeatable; "
                         "none: registration is disabled)")
@@ -335,6 +362,12 @@ def _operate_parsers(sub: Any) -> None:
                         "refused unless its files are the same")
     p.add_argument("--wait-timeout", type=float, default=300.0,
                    help="seconds to wait for the copy and the trial load")
+    p.add_argument("--meta", action="append", default=None, metavar="FIELD=VALUE",
+                   help="the version's provenance (repeatable): source, run_id, "
+                        "data_version, commit, created_by, created_at; kept in its "
+                        "metadata.json, no part of its sha256")
+    p.add_argument("--label", action="append", default=None, metavar="KEY=VALUE",
+                   help="a free-form provenance label (repeatable)")
     p = verb("rollout", "canary VERSION of MODEL: a growing share of the traffic, step by "
              "step, rolled back by itself if it does worse (docs/rollouts.md)")
     p.add_argument("model", help="the model")

@@ -430,6 +430,8 @@ class ModelLoaded:
     memory: dict[str, Any] = field(default_factory=dict)
     # the config a LOAD with ``discover`` completed (datatypes and outputs found)
     config: dict[str, Any] = field(default_factory=dict)
+    # a failure whose cause may pass (out of memory, I/O, a timeout): the broker retries
+    transient: bool = False
 
 
 @dataclass(frozen=True)

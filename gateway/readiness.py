@@ -41,7 +41,7 @@ async def not_ready(control: Control, mode: str = STRICT) -> str | None:
     problems: dict[str, str] = {}
     for name, entry in models.items():
         if not serving(entry):
-            problems[name] = "has no version ready on a live worker"
+            problems[name] = "has no version ready on a live worker" + _retrying(entry)
     for name, error in errors.items():
         reason = " ".join(str(error).split())[:MAX_REASON_CHARS]
         problems[name] = f"failed: {reason}"
@@ -52,6 +52,14 @@ async def not_ready(control: Control, mode: str = STRICT) -> str | None:
         return None
     return "not ready (strict readiness): " + "; ".join(
         f"model {name!r} {why}" for name, why in blocking)
+
+
+def _retrying(entry: dict[str, Any]) -> str:
+    """A load that failed for a reason that may pass and is tried again: how far it is."""
+    parts = [f"version {v}: attempt {r['attempts']} of {r['of']} failed "
+             f"({' '.join(str(r['last_error']).split())[:MAX_REASON_CHARS]}), tried again "
+             f"in {r['next_in_s']:.1f} s" for v, r in (entry.get("load_retries") or {}).items()]
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 async def _optional(control: Control, name: str, entry: dict[str, Any] | None) -> bool:

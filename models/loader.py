@@ -18,8 +18,8 @@ from zeroserve.models.footprint import fit_activation, weights_bytes
 from zeroserve.models.repository import ModelConfig, version_sha256
 from zeroserve.models.shapes import rule as shape_rule
 
-__all__ = ["LoadError", "LoadedModel", "Opened", "Source", "load", "version_sha256",
-           "warm_up"]
+__all__ = ["LoadError", "LoadedModel", "Opened", "Source", "load", "transient",
+           "version_sha256", "warm_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,22 @@ CU_SEQLENS = "cu_seqlens"
 
 
 class LoadError(Exception):
-    pass
+    """A load that failed; ``transient`` when its cause may pass by itself (memory that
+    another load held, a volume that answered slowly), so the broker tries it again."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+# what may pass by itself: out of memory (host or device), I/O, a timeout. A corrupt
+# archive, a handler that raises anything else, a config the files do not match: no.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (MemoryError, torch.OutOfMemoryError,
+                                                      OSError, TimeoutError)
+
+
+def transient(exc: BaseException) -> bool:
+    return isinstance(exc, TRANSIENT_ERRORS)
 
 
 @dataclass
@@ -335,7 +350,8 @@ def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
             loaded.release()
         if isinstance(exc, (handlers.HandlerError, LoadError)):
             raise LoadError(str(exc)) from None
-        raise LoadError(f"{cfg.name}/{version}: {type(exc).__name__}: {exc}") from None
+        raise LoadError(f"{cfg.name}/{version}: {type(exc).__name__}: {exc}",
+                        transient(exc)) from None
     loaded.probe_before = before
     loaded.memory_bytes = max(0, memory_probe() - before)
     if peak_probe is not None:

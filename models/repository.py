@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from zeroserve.models import ensemble as ens, formats
 from zeroserve.models.rolloutplan import PlanError, parse_plan
+from zeroserve.models.provenance import FILE as PROVENANCE_FILE
 from zeroserve.models.text import EMBEDDING, IDS, MASK, MAX_TOKENS, SAMPLING, TOKEN, TextConfig, \
     TextConfigError, parse_text
 
@@ -812,11 +813,13 @@ class RepoModel:
 
 
 def version_sha256(version_dir: Path) -> str:
-    """sha256 over the version folder's files (relative names and contents), sorted."""
+    """sha256 over the version folder's files (relative names and contents), sorted;
+    its provenance (``metadata.json``, models/provenance.py) is no part of the build."""
     h = hashlib.sha256()
     for path in sorted(p for p in version_dir.rglob("*") if p.is_file()):
         rel = path.relative_to(version_dir).as_posix()
-        if "__pycache__" in rel or any(is_temp_name(part) for part in rel.split("/")):
+        if "__pycache__" in rel or any(is_temp_name(part) for part in rel.split("/")) \
+                or rel == PROVENANCE_FILE:
             continue
         h.update(rel.encode() + b"\0")
         with path.open("rb") as f:

@@ -49,7 +49,7 @@ from zeroserve.broker.liveness import AliveFile
 from zeroserve.broker.logsettings import LogSettings, SettingsError
 from zeroserve.broker.process import Notifier, RateLimitedLog
 from zeroserve.models import handlers
-from zeroserve.models.loader import LoadError, LoadedModel, load
+from zeroserve.models.loader import LoadError, LoadedModel, load, transient
 from zeroserve.models.repository import parse_config
 from zeroserve.workers import batching, bls, discovery, gpustats, memory, streaming
 from zeroserve.workers.sequences import SequenceTable
@@ -620,7 +620,8 @@ class Worker:
                           memory.PeakProbe(self.device), settle, self._models_for(msg))
         except (LoadError, ValueError, OSError) as exc:
             logger.error("load of %s/%d failed: %s", name, version, exc)
-            return p.ModelLoaded(name, version, False, error=str(exc))
+            passes = exc.transient if isinstance(exc, LoadError) else transient(exc)
+            return p.ModelLoaded(name, version, False, error=str(exc), transient=passes)
         if loaded.calls_models and self.models_client is not None:
             self.models_client.start()   # now: the broker's first answer takes a round trip
         self._load_seq += 1

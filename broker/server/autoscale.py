@@ -9,7 +9,8 @@ the simulation drive it with a clock of their own. The signals, over sliding win
 - queue depth per serving replica, over the same window;
 - utilization: the fraction of replicas with a batch in flight, time-weighted, over
   ``window_s`` (for scaling up) and ``down_window_s`` (for scaling down);
-- arrival rate over ``window_s``, and its trend (the later half against the earlier).
+- arrival rate over ``window_s``, and its trend (the later half against the earlier);
+- whether the model's circuit breaker is open (or probing), in the latest sample.
 
 With the broker's latency model for the model (``latency(b) = a + c*b``), a replica's
 capacity at full batches is ``max_batch / latency(max_batch)``; the demand is the
@@ -25,6 +26,9 @@ The decision tree, first match wins::
     2  serving > max                                down  above_max
     3  a replica is loading                         hold  loading
     4  less than window_s observed yet              hold  warming_up
+    4b the model's circuit breaker open or probing  hold  breaker_open  (it fails by
+       itself: more replicas would fail too, and its traffic is refused, not gone; a
+       worker lost is no breaker's, and scales as before)
     5  queue time > SLO (or depth per replica over its threshold, when set):
        5a serving >= max                            hold  at_max
        5b utilization < low_utilization             hold  queue_not_busy  (the wait is
@@ -114,6 +118,7 @@ class Sample:
     # time a kernel ran, 0..1; None where none reports it (CPU workers, no nvidia-ml-py,
     # MIG slices). An input only: no decision below reads it yet.
     gpu_utilization: float | None = None
+    breaker_open: bool = False  # the model's circuit breaker open or half-open
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,7 @@ class Signals:
     depth_before: int = 0           # queued a window ago
     recent_rps: float = 0.0         # arrivals over the later half of the window
     gpu_utilization: float | None = None   # over window_s, the samples that carry it
+    breaker_open: bool = False      # the latest sample's
 
     def needed(self, pol: "ScalePolicy", utilization: float) -> int | None:
         """Replicas that would carry the demand (arrivals, and the backlog drained over
@@ -272,7 +278,8 @@ class Controller:
             depth=last.depth if last is not None else 0,
             depth_before=before.depth if before is not None else 0,
             recent_rps=late / max(now - mid, 1e-9),
-            gpu_utilization=_gpu_mean(m.samples, start, now))
+            gpu_utilization=_gpu_mean(m.samples, start, now),
+            breaker_open=last.breaker_open if last is not None else False)
 
     # -- deciding -----------------------------------------------------------
     def decide(self, model: str, now: float, serving: int, loading: int,
@@ -296,6 +303,8 @@ class Controller:
             return out(HOLD, "loading")
         if sig.observed_s < pol.window_s:
             return out(HOLD, "warming_up")
+        if sig.breaker_open:
+            return out(HOLD, "breaker_open")
         deep = pol.depth_per_replica > 0 and sig.depth_per_replica > pol.depth_per_replica
         if sig.queue_s > pol.queue_slo_s or deep:
             return self._pressure(m, now, serving, sig, room, out,

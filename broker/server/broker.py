@@ -23,10 +23,11 @@ from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
 from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.lifecycle import Lifecycle, LifecycleOptions
-from zeroserve.broker.server.metrics import BrokerMetrics, CacheSize, ModelStates
+from zeroserve.broker.server.metrics import BreakerStates, BrokerMetrics, CacheSize, ModelStates
 from zeroserve.broker.server.ondemand import OnDemand, OnDemandOptions
 from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.breaker import CLOSED, BreakerOptions, Breakers
 from zeroserve.broker.server.readverbs import ReadVerbs
 from zeroserve.broker.server.registration import Registrar
 from zeroserve.broker.server.releases import Releases
@@ -53,7 +54,8 @@ class Broker:
                  tenants_path: Path | None = None, max_message_bytes: int = 256 << 20,
                  trace: TraceState | None = None,
                  response_cache_bytes: int = DEFAULT_BOUND_BYTES,
-                 on_demand: OnDemandOptions | None = None) -> None:
+                 on_demand: OnDemandOptions | None = None,
+                 breaker: BreakerOptions | None = None) -> None:
         self.clock = clock
         # what a message may hold, per socket: clients' requests are small headers and
         # tensors; control calls carry configs; workers' heartbeats carry metrics text
@@ -76,12 +78,17 @@ class Broker:
         self.stop = StopState()
         cache = ResponseCache(response_cache_bytes)
         self.metrics.registry.register(CacheSize(cache.describe))
+        breaker = breaker or BreakerOptions()
         self.releases = Releases(self.catalog, self.pool, clock, self.metrics.registry,
                                  reroute=lambda name, gone, to: self.requests.reroute(
-                                     name, gone, to))
+                                     name, gone, to), watch_s=breaker.watch_s)
+        breakers = Breakers(breaker)
+        self.metrics.registry.register(BreakerStates(lambda: self.catalog.models,
+                                                     breakers.state))
         self.requests = RequestPath(self.catalog, self.scheduler, self.pool,
                                     LatencyBook(enabled=latency_model), self.metrics, to_client,
-                                    self.tenancy, self.stop, clock, cache, self.releases)
+                                    self.tenancy, self.stop, clock, cache, self.releases,
+                                    breakers)
         self.lifecycle = self._compose(clock, ctx or zmq.Context.instance(),
                                        lifecycle or LifecycleOptions(),
                                        on_demand or OnDemandOptions())
@@ -113,7 +120,8 @@ class Broker:
             self.catalog, self.pool, self.scheduler, self.placement, self.metrics,
             predict=self.requests.latency.predictor,
             swapping=lambda name: name in self.lifecycle.swaps,
-            sync_worker=lambda worker: self.lifecycle.sync_worker(worker))
+            sync_worker=lambda worker: self.lifecycle.sync_worker(worker),
+            failing=lambda name: self.requests.breakers.state(name) != CLOSED)
         self.ondemand = OnDemand(   # models loaded when asked for: where they are held
             self.catalog, self.pool, self.scheduler, self.placement, self.metrics, clock,
             demand, load_placed=lambda worker, name: self.lifecycle.load_placed(worker, name),
@@ -385,7 +393,7 @@ class Broker:
         self.metrics.worker_lost(worker.worker_id, loss.name.lower())
         self.requests.worker_lost(lost, loss, worker.worker_id, self.clock())
         self.requests.worker_gone(worker.worker_id)
-        self.lifecycle.worker_removed()
+        self.lifecycle.worker_removed(worker.worker_id)
         self.ondemand.worker_lost(worker)
         self.metrics.workers_alive(len(self.pool.workers))
 
@@ -532,7 +540,8 @@ class Broker:
 
     def _describe_model(self, name: str) -> dict[str, Any]:
         return {**self.lifecycle.describe(name), **self.releases.describe(name),
-                **self.ondemand.describe(name)}
+                **self.ondemand.describe(name),
+                **self.requests.breakers.describe(name, self.clock())}
 
     def _status(self) -> dict[str, Any]:
         """The broker's own sections of ``zeroserve status`` (see readverbs.py)."""

@@ -20,6 +20,7 @@ from zeroserve.broker.protocol import TensorMeta
 from zeroserve.broker.server.pool import WorkerState
 from zeroserve.broker.server.scheduler import Policy
 from zeroserve.broker.server.split import pick, point
+from zeroserve.models import provenance
 from zeroserve.models.repository import ConfigError, ModelConfig, RepoModel, TensorSpec, \
     load_config, load_labels, scan
 
@@ -37,6 +38,8 @@ class CatalogModel:
     labels: list[str] | None = None    # labels.txt, read once per commit (classification)
     weights: dict[int, int] | None = None   # a rollout's split, in place of ``traffic``
     failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # rolled back: why, sha
+    # each version's metadata.json (models/provenance.py), read per commit and rescan
+    provenance: dict[int, dict[str, Any]] = field(default_factory=dict)
     _json: tuple[ModelConfig, dict[str, Any]] | None = field(default=None, repr=False,
                                                              compare=False)
 
@@ -239,7 +242,8 @@ class Catalog:
 
     @staticmethod
     def _entry(rm: RepoModel) -> CatalogModel:
-        return CatalogModel(rm.config, rm.path, rm.versions, labels=load_labels(rm.path))
+        return CatalogModel(rm.config, rm.path, rm.versions, labels=load_labels(rm.path),
+                            provenance=provenance.of_versions(rm.path, rm.versions))
 
     def get(self, name: str) -> CatalogModel | None:
         return self.models.get(name)
@@ -264,6 +268,7 @@ class Catalog:
         else:
             model.config, model.path, model.versions = rm.config, rm.path, rm.versions
         model.labels = load_labels(rm.path)
+        model.provenance = provenance.of_versions(rm.path, rm.versions)
         model.ready = set(ready) & set(rm.versions)
         self._previous[name] = self.shas.get(name, {})
         # a version rolled back stays so until new content comes under its number
@@ -295,6 +300,13 @@ class Catalog:
     def retry(self, name: str) -> None:
         """An operator's load: content that failed before may be tried again."""
         self.failed = {f for f in self.failed if f[0] != name}
+
+    def reread_provenance(self, name: str) -> None:
+        """A rescan found the same builds: their metadata.json may have changed (it is
+        no part of the sha256, so nothing else does)."""
+        model = self.models.get(name)
+        if model is not None:
+            model.provenance = provenance.of_versions(model.path, model.versions)
 
     def set_error(self, name: str, error: str) -> None:
         self.errors[name] = error
@@ -373,6 +385,8 @@ class Catalog:
         model = self.models.get(name)
         if model is not None and model.weights is not None:
             out["weights"] = {str(v): w for v, w in sorted(model.weights.items())}
+        if model is not None and model.provenance:
+            out["provenance"] = {str(v): p for v, p in sorted(model.provenance.items())}
         if model is not None and model.failed:
             out["rolled_back"] = {str(v): why for v, (why, _) in sorted(model.failed.items())}
         return out

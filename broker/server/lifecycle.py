@@ -22,6 +22,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.hasher import Hasher
+from zeroserve.broker.server.loadretry import LoadRetries, RetryPolicy
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
@@ -52,6 +53,7 @@ class LifecycleOptions:
     import_roots: tuple[Path, ...] = ()
     control_mode: str = "poll"       # Triton's --model-control-mode: none, poll, explicit
     load_models: tuple[str, ...] = ()   # explicit: what to load at start
+    load_retry: RetryPolicy = RetryPolicy()   # loads that failed for a reason that may pass
 
 
 def _everything(found: Found) -> Found:
@@ -86,9 +88,11 @@ class Lifecycle:
         self.pending: dict[str, tuple[RepoModel, int]] = {}   # hashing
         self.deferred: set[str] = set()     # changed again while a swap ran
         self.forced: dict[str, set[int]] = {}   # operator reloads waiting for their hashes
+        self.retries = LoadRetries(self.opts.load_retry)
         self.swaps = Swaps(catalog, pool, metrics, clock, load=placement.load, placed=placed,
                            committed=self._committed, ended=self._after_swap,
-                           retry=self._retry, timeout_s=self.opts.swap_timeout_s)
+                           retry=self._retry, retries=self.retries,
+                           timeout_s=self.opts.swap_timeout_s)
 
     def rescan_one(self, name: str) -> None:
         """A folder registration published or removed: the watcher sees the rename; with
@@ -138,7 +142,8 @@ class Lifecycle:
 
     def next_due(self) -> float | None:
         dues = [self.watcher.next_due() if self.watcher is not None else None,
-                self.swaps.next_due(), self.registrar.next_due(self.clock())]
+                self.swaps.next_due(), self.registrar.next_due(self.clock()),
+                self.retries.next_due()]
         if self.placement.refused:  # loads refused for memory: answered on the next tick
             dues.append(self.clock())
         return min((d for d in dues if d is not None), default=None)
@@ -152,6 +157,9 @@ class Lifecycle:
                 self.rescan(dirty)
         if self.swaps:
             self.swaps.check(now)
+        if self.retries:
+            for worker_id, load in self.retries.take_due(now):
+                self._retry_load(worker_id, load)
         if self.pool.retiring:
             for holder, key in self.pool.take_idle():
                 self.placement.forget((holder.identity, *key))
@@ -224,6 +232,7 @@ class Lifecycle:
         in two phases (``reload``, and the repository extension's load)."""
         name = rm.config.name
         self.catalog.retry(name)
+        self.retries.forget(name)   # an operator's load starts the count afresh
         self.forced.setdefault(name, set()).update(versions)
         placed = [w for w in self.pool.workers.values()
                   if not w.draining and self.placed(rm.config, w)]
@@ -283,7 +292,8 @@ class Lifecycle:
         if not forced and cur is not None and cur.config == rm.config \
                 and cur.versions == rm.versions \
                 and all(committed.get(v) == shas[v] for v in rm.versions):
-            return  # the same content again: nothing to do
+            self.catalog.reread_provenance(name)   # the same builds: only that may change
+            return
         reload_all = cur is not None and any(
             getattr(cur.config, f) != getattr(rm.config, f) for f in _RELOAD_FIELDS)
         changed = forced | {v for v in rm.versions
@@ -298,6 +308,8 @@ class Lifecycle:
         self.scheduler.set_policy(name, model.policy())
         self.requests.reroute(name, gone)
         self.requests.answers.retain(name)   # a retired version's answers hold no memory
+        if swap.changed:   # a new build: what the old one failed is moot
+            self.requests.breakers.reset(name)
         if self.requests.releases is not None:   # a new build may start a rollout
             self.requests.releases.committed(name, swap.changed)
         for w in list(self.pool.workers.values()):
@@ -317,6 +329,8 @@ class Lifecycle:
     def on_loaded(self, worker: WorkerState, msg: p.ModelLoaded) -> None:
         """A LOADED: a registration's trial, part of a swap, or a plain sync load."""
         msg = self.placement.check(worker, msg)  # may turn it into a refused load
+        if msg.ok:
+            self._release(msg)
         if self.registrar.on_loaded(worker, msg) or self.swaps.on_loaded(worker, msg):
             return
         key = ModelVersion(msg.model, msg.version)
@@ -331,10 +345,20 @@ class Lifecycle:
                        "worker %s loaded %s/%d in %.2fs", worker.worker_id, msg.model,
                        msg.version, msg.load_s)
         else:
-            self.pool.failed(worker, key, msg.error)
+            load = self._message(msg.model, msg.version)
+            # load on demand asks again on the next request: no retry of its own
+            retry = None if load is None or self.turn(msg.model) else self.retries.failed(
+                worker.worker_id, load, msg.error, msg.transient, self.clock())
+            self.pool.failed(worker, key, msg.error if retry is None
+                             else f"{msg.error} ({retry})")
+            for worker_id in self.retries.given_up():   # parked behind it: never sent
+                parked = self.pool.by_id(worker_id)
+                if parked is not None:
+                    self.pool.failed(parked, key, msg.error)
             self.metrics.model_loaded(msg.model, False, 0.0)
-            logger.error("worker %s failed to load %s/%d: %s", worker.worker_id, msg.model,
-                         msg.version, msg.error)
+            logger.log(logging.ERROR if retry is None else logging.WARNING,
+                       "worker %s failed to load %s/%d: %s%s", worker.worker_id, msg.model,
+                       msg.version, msg.error, f" ({retry})" if retry else "")
 
     def sync_worker(self, worker: WorkerState) -> None:
         """Tell a worker to load what it should serve and unload what it should not."""
@@ -360,22 +384,60 @@ class Lifecycle:
                 self._load(worker, name, version)
 
     def _load(self, worker: WorkerState, name: str, version: int) -> None:
-        model = self.catalog.models[name]
-        self.placement.load(worker, p.LoadModel(
-            name, version, str(model.path / str(version)), model.config_json(),
-            self.catalog.shas.get(name, {}).get(version, "")), model.config)
+        load = self._message(name, version)
+        assert load is not None
+        if not self.retries.park(worker.worker_id, load):   # else sent when its turn comes
+            self.placement.load(worker, load, self.catalog.models[name].config)
 
-    def worker_removed(self) -> None:
-        """A worker left: versions no live worker holds are no longer routable."""
+    def _message(self, name: str, version: int) -> p.LoadModel | None:
+        model = self.catalog.models.get(name)
+        if model is None:
+            return None
+        return p.LoadModel(name, version, str(model.path / str(version)), model.config_json(),
+                           self.catalog.shas.get(name, {}).get(version, ""))
+
+    def _retry_load(self, worker_id: str, load: p.LoadModel) -> None:
+        """A retry come due: sent where it is still wanted (its swap waits for it, or the
+        catalog still serves that content on that worker), else given up."""
+        worker = self.pool.by_id(worker_id)
+        model = self.catalog.models.get(load.model)
+        if worker is None:
+            self.retries.worker_left(worker_id)
+        elif load.model in self.swaps:
+            if self.swaps.waits_for(worker, load):
+                self.placement.load(worker, load)
+                return
+        elif model is not None and load.version in model.versions \
+                and self.catalog.shas.get(load.model, {}).get(load.version) == load.sha256 \
+                and self.placed(model.config, worker) \
+                and not worker.holds(load.model, load.version):
+            self.placement.load(worker, load, model.config)
+            return
+        self.retries.skip(worker_id, load)
+
+    def _release(self, msg: p.ModelLoaded) -> None:
+        """A load succeeded: loads parked behind its content go now."""
+        for worker_id, load in self.retries.succeeded(msg.model, msg.version, msg.sha256):
+            worker = self.pool.by_id(worker_id)
+            if worker is not None and (load.model not in self.swaps
+                                       or self.swaps.waits_for(worker, load)):
+                self.placement.load(worker, load)
+
+    def worker_removed(self, worker_id: str) -> None:
+        """A worker left: versions no live worker holds are no longer routable; loads it
+        would retry go to the next worker."""
+        self.retries.worker_left(worker_id)
         self.catalog.routable(self.pool.workers.values())
 
     def remove_model(self, name: str, why: str) -> None:
         # a folder that never loaded has no catalog entry, but its failure must go too
         self.pending.pop(name, None)
+        self.retries.forget(name)
         if not self.catalog.remove(name):
             return
         self.swaps.cancel(name)
         self.requests.answers.retain(name)
+        self.requests.breakers.reset(name)
         self.requests.fail_queued(name, p.ErrorCode.NOT_FOUND, f"model {name!r} was removed")
         for w in self.pool.workers.values():
             for v in w.versions_of(name):
@@ -384,7 +446,8 @@ class Lifecycle:
 
     # -- status -------------------------------------------------------------
     def describe(self, name: str) -> dict[str, Any]:
-        out = {**self.catalog.status(name), **self.swaps.describe(name)}
+        out = {**self.catalog.status(name), **self.swaps.describe(name),
+               **self.retries.describe(name, self.clock())}
         memory = self.placement.describe_model(name)
         if memory:
             out["memory"] = memory

@@ -19,6 +19,8 @@ from zeroserve.broker.server.broker import Broker
 from zeroserve.broker.server import tenants
 from zeroserve.broker.server.loop import BrokerLoop
 from zeroserve.broker.server.lifecycle import LifecycleOptions
+from zeroserve.broker.server.breaker import BreakerOptions
+from zeroserve.broker.server.loadretry import RetryPolicy
 from zeroserve.broker.server.ondemand import OnDemandOptions
 from zeroserve.broker.tracesettings import TraceSettingError, TraceState, parse_config
 
@@ -59,6 +61,11 @@ def build(endpoints: Endpoints, model_dir: Path, args: Any, ctx: zmq.Context[Any
                     worker_expiry_s=args.worker_expiry_s, drain_timeout_s=args.drain_timeout_s,
                     max_message_bytes=args.max_message_bytes,
                     response_cache_bytes=args.response_cache_bytes,
+                    breaker=BreakerOptions(
+                        error_rate=args.breaker_error_rate,
+                        min_failures=max(1, args.breaker_min_failures),
+                        window_s=args.breaker_window_s, open_s=args.breaker_open_s,
+                        probes=max(1, args.breaker_probes), watch_s=args.swap_watch_s),
                     on_demand=OnDemandOptions(
                         enabled=args.load_on_demand,
                         min_residency_s=args.load_on_demand_min_residency_s,
@@ -76,7 +83,10 @@ def build(endpoints: Endpoints, model_dir: Path, args: Any, ctx: zmq.Context[Any
                         poll_s=args.watch_interval_s,
                         import_roots=tuple(Path(r) for r in args.import_root or ()),
                         control_mode=args.model_control_mode,
-                        load_models=tuple(args.load_model or ())))
+                        load_models=tuple(args.load_model or ()),
+                        load_retry=RetryPolicy(max(1, args.load_retries),
+                                               args.load_retry_base_s,
+                                               args.load_retry_max_s)))
     if security is not None:
         security.register(broker.metrics.registry)
     return loop, broker

@@ -219,8 +219,14 @@ class BrokerMetrics:
         self.recycles = Counter("worker_recycles", "Workers that left to be restarted "
                                 "because memory was not returned after an unload",
                                 ["worker"], namespace=ns, registry=r)
+        self.breaker_trips = Counter("circuit_breaker_trips", "Times a model's circuit "
+                                     "breaker opened (its own errors past the threshold, or "
+                                     "a probe failed)", ["model"], namespace=ns, registry=r)
         self._seen_workers: set[str] = set()
         self._child = Children()
+
+    def breaker_tripped(self, model: str) -> None:
+        self.breaker_trips.labels(model).inc()
 
     def requests_done(self, model: str, version: int, totals_s: Sequence[float]) -> None:
         """A batch's requests answered ok, each with its arrival-to-reply time."""
@@ -328,6 +334,27 @@ class ModelStates:
                            / 1000.0)
             demand.add_metric([name], 1.0 if self.on_demand(model.config) else 0.0)
         yield from (ready, slo, demand)
+
+
+class BreakerStates:
+    """prometheus_client's collector protocol: each catalog model's circuit breaker,
+    0 closed, 1 half-open (probing), 2 open, read at each scrape. Every model has the
+    series, so the alert's measure is 0, not absent, while nothing fails."""
+
+    LEVELS = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+
+    def __init__(self, models: Callable[[], Mapping[str, Any]],
+                 state: Callable[[str], str]) -> None:
+        self.models = models
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily("zeroserve_circuit_breaker_state", "A model's circuit "
+                                  "breaker: 0 closed, 1 half-open (probing), 2 open (its "
+                                  "requests answered 503 at once)", labels=["model"])
+        for name in sorted(self.models()):
+            gauge.add_metric([name], self.LEVELS[self.state(name)])
+        yield gauge
 
 
 class CacheSize:

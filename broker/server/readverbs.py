@@ -88,6 +88,10 @@ class ReadVerbs:
                              else args["version"] in model.ready)
         meta["max_batch_size"] = model.config.max_batch_size
         meta["labels"] = model.labels
+        version = args.get("version")
+        found = model.provenance.get(model.default_version if version is None else version)
+        if found:   # where the version came from: v2's metadata has room in parameters
+            meta["parameters"] = {"provenance": found}
         return meta
 
     def text(self, args: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlError
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.types import ModelVersion
+from zeroserve.models import provenance
 from zeroserve.models.repository import NAME_RE, ConfigError, ModelConfig, is_temp_name, \
     parse_config, undeclared_datatypes, version_sha256
 
@@ -59,6 +60,7 @@ class Job:
     push: int = 0                      # the version a push adds; 0 for a registration
     data: bytes | None = None          # a push's uploaded model file
     sha256: str = ""                   # a push's content, once copied
+    provenance: dict[str, Any] = field(default_factory=dict)   # the body's "metadata"
 
 
 class Registrar:
@@ -83,6 +85,7 @@ class Registrar:
         if not isinstance(body, dict):
             raise ControlError("bad_input", "the body must be a JSON object")
         body = dict(body)
+        meta = _provenance(body.pop("metadata", None))
         source_raw = body.pop("model_path", None)
         if not isinstance(source_raw, str) or not source_raw:
             self._source(source_raw)   # refused: the message names the field
@@ -96,7 +99,8 @@ class Registrar:
                 self._busy(cfg.name):
             raise ControlError("conflict", f"model {cfg.name!r} already exists")
         token = f"{next(self._ids)}-{os.getpid()}"
-        job = Job(token, cfg, source, self.root / f".register-{cfg.name}-{token}")
+        job = Job(token, cfg, source, self.root / f".register-{cfg.name}-{token}",
+                  provenance=meta)
         if guessed or not cfg.outputs:
             job.discover = {"datatypes": guessed}
         job.copier = threading.Thread(target=self._copy, args=(job,), daemon=True,
@@ -138,6 +142,7 @@ class Registrar:
         if model is None or not folder.is_dir():
             raise ControlError("not_found", wording.unknown_model(name) + ": push adds a "
                                "version to a served model; register a new one")
+        meta = _provenance(args.get("metadata"))
         data = args.get("data")
         if data is not None:
             if not isinstance(data, bytes) or not data:
@@ -156,7 +161,7 @@ class Registrar:
             raise ControlError("conflict", f"a push or registration of {name!r} is under way")
         token = f"{next(self._ids)}-{os.getpid()}"
         job = Job(token, model.config, source, folder / f".push-{version}-{token}",
-                  push=version, data=data)
+                  push=version, data=data, provenance=meta)
         job.copier = threading.Thread(target=self._copy, args=(job,), daemon=True,
                                       name="push-copy")
         self.jobs[token] = job
@@ -180,6 +185,7 @@ class Registrar:
                 shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
             else:
                 raise ValueError(f"model_path {str(src)!r} holds no {cfg.model_file}")
+        _add_provenance(dst, job.provenance)
         job.sha256 = version_sha256(dst)
         job.versions = [job.push]
         existing = dst.parent / str(job.push)
@@ -219,6 +225,8 @@ class Registrar:
                                     ignore=shutil.ignore_patterns("__pycache__"))
             (dst / "config.json").write_text(json.dumps(cfg.to_json(), indent=2))
             job.versions = sorted(int(d.name) for d in dst.iterdir() if d.name.isdigit())
+            for v in job.versions:
+                _add_provenance(dst / str(v), job.provenance)
         except (OSError, ValueError) as exc:
             job.kind, job.error = "copy", str(exc)
 
@@ -364,3 +372,25 @@ class Registrar:
         self._published(name)
         logger.info("unregistered %s", ModelVersion(name, version) if version else name)
         return {"deleted": name, "version": version}
+
+
+def _provenance(raw: Any) -> dict[str, Any]:
+    """A push's or registration's ``metadata`` (models/provenance.py), checked."""
+    if raw is None:
+        return {}
+    try:
+        return provenance.parse(raw, "field 'metadata'")
+    except provenance.ProvenanceError as exc:
+        raise ControlError("bad_input", str(exc)) from None
+
+
+def _add_provenance(version_dir: Path, fields: dict[str, Any]) -> None:
+    """Thread: the request's fields over those of a metadata.json copied with the files
+    (a copied one that does not parse is replaced, not kept half-read)."""
+    if not fields:
+        return
+    try:
+        found = provenance.read(version_dir)
+    except provenance.ProvenanceError:
+        found = {}
+    provenance.write(version_dir, provenance.merge(found, fields))

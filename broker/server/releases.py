@@ -3,7 +3,10 @@ the request path answers, and their verdicts applied through the catalog's verbs
 catalog stays the one writer of model state). A rollout starts when a swap commits a
 new build of a model whose config has a ``rollout`` plan (the previous version kept
 loaded), or by hand (``zeroserve rollout``); ``zeroserve rollback`` and ``promote`` end
-one by hand. See docs/rollouts.md.
+one by hand. A swap of a model without a plan, whose previous version is still loaded,
+is watched: a one-step plan (all the traffic to the new build at once, its failed
+requests run again on the version before) that rolls it back on errors as a canary is,
+and at the end of its window simply ends, retiring nothing. See docs/rollouts.md.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class Releases:
     """Every model's rollout in progress, and the versions rolled back."""
 
     def __init__(self, catalog: Catalog, pool: WorkerPool, clock: Clock,
-                 registry: CollectorRegistry, reroute: Reroute) -> None:
+                 registry: CollectorRegistry, reroute: Reroute, watch_s: float = 0.0) -> None:
         self.catalog = catalog
         self.pool = pool
         self.clock = clock
@@ -49,6 +52,8 @@ class Releases:
         self.retired: dict[str, set[int]] = {}
         self.rollbacks: dict[tuple[str, str], int] = {}   # (model, check): rollbacks
         self.promotions: dict[str, int] = {}
+        self.watch_s = watch_s          # a swap without a plan: its watch (0: none)
+        self.watches: set[str] = set()  # models whose rollout is such a watch
         registry.register(_RolloutMetrics(self))
 
     # -- the request path's reports ---------------------------------------------
@@ -111,6 +116,11 @@ class Releases:
         if len(self.ended) + len(self.rollouts) + len(self.watched) > 0:
             self._forget_removed()
         for name, rollout in list(self.rollouts.items()):
+            if name in self.watches and rollout.next_due() is not None \
+                    and now >= rollout.started_s + rollout.plan.dwell_s and not rollout.health():
+                # a watch ends with its window, however little traffic came
+                self._apply(name, rollout, rollout.end("watched", Verdict("promote", {})))
+                continue
             verdict = rollout.decide(now)
             if verdict is not None:
                 self._apply(name, rollout, verdict)
@@ -143,6 +153,11 @@ class Releases:
             self._roll_back(name, rollout.canary, rollout.stable, verdict.reason,
                             "errors" if verdict.reason.startswith("error") else "latency")
             self._end(name, rollout)
+        elif name in self.watches:   # the window passed: nothing to retire
+            self.catalog.set_weights(name, None)
+            logger.info("model %s: version %d watched for %g s: healthy", name,
+                        rollout.canary, rollout.plan.dwell_s)
+            self._end(name, rollout)
         else:
             self._promote(name, rollout.canary, rollout.stable)
             self._end(name, rollout)
@@ -173,7 +188,9 @@ class Releases:
     def _end(self, name: str, rollout: Rollout) -> None:
         self.rollouts.pop(name, None)
         now = self.clock()
-        self.ended[name] = {**rollout.describe(now), "ended_s": now}   # the broker's clock
+        self.ended[name] = {**rollout.describe(now), "ended_s": now,   # the broker's clock
+                            **({"watch": True} if name in self.watches else {})}
+        self.watches.discard(name)
         entry = self.catalog.get(name)
         if entry is None or not entry.failed:
             self.watched.discard(name)
@@ -187,19 +204,30 @@ class Releases:
         if model is None:
             return
         running = self.rollouts.get(name)
-        if running is not None and not {running.canary, running.stable} <= set(model.ready):
+        if running is not None and name in self.watches and changed:
+            # a newer build (or its own, rebuilt) supersedes the one watched: its weights
+            # must not keep the traffic on the old build
+            self.catalog.set_weights(name, None)
+            running.end("superseded", Verdict("promote", {}))
+            self._end(name, running)
+        elif running is not None and not {running.canary, running.stable} <= set(model.ready):
             self._end(name, running)   # a version it compares left: nothing to compare
-        if model.config.rollout is None or not model.ready:
+        if not model.ready:
             return
         canary = max(model.ready)
         older = [v for v in model.ready if v < canary and v not in model.failed]
         if canary not in changed or not older:
             return
-        self.begin(name, canary, max(older), parse_plan(model.config.rollout))
+        if model.config.rollout is not None:
+            self.begin(name, canary, max(older), parse_plan(model.config.rollout))
+        elif self.watch_s > 0 and not model.config.traffic and canary == model.default_version:
+            self.begin(name, canary, max(older), Plan(steps=(100,), dwell_s=self.watch_s))
+            self.watches.add(name)
 
     def begin(self, name: str, canary: int, stable: int, plan: Plan) -> Rollout:
         rollout = Rollout(canary, stable, plan, self.clock())
         self.rollouts[name] = rollout
+        self.watches.discard(name)   # a plan, or a rollout by hand, replaces a watch
         self.watched.add(name)
         self.catalog.clear_failed(name, canary)
         self.catalog.set_weights(name, rollout.weights)
@@ -305,7 +333,8 @@ class Releases:
         """``zeroserve models``' part: the rollout in progress, else the last one."""
         running = self.rollouts.get(name)
         if running is not None:
-            return {"rollout": running.describe(self.clock())}
+            return {"rollout": {**running.describe(self.clock()),
+                                **({"watch": True} if name in self.watches else {})}}
         if name in self.ended:
             return {"rollout": self.ended[name]}
         return {}

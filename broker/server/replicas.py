@@ -52,14 +52,15 @@ def gpu_utilization(workers: list[WorkerState]) -> float | None:
 class Replicas:
     """Reads the catalog, the pool, the scheduler's queues and placement's memory plan;
     asks ``predict(model)`` for a batch's run time (the latency model), ``swapping(model)``
-    whether a swap is placing it, and ``sync_worker(worker)`` to (un)load what a worker
-    should hold."""
+    whether a swap is placing it, ``failing(model)`` whether its circuit breaker is open
+    or probing, and ``sync_worker(worker)`` to (un)load what a worker should hold."""
 
     def __init__(self, catalog: Catalog, pool: WorkerPool, scheduler: Scheduler,
                  placement: Placement, metrics: BrokerMetrics, *,
                  predict: Callable[[str], Callable[[float], float]],
                  swapping: Callable[[str], bool],
                  sync_worker: Callable[[WorkerState], None], default: Placed = placed_on,
+                 failing: Callable[[str], bool] = lambda model: False,
                  sample_s: float = 0.05, step_s: float = 0.5) -> None:
         self.catalog = catalog
         self.pool = pool
@@ -69,6 +70,7 @@ class Replicas:
         self._predict = predict
         self._swapping = swapping
         self._sync_worker = sync_worker
+        self._failing = failing
         self.sample_s = sample_s
         self.step_s = step_s
         self.controller = Controller()
@@ -142,7 +144,7 @@ class Replicas:
         busy = sum(1 for w in serving if name in self.pool.busy_models(w))
         return Sample(now - oldest if oldest is not None else 0.0,
                       self.scheduler.depth(name), busy, len(serving), self._capacity(name),
-                      gpu_utilization(serving))
+                      gpu_utilization(serving), self._failing(name))
 
     def _capacity(self, name: str) -> float:
         """One replica's requests/s at full batches, by the broker's latency model (0

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from zeroserve.broker import protocol as p, tracing
 from zeroserve.broker.server.admission import Admission, Cached, Payload, warmup_scale
+from zeroserve.broker.server.breaker import BreakerOptions, Breakers, refusal
 from zeroserve.broker.server.cache import ResponseCache
 from zeroserve.broker.server.cachepath import CachedAnswers, Hit
 from zeroserve.broker.server.catalog import Catalog, CatalogModel
@@ -52,7 +53,8 @@ class RequestPath:
                  tenancy: Tenancy | None = None, stop: StopState | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  cache: ResponseCache | None = None,
-                 releases: Releases | None = None) -> None:
+                 releases: Releases | None = None,
+                 breakers: Breakers | None = None) -> None:
         self.catalog = catalog
         self.tenancy = tenancy or Tenancy(None, metrics.registry, lambda: 0.0)
         self.scheduler = scheduler
@@ -63,6 +65,7 @@ class RequestPath:
         self.gate = DispatchGate()                     # when a worker may take a batch
         self.stop = stop or StopState()                # the broker's: asked at admission
         self.releases = releases                       # rollouts: told what versions answer
+        self.breakers = breakers or Breakers(BreakerOptions(error_rate=0.0))
         self.stats = ModelStatistics()                 # the statistics extension's figures
         self.clock = clock                             # the broker's (for fail times)
         self.streams = Streams()                       # decoupled models' running requests
@@ -147,6 +150,11 @@ class RequestPath:
         model = self.catalog.get(req.model)
         if model is not None and model.config.ensemble and self.stop.admits(client):
             self.pipelines.start(client, req, model, now)
+            return
+        wait_s = self.breakers.admit(req.model, now)
+        if wait_s is not None:
+            self.refuse(client, req.request_id, p.ErrorCode.UNAVAILABLE,
+                        refusal(req.model, wait_s), req.model, wait_s)
             return
         entry = self.admission.admit(client, req, now)
         if isinstance(entry, Refusal):
@@ -252,6 +260,8 @@ class RequestPath:
             self.streaming.stream_result(worker, rec, result, now)
             return
         if result.error is not None:
+            if not result.retry and not result.expired:
+                self._model_failed(rec, result.error, now)
             if result.retry:
                 self.requeue(list(rec.entries.values()), result.error, now)
             elif self.releases is not None and rec.model in self.releases.watched:
@@ -306,10 +316,25 @@ class RequestPath:
         if totals_s:
             if self.releases is not None and rec.model in self.releases.watched:
                 self.releases.answered(rec.model, rec.version, len(totals_s), compute_s)
+            if not self._rolling_out(rec.model):
+                self.breakers.answered(rec.model, len(totals_s), now)
             self.metrics.requests_done(rec.model, rec.version, totals_s)
             self.stats.request_done(rec.model, rec.version, queued_s, sum(totals_s),
                                     result.phases_ms, result.compute_ms, len(totals_s))
         self.fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
+
+    def _rolling_out(self, model: str) -> bool:
+        return self.releases is not None and model in self.releases.rollouts
+
+    def _model_failed(self, rec: Inflight, error: str, now: float) -> None:
+        """A batch the model itself failed: the breaker counts it, outside a rollout (a
+        rollout compares the versions and rolls back the bad one instead)."""
+        if self._rolling_out(rec.model):
+            return
+        if self.breakers.failed(rec.model, len(rec.entries), now, error[:200]):
+            self.metrics.breaker_tripped(rec.model)
+            logger.error("model %s: circuit breaker open, its requests answered 503 until "
+                         "probes pass: %s", rec.model, error[:200])
 
     def _canary_failed(self, rec: Inflight, result: p.BatchResult, now: float) -> None:
         """A failed batch of a model in a rollout: counted against its version; when that

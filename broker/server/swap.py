@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.catalog import Catalog
+from zeroserve.broker.server.loadretry import LoadRetries
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.types import ModelVersion
@@ -53,13 +54,14 @@ class Swaps:
     """The swaps in progress, one per model at most. What it asks of others comes in as
     callbacks: ``load`` (placement's LOAD), ``placed`` (which workers hold a model),
     ``committed(name, gone_versions, swap)`` and ``ended(name)`` (the lifecycle's
-    follow-ups), ``retry(name)`` (rescan after the debounce)."""
+    follow-ups), ``retry(name)`` (rescan after the debounce). A load that fails for a
+    reason that may pass is parked in ``retries`` and the swap waits for it."""
 
     def __init__(self, catalog: Catalog, pool: WorkerPool, metrics: BrokerMetrics,
                  clock: Callable[[], float], *, load: Callable[[WorkerState, p.LoadModel], None],
                  placed: Placed, committed: Callable[[str, set[int], Swap], None],
                  ended: Callable[[str], None], retry: Callable[[str], None],
-                 timeout_s: float = 300.0) -> None:
+                 retries: LoadRetries, timeout_s: float = 300.0) -> None:
         self.catalog = catalog
         self.pool = pool
         self.metrics = metrics
@@ -69,6 +71,7 @@ class Swaps:
         self._committed = committed
         self._ended = ended
         self._retry = retry
+        self.retries = retries
         self.timeout_s = timeout_s
         self.swaps: dict[str, Swap] = {}
 
@@ -100,8 +103,9 @@ class Swaps:
                 if self.pool.unretire(w, ModelVersion(cfg.name, v)):
                     self.pool.unload(w, cfg.name, v)   # loaded again before it went
                 swap.waiting.add((w.identity, v))
-                self._load(w, p.LoadModel(cfg.name, v, str(swap.repo.path / str(v)),
-                                          cfg.to_json(), swap.shas[v]))
+                load = self.message(swap, v)
+                if not self.retries.park(w.worker_id, load):
+                    self._load(w, load)
         self.swaps[cfg.name] = swap
         logger.info("model %s: preparing version(s) %s on %d worker(s)", cfg.name,
                     sorted(swap.changed), len(workers))
@@ -115,9 +119,21 @@ class Swaps:
         swap.waiting.discard((worker.identity, version))
         key = ModelVersion(name, version)
         if not msg.ok:
-            self.pool.failed(worker, key, msg.error)
             self.metrics.model_loaded(name, False, 0.0)
-            self._fail(swap, f"worker {worker.worker_id} failed to load {key}: {msg.error}")
+            retry = self.retries.failed(worker.worker_id, self.message(swap, version),
+                                        msg.error, msg.transient, self.clock())
+            if retry is not None:   # the swap waits for the retry's answer
+                swap.waiting.add((worker.identity, version))
+                self.pool.failed(worker, key, f"{msg.error} ({retry})")
+                logger.warning("worker %s failed to load %s: %s (%s)", worker.worker_id, key,
+                               msg.error, retry)
+                return True
+            self.pool.failed(worker, key, msg.error)
+            self.retries.given_up()   # the loads parked behind it fail with the swap
+            spent = f" (the last of {self.retries.policy.attempts} attempts)" \
+                if msg.transient else ""
+            self._fail(swap, f"worker {worker.worker_id} failed to load {key}: "
+                             f"{msg.error}{spent}")
             return True
         self.metrics.model_loaded(name, True, msg.load_s)
         if msg.sha256 != swap.shas[version]:
@@ -127,6 +143,19 @@ class Swaps:
             swap.loaded.add((worker.identity, version))
         self._maybe_finish(swap)
         return True
+
+    @staticmethod
+    def message(swap: Swap, version: int) -> p.LoadModel:
+        cfg = swap.repo.config
+        return p.LoadModel(cfg.name, version, str(swap.repo.path / str(version)),
+                           cfg.to_json(), swap.shas[version])
+
+    def waits_for(self, worker: WorkerState, load: p.LoadModel) -> bool:
+        """Whether a swap still waits for this worker's load of this content (a retry
+        that comes due after its swap ended is not sent)."""
+        swap = self.swaps.get(load.model)
+        return swap is not None and (worker.identity, load.version) in swap.waiting \
+            and swap.shas.get(load.version) == load.sha256
 
     def _exclude(self, swap: Swap, worker: WorkerState, version: int, sha: str) -> None:
         why = (f"sha256 {sha[:12]} differs from the repository's "
@@ -185,6 +214,7 @@ class Swaps:
     def _fail(self, swap: Swap, why: str, retry: bool = False) -> None:
         name = swap.name
         self.swaps.pop(name, None)
+        self.retries.forget(name)
         self.catalog.fail(name, why, swap.changed, None if retry else swap.shas)
         if retry:
             self._retry(name)

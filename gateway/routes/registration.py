@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 REGISTER_TIMEOUT_S = 300.0
 MAX_BODY_BYTES = 1 << 20
 PUSH_MAX_BYTES = 256 << 20   # an uploaded model file; larger ones come by model_path
-PUSH_FIELDS = frozenset({"model_path", "version"})
+PUSH_FIELDS = frozenset({"model_path", "version", "metadata"})
 STATUS_POLL_S = 0.05
 
 
@@ -111,12 +111,14 @@ class Registration:
             raise BadRequest(f"body is not valid JSON: {exc}") from None
         if not isinstance(doc, dict) or set(doc) - PUSH_FIELDS:
             raise BadRequest("body must be a JSON object with model_path and optionally "
-                             "version (a push takes the model's config as it is)")
+                             "version and metadata (a push takes the model's config as "
+                             "it is)")
         got = doc.get("version", version)
         if got is not None and (isinstance(got, bool) or not isinstance(got, int)
                                 or not 0 < got <= MAX_INT):
             raise BadRequest(f"version must be an integer in [1, {MAX_INT}]")
-        return {"model_path": doc.get("model_path"), "version": got}
+        meta = {"metadata": doc["metadata"]} if doc.get("metadata") is not None else {}
+        return {"model_path": doc.get("model_path"), "version": got, **meta}
 
     async def _follow(self, token: str) -> dict[str, Any]:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
@@ -157,5 +159,5 @@ class Registration:
 def _summary(name: str, m: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "platform": m["platform"], "versions": m["versions"],
             "ready": m["ready"], "default_version": m["default_version"],
-            "workers": m["workers"], **({"last_failure": m["last_failure"]}
-                                        if "last_failure" in m else {})}
+            "workers": m["workers"],
+            **{k: m[k] for k in ("last_failure", "provenance") if k in m}}

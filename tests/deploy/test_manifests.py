@@ -42,6 +42,8 @@ EXPECTED_KINDS = {
                          "HorizontalPodAutoscaler"},
     "k8s/overlays/keda": {"Deployment", "Service", "PodMonitor", "PersistentVolumeClaim",
                           "ScaledObject"},
+    "k8s/overlays/keda-peak": {"Deployment", "Service", "PodMonitor", "PersistentVolumeClaim",
+                               "ScaledObject"},
     "k8s/overlays/two-gpus": {"Deployment", "Service", "PodMonitor", "PersistentVolumeClaim"},
     "k8s/prometheus-adapter": {"ConfigMap"},
     "kserve": {"ClusterServingRuntime", "InferenceService"},
@@ -126,6 +128,7 @@ def broker_series() -> set[str]:
 
     m = BrokerMetrics()
     m.queued("mlp", [(1, 0.004)])
+    m.queue_depth.labels("mlp").set(1)   # set at each scrape
     text = generate_latest(m.registry).decode()
     return {line.split("{")[0].split()[0] for line in text.splitlines()
             if line and not line.startswith("#")}
@@ -140,26 +143,73 @@ def test_autoscalers_read_series_the_broker_exports() -> None:
 
     exported = broker_series()
     rules = yaml.safe_load((DEPLOY / "k8s/prometheus-adapter/rules.yaml").read_text())["rules"]
-    (rule,) = rules
-    # per pod: without the adapter's matchers and grouping every pod would read the sum
-    assert "<<.LabelMatchers>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
-    assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
-    used = series_in(rule["seriesQuery"]) | series_in(rule["metricsQuery"])
+    used: set[str] = set()
+    for rule in rules:
+        # per pod: without the adapter's matchers and grouping every pod would read the sum
+        assert "<<.LabelMatchers>>" in rule["metricsQuery"] and \
+            "<<.GroupBy>>" in rule["metricsQuery"]
+        assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+        used |= series_in(rule["seriesQuery"]) | series_in(rule["metricsQuery"])
     scaled = one(docs_of("k8s/overlays/keda/scaledobject.yaml"), "ScaledObject")
-    (trigger,) = scaled["spec"]["triggers"]
-    used |= series_in(trigger["metadata"]["query"])
+    triggers = scaled["spec"]["triggers"]
+    for trigger in triggers:
+        used |= series_in(trigger["metadata"]["query"])
     assert used and used <= exported, used - exported
-    # the HPA asks for the metric the rule makes, for the Deployment the base makes
+    # queue time and queue length, both ways
+    assert {"zeroserve_inference_queue_seconds_sum", "zeroserve_queue_depth"} <= used
+    # the HPA asks for the metrics the rules make, for the Deployment the base makes
     hpa = one(docs_of("k8s/overlays/hpa/hpa.yaml"), "HorizontalPodAutoscaler")
-    (metric,) = hpa["spec"]["metrics"]
-    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == rule["name"]["as"]
+    asked = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+    assert len(asked) == len(hpa["spec"]["metrics"]) == len(rules)
+    assert sorted(asked) == sorted(r["name"]["as"] for r in rules)
     deployment = one(docs_of("k8s/base/deployment.yaml"), "Deployment")["metadata"]["name"]
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment
-    # KEDA's query names the namespace and pods the base puts them in
+    # KEDA's queries name the namespace and pods the base puts them in
     namespace = kube.load_docs((DEPLOY / "k8s/base/kustomization.yaml").read_text())[0]["namespace"]
-    assert f'namespace="{namespace}"' in trigger["metadata"]["query"]
-    assert f'pod=~"{deployment}-.*"' in trigger["metadata"]["query"]
+    for trigger in triggers:
+        assert f'namespace="{namespace}"' in trigger["metadata"]["query"]
+        assert f'pod=~"{deployment}-.*"' in trigger["metadata"]["query"]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("folder, kind, field", [
+    ("k8s/overlays/hpa", "HorizontalPodAutoscaler", "maxReplicas"),
+    ("k8s/overlays/keda", "ScaledObject", "maxReplicaCount"),
+    ("k8s/overlays/keda-peak", "ScaledObject", "maxReplicaCount")])
+def test_the_maximum_is_set_in_the_kustomization_and_reaches_the_autoscaler(
+        folder: str, kind: str, field: str) -> None:
+    import yaml
+
+    ours = yaml.safe_load((DEPLOY / folder / "kustomization.yaml").read_text())
+    ops = [op for p in ours["patches"] if p["target"]["kind"] == kind
+           for op in yaml.safe_load(p["patch"]) if op["path"] == f"/spec/{field}"]
+    assert len(ops) == 1 and ops[0]["op"] == "replace"
+    rendered = one(kube.render(DEPLOY / folder), kind)["spec"]
+    assert rendered[field] == ops[0]["value"] > rendered.get("minReplicas",
+                                                              rendered.get("minReplicaCount"))
+
+
+def _cron_minutes(expr: str) -> int:
+    """A weekday cron's time of day in minutes (``M H * * D``: one minute, one hour)."""
+    minute, hour, dom, month, _ = expr.split()
+    assert dom == month == "*", expr
+    return int(hour) * 60 + int(minute)
+
+
+@needs_kubectl
+def test_the_peak_overlay_scales_out_on_a_schedule_beside_the_queue_triggers() -> None:
+    scaled = one(kube.render(DEPLOY / "k8s/overlays/keda-peak"), "ScaledObject")["spec"]
+    kinds = [t["type"] for t in scaled["triggers"]]
+    assert kinds == ["prometheus", "prometheus", "cron"]
+    cron = scaled["triggers"][-1]["metadata"]
+    assert set(cron) == {"timezone", "start", "end", "desiredReplicas"}
+    assert _cron_minutes(cron["start"]) < _cron_minutes(cron["end"])
+    assert cron["start"].split()[4] == cron["end"].split()[4]
+    assert scaled["minReplicaCount"] < int(cron["desiredReplicas"]) <= scaled["maxReplicaCount"]
+    from zoneinfo import ZoneInfo
+
+    ZoneInfo(cron["timezone"])   # a zone KEDA can find (an IANA name)
 
 
 # --- KServe --------------------------------------------------------------------------

@@ -105,6 +105,33 @@ def test_a_handler_that_raises_in_load_fails_the_load_cleanly(tmp_path: Path) ->
     assert not [n for n in sys.modules if n.startswith("_zeroserve_models.handler.v1_")]
 
 
+@pytest.mark.parametrize("raised, transient", [
+    ("MemoryError('no room')", True),
+    ("torch.OutOfMemoryError('CUDA out of memory')", True),
+    ("OSError(5, 'Input/output error')", True),
+    ("TimeoutError('the volume did not answer')", True),
+    ("RuntimeError('weights missing')", False),
+    ("ValueError('a config the files do not match')", False),
+])
+def test_a_failed_load_says_whether_its_cause_may_pass(tmp_path: Path, raised: str,
+                                                       transient: bool) -> None:
+    cfg = parse_config(handler_config(), "test")
+    vdir = write_handler(tmp_path, 1, 2.0, HANDLER.replace(
+        "self.scale = utils.SCALE", f"raise {raised}"))
+    with pytest.raises(LoadError) as info:
+        load(cfg, 1, vdir, "cpu", rss_bytes)
+    assert info.value.transient is transient
+
+
+def test_a_corrupt_file_is_a_lasting_failure(tmp_path: Path) -> None:
+    cfg = parse_config({**handler_config(), "platform": "pytorch_torchscript"}, "test")
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "model.pt").write_bytes(b"this is not a TorchScript archive")
+    with pytest.raises(LoadError) as info:
+        load(cfg, 1, tmp_path / "1", "cpu", rss_bytes)
+    assert info.value.transient is False
+
+
 def test_bytes_tensors_reach_a_handler_as_object_arrays(tmp_path: Path) -> None:
     code = textwrap.dedent('''
         import numpy as np

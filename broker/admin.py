@@ -152,8 +152,8 @@ def push(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
                               f"{args.wait_timeout:g} s")
         time.sleep(0.05)   # the broker answers at once: poll the job
     if st["state"] == "failed":
-        code = {"conflict": ErrorCode.CONFLICT, "publish": ErrorCode.CONFLICT}.get(
-            st["kind"], ErrorCode.BAD_INPUT)
+        code = {"conflict": ErrorCode.CONFLICT, "publish": ErrorCode.CONFLICT,
+                "no_worker": ErrorCode.NO_WORKER}.get(st["kind"], ErrorCode.BAD_INPUT)
         raise InferError(code, st["error"])
     done = "unchanged (the same files)" if st["kind"] == "same" else "published"
     return st, f"{args.model}: version {st['versions'][0]} {done}, sha256 {st['sha256'][:12]}"

@@ -50,7 +50,7 @@ class Job:
     temp: Path
     state: str = "copying"             # copying, loading, published, failed
     error: str = ""
-    kind: str = ""                     # why it failed: copy, load, publish
+    kind: str = ""                     # why it failed: copy, load, publish, no_worker
     versions: list[int] = field(default_factory=list)
     copier: threading.Thread | None = None
     worker: bytes = b""
@@ -261,7 +261,10 @@ class Registrar:
     def _trial(self, job: Job) -> None:
         worker = next((w for w in self.pool.workers.values() if not w.draining), None)
         if worker is None:
-            job.kind, job.error = "load", "no worker is connected to trial-load the model"
+            # a wait that passes when a worker connects, not a fault of the model
+            job.kind, job.error = "no_worker", ("no worker is connected yet to trial-load "
+                                                "the model; retry when one is (zeroserve "
+                                                "status lists them)")
             self._finish(job, ok=False)
             return
         version = job.versions[-1]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import http, linear_config, short_tmpdir, wait_for
+from tests.conftest import ZEROSERVE, free_port, http, linear_config, short_tmpdir, wait_for
 from tests.e2e.test_lifecycle import save_versioned
 
 pytestmark = pytest.mark.timeout(120)
@@ -78,7 +80,7 @@ def test_registration_round_trip(dirs, serve) -> None:
     status, doc = post(srv.url, body("r", imports / "good"))
     assert status == 201 and doc == {"name": "r", "versions": [1], "state": "published",
                                      "inputs": linear_config("r")["inputs"],
-                                     "outputs": linear_config("r")["outputs"]}
+                                     "outputs": linear_config("r")["outputs"], "ready": True}
     assert leftovers(repo) == ["r"]
     wait_for(lambda: http("GET", srv.url + "/v2/models/r/ready")[0] == 200, 20, "r ready")
     x = {"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
@@ -120,3 +122,96 @@ def test_registration_is_off_without_import_roots_and_needs_the_token(dirs, serv
     assert http("DELETE", srv.url + "/v1/models/m")[0] == 401
     assert http("GET", srv.url + "/v1/models")[0] == 200  # reads stay open
     assert leftovers(repo) == []
+
+
+class Parts:
+    """Broker, gateway and (when asked) a worker as separate processes, so a test sees
+    the window before any worker has connected; every one reaped."""
+
+    def __init__(self, repo: Path, imports: Path) -> None:
+        self.runtime = short_tmpdir("zsrt")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.start("broker", "--model-dir", str(repo), "--import-root", str(imports))
+        self.start("gateway", "--http-port", str(self.port))
+
+    def start(self, role: str, *argv: str) -> None:
+        log = open(self.runtime / f"{role}.log", "wb")
+        with log:
+            self.procs.append(subprocess.Popen(
+                [*ZEROSERVE, role, "--runtime-dir", str(self.runtime), *argv],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def answers(self, path: str) -> bool:
+        try:
+            return http("GET", self.url + path, timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.runtime, ignore_errors=True)
+
+
+@pytest.fixture
+def parts(dirs):
+    repo, imports = dirs
+    started = Parts(repo, imports)
+    yield started
+    started.stop()
+
+
+def test_not_ready_and_a_retryable_503_until_a_worker_connects(dirs, parts) -> None:
+    _, imports = dirs
+    save_versioned(imports / "good", 3.0)
+    wait_for(lambda: parts.answers("/v2/health/live"), 30, "the gateway to listen")
+    status, _, out = http("GET", parts.url + "/v2/health/ready")
+    assert status == 503 and b"no worker is connected" in out, out
+    status, headers, out = http("POST", parts.url + "/v1/models",
+                                json.dumps(body("r", imports / "good")).encode(),
+                                {"Content-Type": "application/json"})
+    assert status == 503 and headers.get("retry-after") == "1", (status, out)
+    assert "no worker is connected yet" in json.loads(out)["error"]
+
+    parts.start("worker", "--index", "0", "--threads", "1")
+    wait_for(lambda: http("GET", parts.url + "/v2/health/ready")[0] == 200, 60, "ready")
+
+
+def test_register_then_infer_never_gets_404(dirs, serve) -> None:
+    """The 201 means servable: a script that registers and at once infers (a tight
+    loop, several models) never sees the window before the watcher and the load."""
+    repo, imports = dirs
+    srv = serve(repo, extra=["--import-root", str(imports)])
+    save_versioned(imports / "good", 3.0)
+    x = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                "data": [1, 2, 3, 4]}]}).encode()
+    for i in range(4):
+        status, doc = post(srv.url, body(f"r{i}", imports / "good"))
+        assert status == 201 and doc["ready"] is True, doc
+        status, _, out = http("POST", srv.url + f"/v2/models/r{i}/infer", x)
+        assert status == 200, (i, status, out)
+    save_versioned(imports / "v2", 5.0)
+    status, _, out = http("POST", srv.url + "/v1/models/r0/versions",
+                          json.dumps({"model_path": str(imports / "v2")}).encode(),
+                          {"Content-Type": "application/json"})
+    doc = json.loads(out)
+    assert status == 201 and doc["version"] == 2 and doc["ready"] is True, doc
+    status, _, out = http("POST", srv.url + "/v2/models/r0/versions/2/infer", x)
+    assert status == 200, out
+    # ?wait=0 answers at the publish and says how to wait; a bad wait is the body's fault
+    status, _, out = http("POST", srv.url + "/v1/models?wait=0",
+                          json.dumps(body("late", imports / "good")).encode(),
+                          {"Content-Type": "application/json"})
+    doc = json.loads(out)
+    assert status == 201 and (doc["ready"] or "?wait=" in doc["detail"]), doc
+    status, _, out = http("POST", srv.url + "/v1/models?wait=soon",
+                          json.dumps(body("bad", imports / "good")).encode(),
+                          {"Content-Type": "application/json"})
+    assert status == 400 and b"wait must be" in out

@@ -256,7 +256,9 @@ def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
 def _padding(where: str, raw: Any, inputs: tuple[TensorSpec, ...],
              outputs: tuple[TensorSpec, ...], max_batch_size: int) -> Padding | None:
     """``dynamic_batching.padding``; every name and dim checked against the tensors the
-    config declares, so a typo is refused at load, not met as a wrong answer."""
+    config declares, so a typo is refused at load, not met as a wrong answer (padded
+    outputs of a registration that leaves ``outputs`` out: once its trial load found
+    them)."""
     if raw is None:
         return None
     fld = "dynamic_batching.padding"
@@ -274,6 +276,10 @@ def _padding(where: str, raw: Any, inputs: tuple[TensorSpec, ...],
             raise _fail(where, f, 'must be {"name": ..., "dim": ...}')
         name = item["name"]
         spec = declared.get(name) if isinstance(name, str) else None
+        if spec is None and kind == "output" and not outputs and isinstance(name, str):
+            # outputs left for a registration's trial load to find: its config is parsed
+            # again once they are, and this output checked then
+            return name, _int(where, f + ".dim", item["dim"])
         if spec is None:
             raise _fail(where, f + ".name", f"{kind} {name!r} is not declared; the model "
                         f"has {sorted(declared)}")
@@ -352,6 +358,11 @@ def _input_shape(where: str, raw: Any, max_batch_size: int) -> list[dict[str, An
             shape = entry
         if not isinstance(shape, list):
             raise _fail(where, fld, "must be a list")
+        if max_batch_size > 0 and shape and shape[0] not in (1, -1):
+            # the batch dim forgotten: [16] would declare 16 rows of a scalar each
+            raise _fail(where, fld, f"{shape} starts with the batch dimension (max_batch_size "
+                        f"{max_batch_size} > 0), which must be 1 or -1; for one sample of "
+                        f"shape {shape} write {[1, *shape]}")
         dims = shape[1:] if max_batch_size > 0 and shape else shape
         inputs.append({"name": name, "datatype": datatype, "shape": dims})
     return inputs

@@ -324,5 +324,7 @@ def human(verb: str, result: Any) -> str:
                          f"{', '.join(m['workers'])}")
         for name, err in result["errors"].items():
             lines.append(f"{name:<20} ERROR {err}")
+        lines += [f"{name}: {m.get('reason', '')}" for name, m in result["models"].items()
+                  if m.get("state") == "too_big"]
         return "\n".join(lines + _release_lines(result["models"]))
     return json.dumps(result, indent=2, sort_keys=True)

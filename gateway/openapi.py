@@ -39,8 +39,8 @@ WHY = {
 VERSION = {"type": "string", "pattern": "^[1-9][0-9]{0,8}$"}
 SEED_VERSION = {"type": "string", "pattern": "^v?[1-9][0-9]{0,8}$"}   # the seed writes "v2"
 MODEL_READ = [200, 400, 404, 503]
-INFER = [200, 400, 404, 413, 429, 500, 501, 503, 504]
-GENERATE = [200, 400, 404, 413, 429, 500, 503, 504]
+INFER = [200, 400, 404, 413, 429, 500, 501, 503, 504, 507]
+GENERATE = [200, 400, 404, 413, 429, 500, 503, 504, 507]
 GENERATE_REQUEST = {"type": "object", "description": "members naming the model's inputs are "
                     "their data; parameters.priority and parameters.timeout (us) as for infer",
                     "properties": {"text_input": {"type": "string"},

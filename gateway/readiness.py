@@ -46,7 +46,9 @@ async def not_ready(control: Control, mode: str = STRICT) -> str | None:
         return "no model is ready on any live worker"
     problems: dict[str, str] = {}
     for name, entry in models.items():
-        if not serving(entry):
+        if entry.get("state") == "too_big":
+            problems[name] = f"is too big: {entry.get('reason', '')}"
+        elif not serving(entry):
             problems[name] = "has no version ready on a live worker"
     for name, error in errors.items():
         reason = " ".join(str(error).split())[:MAX_REASON_CHARS]

@@ -260,7 +260,7 @@ def test_a_model_bigger_than_the_budget_is_refused_at_once_and_the_others_serve(
     rig.ask("big")   # 12 MB of weights on a 9 MB budget: no eviction could make room
     rig.tick()
     [err] = rig.errors()
-    assert err.code is p.ErrorCode.NO_WORKER, err
+    assert err.code is p.ErrorCode.TOO_BIG and not err.code.retryable, err
     assert "big/1 needs" in err.message and "memory budget of" in err.message, err.message
     assert rig.loads("w") == [] and not rig.b.ondemand.wanted
     rig.ask("a")

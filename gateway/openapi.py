@@ -166,6 +166,9 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
     ("post", "/v1/models/{name}/versions", "Push a version: model_path (or the model file "
      "as application/octet-stream, ?version=N) trial-loaded, then published",
      [200, 201, 400, 401, 403, 404, 409, 413, 422, 503, 504], PUSH, "application/json"),
+    ("patch", "/v1/models/{name}/config", "Change a served model's config: the fields "
+     "given replace its own (null: the default), validated, applied by a swap",
+     [200, 400, 401, 403, 404, 413, 503, 504], {"type": "object"}, "application/json"),
     ("delete", "/v1/models/{name}/versions/{version}", "Remove one version",
      [200, 400, 401, 403, 404, 503], None, "application/json"),
     ("get", SHM + "/status", "Registered system shared-memory regions", [200, 403], None,

@@ -322,9 +322,9 @@ def _padding(where: str, raw: Any, inputs: tuple[TensorSpec, ...],
     return Padding(tuple(padded_in), tuple(padded_out), buckets)
 
 
-def _version_policy(where: str, raw: Any) -> dict[str, Any]:
-    if raw is None:
-        return {"latest": 1}
+def _version_policy(where: str, raw: Any, rollout: bool) -> dict[str, Any]:
+    if raw is None:   # a rollout compares with the version before: it must stay loaded
+        return {"latest": 2 if rollout else 1}
     if not isinstance(raw, dict) or len(raw) != 1:
         raise _fail(where, "version_policy",
                     'must be {"latest": N}, {"all": true} or {"specific": [versions]}')
@@ -470,7 +470,8 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     if on_demand is not None and not isinstance(on_demand, bool):
         raise _fail(where, "load_on_demand", f"must be true or false, got {on_demand!r}")
     batching = _dynamic_batching(where, raw.get("dynamic_batching"))
-    version_policy = _version_policy(where, raw.get("version_policy"))
+    version_policy = _version_policy(where, raw.get("version_policy"),
+                                     raw.get("rollout") is not None)
     rollout = _rollout(where, raw.get("rollout"), version_policy)
     padding = _padding(where, (raw.get("dynamic_batching") or {}).get("padding"), inputs,
                        outputs, mbs)

@@ -1,5 +1,6 @@
 """The registration API (the seed's): ``POST /v1/models``, ``GET /v1/models``,
 ``GET|DELETE /v1/models/{name}``, ``DELETE /v1/models/{name}/versions/{v}``, and
+config changes: ``PATCH /v1/models/{name}/config`` (broker/server/configwrite.py), and
 pushes: ``POST /v1/models/{name}/versions`` adds a version (JSON ``{"model_path": ...,
 "version": N}``, or the model file itself as ``application/octet-stream`` with
 ``?version=N``; the next version when left out).
@@ -65,6 +66,7 @@ class Registration:
             Route("/v1/models/{name}", self.delete, methods=["DELETE"]),
             Route("/v1/models/{name}/versions/{version}", self.delete, methods=["DELETE"]),
             Route("/v1/models/{name}/versions", self.push, methods=["POST"]),
+            Route("/v1/models/{name}/config", self.configure, methods=["PATCH"]),
         ]
 
     async def create(self, request: Request) -> Response:
@@ -104,6 +106,34 @@ class Registration:
                               "state": "unchanged" if same else "published",
                               **await self._servable(name, version, wait_s)},
                              200 if same else 201, {"Location": f"/v1/models/{name}"})
+
+    async def configure(self, request: Request) -> Response:
+        """The fields given replace the config's (null: back to the default), validated
+        and applied by the watcher's swap; answered once the model serves under it (up to
+        ``?wait=``), or with ``"applied": false`` and why not yet."""
+        require_admin(request, self.admin_token)
+        name = request.path_params["name"]
+        wait_s = _wait_s(request)
+        try:
+            doc = orjson.loads(await read_body(request, MAX_BODY_BYTES))
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"body is not valid JSON: {exc}") from None
+        done = await self.admin.control("configure", model=name, changes=doc)
+        deadline = time.monotonic() + wait_s
+        while True:
+            models = await self.control("models")
+            if name in models["errors"]:
+                return json_response({"name": name, "config": done["config"],
+                                      "applied": False, "detail": models["errors"][name]})
+            config = await self.control("config", model=name)
+            if config == done["config"]:
+                return json_response({"name": name, "config": config, "applied": True})
+            if time.monotonic() >= deadline:
+                return json_response({"name": name, "config": done["config"],
+                                      "applied": False, "detail": (
+                                          "written, not applied yet (the swap is under way): "
+                                          f"GET /v1/models/{name} shows the config served")})
+            await asyncio.sleep(STATUS_POLL_S)  # the catalog changes without telling us
 
     async def _servable(self, name: str, version: int | None,
                         wait_s: float) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import ZEROSERVE, free_port, http, linear_config, short_tmpdir, wait_for
 from tests.e2e.test_lifecycle import save_versioned
+from zeroserve.broker.client import Client, InferError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -215,3 +216,63 @@ def test_register_then_infer_never_gets_404(dirs, serve) -> None:
                           json.dumps(body("bad", imports / "good")).encode(),
                           {"Content-Type": "application/json"})
     assert status == 400 and b"wait must be" in out
+
+
+def patch_config(url: str, name: str, doc: object, **headers: str):
+    status, _, out = http("PATCH", url + f"/v1/models/{name}/config", json.dumps(doc).encode(),
+                          {"Content-Type": "application/json", **headers})
+    return status, json.loads(out)
+
+
+def test_the_hand_rollout_of_a_registered_model_runs_after_a_config_change(dirs,
+                                                                           serve) -> None:
+    """Registered without a plan (one version kept), pushed: the rollout is refused
+    saying which setting to change; changed over the API, it runs. With a plan in the
+    body, registration keeps the version before a push loaded from the start."""
+    repo, imports = dirs
+    srv = serve(repo, extra=["--import-root", str(imports)])
+    save_versioned(imports / "v1", 1.0)
+    save_versioned(imports / "v2", 2.0)
+    assert post(srv.url, body("r", imports / "v1"))[0] == 201
+    status, _, out = http("POST", srv.url + "/v1/models/r/versions",
+                          json.dumps({"model_path": str(imports / "v2")}).encode(),
+                          {"Content-Type": "application/json"})
+    assert status == 201, out
+    with Client(srv.control, timeout_s=10) as c:
+        with pytest.raises(InferError) as err:
+            c.control("rollout", model="r", version=2)
+    assert 'set "version_policy": {"latest": 2} (PATCH /v1/models/r/config' in \
+        err.value.message, err.value.message
+
+    # refused changes write nothing
+    status, doc = patch_config(srv.url, "r", {"version_policy": {"latest": 0}})
+    assert status == 400 and "version_policy.latest" in doc["error"], doc
+    status, doc = patch_config(srv.url, "r", {"name": "other"})
+    assert status == 400 and "cannot change" in doc["error"]
+    assert patch_config(srv.url, "nope", {"max_batch_size": 4})[0] == 404
+    assert json.loads((repo / "r" / "config.json").read_text())["version_policy"] == \
+        {"latest": 1}
+
+    status, doc = patch_config(srv.url, "r", {"version_policy": {"latest": 2}})
+    assert status == 200 and doc["applied"] is True, doc
+    assert doc["config"]["version_policy"] == {"latest": 2}
+    wait_for(lambda: json.loads(http("GET", srv.url + "/v1/models/r")[2])["ready"] == [1, 2],
+             30, "version 1 loaded again beside 2")
+    with Client(srv.control, timeout_s=10) as c:
+        started = c.control("rollout", model="r", version=2)
+    assert started["canary"] == 2 and started["stable"] == 1, started
+
+    plan = {"steps": [50, 100], "dwell_s": 60}
+    status, doc = post(srv.url, body("planned", imports / "v1", rollout=plan))
+    assert status == 201, doc
+    assert json.loads((repo / "planned" / "config.json").read_text())["version_policy"] \
+        == {"latest": 2}
+
+
+def test_a_config_change_needs_the_admin_token(dirs, serve) -> None:
+    repo, _ = dirs
+    srv = serve(repo, env={"ZEROSERVE_ADMIN_TOKEN": "s3cret"})
+    assert patch_config(srv.url, "m", {"max_batch_size": 4})[0] == 401
+    status, doc = patch_config(srv.url, "m", {"max_batch_size": 4},
+                               Authorization="Bearer s3cret")
+    assert status == 200 and doc["applied"] and doc["config"]["max_batch_size"] == 4, doc

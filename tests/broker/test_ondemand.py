@@ -32,7 +32,9 @@ class Rig(BrokerRig):
         self.rid = 0
 
     def model(self, name: str) -> None:
-        self.add_model(name, linear_config(name, 1000, 1000), factory="nn.Linear(1000, 1000)")
+        # one row a batch: the first activations guess (0.1 MB) keeps two in the budget
+        self.add_model(name, linear_config(name, 1000, 1000, mbs=1),
+                       factory="nn.Linear(1000, 1000)")
 
     def ask(self, model: str, timeout_ms: float = 0.0) -> str:
         self.rid += 1

@@ -117,6 +117,9 @@ class Registrar:
         if not isinstance(raw, str) or not raw:
             raise ControlError("bad_input", "field 'model_path': required, a path on the "
                                "broker's host")
+        if not Path(raw).is_absolute():   # relative to what? the broker's cwd is no answer
+            raise ControlError("bad_input", f"model_path {raw!r} must be absolute (a path on "
+                               "the broker's host, under an import root)")
         source = Path(raw).resolve()
         if not any(source.is_relative_to(r.resolve()) for r in roots):
             raise ControlError("forbidden", f"model_path {raw!r} is outside the import "

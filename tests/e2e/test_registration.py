@@ -65,6 +65,8 @@ def test_registration_round_trip(dirs, serve) -> None:
     assert status == 400 and "model_path" in doc["error"]
     status, doc = post(srv.url, body("r", repo / "m" / "1"))
     assert status == 403 and "outside the import roots" in doc["error"]
+    status, doc = post(srv.url, body("r", Path("imports") / "good"))
+    assert status == 400 and "must be absolute" in doc["error"], doc
     status, doc = post(srv.url, body("r", imports / "missing"))
     assert status == 400 and "does not exist" in doc["error"]
     status, doc = post(srv.url, body("r", imports / "bad"))

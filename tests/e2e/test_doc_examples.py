@@ -6,7 +6,7 @@ site):
 * ``<!-- example: file PATH -->``: the block is a file of the model repository, written
   at ``PATH`` (relative to the repository) before the server starts.
 * ``<!-- example: setup -->``: a Python block run in the repository folder before the
-  server starts (to make a model file, say).
+  server starts (to make a model file, say; ``/srv/imports`` is the import root).
 * ``<!-- example: run -->``: a ``sh`` or ``python`` block run once the server is ready;
   it must exit 0, and each ``# prints TEXT`` comment in it names text its output holds.
 * ``<!-- example: output -->``: the output of the run block before it; the parts between
@@ -138,7 +138,7 @@ def test_the_marked_examples_of_the_page_run(page: str, examples: Path) -> None:
             (repo / block.arg).parent.mkdir(parents=True, exist_ok=True)
             (repo / block.arg).write_text(block.text)
         elif block.kind == "setup":
-            run(block, block.text, env, repo)
+            run(block, block.text.replace("/srv/imports", str(imports)), env, repo)
     srv = Server(repo, extra=["--import-root", str(imports)])
     try:
         srv.wait_ready()

@@ -79,13 +79,12 @@ def examples() -> Iterator[Path]:
 @pytest.fixture(scope="module", autouse=True)
 def tally(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     line = (f"docs examples: {sum(RAN.values())} blocks run "
             f"({', '.join(f'{p} {n}' for p, n in sorted(RAN.items())) or 'none'})")
-    if reporter is not None:
-        reporter.write_line(line)
-    else:
-        print(line)
+    # past the capture, so the count shows in every run, -q included
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\n{line}")
 
 
 def shim(folder: Path) -> Path:

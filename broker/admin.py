@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from zeroserve.broker import options
 from zeroserve.broker.client import Client, ErrorCode, InferError
+from zeroserve.broker.runtime import no_socket
 
 EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_WAIT_TIMEOUT = 0, 1, 3, 4
 POLL_S = 0.1
@@ -157,8 +158,8 @@ def push(client: Client, args: argparse.Namespace) -> tuple[Any, str]:
                               f"{args.wait_timeout:g} s")
         time.sleep(0.05)   # the broker answers at once: poll the job
     if st["state"] == "failed":
-        code = {"conflict": ErrorCode.CONFLICT, "publish": ErrorCode.CONFLICT}.get(
-            st["kind"], ErrorCode.BAD_INPUT)
+        code = {"conflict": ErrorCode.CONFLICT, "publish": ErrorCode.CONFLICT,
+                "no_worker": ErrorCode.NO_WORKER}.get(st["kind"], ErrorCode.BAD_INPUT)
         raise InferError(code, st["error"])
     done = "unchanged (the same files)" if st["kind"] == "same" else "published"
     return st, f"{args.model}: version {st['versions'][0]} {done}, sha256 {st['sha256'][:12]}"
@@ -219,12 +220,22 @@ def admin_token() -> str:
     return os.environ.get("ZEROSERVE_ADMIN_TOKEN", "")
 
 
+def control_client(args: argparse.Namespace, token: str = "") -> Client:
+    """A client of the broker's control socket; where no broker can listen (an ipc://
+    socket file that is not there) an UNAVAILABLE error at once, saying where it looked
+    and how to look elsewhere, instead of waiting ``--timeout`` for nothing."""
+    endpoint = options.endpoints(args).control
+    why = no_socket(endpoint)
+    if why is not None:
+        raise InferError(ErrorCode.UNAVAILABLE, why)
+    return Client(endpoint, timeout_s=args.timeout, connect_timeout_s=args.timeout,
+                  admin_token=token)
+
+
 def run_verb(args: argparse.Namespace) -> int:
     """``zeroserve drain|undrain|reload|rollout|rollback|promote``."""
-    endpoint = options.endpoints(args).control
     try:
-        with Client(endpoint, timeout_s=args.timeout, connect_timeout_s=args.timeout,
-                    admin_token=admin_token()) as client:
+        with control_client(args, admin_token()) as client:
             result, text = VERBS[args.verb](client, args)
     except InferError as exc:
         code = EXIT_UNREACHABLE if exc.code is ErrorCode.UNAVAILABLE else EXIT_REFUSED
@@ -246,8 +257,7 @@ def fail(args: argparse.Namespace, code: str, message: str, exit_code: int) -> i
 def run_control(args: argparse.Namespace) -> int:
     """``zeroserve status|models``: read-only, printed for people or as JSON."""
     try:
-        with Client(options.endpoints(args).control, timeout_s=args.timeout,
-                    connect_timeout_s=args.timeout) as client:
+        with control_client(args) as client:
             result = client.control(args.verb)
     except InferError as exc:
         return fail(args, exc.code.value, exc.message,
@@ -373,6 +383,8 @@ def human(verb: str, result: Any) -> str:
                          f"{', '.join(m['workers'])}")
         for name, err in result["errors"].items():
             lines.append(f"{name:<20} ERROR {err}")
+        lines += [f"{name}: {m.get('reason', '')}" for name, m in result["models"].items()
+                  if m.get("state") == "too_big"]
         return "\n".join(lines + _release_lines(result["models"])
                          + _provenance_lines(result["models"]))
     return json.dumps(result, indent=2, sort_keys=True)

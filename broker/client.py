@@ -35,7 +35,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from zeroserve.broker import curve, protocol as p, sockets, tracing
-from zeroserve.broker.runtime import Endpoints
+from zeroserve.broker.runtime import ELSEWHERE, Endpoints
 from zeroserve.broker.streamclient import AsyncStream, Stream, StreamResponse
 
 __all__ = ["AsyncClient", "AsyncStream", "Client", "ErrorCode", "InferError", "InferResult",
@@ -147,6 +147,8 @@ def _unreachable(endpoint: str, refused: int) -> InferError:
         return InferError(p.ErrorCode.UNAUTHORIZED, f"broker at {endpoint}: "
                           f"{curve.REFUSALS[refused]}")
     why = f": {curve.REFUSALS[refused]}" if refused else ""
+    if not why and endpoint.startswith("ipc://"):
+        why = f" ({ELSEWHERE})"
     return InferError(p.ErrorCode.UNAVAILABLE, f"broker at {endpoint} is not reachable{why}")
 
 

@@ -67,9 +67,11 @@ def coerce(action: argparse.Action, value: Any, origin: str, text: bool = False)
         raise ConfigError(f"{origin}: expected true or false, got {value!r}")
     typ = action.type if callable(action.type) else str
     want = getattr(typ, "__name__", "value")
-    if text and typ is not str:
+    if text and typ is not str or typ not in (int, float, str):   # a size: text or bytes
         try:
             value = typ(value)
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"{origin}: {exc}") from None
         except ValueError:
             raise ConfigError(f"{origin}: {value!r} is not a valid {want}") from None
     elif typ is float and isinstance(value, int) and not isinstance(value, bool):

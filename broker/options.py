@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,9 +20,32 @@ from zeroserve.broker.runtime import Endpoints, cache_dir, runtime_dir
 
 
 def endpoints(args: argparse.Namespace) -> Endpoints:
+    """The endpoints the arguments name (a control verb has no --frontend or --backend)."""
     base = Endpoints.in_dir(Path(args.runtime_dir) if args.runtime_dir else None)
-    return Endpoints(args.frontend or base.frontend, args.backend or base.backend,
+    return Endpoints(getattr(args, "frontend", None) or base.frontend,
+                     getattr(args, "backend", None) or base.backend,
                      args.control or base.control)
+
+
+# KiB... powers of 1024, KB... powers of 1000, as the docs write them ("64 MiB")
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*")
+
+
+def size(value: str | int) -> int:
+    """Bytes, from plain bytes (``1048576``) or a number with a unit (``40MiB``,
+    ``64 MiB``, ``1GiB``, ``1.5GB``): the type of every option that takes a size, on the
+    command line, in the environment and in the config file."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    got = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    unit = got.group(2).lower() if got else ""
+    if got is None or unit not in SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a size: bytes, or a number with one of B, KB, MB, GB, TB "
+            "(powers of 1000), KiB, MiB, GiB, TiB (powers of 1024), e.g. 40MiB")
+    return int(float(got.group(1)) * SIZE_UNITS[unit])
 
 
 def runtime_folder(args: argparse.Namespace) -> Path:
@@ -29,13 +53,34 @@ def runtime_folder(args: argparse.Namespace) -> Path:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runtime-dir", default=None,
-                   help=f"folder of the ipc sockets (default {runtime_dir()})")
-    p.add_argument("--frontend", default=None, help="client endpoint (default: ipc in runtime dir)")
-    p.add_argument("--backend", default=None, help="worker endpoint")
-    p.add_argument("--control", default=None, help="control endpoint")
+    _runtime_opt(p)
+    p.add_argument("--frontend", default=None,
+                   help="client endpoint (default: ipc://RUNTIME_DIR/frontend)")
+    p.add_argument("--backend", default=None,
+                   help="worker endpoint (default: ipc://RUNTIME_DIR/backend)")
+    _control_opt(p)
     p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"],
+                   help="the least severe log lines written (default info)")
+    _config_opt(p)
+
+
+def _runtime_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runtime-dir", default=None,
+                   help=f"folder of the ipc sockets (default $ZEROSERVE_RUNTIME_DIR, else "
+                        f"{runtime_dir()})")
+
+
+def _control_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--control", default=None,
+                   help="the broker's control endpoint (default: ipc://RUNTIME_DIR/control)")
+
+
+def _control_common(p: argparse.ArgumentParser) -> None:
+    """What a verb spoken to the broker's control socket uses: where it is, and the config
+    file whose [broker] table may say so."""
+    _runtime_opt(p)
+    _control_opt(p)
     _config_opt(p)
 
 
@@ -65,13 +110,18 @@ def _curve_opts(p: argparse.ArgumentParser, role: str) -> None:
 
 def _broker_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None, help="model repository folder")
-    p.add_argument("--heartbeat-s", type=float, default=0.5)
-    p.add_argument("--worker-expiry-s", type=float, default=2.0)
-    p.add_argument("--drain-timeout-s", type=float, default=30.0)
-    p.add_argument("--max-message-bytes", type=int, default=256 << 20, metavar="BYTES",
+    p.add_argument("--heartbeat-s", type=float, default=0.5,
+                   help="seconds between heartbeats to and from the workers")
+    p.add_argument("--worker-expiry-s", type=float, default=2.0,
+                   help="a worker silent this long is counted lost (its batches retried "
+                        "or failed)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, how long the broker lets queued and running work "
+                        "finish before it exits")
+    p.add_argument("--max-message-bytes", type=size, default=256 << 20, metavar="SIZE",
                    help="the most tensor bytes one message from a client or worker may "
                         "carry; a request over it is answered too_large (413)")
-    p.add_argument("--response-cache-bytes", type=int, default=64 << 20, metavar="BYTES",
+    p.add_argument("--response-cache-bytes", type=size, default=64 << 20, metavar="SIZE",
                    help="bound of the response cache, for models whose config enables "
                         "response_cache (0: no cache)")
     p.add_argument("--load-on-demand", action="store_true",
@@ -152,16 +202,16 @@ def _worker_opts(p: argparse.ArgumentParser) -> None:
                    help="batches in flight per worker, so transfer overlaps compute")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--device", default=None, help="torch device (default: cuda:0 if any)")
-    p.add_argument("--memory-budget", type=int, default=0, metavar="BYTES",
+    p.add_argument("--memory-budget", type=size, default=0, metavar="SIZE",
                    help="memory a worker may spend on its context and models, on a GPU "
-                        "too (0: no limit)")
-    p.add_argument("--memory-headroom", type=int, default=None, metavar="BYTES",
+                        "too, e.g. 8GiB (0: no limit)")
+    p.add_argument("--memory-headroom", type=size, default=None, metavar="SIZE",
                    help="memory the broker's placement keeps free on the worker's device: "
                         "of its free memory on a GPU (default 512 MiB), of the budget on "
                         "a CPU (default 0)")
-    p.add_argument("--memory-tolerance-bytes", type=int, default=64 << 20,
+    p.add_argument("--memory-tolerance-bytes", type=size, default=64 << 20, metavar="SIZE",
                    help="memory an unload may fail to return before the worker is recycled")
-    p.add_argument("--host-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
+    p.add_argument("--host-cache-bytes", type=size, default=1 << 30, metavar="SIZE",
                    help="host memory for versions unloaded from the device, so that loading "
                         "one again is a move instead of a load from disk (0: none; "
                         "docs/many-models.md)")
@@ -173,9 +223,13 @@ METRICS_ALLOW = "127.0.0.0/8,::1"
 
 
 def _gateway_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--http-host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8080)
-    p.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    p.add_argument("--http-host", default="127.0.0.1",
+                   help="address the HTTP server listens on (default loopback; management "
+                        "routes off loopback need ZEROSERVE_ADMIN_TOKEN)")
+    p.add_argument("--http-port", type=int, default=8080, help="HTTP port (default 8080)")
+    p.add_argument("--max-body-bytes", type=size, default=64 << 20, metavar="SIZE",
+                   help="largest HTTP request body, before and after inflating (default "
+                        "64MiB); a larger one gets 413")
     p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight HTTP requests may take to finish")
     p.add_argument("--reuse-port", action="store_true",
@@ -185,7 +239,7 @@ def _gateway_opts(p: argparse.ArgumentParser) -> None:
                    help="address of Triton's gRPC service (default: --http-host's)")
     p.add_argument("--grpc-port", type=int, default=8001,
                    help="port of Triton's gRPC service (0: no gRPC)")
-    p.add_argument("--grpc-max-message-bytes", type=int, default=2**31 - 1,
+    p.add_argument("--grpc-max-message-bytes", type=size, default=2**31 - 1, metavar="SIZE",
                    help="largest gRPC message the gateway takes (default INT32_MAX, as "
                         "Triton)")
     p.add_argument("--grpc-response-compression", choices=["none", "gzip", "deflate"],
@@ -272,14 +326,15 @@ def parser() -> argparse.ArgumentParser:
     for verb, text in (("status", "workers, their models and queues"),
                        ("models", "models and their versions")):
         p = sub.add_parser(verb, help=text)
-        _common(p)
+        _control_common(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
         p.set_defaults(verb=verb)
     _operate_parsers(sub)
     p = sub.add_parser("tenants", help="tenants' rate, in-flight and rejections; add-key NAME")
-    _common(p)
-    p.add_argument("action", nargs="?", choices=["show", "add-key"], default="show")
+    _control_common(p)
+    p.add_argument("action", nargs="?", choices=["show", "add-key"], default="show",
+                   help="show (default): each tenant's figures; add-key: a new key for NAME")
     p.add_argument("name", nargs="?", help="tenant (add-key)")
     p.add_argument("--tenants", default=None, metavar="FILE", help="tenants file (add-key)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -289,16 +344,24 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help=bench.HELP, description=bench.HELP)
     bench.add_arguments(p)
     p = sub.add_parser("keys", help="generate a CurveZMQ key pair (workers on other hosts)")
-    p.add_argument("action", choices=["generate"])
+    p.add_argument("action", choices=["generate"], help="generate: write a new key pair")
     p.add_argument("name", help="file name: NAME.key (public) and NAME.key_secret (0600)")
     p.add_argument("--dir", default=".", help="folder to write them into (default: here)")
     p.add_argument("--force", action="store_true", help="replace existing files")
     _compile_parser(sub)
     p = sub.add_parser("config", help="show the effective configuration")
-    p.add_argument("action", choices=["show"])
+    p.add_argument("action", choices=["show"], help="show: every option with its value")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _config_opt(p)
+    _describe(sub)
     return ap
+
+
+def _describe(sub: Any) -> None:
+    """Each subcommand's --help opens with what it does (its line in the list)."""
+    for choice in sub._choices_actions:   # argparse keeps each subcommand's help here
+        parser = sub.choices[choice.dest]
+        parser.description = parser.description or choice.help
 
 
 def _compile_parser(sub: Any) -> None:
@@ -312,13 +375,15 @@ def _compile_parser(sub: Any) -> None:
                         "temp name, then renamed)")
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda or cuda:N: where the package will run (default: cpu)")
-    p.add_argument("--log-level", default="warning", help="debug, info, warning, error")
+    p.add_argument("--log-level", default="warning",
+                   choices=["debug", "info", "warning", "error"],
+                   help="the least severe log lines written (default warning)")
 
 
 def _operate_parsers(sub: Any) -> None:
     def verb(name: str, text: str) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sub.add_parser(name, help=text)
-        _common(p)
+        _control_common(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--timeout", type=float, default=5.0,
                        help="seconds to wait for the broker to answer")
@@ -330,7 +395,8 @@ def _operate_parsers(sub: Any) -> None:
     p.add_argument("worker", nargs="?", help="worker id, such as host/0")
     p.add_argument("--all", action="store_true", help="the whole broker instead of a worker")
     p.add_argument("--wait", action="store_true", help="return once its batches are done")
-    p.add_argument("--wait-timeout", type=float, default=60.0)
+    p.add_argument("--wait-timeout", type=float, default=60.0,
+                   help="with --wait, seconds to wait at most (exit 4 past it)")
     p = verb("undrain", "send batches to a drained worker again (--all: admit again)")
     p.add_argument("worker", nargs="?", help="worker id, such as host/0")
     p.add_argument("--all", action="store_true", help="the whole broker instead of a worker")
@@ -342,11 +408,12 @@ def _operate_parsers(sub: Any) -> None:
     p.add_argument("--worker", default=None, help="drain this worker, restart it, rejoin")
     p.add_argument("--wait", action="store_true",
                    help="return once the loads finished or the worker is back")
-    p.add_argument("--wait-timeout", type=float, default=120.0)
+    p.add_argument("--wait-timeout", type=float, default=120.0,
+                   help="with --wait, seconds to wait at most (exit 4 past it)")
     p = sub.add_parser("probe", help="liveness: fail when the broker or a worker is alive "
                        "but its loop no longer turns (a Kubernetes livenessProbe's command)")
-    _common(p)
-    p.add_argument("role", choices=["broker", "worker"])
+    _control_common(p)
+    p.add_argument("role", choices=["broker", "worker"], help="which process to probe")
     p.add_argument("--index", type=int, default=0, help="the worker's --index")
     p.add_argument("--timeout", type=float, default=5.0,
                    help="seconds the broker has to answer")

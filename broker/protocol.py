@@ -115,6 +115,7 @@ class ErrorCode(str, enum.Enum):
     UNAUTHORIZED = "unauthorized"    # control: a state-changing verb without the admin token
     UNSUPPORTED = "unsupported"      # the call does not fit the model (unary on a decoupled one)
     TOO_LARGE = "too_large"          # a message over the receiver's byte or length limits
+    TOO_BIG = "too_big"              # a model no worker can hold even with nothing else
 
     @property
     def retryable(self) -> bool:

@@ -29,6 +29,21 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "zeroserve"
 
 
+ELSEWHERE = ("point at the broker's runtime folder with --runtime-dir DIR or "
+             "ZEROSERVE_RUNTIME_DIR=DIR (or name the endpoint itself)")
+
+
+def no_socket(endpoint: str) -> str | None:
+    """Why nothing can listen at an ``ipc://`` endpoint (its socket file is absent), or
+    None: a tcp:// endpoint, or a file that is there."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = Path(endpoint[len("ipc://"):])
+    if path.exists():
+        return None
+    return f"no broker listens at {endpoint}: {path} does not exist; {ELSEWHERE}"
+
+
 @dataclass(frozen=True)
 class Endpoints:
     frontend: str

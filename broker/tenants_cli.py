@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from zeroserve.broker import options
-from zeroserve.broker.admin import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, fail
-from zeroserve.broker.client import Client, ErrorCode, InferError
+from zeroserve.broker.admin import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, control_client, \
+    fail
+from zeroserve.broker.client import ErrorCode, InferError
 from zeroserve.broker.server.tenants import TenantsError, new_key, with_key, write_atomically
 
 
@@ -42,8 +42,7 @@ def add_key(args: argparse.Namespace) -> int:
 
 def show(args: argparse.Namespace) -> int:
     try:
-        with Client(options.endpoints(args).control, timeout_s=args.timeout,
-                    connect_timeout_s=args.timeout) as client:
+        with control_client(args) as client:
             result = client.control("tenants")
     except InferError as exc:
         return fail(args, exc.code.value, exc.message,

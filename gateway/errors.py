@@ -76,6 +76,8 @@ BY_CODE: dict[ErrorCode, Status] = {
     # Triton's TRITONSERVER_ERROR_UNSUPPORTED (a unary call to a decoupled model)
     ErrorCode.UNSUPPORTED: Status(501, "UNIMPLEMENTED"),
     ErrorCode.TOO_LARGE: Status(413, "RESOURCE_EXHAUSTED"),
+    # no retry helps (507: the server cannot hold it); gRPC's code for "fix it first"
+    ErrorCode.TOO_BIG: Status(507, "FAILED_PRECONDITION"),
 }
 BAD_INPUT = BY_CODE[ErrorCode.BAD_INPUT]
 TOO_LARGE = BY_CODE[ErrorCode.TOO_LARGE]

@@ -39,8 +39,8 @@ WHY = {
 VERSION = {"type": "string", "pattern": "^[1-9][0-9]{0,8}$"}
 SEED_VERSION = {"type": "string", "pattern": "^v?[1-9][0-9]{0,8}$"}   # the seed writes "v2"
 MODEL_READ = [200, 400, 404, 503]
-INFER = [200, 400, 404, 413, 429, 500, 501, 503, 504]
-GENERATE = [200, 400, 404, 413, 429, 500, 503, 504]
+INFER = [200, 400, 404, 413, 429, 500, 501, 503, 504, 507]
+GENERATE = [200, 400, 404, 413, 429, 500, 503, 504, 507]
 GENERATE_REQUEST = {"type": "object", "description": "members naming the model's inputs are "
                     "their data; parameters.priority and parameters.timeout (us) as for infer",
                     "properties": {"text_input": {"type": "string"},
@@ -194,6 +194,9 @@ ROUTES: list[tuple[str, str, str, list[int], dict[str, Any] | None, str | None]]
     ("post", "/v1/models/{name}/versions", "Push a version: model_path (or the model file "
      "as application/octet-stream, ?version=N) trial-loaded, then published",
      [200, 201, 400, 401, 403, 404, 409, 413, 422, 503, 504], PUSH, "application/json"),
+    ("patch", "/v1/models/{name}/config", "Change a served model's config: the fields "
+     "given replace its own (null: the default), validated, applied by a swap",
+     [200, 400, 401, 403, 404, 413, 503, 504], {"type": "object"}, "application/json"),
     ("delete", "/v1/models/{name}/versions/{version}", "Remove one version",
      [200, 400, 401, 403, 404, 503], None, "application/json"),
     ("get", SHM + "/status", "Registered system shared-memory regions", [200, 403], None,

@@ -1,6 +1,9 @@
 """Server readiness: one rule for ``/v2/health/ready``, systemd's ``READY=1`` and the
 "ready" line of ``zeroserve serve`` (which polls the route).
 
+Under either mode at least one worker must be connected: without one nothing can load,
+and a registration cannot be trial-loaded, so "ready" would be a promise nobody keeps.
+
 ``strict`` (the default, Triton's ``--strict-readiness``): the broker answers, every
 model of the repository has a version ready on a live worker, and no model whose
 config is broken or whose load failed is waiting in the broker's ``errors``, unless
@@ -32,6 +35,9 @@ def serving(entry: dict[str, Any]) -> bool:
 async def not_ready(control: Control, mode: str = STRICT) -> str | None:
     """None when the server is ready under ``mode``; else why not, naming the models."""
     doc = await control("models")
+    if doc.get("workers_connected") == 0:
+        # models load, and registrations trial-load, on workers: none can yet
+        return "no worker is connected to the broker yet (zeroserve status lists them)"
     models: dict[str, Any] = doc["models"]
     errors: dict[str, str] = doc.get("errors") or {}
     if mode == ANY:
@@ -40,7 +46,9 @@ async def not_ready(control: Control, mode: str = STRICT) -> str | None:
         return "no model is ready on any live worker"
     problems: dict[str, str] = {}
     for name, entry in models.items():
-        if not serving(entry):
+        if entry.get("state") == "too_big":
+            problems[name] = f"is too big: {entry.get('reason', '')}"
+        elif not serving(entry):
             problems[name] = "has no version ready on a live worker" + _retrying(entry)
     for name, error in errors.items():
         reason = " ".join(str(error).split())[:MAX_REASON_CHARS]

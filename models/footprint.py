@@ -9,8 +9,12 @@ footprint is three terms:
   from its wrapper; exact, no tensor data read, and what the weights take once loaded.
 * **activations**: the peak memory one batch needs beyond the weights, as
   ``fixed + per_sample * batch``, learned by a worker's warm-up (which runs batches of
-  several sizes) and kept by the broker per model and device kind, so the next version
-  or replica of the model is predicted with it.
+  several sizes) and kept by the broker per model, device kind and format, so the next
+  version or replica of the model in the same format is predicted with it (another
+  format runs other kernels: an AOTInductor package of an exported program holds
+  neither its graph nor its activations alike). Before any warm-up, a first guess:
+  ``ACTIVATION_FACTOR`` times one sample's input bytes (free dims at ``GUESS_LENGTH``)
+  per sample, at the model's largest batch.
 * **overhead**: what a loaded version holds beyond its tensors (the TorchScript graph
   and code, kernels and caches its first batches build; large on a CPU, where the
   resident memory counts everything), learned likewise as measured resident bytes less
@@ -33,8 +37,18 @@ from zeroserve.models import formats
 from zeroserve.models.archives import storage_bytes as archive_tensor_bytes
 from zeroserve.models.repository import ModelConfig
 
-__all__ = ["ActivationTerm", "Learned", "Prediction", "archive_tensor_bytes", "fit_activation",
-           "predict", "size_text", "weights_bytes"]
+__all__ = ["ACTIVATION_FACTOR", "GUESS_LENGTH", "ActivationTerm", "Learned", "Prediction",
+           "archive_tensor_bytes", "files_of", "first_guess", "fit_activation", "predict",
+           "size_text", "weights_bytes"]
+
+# A sample's peak activations over its input bytes, before a warm-up measured them: 16 for
+# the bundled mlp and 32 for the cnn measured on a CPU (docs/memory.md); the larger, so a
+# first placement errs toward room
+ACTIVATION_FACTOR = 32
+GUESS_LENGTH = 128           # a free (-1) input dim's length for that guess
+_ITEM_BYTES = {"BOOL": 1, "UINT8": 1, "INT8": 1, "INT16": 2, "UINT16": 2, "FP16": 2,
+               "BF16": 2, "INT32": 4, "UINT32": 4, "FP32": 4, "INT64": 8, "UINT64": 8,
+               "FP64": 8, "BYTES": 1}
 
 
 def size_text(n: float) -> str:
@@ -79,6 +93,17 @@ def fit_activation(peaks: dict[int, int]) -> ActivationTerm | None:
     return ActivationTerm(per, max(0, peak_hi - per * hi))
 
 
+def first_guess(cfg: ModelConfig) -> ActivationTerm:
+    """The activation term of a model nothing has measured yet (see ACTIVATION_FACTOR)."""
+    sample = 0
+    for spec in cfg.inputs:
+        elements = 1
+        for dim in spec.shape:
+            elements *= dim if dim > 0 else GUESS_LENGTH
+        sample += elements * _ITEM_BYTES.get(spec.datatype, 4)
+    return ActivationTerm(ACTIVATION_FACTOR * sample)
+
+
 @dataclass(frozen=True)
 class Learned:
     """What a warm-up of a model taught, applied to its next versions and replicas."""
@@ -97,15 +122,18 @@ class Learned:
 @dataclass(frozen=True)
 class Prediction:
     """A version's footprint before it loads. ``weights_bytes`` None: the files do not
-    say (a Python handler); ``learned`` None: no warm-up of this model taught it yet."""
+    say (a Python handler); ``learned`` None: no warm-up of this model in this format
+    taught it yet, and the activations are ``guess``'s."""
 
     weights_bytes: int | None
     learned: Learned | None
     batch: int
+    format: str = ""
+    guess: ActivationTerm | None = None
 
     @property
     def activation_bytes(self) -> int:
-        act = self.learned.activation if self.learned is not None else None
+        act = self.learned.activation if self.learned is not None else self.guess
         return act.at(self.batch) if act is not None else 0
 
     @property
@@ -119,29 +147,37 @@ class Prediction:
     def describe(self) -> str:
         weights = size_text(self.weights_bytes) if self.weights_bytes is not None \
             else "unknown"
+        if self.learned is None and self.guess is not None:
+            return (f"predicted: {weights} weights + {size_text(self.activation_bytes)} "
+                    f"activations at batch {self.batch} (a first guess from the inputs); "
+                    "overhead not learned yet")
         if self.learned is None:
             return f"predicted: {weights} weights; overhead and activations not learned yet"
         return (f"predicted: {weights} weights + {size_text(self.overhead_bytes)} overhead + "
                 f"{size_text(self.activation_bytes)} activations at batch {self.batch}")
 
 
-WeightsCache = dict[tuple[str, int, int], "int | None"]
+WeightsCache = dict[tuple[str, int, int], "tuple[int | None, str]"]
 
 
-def weights_bytes(cfg: ModelConfig, version_dir: Path,
-                  cache: WeightsCache | None = None) -> int | None:
-    """The parameter and buffer bytes of a version's model file (None: its format does
-    not say). ``cache`` remembers them by path, mtime and size, so planning reads each
-    file once."""
+def files_of(cfg: ModelConfig, version_dir: Path,
+             cache: WeightsCache | None = None) -> tuple[int | None, str]:
+    """(the parameter and buffer bytes of a version's model file, None where its format
+    does not say; the format's name, "" where the file is none). ``cache`` remembers
+    them by path, mtime and size, so planning reads each file once."""
     path = version_dir / cfg.model_file
     try:
         st = os.stat(path)
     except OSError:
-        return None
+        return None, ""
     key = (str(path), st.st_mtime_ns, st.st_size)
     if cache is not None and key in cache:
         return cache[key]
-    value = formats.weights_bytes(cfg.platform, path)
+    try:
+        fmt = formats.identify(cfg.platform, path)
+        value = (fmt.weights(path) if fmt.weights is not None else None), fmt.name
+    except (formats.FormatError, KeyError):
+        value = None, ""
     if cache is not None:
         if len(cache) > 4096:  # a long-running broker sees many versions come and go
             cache.clear()
@@ -149,9 +185,17 @@ def weights_bytes(cfg: ModelConfig, version_dir: Path,
     return value
 
 
+def weights_bytes(cfg: ModelConfig, version_dir: Path,
+                  cache: WeightsCache | None = None) -> int | None:
+    return files_of(cfg, version_dir, cache)[0]
+
+
 def predict(cfg: ModelConfig, version_dir: Path, learned: Learned | None = None,
             cache: WeightsCache | None = None) -> Prediction:
     """The prediction for one version folder: its files' weights, plus the overhead and
-    the activation term (at the model's largest batch) learned for the model, if any."""
-    return Prediction(weights_bytes(cfg, version_dir, cache), learned,
-                      max(1, cfg.max_batch_size))
+    the activation term (at the model's largest batch) learned for the model in this
+    format, else the first guess of its activations."""
+    weights, fmt = files_of(cfg, version_dir, cache)
+    # a handler's files say nothing: it is planned from what its load measures
+    return Prediction(weights, learned, max(1, cfg.max_batch_size), fmt,
+                      first_guess(cfg) if weights is not None else None)

@@ -288,7 +288,9 @@ def _dynamic_batching(where: str, raw: Any) -> DynamicBatching:
 def _padding(where: str, raw: Any, inputs: tuple[TensorSpec, ...],
              outputs: tuple[TensorSpec, ...], max_batch_size: int) -> Padding | None:
     """``dynamic_batching.padding``; every name and dim checked against the tensors the
-    config declares, so a typo is refused at load, not met as a wrong answer."""
+    config declares, so a typo is refused at load, not met as a wrong answer (padded
+    outputs of a registration that leaves ``outputs`` out: once its trial load found
+    them)."""
     if raw is None:
         return None
     fld = "dynamic_batching.padding"
@@ -306,6 +308,10 @@ def _padding(where: str, raw: Any, inputs: tuple[TensorSpec, ...],
             raise _fail(where, f, 'must be {"name": ..., "dim": ...}')
         name = item["name"]
         spec = declared.get(name) if isinstance(name, str) else None
+        if spec is None and kind == "output" and not outputs and isinstance(name, str):
+            # outputs left for a registration's trial load to find: its config is parsed
+            # again once they are, and this output checked then
+            return name, _int(where, f + ".dim", item["dim"])
         if spec is None:
             raise _fail(where, f + ".name", f"{kind} {name!r} is not declared; the model "
                         f"has {sorted(declared)}")
@@ -348,9 +354,9 @@ def _padding(where: str, raw: Any, inputs: tuple[TensorSpec, ...],
     return Padding(tuple(padded_in), tuple(padded_out), buckets)
 
 
-def _version_policy(where: str, raw: Any) -> dict[str, Any]:
-    if raw is None:
-        return {"latest": 1}
+def _version_policy(where: str, raw: Any, rollout: bool) -> dict[str, Any]:
+    if raw is None:   # a rollout compares with the version before: it must stay loaded
+        return {"latest": 2 if rollout else 1}
     if not isinstance(raw, dict) or len(raw) != 1:
         raise _fail(where, "version_policy",
                     'must be {"latest": N}, {"all": true} or {"specific": [versions]}')
@@ -384,6 +390,11 @@ def _input_shape(where: str, raw: Any, max_batch_size: int) -> list[dict[str, An
             shape = entry
         if not isinstance(shape, list):
             raise _fail(where, fld, "must be a list")
+        if max_batch_size > 0 and shape and shape[0] not in (1, -1):
+            # the batch dim forgotten: [16] would declare 16 rows of a scalar each
+            raise _fail(where, fld, f"{shape} starts with the batch dimension (max_batch_size "
+                        f"{max_batch_size} > 0), which must be 1 or -1; for one sample of "
+                        f"shape {shape} write {[1, *shape]}")
         dims = shape[1:] if max_batch_size > 0 and shape else shape
         inputs.append({"name": name, "datatype": datatype, "shape": dims})
     return inputs
@@ -499,7 +510,8 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     if on_demand is not None and not isinstance(on_demand, bool):
         raise _fail(where, "load_on_demand", f"must be true or false, got {on_demand!r}")
     batching = _dynamic_batching(where, raw.get("dynamic_batching"))
-    version_policy = _version_policy(where, raw.get("version_policy"))
+    version_policy = _version_policy(where, raw.get("version_policy"),
+                                     raw.get("rollout") is not None)
     rollout = _rollout(where, raw.get("rollout"), version_policy)
     padding = _padding(where, (raw.get("dynamic_batching") or {}).get("padding"), inputs,
                        outputs, mbs)

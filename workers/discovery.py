@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Sequence
 
 import numpy as np
@@ -71,8 +72,30 @@ def _with_datatype(cfg: ModelConfig, guessed: Sequence[str], datatype: str) -> M
     return dataclasses.replace(cfg, inputs=inputs)
 
 
+# what torch says when a tensor's shape, not its dtype, is what the model refuses
+_SHAPE_WORDS = re.compile(r"shape|size|dimension|cannot be multiplied", re.I)
+_DTYPE_WORDS = re.compile(r"dtype|scalar type|Float|Long|Int\b|Half|Bool", re.I)
+
+
+def _shape_refusal(cfg: ModelConfig, why: str) -> str | None:
+    """Advice about the declared shapes when ``why`` is a shape error (a datatype would
+    not help: the wrong datatype is not what the model refused)."""
+    if not _SHAPE_WORDS.search(why) or _DTYPE_WORDS.search(why):
+        return None
+    batch = [1] if cfg.max_batch_size > 0 else []
+    shapes = ", ".join(f"{s.name}: {batch + list(s.shape)}" for s in cfg.inputs)
+    return (f"the model refused inputs of the declared shapes ({shapes}"
+            f"{', the batch dimension first' if batch else ''}): {why}. Check the "
+            "shapes in input_shape (or inputs): one sample's shape, after the batch "
+            "dimension when max_batch_size > 0")
+
+
 def _refusal(where: str, cfg: ModelConfig, guessed: Sequence[str],
              failures: list[str]) -> str:
+    for failure in failures:   # FP32 refused as a datatype, INT64 for its shape: a shape
+        shape = _shape_refusal(cfg, failure.split(": ", 1)[-1])
+        if shape is not None:
+            return f"{where}: {shape}"
     if not guessed:
         return f"{where}: {failures[0]}"
     example = {s.name: {"shape": ([1] if cfg.max_batch_size > 0 else []) + list(s.shape),

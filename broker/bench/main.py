@@ -70,7 +70,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     raw.add_argument("--raw-path", default=None, help="URL path to POST to, e.g. "
                      "/predictions/mlp")
     raw.add_argument("--body-file", default=None, help="the request body, sent as is")
-    raw.add_argument("--content-type", default="application/json")
+    raw.add_argument("--content-type", default="application/json",
+                     help="Content-Type of the --body-file requests (default application/json)")
     load = ap.add_mutually_exclusive_group()
     load.add_argument("--concurrency", default=None,
                       help="closed loop: requests in flight per level, e.g. 1,16,64 (default 1)")
@@ -94,8 +95,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--processes", type=int, default=1, help="load processes")
     ap.add_argument("--max-inflight", type=int, default=1024,
                     help="open loop: requests in flight per process at most")
-    ap.add_argument("--client-timeout-s", type=float, default=30.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client-timeout-s", type=float, default=30.0,
+                    help="seconds a client waits for one answer before counting it failed")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the random inputs and arrival times")
     ap.add_argument("--in-process", action="store_true",
                     help="also time the model called directly at the batch sizes formed")
     ap.add_argument("--model-dir", default=None,

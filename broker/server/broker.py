@@ -19,6 +19,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.broker.process import Notifier, trim_memory
 from zeroserve.broker.server.cache import DEFAULT_BOUND_BYTES, ResponseCache
 from zeroserve.broker.server.catalog import Catalog
+from zeroserve.broker.server.configwrite import ConfigWriter
 from zeroserve.broker.server.control import ControlTable, model_arg, worker_arg
 from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
@@ -526,6 +527,8 @@ class Broker:
         c.add("register_status", self.registrar.status, mutates=True)
         c.add("unregister", self.registrar.unregister, mutates=True)
         c.add("push", self.registrar.push, mutates=True)
+        c.add("configure", ConfigWriter(self.catalog, self.repository.published).configure,
+              mutates=True)
         c.add("tenants", self.tenancy.describe)
         c.add("reload_tenants", self.tenancy.reload_verb, mutates=True)
 

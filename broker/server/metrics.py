@@ -18,7 +18,7 @@ from zeroserve.broker.protocol import ErrorCode
 _REJECT_REASONS = {ErrorCode.DEADLINE: "deadline", ErrorCode.OVERLOADED: "shed",
                    ErrorCode.CANCELLED: "cancelled", ErrorCode.QUOTA: "quota",
                    ErrorCode.BAD_INPUT: "bad_input", ErrorCode.NO_WORKER: "no_worker",
-                   ErrorCode.TOO_LARGE: "bad_input"}
+                   ErrorCode.TOO_LARGE: "bad_input", ErrorCode.TOO_BIG: "no_worker"}
 LATENCY_BUCKETS = (.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30)
 LOAD_WAIT_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -46,11 +46,17 @@ from zeroserve.models.repository import ModelConfig
 logger = logging.getLogger(__name__)
 
 AVAILABLE, LOADING, READY, EVICTED = "AVAILABLE", "LOADING", "READY", "EVICTED"
+TOO_BIG = "TOO_BIG"   # no worker could hold it even with nothing else loaded
 NO_FIT = "the working set does not fit the memory budget"
 PENDING_POLL_S = 0.05   # a waiting load looks again this often when no time is known
 MIN_POLL_S = 0.001      # nor more often than this
 
 Fail = Callable[[str, p.ErrorCode, str, "float | None"], None]
+
+
+def never_fits(name: str, why: str) -> str:
+    return (f"model {name!r} can never be loaded here: {why}; raise the worker's "
+            "--memory-budget (or free its device), or make the model smaller")
 
 
 @dataclass(frozen=True)
@@ -191,8 +197,8 @@ class OnDemand:
                     f"{self.opts.max_load_share:g}): {NO_FIT}"),
                     max(1.0, math.ceil(wait_s)))
             why = self._never_fits(name)
-            if why is not None:
-                return Refused(p.ErrorCode.NO_WORKER, why)
+            if why is not None:   # no wait helps: not retryable, and says what would
+                return Refused(p.ErrorCode.TOO_BIG, never_fits(name, why))
         return predicted
 
     def want(self, name: str, now: float) -> None:
@@ -417,6 +423,9 @@ class OnDemand:
             return LOADING, "loading on demand"
         if name in self.evicted:
             return EVICTED, self.evicted[name] + "; loads again on the next request"
+        why = self._never_fits(name)
+        if why is not None:
+            return TOO_BIG, never_fits(name, why)
         return AVAILABLE, "not loaded: loads on the first request"
 
     def describe(self, name: str) -> dict[str, Any]:
@@ -425,7 +434,7 @@ class OnDemand:
         if got is None:
             return {}
         out: dict[str, Any] = {"on_demand": True, "state": got[0].lower(),
-                               "loadable": bool(self._candidates(name)),
+                               "loadable": got[0] != TOO_BIG and bool(self._candidates(name)),
                                "predicted_load_s": round(self.times.predict(name), 4),
                                "load_cost_s": round(self.costs.predict(name), 4),
                                "demand_rps": round(self.demand.rate(name, self.clock()), 3),

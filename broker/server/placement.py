@@ -42,7 +42,8 @@ from zeroserve.broker.process import RateLimitedLog
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.types import ModelVersion
-from zeroserve.models.footprint import Learned, Prediction, WeightsCache, predict, size_text
+from zeroserve.models.footprint import Learned, Prediction, WeightsCache, files_of, predict, \
+    size_text
 from zeroserve.models.repository import ConfigError, ModelConfig, parse_config
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,8 @@ class Placement:
         self.footprints: dict[Key, int] = {}        # what planning counts: measured, else predicted
         self.predicted: dict[Key, Prediction] = {}
         self.measured: dict[Key, dict[str, Any]] = {}    # the worker's plan after warm-up
-        self.learned: dict[tuple[str, str], Learned] = {}   # by (model, device kind)
+        # by (model, device kind, format)
+        self.learned: dict[tuple[str, str, str], Learned] = {}
         self.by_content: dict[tuple[str, str, str], tuple[int, str]] = {}  # -> bytes, worker
         self.refused: list[tuple[WorkerState, p.ModelLoaded]] = []  # delivered by the tick
         self.refusals: dict[tuple[str, str], int] = {}
@@ -195,7 +197,9 @@ class Placement:
         seen = self.by_content.get((name, sha, _kind(worker))) if sha else None
         if seen is not None:
             return seen[0], f"measured on worker {seen[1]}"
-        pred = predict(cfg, version_dir, self.learned.get((name, _kind(worker))), self._weights)
+        fmt = files_of(cfg, version_dir, self._weights)[1]
+        pred = predict(cfg, version_dir, self.learned.get((name, _kind(worker), fmt)),
+                       self._weights)
         self.predicted[(worker.identity, name, version)] = pred
         return pred.total_bytes, pred.describe()
 
@@ -352,8 +356,10 @@ class Placement:
         need = _int(plan, "footprint_bytes") or msg.memory_bytes
         self.measured[key] = plan
         self.footprints[key] = need
-        if msg.memory:
-            self.learned[(msg.model, _kind(worker))] = Learned.from_plan(plan)
+        model = self._model(msg.model)
+        if msg.memory and model is not None:   # taught for this format only
+            fmt = files_of(model[0], model[1] / str(msg.version), self._weights)[1]
+            self.learned[(msg.model, _kind(worker), fmt)] = Learned.from_plan(plan)
         if msg.sha256:
             self.by_content[(msg.model, msg.sha256, _kind(worker))] = (need, worker.worker_id)
         pred = self.predicted.get(key)

@@ -73,7 +73,8 @@ class ReadVerbs:
         for name, failure in self.catalog.failures.items():
             errors.setdefault(name, failure["error"])
         return {"models": out, "errors": errors,
-                "optional": optional_models(self.catalog, errors)}
+                "optional": optional_models(self.catalog, errors),
+                "workers_connected": len(self.pool.workers)}
 
     def _workers(self, model: CatalogModel) -> list[str]:
         """The workers holding the model; for an ensemble (held by none: the broker

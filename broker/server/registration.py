@@ -51,7 +51,7 @@ class Job:
     temp: Path
     state: str = "copying"             # copying, loading, published, failed
     error: str = ""
-    kind: str = ""                     # why it failed: copy, load, publish
+    kind: str = ""                     # why it failed: copy, load, publish, no_worker
     versions: list[int] = field(default_factory=list)
     copier: threading.Thread | None = None
     worker: bytes = b""
@@ -121,6 +121,9 @@ class Registrar:
         if not isinstance(raw, str) or not raw:
             raise ControlError("bad_input", "field 'model_path': required, a path on the "
                                "broker's host")
+        if not Path(raw).is_absolute():   # relative to what? the broker's cwd is no answer
+            raise ControlError("bad_input", f"model_path {raw!r} must be absolute (a path on "
+                               "the broker's host, under an import root)")
         source = Path(raw).resolve()
         if not any(source.is_relative_to(r.resolve()) for r in roots):
             raise ControlError("forbidden", f"model_path {raw!r} is outside the import "
@@ -269,7 +272,10 @@ class Registrar:
     def _trial(self, job: Job) -> None:
         worker = next((w for w in self.pool.workers.values() if not w.draining), None)
         if worker is None:
-            job.kind, job.error = "load", "no worker is connected to trial-load the model"
+            # a wait that passes when a worker connects, not a fault of the model
+            job.kind, job.error = "no_worker", ("no worker is connected yet to trial-load "
+                                                "the model; retry when one is (zeroserve "
+                                                "status lists them)")
             self._finish(job, ok=False)
             return
         version = job.versions[-1]

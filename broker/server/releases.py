@@ -11,6 +11,7 @@ and at the end of its window simply ends, retiring nothing. See docs/rollouts.md
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 from typing import Any, Callable, Iterator
@@ -256,7 +257,11 @@ class Releases:
             others = [v for v in model.ready if v != canary and v not in model.failed]
             if not others:
                 raise ControlError("bad_input", f"model {name!r} has no other loaded version "
-                                   f"to compare version {canary} with")
+                                   f"to compare version {canary} with: its version_policy "
+                                   f"{json.dumps(model.config.version_policy)} keeps no other; "
+                                   'set "version_policy": {"latest": 2} (PATCH '
+                                   f"/v1/models/{name}/config, or its config.json) so the "
+                                   "version before a push stays loaded")
             stable = model.default_version if model.default_version in others else max(others)
         elif not isinstance(stable, int) or stable not in model.ready or stable == canary \
                 or stable in model.failed:

@@ -158,8 +158,11 @@ class Rollout:
         return None if self.outcome else self.step_started_s + self.plan.dwell_s
 
     def describe(self, now: float) -> dict[str, Any]:
+        # once over, the traffic as it ended, not the last step's split
+        weights = {self.stable: 100, self.canary: 0} if self.outcome == "rolled back" \
+            else {self.canary: 100} if self.outcome == "promoted" else self.weights
         return {"canary": self.canary, "stable": self.stable, "step": self.step,
-                "weights": {str(v): w for v, w in self.weights.items()},
+                "weights": {str(v): w for v, w in weights.items()},
                 "step_age_s": round(now - self.step_started_s, 3),
                 "plan": self.plan.to_json(), "outcome": self.outcome,
                 "counts": {str(v): c.describe() for v, c in self.counts.items()}}

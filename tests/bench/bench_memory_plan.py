@@ -1,4 +1,6 @@
-"""Memory prediction against the measured footprint for the bundled models (mlp, cnn).
+"""Memory prediction against the measured footprint for the bundled models (mlp, cnn)
+and a BERT-mini, each as TorchScript and as an exported program (``--compiled``: also
+as an AOTInductor package, which takes minutes of compiling).
 
 Two fresh worker processes load both models one after the other, as a worker serving
 them would. From the first, the broker's planner learns each model's overhead and
@@ -8,7 +10,7 @@ at the largest batch), which the second worker measures. The activation term, fi
 to warm-up batches of 1 and 8, is also checked against a real batch at the model's
 largest size. Prints one table; errors are (predicted - measured) / measured.
 
-    .venv/bin/python tests/bench/bench_memory_plan.py [--device cpu|cuda:0]
+    .venv/bin/python tests/bench/bench_memory_plan.py [--device cpu|cuda:0] [--compiled]
 """
 
 from __future__ import annotations
@@ -35,25 +37,30 @@ from zeroserve.models.repository import load_config
 from zeroserve.workers import memory
 from zeroserve.workers.worker import Worker
 
-repo, device = Path(sys.argv[1]), sys.argv[2]
+repo, device, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
 probe = memory.settled(lambda: memory.rss_bytes(), device) if device == "cpu" else \
     (lambda: int(torch.cuda.memory_allocated(device)) + int(torch.cuda.memory_reserved(device)))
 start = probe() if device == "cpu" else 0
 w = Worker("ipc:///nonexistent", "bench/0", device=device)
 out = {"context": w.context, "models": {}}
-for name in ("mlp", "cnn"):
+for name in names:
     cfg = load_config(repo / name)
     reply = w.load_version(p.LoadModel(name, 1, str(repo / name / "1"), cfg.to_json()))
     assert reply.ok, reply.error
     lm = w.models[(name, 1)]
-    params = sum(t.numel() * t.element_size() for t in [*lm.fn.parameters(), *lm.fn.buffers()])
+    held = [*lm.fn.parameters(), *lm.fn.buffers()] if hasattr(lm.fn, "parameters") else []
+    params = sum(t.numel() * t.element_size() for t in held)
     peak = memory.PeakProbe(device)
-    with torch.inference_mode():
-        args = sample_inputs(cfg, cfg.max_batch_size, device)
-        for _ in range(2):   # the first run at a new size specializes; measure the second
-            peak.start()
-            lm.fn(*args)
-            real = peak.stop()
+    real = None
+    try:   # a package may refuse the sample's free dims of 1 (it specialized 0 and 1)
+        with torch.inference_mode():
+            args = sample_inputs(cfg, cfg.max_batch_size, device)
+            for _ in range(2):   # the first run at a new size specializes; measure the second
+                peak.start()
+                lm.fn(*args)
+                real = peak.stop()
+    except RuntimeError:
+        pass
     out["models"][name] = {"plan": reply.memory, "params_bytes": params,
                            "real_activation_at_max_batch": real}
 out["worker_growth"] = probe() - start if device == "cpu" else None
@@ -61,9 +68,47 @@ print(json.dumps(out))
 '''
 
 
-def run_worker(repo: Path, device: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-c", WORKER, str(repo), device],
-                         capture_output=True, text=True, timeout=120)
+FORMS = r'''
+import json, sys
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[3])
+from tests import bert
+from zeroserve.models.examples import BUILDERS, CONFIGS
+
+repo = Path(sys.argv[1])
+for name in ("mlp", "cnn"):
+    torch.manual_seed(0)
+    module = BUILDERS[name]().eval()
+    shape = CONFIGS[name]["inputs"][0]["shape"]
+    batch = torch.export.Dim("batch", min=1, max=CONFIGS[name]["max_batch_size"])
+    program = torch.export.export(module, (torch.zeros(2, *shape),),
+                                  dynamic_shapes=({0: batch},))
+    (repo / f"{name}_export" / "1").mkdir(parents=True)
+    torch.export.save(program, str(repo / f"{name}_export" / "1" / "model.pt2"))
+    (repo / f"{name}_export" / "config.json").write_text(json.dumps(
+        {**CONFIGS[name], "name": f"{name}_export", "platform": "pytorch_export"}))
+module = bert.model(bert.MINI)
+bert.write(repo, "bert", module)
+bert.write(repo, "bert_export", module, "pytorch_export")
+if sys.argv[2] == "compiled":
+    bert.write(repo, "bert_aoti", module, "pytorch_export", compiled=True)
+'''
+
+
+def build_forms(repo: Path, compiled: bool) -> list[str]:
+    """Beside the bundled mlp and cnn: each exported, and a BERT-mini traced and
+    exported (and compiled); returns every model's name."""
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", FORMS, str(repo), "compiled" if compiled else "",
+                    str(root)], check=True, capture_output=True, timeout=1200)
+    names = ["mlp", "cnn", "mlp_export", "cnn_export", "bert", "bert_export"]
+    return names + (["bert_aoti"] if compiled else [])
+
+
+def run_worker(repo: Path, device: str, names: list[str]) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", WORKER, str(repo), device, ",".join(names)],
+                         capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -80,14 +125,18 @@ def mb(n: float) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also each model as an AOTInductor package (zeroserve compile)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="zsmem") as tmp:
         repo = Path(tmp) / "models"
         subprocess.run([sys.executable, "-m", "zeroserve.models.examples", str(repo)],
                        check=True, capture_output=True, timeout=120)
-        first, second = run_worker(repo, args.device), run_worker(repo, args.device)
+        names = build_forms(repo, args.compiled)
+        first, second = (run_worker(repo, args.device, names),
+                         run_worker(repo, args.device, names))
         rows = []
-        for name in ("mlp", "cnn"):
+        for name in names:
             cfg = load_config(repo / name)
             vdir = repo / name / "1"
             a, b = first["models"][name], second["models"][name]
@@ -96,7 +145,7 @@ def main() -> int:
             learned = predict(cfg, vdir, Learned.from_plan(a["plan"]))
             meas = b["plan"]["footprint_bytes"]
             act_pred = learned.activation_bytes
-            act_real = b["real_activation_at_max_batch"]
+            act_real = b["real_activation_at_max_batch"] or 0
             rows.append((name, cfg.max_batch_size, files, b["params_bytes"], cold,
                          learned.total_bytes, meas, act_pred, act_real))
     print(f"device {args.device}; context cost {mb(first['context']['context_bytes'])} / "

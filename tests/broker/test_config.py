@@ -117,3 +117,50 @@ def test_a_flag_is_true_or_false_in_the_file_and_the_environment(
     bad = write(tmp_path, '[broker]\nload_on_demand = "yes"\n')
     with pytest.raises(config.ConfigError, match="expected true or false"):
         options.parse(["broker", "--config", str(bad)])
+
+
+def test_sizes_take_units_on_the_command_line_in_the_environment_and_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = options.parse(["worker", "--memory-budget", "40MiB", "--memory-headroom", "64 MiB",
+                          "--host-cache-bytes", "1GiB", "--memory-tolerance-bytes", "1000"])
+    assert (args.memory_budget, args.memory_headroom, args.host_cache_bytes,
+            args.memory_tolerance_bytes) == (40 << 20, 64 << 20, 1 << 30, 1000)
+    assert options.parse(["gateway", "--max-body-bytes", "1.5MB"]).max_body_bytes == 1_500_000
+    monkeypatch.setenv("ZEROSERVE_WORKER_MEMORY_BUDGET", "2GiB")
+    assert options.parse(["worker"]).memory_budget == 2 << 30
+    monkeypatch.delenv("ZEROSERVE_WORKER_MEMORY_BUDGET")
+    path = write(tmp_path, '[worker]\nmemory_budget = "8 GiB"\nhost_cache_bytes = 4096\n'
+                           '[broker]\nresponse_cache_bytes = "16MiB"\n')
+    args = options.parse(["worker", "--config", str(path)])
+    assert (args.memory_budget, args.host_cache_bytes) == (8 << 30, 4096)
+    assert options.parse(["broker", "--config", str(path)]).response_cache_bytes == 16 << 20
+    with pytest.raises(config.ConfigError, match=r"\[worker\] memory_budget: '8 Gb!' is not "
+                                                 r"a size: .* KiB, MiB, GiB, TiB"):
+        options.parse(["worker", "--config", str(write(tmp_path, '[worker]\n'
+                                                       'memory_budget = "8 Gb!"\n'))])
+    with pytest.raises(SystemExit):
+        options.parse(["worker", "--memory-budget", "40M"])
+    assert "'40M' is not a size" in capsys.readouterr().err
+
+
+def test_every_subcommand_and_option_has_help() -> None:
+    import argparse
+
+    missing = []
+    for name, sub in options.subparsers(options.parser()).items():
+        if not sub.description:
+            missing.append(f"zeroserve {name}: no description")
+        missing += [f"zeroserve {name} {a.option_strings or a.dest}: no help"
+                    for a in sub._actions
+                    if not isinstance(a, argparse._HelpAction) and not a.help]
+    assert not missing, "\n".join(missing)
+
+
+def test_control_verbs_list_only_the_options_they_use() -> None:
+    subs = options.subparsers(options.parser())
+    for verb in ("status", "models", "drain", "undrain", "reload", "push", "rollout",
+                 "rollback", "promote", "tenants", "probe"):
+        flags = {f for a in subs[verb]._actions for f in a.option_strings}
+        assert {"--runtime-dir", "--control", "--config"} <= flags, verb
+        assert not flags & {"--frontend", "--backend", "--log-level"}, (verb, flags)

@@ -56,6 +56,15 @@ def test_errors_roll_back_at_once_even_within_the_dwell() -> None:
     assert verdict.weights == {2: 100, 3: 0}
     assert "error rate 20.0%" in verdict.reason
     assert r.outcome == "rolled back" and r.decide(1.0) is None
+    # what zeroserve models shows beside "rolled back": the traffic now, not the step's
+    assert r.describe(1.0)["weights"] == {"2": 100, "3": 0}
+
+
+def test_a_rollback_by_hand_describes_the_traffic_it_left() -> None:
+    r = Rollout(3, 2, PLAN, now=0.0)
+    assert r.describe(0.0)["weights"] == {"3": 5, "2": 95}
+    r.end("rolled back", Verdict("rollback", {}))
+    assert r.describe(0.0)["weights"] == {"2": 100, "3": 0}
 
 
 def test_too_few_samples_decide_nothing() -> None:

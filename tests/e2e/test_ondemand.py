@@ -218,3 +218,39 @@ def test_remote_workers_load_on_demand_within_their_own_budgets(repo: Path) -> N
         raise
     finally:
         c.close()
+
+
+def test_a_model_that_can_never_fit_is_a_non_retryable_error_everywhere(repo: Path) -> None:
+    """A budget smaller than the model: every request answers 507 at once (no Retry-After:
+    waiting never helps), and `zeroserve models`, the index and readiness say so."""
+    write_model(repo, "opt", 1, factory(0), linear_config("opt", optional=True))
+    srv = Server(repo, extra=["--load-on-demand", "--memory-budget", "20000000"])
+    try:
+        def connected() -> bool:
+            try:
+                return bool(control(srv, "models")["workers_connected"])
+            except InferError:   # the broker not listening yet
+                return False
+        wait_for(connected, 30, "a worker to connect")
+        x = json.dumps({"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32",
+                                    "data": [1, 2, 3, 4]}]}).encode()
+        status, headers, out = http("POST", srv.url + "/v2/models/m0/infer", x)
+        assert status == 507, (status, out)
+        assert "retry-after" not in {k.lower() for k in headers}
+        assert b"can never be loaded here" in out and b"--memory-budget" in out, out
+        with pytest.raises(InferError) as err:
+            with Client(srv.frontend, timeout_s=10) as c:
+                c.infer("m0", {"input": X})
+        assert err.value.code is ErrorCode.TOO_BIG and not err.value.code.retryable
+        assert states(srv)["m0"] == "too_big"
+        listed = subprocess.run([*ZEROSERVE, "models", "--runtime-dir", str(srv.runtime)],
+                                capture_output=True, text=True, timeout=30).stdout
+        assert "too_big" in listed and "m0: model 'm0' can never be loaded here" in listed
+        status, _, out = http("POST", srv.url + "/v2/repository/index", b"{}")
+        index = {e["name"]: e for e in json.loads(out)}
+        assert index["m0"]["state"] == "TOO_BIG" and "--memory-budget" in index["m0"]["reason"]
+        status, _, out = http("GET", srv.url + "/v2/health/ready")
+        assert status == 503 and b"model 'm0' is too big" in out, out
+        assert b"'opt'" not in out   # optional: exempt, as any other optional model
+    finally:
+        srv.stop()

@@ -75,7 +75,7 @@ def test_push_build_identity_and_bad_pushes(dirs, serve) -> None:
     status, doc = push(srv.url, "m", {"model_path": str(imports / "v2")})
     sha2 = version_sha256(imports / "v2")
     assert status == 201 and doc == {"name": "m", "version": 2, "sha256": sha2,
-                                     "state": "published"}, doc
+                                     "state": "published", "ready": True}, doc
     assert version_sha256(repo / "m" / "2") == sha2
     wait_for(lambda: serving(srv.url, 2), 30, "version 2 to serve")
     assert infer(srv.url) == (2, f"2/{sha2}", 2.0)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import linear_config, write_model
-from zeroserve.models.footprint import ActivationTerm, Learned, archive_tensor_bytes, \
-    fit_activation, predict, size_text
+from zeroserve.models.footprint import ACTIVATION_FACTOR, GUESS_LENGTH, ActivationTerm, \
+    Learned, archive_tensor_bytes, files_of, first_guess, fit_activation, predict, size_text
 from zeroserve.models.repository import parse_config
 
 FACTORIES = {
@@ -79,7 +79,9 @@ def test_prediction_adds_the_learned_terms_at_the_largest_batch(tmp_path: Path) 
     cfg = parse_config(linear_config("m", 64, 10, mbs=32), "test")
     weights = module_bytes(tmp_path / "m" / "1" / "model.pt")
     cold = predict(cfg, tmp_path / "m" / "1")
-    assert cold.total_bytes == weights and "not learned yet" in cold.describe()
+    # before any warm-up: the first guess, 32 x one sample's input bytes per sample
+    assert cold.total_bytes == weights + ACTIVATION_FACTOR * 64 * 4 * 32
+    assert "(a first guess from the inputs); overhead not learned yet" in cold.describe()
     learned = Learned(ActivationTerm(1000, 500), overhead_bytes=20_000)
     warm = predict(cfg, tmp_path / "m" / "1", learned)
     assert warm.total_bytes == weights + 20_000 + 500 + 1000 * 32
@@ -102,3 +104,33 @@ def test_the_activation_line_through_the_warm_up_peaks() -> None:
 
 def test_sizes_for_people() -> None:
     assert size_text(1_234_567) == "1.2 MB" and size_text(2_000_000_000) == "2.0 GB"
+
+
+def test_the_first_activations_guess_reads_the_inputs_and_the_largest_batch() -> None:
+    tokens = parse_config({**linear_config("t", mbs=16), "inputs": [
+        {"name": "ids", "datatype": "INT64", "shape": [-1]},
+        {"name": "mask", "datatype": "INT64", "shape": [-1]}]}, "t")
+    assert first_guess(tokens).at(16) == ACTIVATION_FACTOR * 2 * 8 * GUESS_LENGTH * 16
+    image = parse_config({**linear_config("i", mbs=0), "inputs": [
+        {"name": "x", "datatype": "FP32", "shape": [3, 64, 64]}]}, "i")
+    assert first_guess(image).at(1) == ACTIVATION_FACTOR * 3 * 64 * 64 * 4
+
+
+def test_every_format_reads_its_weights_and_is_named(tmp_path: Path) -> None:
+    """An exported program's weights are read as a TorchScript archive's; the format is
+    named, so a measurement of one format is never applied to another's prediction."""
+    import torch
+
+    module = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                 torch.nn.Linear(128, 10)).eval()
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    (tmp_path / "ts" / "1").mkdir(parents=True)
+    torch.jit.save(torch.jit.script(module), str(tmp_path / "ts" / "1" / "model.pt"))
+    (tmp_path / "ex" / "1").mkdir(parents=True)
+    program = torch.export.export(module, (torch.zeros(2, 64),), dynamic_shapes=(
+        {0: torch.export.Dim("b", min=1, max=32)},))
+    torch.export.save(program, str(tmp_path / "ex" / "1" / "model.pt2"))
+    ts = parse_config(linear_config("ts", 64, 10), "t")
+    ex = parse_config({**linear_config("ex", 64, 10), "platform": "pytorch_export"}, "t")
+    assert files_of(ts, tmp_path / "ts" / "1") == (params, "TorchScript")
+    assert files_of(ex, tmp_path / "ex" / "1") == (params, "exported program")

@@ -104,3 +104,39 @@ def test_a_decoupled_model_cannot_cache_its_responses() -> None:
            "model_transaction_policy": {"decoupled": True}}
     with pytest.raises(ConfigError, match="field 'response_cache': a decoupled model"):
         parse_config(raw, "t")
+
+
+@pytest.mark.parametrize("shape", [[16], [16, 4]])
+def test_a_forgotten_batch_dimension_is_refused_with_the_fix(shape: list[int]) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({**SEED_BODY, "input_shape": {"x": shape}}, "registration",
+                     discover=True)
+    assert f"starts with the batch dimension (max_batch_size 16 > 0), which must be 1 or " \
+           f"-1; for one sample of shape {shape} write {[1, *shape]}" in str(err.value)
+    # without batching the shape is the whole tensor's
+    cfg = parse_config({**SEED_BODY, "max_batch_size": 0, "input_shape": {"x": shape}},
+                       "registration", discover=True)
+    assert cfg.inputs[0].shape == tuple(shape)
+
+
+PADDED = {"max_queue_delay_ms": 0, "padding": {
+    "inputs": [{"name": "input_ids", "dim": 0}, {"name": "attention_mask", "dim": 0}],
+    "outputs": [{"name": "last_hidden_state", "dim": 0}]}}
+
+
+def test_padding_of_outputs_a_trial_load_will_find_is_checked_once_they_are() -> None:
+    body = {**SEED_BODY, "input_shape": {"input_ids": [1, -1], "attention_mask": [1, -1]},
+            "dynamic_batching": PADDED}
+    cfg = parse_config(body, "registration", discover=True)
+    assert cfg.outputs == () and cfg.dynamic_batching.padding is not None
+    assert parse_config(cfg.to_json(), "trial", discover=True) == cfg  # the worker's parse
+    # what the trial load found: the padded output, free along dim 0, passes ...
+    found = {**cfg.to_json(), "outputs": [
+        {"name": "last_hidden_state", "datatype": "FP32", "shape": [-1, 8]}]}
+    assert parse_config(found, "the trial load's config").outputs[0].name == \
+        "last_hidden_state"
+    # ... one it did not find is refused then, naming what it found
+    found["outputs"] = [{"name": "output__0", "datatype": "FP32", "shape": [-1, 8]}]
+    with pytest.raises(ConfigError, match=r"output 'last_hidden_state' is not declared; "
+                                          r"the model has \['output__0'\]"):
+        parse_config(found, "the trial load's config")

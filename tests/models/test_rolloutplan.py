@@ -36,4 +36,13 @@ def test_a_bad_plan_names_the_field(rollout: dict[str, Any], message: str) -> No
 
 def test_a_plan_needs_the_previous_version_kept() -> None:
     with pytest.raises(ConfigError, match='"latest": 2'):
-        parse_config(linear_config("m", rollout={}), "m/config.json")
+        parse_config(linear_config("m", rollout={}, version_policy={"latest": 1}),
+                     "m/config.json")
+
+
+def test_a_plan_without_a_version_policy_keeps_the_version_before_loaded() -> None:
+    """The default policy (one version) would unload the version a rollout compares with;
+    with a plan and no policy, the default keeps two (a registration writes it so)."""
+    assert parse_config(linear_config("m", rollout={}), "m/config.json").version_policy \
+        == {"latest": 2}
+    assert parse_config(linear_config("m"), "m/config.json").version_policy == {"latest": 1}

@@ -157,3 +157,47 @@ def test_declared_outputs_are_kept_and_only_the_datatypes_are_settled(tmp_path: 
     loaded = trial(body, save(tmp_path, Tokens()))
     assert [t.datatype for t in loaded.config.inputs] == ["INT64", "INT64"]
     assert [t.to_json() for t in loaded.config.outputs] == outputs
+
+
+@pytest.mark.parametrize("shape", [[1, 17], [1, 4, 4]])
+def test_a_shape_error_names_the_shapes_and_never_suggests_a_datatype(
+        tmp_path: Path, shape: list[int]) -> None:
+    body = {"name": "lin", "platform": "pytorch", "max_batch_size": 8,
+            "input_shape": {"x": shape}}
+    with pytest.raises(LoadError) as err:
+        trial(body, save(tmp_path, torch.nn.Linear(16, 4)))
+    message = str(err.value)
+    assert message.startswith(f"lin/1: the model refused inputs of the declared shapes "
+                              f"(x: {shape}, the batch dimension first)"), message
+    assert "INT64" not in message and "datatype" not in message, message
+    # with outputs given (no datatype to find), the same advice
+    body["outputs"] = [{"name": "output__0", "datatype": "FP32", "shape": [4]}]
+    body["input_shape"] = {"x": {"shape": shape, "datatype": "FP32"}}
+    with pytest.raises(LoadError, match=r"refused inputs of the declared shapes"):
+        trial(body, tmp_path / "1")
+
+
+def test_token_ids_of_the_wrong_shape_get_shape_advice_not_a_datatype(
+        tmp_path: Path) -> None:
+    """FP32 ids are refused for their datatype, INT64 ones for their shape: the shape."""
+    body = {"name": "tok", "platform": "pytorch", "max_batch_size": 4,
+            "input_shape": {"ids": [1, 3], "mask": [1, 5]}}
+    with pytest.raises(LoadError) as err:
+        trial(body, save(tmp_path, Tokens()))
+    assert "declared shapes (ids: [1, 3], mask: [1, 5]" in str(err.value), str(err.value)
+    assert "Declare each input's datatype" not in str(err.value)
+
+
+def test_a_padded_registration_without_outputs_loads_and_publishes(tmp_path: Path) -> None:
+    body = {"name": "tok", "platform": "pytorch", "max_batch_size": 4,
+            "input_shape": {"ids": [1, -1], "mask": [1, -1]},
+            "dynamic_batching": {"padding": {
+                "inputs": [{"name": "ids", "dim": 0}, {"name": "mask", "dim": 0}],
+                "outputs": [{"name": "output__0", "dim": 0}]}}}
+    loaded = trial(body, save(tmp_path, Tokens()))
+    assert specs(loaded.config.outputs) == [("output__0", "FP32", [-1, 6]),
+                                            ("output__1", "FP32", [6])]
+    # what the broker writes into the published config.json parses as a repository's
+    published = parse_config(loaded.config.to_json(), "tok/config.json")
+    assert published.dynamic_batching.padding == loaded.config.dynamic_batching.padding
+    loaded.release()

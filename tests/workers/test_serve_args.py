@@ -30,7 +30,7 @@ def _a_value(action: argparse.Action) -> tuple[list[str], object]:
         value = next(c for c in action.choices if c != action.default)
         return [flag, str(value)], value
     kind = action.type or str
-    value = kind(7) if kind in (int, float) else "/tmp/zs-value"
+    value = kind(7) if kind in (int, float, options.size) else "/tmp/zs-value"
     return [flag, str(value)], value
 
 

@@ -404,14 +404,8 @@ class Scheduler:
         batch = []
         doomed = []
         total, tightest, version, scale = 0, math.inf, None, 0.0
-        for e in q.ordered(now):
-            if e.deadline_s <= now:
-                continue  # expired: expire() answers it; never run it
-            if start + predict(e.units) > e.deadline_s:
-                doomed.append(e)
-                continue
-            v = resolve(e)
-            if v is None or (batch and (v != version or e.shape != batch[0].shape)):
+        for e, v in self._runnable(q, now, start, predict, resolve, doomed):
+            if batch and (v != version or e.shape != batch[0].shape):
                 continue
             if batch and total + e.samples > cap:
                 break
@@ -452,6 +446,23 @@ class Scheduler:
             reason = FULL
         return Decision(batch, reason, doomed, tokens, rows * longest)
 
+    @staticmethod
+    def _runnable(q: _Queue, now: float, start: float, predict: Predict,
+                  resolve: Callable[[Entry], int | None], doomed: list[Entry]
+                  ) -> Iterator[tuple[Entry, int]]:
+        """Live entries in dispatch order that can run on this worker, with the version
+        each would run as; one that could not finish by its deadline even alone goes to
+        ``doomed`` (refused at once rather than run late)."""
+        for e in q.ordered(now):
+            if e.deadline_s <= now:
+                continue   # expired: expire() answers it; never run it
+            if start + predict(e.units) > e.deadline_s:
+                doomed.append(e)
+                continue
+            v = resolve(e)
+            if v is not None:
+                yield e, v
+
     def _by_tokens(self, q: _Queue, now: float, start: float, cap: int, predict: Predict,
                    resolve: Callable[[Entry], int | None]
                    ) -> tuple[list[Entry], list[Entry]]:
@@ -463,14 +474,8 @@ class Scheduler:
         pol = q.policy
         doomed: list[Entry] = []
         window: list[Entry] = []
-        for e in q.ordered(now):
-            if e.deadline_s <= now:
-                continue   # expired: expire() answers it; never run it
-            if start + predict(e.units) > e.deadline_s:
-                doomed.append(e)
-                continue
-            v = resolve(e)
-            if v is None or (window and (v != window[0].version or e.shape != window[0].shape)):
+        for e, v in self._runnable(q, now, start, predict, resolve, doomed):
+            if window and (v != window[0].version or e.shape != window[0].shape):
                 continue
             if not window:
                 e.version = v

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 import numpy as np
 import orjson
 from starlette.requests import Request
@@ -62,31 +64,48 @@ class OpenAIRoutes:
             Route(f"{prefix}/chat/completions", self.chat, methods=["POST"]))]
 
     async def embeddings(self, request: Request) -> Response:
+        return await self._serve(request, self._embeddings)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, partial(self._generate, is_chat=False))
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, partial(self._generate, is_chat=True))
+
+    async def _serve(self, request: Request,
+                     work: Callable[[Request, Any, Call], Awaitable[Response]]) -> Response:
+        """The one inference path's door, the tenant gate and the priority shed, then
+        the route's work on the JSON body; every client error in OpenAI's shape. A
+        streamed answer holds its place in flight until its last event (Events)."""
         inference = self.inference
         try:
             accepted = inference.enter()
         except InferError as exc:   # shed at the door
             return _error(exc)
+        streaming = False
         try:
-            return await self._embeddings(request, accepted)
+            await inference.caller(request.headers)   # with tenants: 401 without a key
+            call = Call(accepted, header_int(request, "x-priority"),
+                        header_int(request, "x-timeout-ms"), api_key_of(request.headers))
+            inference.check_priority(call.priority, call.timeout_ms > 0)
+            body = await read_body(request, self.max_body_bytes)
+            try:
+                doc = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise openai.OpenAIError(f"the body is not valid JSON: {exc}") from None
+            response = await work(request, doc, call)
+            streaming = isinstance(response, Events)
+            return response
         except Exception as exc:
             return _error(exc)
         finally:
-            inference.leave()
+            if not streaming:
+                inference.leave()
 
-    async def _embeddings(self, request: Request, accepted: float) -> Response:
+    async def _embeddings(self, request: Request, doc: Any, call: Call) -> Response:
         inference = self.inference
-        await inference.caller(request.headers)   # with tenants: 401 without a key
-        priority = header_int(request, "x-priority")
-        timeout_ms = header_int(request, "x-timeout-ms")
-        inference.check_priority(priority, timeout_ms > 0)
-        body = await read_body(request, self.max_body_bytes)
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise openai.OpenAIError(f"the body is not valid JSON: {exc}") from None
         req = openai.parse_embeddings(doc)
-        key = api_key_of(request.headers)
+        key = call.api_key
         model = await self.tokenizers.model(req.model, key)
         if model.text.task != "embeddings":
             raise openai.OpenAIError(f"model {req.model!r} does not answer embeddings",
@@ -112,8 +131,8 @@ class OpenAIRoutes:
         waiting = self.leaving.add(task, request.receive)
         try:
             replies = await inference.infer_rows(
-                req.model, [_row(row) for row in slot], priority=priority,
-                timeout_ms=inference.budget_ms(timeout_ms, accepted) if timeout_ms else 0.0,
+                req.model, [_row(row) for row in slot], priority=call.priority,
+                timeout_ms=call.budget_ms(inference),
                 outputs=[EMBEDDING], api_key=key,
                 routing_key=routing_key(request.headers, {"routing_key": req.user}, key,
                                         peer_host(request.scope.get("client"))))
@@ -135,42 +154,11 @@ class OpenAIRoutes:
                                                           replies[0].build))
 
 
-    async def completions(self, request: Request) -> Response:
-        return await self._generation(request, chat=False)
-
-    async def chat(self, request: Request) -> Response:
-        return await self._generation(request, chat=True)
-
-    async def _generation(self, request: Request, chat: bool) -> Response:
+    async def _generate(self, request: Request, doc: Any, call: Call, is_chat: bool
+                        ) -> Response:
         inference = self.inference
-        try:
-            accepted = inference.enter()
-        except InferError as exc:   # shed at the door
-            return _error(exc)
-        streaming = False
-        try:
-            response = await self._generate(request, accepted, chat)
-            streaming = isinstance(response, Events)   # in flight until its last event
-            return response
-        except Exception as exc:
-            return _error(exc)
-        finally:
-            if not streaming:
-                inference.leave()
-
-    async def _generate(self, request: Request, accepted: float, is_chat: bool) -> Response:
-        inference = self.inference
-        await inference.caller(request.headers)   # with tenants: 401 without a key
-        priority = header_int(request, "x-priority")
-        timeout_ms = header_int(request, "x-timeout-ms")
-        inference.check_priority(priority, timeout_ms > 0)
-        body = await read_body(request, self.max_body_bytes)
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise openai.OpenAIError(f"the body is not valid JSON: {exc}") from None
         req = chat.parse_chat(doc) if is_chat else chat.parse_completions(doc)
-        key = api_key_of(request.headers)
+        key = call.api_key
         model = await self.tokenizers.model(req.model, key)
         if model.text.task != "generate":
             raise openai.OpenAIError(f"model {req.model!r} does not generate text (its task "
@@ -185,8 +173,8 @@ class OpenAIRoutes:
                 "max_tokens" if room >= 1 else "messages" if is_chat else "prompt",
                 "context_length_exceeded")
         stream = inference.stream(
-            req.model, _generation_inputs(model, req, prompt, max_tokens), priority=priority,
-            timeout_ms=inference.budget_ms(timeout_ms, accepted) if timeout_ms else 0.0,
+            req.model, _generation_inputs(model, req, prompt, max_tokens),
+            priority=call.priority, timeout_ms=call.budget_ms(inference),
             api_key=key, routing_key=routing_key(request.headers, {"routing_key": req.user},
                                                  key, peer_host(request.scope.get("client"))))
         answer = Answer(req, model, len(prompt), max_tokens)
@@ -205,6 +193,21 @@ class OpenAIRoutes:
             raise
         return Events(answer.events(stream, first), stream, inference,
                       build_headers(first.version, first.build))
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the door and the headers said of a request: when it was let in, its priority
+    (``X-Priority``), its deadline (``X-Timeout-Ms``) and its caller's key."""
+
+    accepted: float
+    priority: int
+    timeout_ms: int
+    api_key: str
+
+    def budget_ms(self, inference: InferencePath) -> float:
+        """What is left of the deadline, for the wire (0: none)."""
+        return inference.budget_ms(self.timeout_ms, self.accepted) if self.timeout_ms else 0.0
 
 
 class Answer:

@@ -48,8 +48,8 @@ class Drive:
         self.table = SequenceTable(loaded, self._emit, self._finish, lambda b: frozenset(),
                                    itertools.count(1))
 
-    def _emit(self, part: p.Partial) -> None:
-        for x in part.parts:
+    def _emit(self, step: list[p.Partial]) -> None:
+        for x in (x for part in step for x in part.parts):
             got = self.tokens.setdefault(x.item, [])
             if x.tensors:
                 got.append(int(p.to_numpy(x.tensors[0]).reshape(-1)[0]))

@@ -16,7 +16,10 @@ or at the model's end token (which is sent, as ``generate`` returns it).
   sequence's own cache when one joins or leaves.
 
 Decoding is greedy (argmax), as ``model.generate(do_sample=False)``; float32 batching may
-flip a near-tie, where the top two logits differ by less than the sums' rounding.
+flip a near-tie, where the top two logits differ by less than the sums' rounding. A config
+that adds ``temperature``, ``top_p`` and ``seed`` inputs samples instead, where a request's
+temperature is above 0, with a generator of the sequence's own (seeded: the same request
+draws the same tokens).
 Torch and transformers are imported by the loader only (models/pretrained.py calls it).
 """
 
@@ -33,6 +36,10 @@ from zeroserve.models.text import IDS
 
 MAX_TOKENS = "max_tokens"   # INT32 or INT64 [1]: tokens a request may generate
 TOKEN = "token_id"          # INT64 [1]: each step's token
+# inputs a config may add, each then sent with every request: sampling instead of greedy
+SAMPLING = {"temperature": ("FP32", (1,)),   # 0: greedy; above: softmax(logits / t)
+            "top_p": ("FP32", (1,)),         # the smallest set of tokens of that mass
+            "seed": ("INT64", (1,))}         # the sequence's own generator; none: random
 Layers = list[tuple[torch.Tensor, torch.Tensor]]   # a cache: (keys, values) per layer
 
 
@@ -40,13 +47,15 @@ def check_signature(src: Source) -> None:
     """The inputs and output the step handler reads and answers, as the config declares."""
     cfg = src.cfg
     got = {t.name: (t.datatype, t.shape) for t in cfg.inputs}
-    want = {IDS: {("INT64", (-1,))}, MAX_TOKENS: {("INT32", (1,)), ("INT64", (1,))}}
+    want = {IDS: {("INT64", (-1,))}, MAX_TOKENS: {("INT32", (1,)), ("INT64", (1,))},
+            **{name: {spec} for name, spec in SAMPLING.items() if name in got}}
     outs = {t.name: (t.datatype, t.shape) for t in cfg.outputs}
     if set(got) != set(want) or any(got[k] not in v for k, v in want.items()) or \
             outs != {TOKEN: ("INT64", (1,))} or cfg.max_batch_size <= 0:
         raise LoadError(
             f"{cfg.name}: a transformers causal LM with sequences takes inputs "
-            f"{IDS!r} (INT64 [-1]) and {MAX_TOKENS!r} (INT32 or INT64 [1]), answers output "
+            f"{IDS!r} (INT64 [-1]) and {MAX_TOKENS!r} (INT32 or INT64 [1]), and any of "
+            f"temperature and top_p (FP32 [1]) and seed (INT64 [1]), answers output "
             f"{TOKEN!r} (INT64 [1]), with max_batch_size > 0; the config declares inputs "
             f"{got} and outputs {outs}")
 
@@ -71,6 +80,9 @@ class _Seq:
     left: int                # tokens it may still answer
     layers: Layers | None    # its own cache; None while it lives in the pack
     sent: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None   # a sampled sequence's own
 
 
 @dataclass
@@ -101,11 +113,44 @@ class CausalLMSteps:
         ids = inputs[IDS].reshape(1, -1).to(self.device, torch.long)
         if ids.shape[1] == 0:
             raise ValueError("a prompt of no tokens: nothing to continue")
+        seq = _Seq(ids.shape[1], 0, int(inputs[MAX_TOKENS].reshape(-1)[0]), None)
+        self._sampling(seq, inputs)
         out = self.model(input_ids=ids, use_cache=True)
-        seq = _Seq(ids.shape[1], int(out.logits[0, -1].argmax()),
-                   int(inputs[MAX_TOKENS].reshape(-1)[0]), _layers(self._cache_of(out)))
+        seq.layers = _layers(self._cache_of(out))
+        seq.next_token = self._choose(seq, out.logits[0, -1])
         self._states[seq_id] = seq
         return seq
+
+    def _sampling(self, seq: _Seq, inputs: dict[str, torch.Tensor]) -> None:
+        def given(name: str) -> float | None:
+            value = inputs.get(name)
+            return None if value is None else float(value.reshape(-1)[0])
+        temperature, top_p, seed = given("temperature"), given("top_p"), given("seed")
+        if temperature is not None and not temperature >= 0.0:
+            raise ValueError(f"temperature must be 0 (greedy) or more, got {temperature}")
+        if not temperature:
+            return   # greedy: top_p and seed play no part
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be above 0 and at most 1, got {top_p}")
+        seq.temperature, seq.top_p = temperature, top_p or 1.0
+        seq.generator = torch.Generator(device=self.device)
+        if seed is None:
+            seq.generator.seed()
+        else:
+            seq.generator.manual_seed(int(seed))
+
+    @staticmethod
+    def _choose(seq: _Seq, logits: torch.Tensor) -> int:
+        """The next token: argmax, or drawn with the sequence's own generator from the
+        tempered distribution cut to its top_p mass (the first token always kept)."""
+        if seq.generator is None:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / seq.temperature, dim=-1)
+        if seq.top_p < 1.0:
+            ranked, order = probs.sort(descending=True)
+            keep = ranked.cumsum(0) - ranked < seq.top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], ranked[keep])
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def leave(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
@@ -136,11 +181,13 @@ class CausalLMSteps:
         positions = torch.tensor([[states[i].length] for i in ids], device=self.device)
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
                          use_cache=True, **{self._cache_arg: pack.cache})
-        chosen = out.logits[:, -1].argmax(dim=-1).tolist()
+        logits = out.logits[:, -1]
+        greedy = logits.argmax(dim=-1).tolist()
         for i, seq_id in enumerate(ids):
             seq = states[seq_id]
             seq.length += 1
-            seq.next_token = chosen[i]
+            seq.next_token = greedy[i] if seq.generator is None else \
+                self._choose(seq, logits[i])
         self._pack = _Pack(tuple(ids), self._cache_of(out), mask, pack.width + 1)
 
     def _repack(self, ids: list[int], states: dict[int, _Seq]) -> _Pack:

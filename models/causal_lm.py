@@ -89,7 +89,7 @@ class _Seq:
 class _Pack:
     """The caches of the sequences that stepped together last, one batch."""
 
-    ids: tuple[int, ...]
+    rows: list[int | None]                   # each row's sequence; None: a row let go
     cache: Any
     mask: torch.Tensor                       # [batch, positions]: 1 where a token is
     width: int                               # positions, padding included
@@ -154,6 +154,9 @@ class CausalLMSteps:
 
     def leave(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
+        pack = self._pack
+        if pack is not None and seq_id in pack.rows:   # its row is let go, its id free
+            pack.rows[pack.rows.index(seq_id)] = None
 
     def step(self, states: dict[int, _Seq]) -> dict[int, tuple[Any, bool]]:
         out: dict[int, tuple[Any, bool]] = {}
@@ -172,23 +175,61 @@ class CausalLMSteps:
         return out
 
     def _decode(self, ids: list[int], states: dict[int, _Seq]) -> None:
-        pack = self._pack
-        if pack is None or pack.ids != tuple(ids):
-            pack = self._repack(ids, states)
-        tokens = torch.tensor([[states[i].next_token] for i in ids], device=self.device)
-        mask = torch.cat([pack.mask, torch.ones(len(ids), 1, dtype=pack.mask.dtype,
+        pack = self._fit(ids, states)
+        rows = pack.rows
+        # a row let go still runs (its output unread) until a repack drops it: cheaper
+        # than copying every cache each time a sequence leaves
+        tokens = torch.tensor([[states[i].next_token if i is not None else 0] for i in rows],
+                              device=self.device)
+        positions = torch.tensor([[states[i].length if i is not None else 0] for i in rows],
+                                 device=self.device)
+        mask = torch.cat([pack.mask, torch.ones(len(rows), 1, dtype=pack.mask.dtype,
                                                 device=self.device)], dim=1)
-        positions = torch.tensor([[states[i].length] for i in ids], device=self.device)
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
                          use_cache=True, **{self._cache_arg: pack.cache})
         logits = out.logits[:, -1]
         greedy = logits.argmax(dim=-1).tolist()
-        for i, seq_id in enumerate(ids):
+        for row, seq_id in enumerate(rows):
+            if seq_id is None:
+                continue
             seq = states[seq_id]
             seq.length += 1
-            seq.next_token = greedy[i] if seq.generator is None else \
-                self._choose(seq, logits[i])
-        self._pack = _Pack(tuple(ids), self._cache_of(out), mask, pack.width + 1)
+            seq.next_token = greedy[row] if seq.generator is None else \
+                self._choose(seq, logits[row])
+        self._pack = _Pack(rows, self._cache_of(out), mask, pack.width + 1)
+
+    def _fit(self, ids: list[int], states: dict[int, _Seq]) -> _Pack:
+        """The pack whose live rows are ``ids``: the last one, its rows of sequences gone
+        let go and newcomers written into such rows where they fit (one row's copy);
+        else a new one, as one is once half its rows are let go or its width (which grows
+        a position a step) is over twice its longest sequence."""
+        pack = self._pack
+        if pack is None:
+            return self._repack(ids, states)
+        going = set(ids)
+        rows = [i if i in going else None for i in pack.rows]
+        placed = set(rows)
+        new = [i for i in ids if i not in placed]
+        free = [r for r, i in enumerate(rows) if i is None]
+        longest = max(states[i].length for i in ids)
+        if len(new) > len(free) or (len(free) - len(new)) * 2 > len(rows) or \
+                longest > pack.width or pack.width > 2 * longest:
+            return self._repack(ids, states)   # no room, half idle, or mostly padding
+        layers = _layers(pack.cache)
+        for seq_id, row in zip(new, free):
+            seq = states[seq_id]
+            start = pack.width - seq.length
+            for (k, v), (own_k, own_v) in zip(layers, _own(seq)):
+                k[row].zero_()
+                v[row].zero_()
+                k[row, :, start:] = own_k[0]
+                v[row, :, start:] = own_v[0]
+            pack.mask[row].zero_()
+            pack.mask[row, start:] = 1
+            rows[row] = seq_id
+            seq.layers = None   # it lives in the pack from now on
+        pack.rows = rows
+        return pack
 
     def _repack(self, ids: list[int], states: dict[int, _Seq]) -> _Pack:
         """The sequences' own caches, left-padded into one batch; those of the old pack
@@ -196,8 +237,8 @@ class CausalLMSteps:
         old = self._pack
         if old is not None:
             layers = _layers(old.cache)
-            for row, seq_id in enumerate(old.ids):
-                seq = self._states.get(seq_id)
+            for row, seq_id in enumerate(old.rows):
+                seq = self._states.get(seq_id) if seq_id is not None else None
                 if seq is not None and seq.layers is None:
                     start = old.width - seq.length
                     seq.layers = [(k[row:row + 1, :, start:], v[row:row + 1, :, start:])
@@ -218,7 +259,8 @@ class CausalLMSteps:
             mask[row, width - seq.length:] = 1
             seq.layers = None   # it lives in the pack from now on
         from transformers import DynamicCache
-        return _Pack(tuple(ids), DynamicCache(ddp_cache_data=packed), mask, width)
+        rows: list[int | None] = list(ids)
+        return _Pack(rows, DynamicCache(ddp_cache_data=packed), mask, width)
 
     def _cache_of(self, out: Any) -> Any:
         return getattr(out, self._cache_arg)

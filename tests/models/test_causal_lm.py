@@ -170,3 +170,30 @@ def test_bad_sampling_fails_the_join_with_a_message(
     _, tokenizer = lm
     _, errors = sample(sampling_lm, [(prompt_ids(tokenizer, 1, 5), 3, temperature, top_p, 1)])
     assert len(errors) == 1 and says in errors[0]
+
+
+def test_an_id_used_again_after_leave_starts_afresh(lm: tuple[Path, Any]) -> None:
+    """A caller that numbers its sequences from 0 for each batch (a generator handler
+    using the step code) gets each batch's own tokens, never the last batch's caches."""
+    folder, tokenizer = lm
+    steps = loaded_lm(folder).handler
+    import torch
+
+    def run(ids_by_seq: dict[int, list[int]], m: int) -> dict[int, list[int]]:
+        states = {k: steps.join(k, {"input_ids": torch.tensor([ids]),
+                                    "max_tokens": torch.tensor([[m]])})
+                  for k, ids in ids_by_seq.items()}
+        got: dict[int, list[int]] = {k: [] for k in states}
+        with torch.inference_mode():
+            while states:
+                for k, (out, final) in steps.step(states).items():
+                    got[k].append(int(out["token_id"][0, 0]))
+                    if final:
+                        del states[k]
+                        steps.leave(k)
+        return got
+    first = {0: prompt_ids(tokenizer, 2, 8), 1: prompt_ids(tokenizer, 4, 30)}
+    second = {0: prompt_ids(tokenizer, 6, 15), 1: prompt_ids(tokenizer, 7, 11)}
+    run(first, 12)
+    again = run(second, 12)
+    assert again == {k: greedy(folder, ids, 12)[0] for k, ids in second.items()}

@@ -46,9 +46,13 @@ __all__ = ["DTYPES", "ITEM_BYTES", "Buffer", "ProtocolError", "Tensor", "TensorM
 # its replies as REPLIES. Version 3 adds WAITING (a handler's batch waits on the models
 # it called, workers/bls.py), sent only to a broker whose LOAD listed version 3: an older
 # broker drops it as malformed, and the nested-call deadlock it prevents would return.
-PROTOCOL_VERSION = 3
-SUPPORTED_VERSIONS = (1, 2, 3)
+# Version 4 adds STEPS (one step's responses of an iterative model's several batches in
+# one message, workers/sequences.py), sent only to a broker whose LOAD listed version 4:
+# an older one gets a PARTIAL per batch.
+PROTOCOL_VERSION = 4
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
 WAITING_VERSION = 3
+STEPS_VERSION = 4
 
 
 class VersionMismatch(ProtocolError):
@@ -85,6 +89,7 @@ class Kind(bytes, enum.Enum):
     PARTIAL = b"\x1a"      # worker -> broker: responses of a decoupled batch, as yielded
     STOP = b"\x1b"         # broker -> worker: requests of a running stream to stop
     WAITING = b"\x1c"      # worker -> broker: a batch waits on models it called (BLS)
+    STEPS = b"\x1d"        # version 4, worker -> broker: one step's PARTIALs of several batches
     # control (CLI, gateway metadata and metrics)
     CONTROL = b"\x20"
     CONTROL_REPLY = b"\x21"
@@ -92,7 +97,8 @@ class Kind(bytes, enum.Enum):
 
 _KINDS = {k.value: k for k in Kind}
 # the version a kind first appeared in
-_SINCE = {Kind.REQUESTS: 2, Kind.REPLIES: 2, Kind.WAITING: WAITING_VERSION}
+_SINCE = {Kind.REQUESTS: 2, Kind.REPLIES: 2, Kind.WAITING: WAITING_VERSION,
+          Kind.STEPS: STEPS_VERSION}
 MAX_BUNDLE = 256    # inference messages in one REQUESTS or REPLIES at most
 
 
@@ -1109,19 +1115,26 @@ def decode_parts(header: dict[str, Any], frames: Sequence[Buffer]) -> list[Strea
     return [decode_part(h, bufs) for h, bufs in unbundle(header, frames, "parts")]
 
 
-def encode_partial(msg: Partial) -> list[Buffer]:
-    parts, bufs = [], []
+def _partial_parts(msg: Partial, bufs: list[Buffer]) -> list[list[Any]]:
+    parts = []
     for item in msg.parts:
         metas, item_bufs = _encode_tensors(item.tensors)
         parts.append([item.item, item.final, metas])
         bufs.extend(item_bufs)
+    return parts
+
+
+def encode_partial(msg: Partial) -> list[Buffer]:
+    bufs: list[Buffer] = []
+    parts = _partial_parts(msg, bufs)
     return _pack(Kind.PARTIAL, {"id": msg.batch_id, "parts": parts}) + bufs
 
 
-def decode_partial(header: dict[str, Any], frames: Sequence[Buffer]) -> Partial:
-    """A PARTIAL whose every part is well formed, or ProtocolError (then none is used:
-    the broker fails the batch, as for a malformed RESULT)."""
-    raw_parts = _field(header, "parts", list)
+def _decode_partial_items(raw_parts: Any, frames: Sequence[Buffer]
+                          ) -> tuple[list[PartialItem], int]:
+    """A batch's parts, and how many of ``frames`` (from the first) their tensors took."""
+    if type(raw_parts) is not list:
+        raise ProtocolError("a batch's parts must be a list")
     if len(raw_parts) > MAX_BUNDLE:
         raise ProtocolError(f"{len(raw_parts)} parts in one, more than {MAX_BUNDLE}")
     parts, pos = [], 0
@@ -1132,6 +1145,45 @@ def decode_partial(header: dict[str, Any], frames: Sequence[Buffer]) -> Partial:
         n = len(raw[2])
         parts.append(PartialItem(raw[0], raw[1], _decode_tensors(raw[2], frames[pos:pos + n])))
         pos += n
+    return parts, pos
+
+
+def decode_partial(header: dict[str, Any], frames: Sequence[Buffer]) -> Partial:
+    """A PARTIAL whose every part is well formed, or ProtocolError (then none is used:
+    the broker fails the batch, as for a malformed RESULT)."""
+    parts, pos = _decode_partial_items(_field(header, "parts", list), frames)
     if pos != len(frames):
         raise ProtocolError(f"partial declares {pos} tensors but carries {len(frames)} frames")
     return Partial(_field(header, "id", int), parts)
+
+
+def encode_steps(msgs: Sequence[Partial]) -> list[Buffer]:
+    """One STEPS of at most MAX_BUNDLE batches' PARTIALs (the sender splits more)."""
+    bufs: list[Buffer] = []
+    batches = [[msg.batch_id, _partial_parts(msg, bufs)] for msg in msgs]
+    return _pack(Kind.STEPS, {"batches": batches}) + bufs
+
+
+def steps_batch_ids(header: dict[str, Any]) -> list[int]:
+    """Best effort: the batches a STEPS names, to fail them when it does not decode."""
+    raw = header.get("batches")
+    return [b[0] for b in raw if type(b) is list and b and type(b[0]) is int] \
+        if isinstance(raw, list) else []
+
+
+def decode_steps(header: dict[str, Any], frames: Sequence[Buffer]) -> list[Partial]:
+    """Every batch's PARTIAL of a STEPS, each well formed, or ProtocolError (then none is
+    used: the broker fails the batches it names)."""
+    raw = _field(header, "batches", list)
+    if len(raw) > MAX_BUNDLE:
+        raise ProtocolError(f"{len(raw)} batches in one, more than {MAX_BUNDLE}")
+    out, pos = [], 0
+    for batch in raw:
+        if not (type(batch) is list and len(batch) == 2 and type(batch[0]) is int):
+            raise ProtocolError("each batch must be [batch id, parts]")
+        parts, used = _decode_partial_items(batch[1], frames[pos:])
+        out.append(Partial(batch[0], parts))
+        pos += used
+    if pos != len(frames):
+        raise ProtocolError(f"steps declare {pos} tensors but carry {len(frames)} frames")
+    return out

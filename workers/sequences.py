@@ -19,8 +19,9 @@ dict, an object), or kept by the handler under ``seq_id``.
 
 At each step boundary the table retires the sequences the broker stopped (a cancel, a
 client gone, a deadline before the first response), joins waiting requests up to
-``sequences.max``, runs one step and sends each join's responses as one PARTIAL; a
-join (the broker's batch) gets its RESULT once every request of it has left. An
+``sequences.max``, runs one step and sends its responses at once, a PARTIAL per join
+(the broker's batch), together in one STEPS where the broker reads it; a join gets its
+RESULT once every request of it has left. An
 exception in ``join`` or ``step`` fails the joins of the sequences it touched, whole:
 their requests still open end with the message, their sequences leave the table.
 """
@@ -67,12 +68,12 @@ class _Seq:
 class SequenceTable:
     """One iterative model version's running sequences, on the compute thread."""
 
-    def __init__(self, loaded: LoadedModel, emit: Callable[[p.Partial], None],
+    def __init__(self, loaded: LoadedModel, emit: Callable[[list[p.Partial]], None],
                  finish: Callable[[p.Batch, p.BatchResult, int], None],
                  stopped: Callable[[int], AbstractSet[str]],
                  ids: itertools.count[int]) -> None:
         self.loaded = loaded
-        self._emit = emit            # a step's responses of one join, sent at once
+        self._emit = emit            # a step's responses, a PARTIAL per join, sent at once
         self._finish = finish        # a join's RESULT (and when it was taken, for spans)
         self._stopped = stopped      # a join's items the broker has answered already
         self._ids = ids
@@ -160,8 +161,9 @@ class SequenceTable:
         ended = [(seq_id, self._running[seq_id].join) for seq_id, part in parts if part.final]
         for seq_id, _ in ended:
             self._retire(seq_id)
-        for join, items in by_join.values():
-            self._emit(p.Partial(join.batch.batch_id, items))
+        if by_join:
+            self._emit([p.Partial(join.batch.batch_id, items)
+                        for join, items in by_join.values()])
         for _, join in ended:
             self._left(join)
 

@@ -528,9 +528,19 @@ class Worker:
         table = self._tables.get(id(loaded))
         if table is None:
             table = self._tables[id(loaded)] = SequenceTable(
-                loaded, lambda part: self._send_result(p.encode_partial(part)),
-                self._finish, self._stopped, self._seq_ids)
+                loaded, functools.partial(self._send_step, loaded), self._finish,
+                self._stopped, self._seq_ids)
         return table
+
+    def _send_step(self, loaded: LoadedModel, parts: list[p.Partial]) -> None:
+        """A step's responses: one STEPS where the broker reads it (its LOAD said so),
+        else a PARTIAL per batch."""
+        if len(parts) > 1 and loaded.extra.get("steps"):
+            for i in range(0, len(parts), p.MAX_BUNDLE):
+                self._send_result(p.encode_steps(parts[i:i + p.MAX_BUNDLE]))
+            return
+        for part in parts:
+            self._send_result(p.encode_partial(part))
 
     def _step(self) -> None:
         """One step of every iterative model with sequences; a table with none left
@@ -647,6 +657,7 @@ class Worker:
     def _install(self, loaded: LoadedModel, msg: p.LoadModel,
                  source: str = "") -> p.ModelLoaded:
         name, version = msg.model, msg.version
+        loaded.extra["steps"] = p.STEPS_VERSION in msg.versions   # the broker reads STEPS
         with self._models_lock:
             old = self.models.get((name, version))
             self.models[(name, version)] = loaded

@@ -323,6 +323,8 @@ class Broker:
             self.requests.on_result(worker, header, bufs, now)
         elif kind is p.Kind.PARTIAL:
             self.requests.streaming.on_partial(worker, header, bufs, now)
+        elif kind is p.Kind.STEPS:
+            self.requests.streaming.on_steps(worker, header, bufs, now)
         elif kind is p.Kind.HEARTBEAT:
             self.pool.beat(worker, p.decode(p.WorkerHeartbeat, header))
         elif kind is p.Kind.LOADED:

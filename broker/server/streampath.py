@@ -1,7 +1,8 @@
 """The request path's part for decoupled models: responses forwarded as they arrive.
 
 A worker running a stream batch sends a PARTIAL for each yield of the model's
-generator; each part is forwarded at once to its client as a PARTS message, numbered
+generator (for an iterative model's step, a STEPS holding several batches' PARTIALs);
+each part is forwarded at once to its client as a PARTS message, numbered
 per request (``index``), and the part marked final answers its request: it closes
 the request's key as a reply does, so "exactly one final answer per request" holds
 for streams too, and a part that arrives for a request answered meanwhile (cancelled,
@@ -69,22 +70,53 @@ class StreamPath:
     # -- responses ------------------------------------------------------------
     def on_partial(self, worker: WorkerState, header: dict[str, Any], bufs: Sequence[Any],
                    now: float) -> None:
-        batch_id = p.result_batch_id(header)
-        rec = self.pool.inflight.get(batch_id)
-        if rec is None or not rec.stream or rec.worker != worker.identity:
+        rec = self._running(worker, p.result_batch_id(header))
+        if rec is None:
             return   # no longer ours (answered, or its worker presumed lost): dropped
         try:
             msg = p.decode_partial(header, bufs)
         except p.ProtocolError as exc:
-            items = list(rec.entries)
-            self._answers.fail_batch(rec, p.ErrorCode.INTERNAL,
-                             f"worker sent a malformed response: {exc}")
-            self.pool.stop(rec.worker, batch_id, items)
+            self._malformed(rec, exc)
             raise
+        out: Parts = {}
+        self._forward(rec, msg, now, out)
+        self._send_parts(out)
+
+    def on_steps(self, worker: WorkerState, header: dict[str, Any], bufs: Sequence[Any],
+                 now: float) -> None:
+        """One step of an iterative model: several batches' responses, forwarded to each
+        client in as few messages as the protocol allows."""
+        try:
+            msgs = p.decode_steps(header, bufs)
+        except p.ProtocolError as exc:
+            for batch_id in p.steps_batch_ids(header):
+                rec = self._running(worker, batch_id)
+                if rec is not None:
+                    self._malformed(rec, exc)
+            raise
+        out: Parts = {}
+        for msg in msgs:
+            rec = self._running(worker, msg.batch_id)
+            if rec is not None:
+                self._forward(rec, msg, now, out)
+        self._send_parts(out)
+
+    def _running(self, worker: WorkerState, batch_id: int) -> Inflight | None:
+        rec = self.pool.inflight.get(batch_id)
+        if rec is None or not rec.stream or rec.worker != worker.identity:
+            return None
+        return rec
+
+    def _malformed(self, rec: Inflight, exc: p.ProtocolError) -> None:
+        items = list(rec.entries)
+        self._answers.fail_batch(rec, p.ErrorCode.INTERNAL,
+                                 f"worker sent a malformed response: {exc}")
+        self.pool.stop(rec.worker, rec.batch_id, items)
+
+    def _forward(self, rec: Inflight, msg: p.Partial, now: float, out: Parts) -> None:
         model = self.catalog.get(rec.model)
         exec_ms = model.config.dynamic_batching.max_execution_ms if model is not None else 0
-        self.pool.progressed(batch_id, now, exec_ms / 1000.0)
-        out: Parts = {}
+        self.pool.progressed(rec.batch_id, now, exec_ms / 1000.0)
         for part in msg.parts:
             entry = rec.entries.get(part.item)
             if entry is None:
@@ -92,7 +124,6 @@ class StreamPath:
             if part.final:
                 del rec.entries[part.item]
             self._respond(out, rec, entry, part.final, part.tensors, now)
-        self._send_parts(rec.model, out)
 
     def stream_result(self, worker: WorkerState, rec: Inflight, result: p.BatchResult,
                       now: float) -> None:
@@ -112,7 +143,7 @@ class StreamPath:
         for entry in rec.entries.values():   # what the model never marked final
             self._respond(out, rec, entry, True, [], now)
         rec.entries.clear()
-        self._send_parts(rec.model, out)
+        self._send_parts(out)
 
     def _respond(self, out: Parts, rec: Inflight, entry: Entry, final: bool,
                  tensors: Sequence[p.Tensor], now: float) -> None:
@@ -138,11 +169,15 @@ class StreamPath:
             pl.request_id, rec.model, rec.version, index, final, tensors, stats,
             self.catalog.build(rec.model, rec.version)))
 
-    def _send_parts(self, model: str, out: Parts) -> None:
+    def _send_parts(self, out: Parts) -> None:
+        sent: dict[str, int] = {}
         for client, parts in out.items():
             for i in range(0, len(parts), p.MAX_BUNDLE):
                 self._reply(client, p.encode_parts(parts[i:i + p.MAX_BUNDLE]))
-            self.metrics.stream_responses_sent(model, len(parts))
+            for part in parts:
+                sent[part.model] = sent.get(part.model, 0) + 1
+        for model, n in sent.items():
+            self.metrics.stream_responses_sent(model, n)
 
     # -- ended early ----------------------------------------------------------
     def stop_stream(self, key: Key, code: p.ErrorCode, message: str) -> bool:

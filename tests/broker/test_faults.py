@@ -97,6 +97,8 @@ def corpus() -> list[list[bytes]]:
     for parts in ([1], [[]], [{"tensors": 3}], [{"tensors": [1]}], "x", [{}] * 300):
         out.append([bundle, msgpack.packb({"v": 2, "requests": parts})])
     out.append([bundle, msgpack.packb({"v": 2, "requests": [msgpack.unpackb(good[1])]})])
+    for batches in (1, [[1]], [["x", []]], [[1, "x"]], [[1, [["0", True, [["o"]]]]]]):
+        out.append([p.Kind.STEPS.value, msgpack.packb({"v": 4, "batches": batches})])
     for name in ("model", "version", "priority", "timeout_ms", "tenant", "tensors",
                  "outputs"):
         for bad in ([1, 2], {"k": "v"}, "str", 1.5, True, None, -1):

@@ -1,3 +1,5 @@
+from typing import Any
+
 import msgpack
 import numpy as np
 import pytest
@@ -145,9 +147,9 @@ def test_a_datatype_of_the_wrong_type_is_a_protocol_error(datatype):
 def test_another_protocol_version_names_the_versions_spoken():
     frames = p.encode_request(p.InferRequest("r1", "m", []))
     header = msgpack.unpackb(frames[1])
-    header["v"] = 4
-    with pytest.raises(p.VersionMismatch, match=r"version 4 is not supported .*speaks 1, 2, 3") \
-            as err:
+    header["v"] = 5
+    with pytest.raises(p.VersionMismatch,
+                       match=r"version 5 is not supported .*speaks 1, 2, 3, 4") as err:
         p.unpack([frames[0], msgpack.packb(header)])
     assert p.request_id_of(err.value.header) == "r1"
 
@@ -229,7 +231,7 @@ def test_bundles_round_trip_and_need_version_2():
 def test_version_1_kinds_stay_stamped_1_and_pong_lists_the_versions():
     assert msgpack.unpackb(p.encode_request(p.InferRequest("r", "m", []))[1])["v"] == 1
     kind, header, _ = p.unpack(p.encode(p.Pong()))
-    assert header["v"] == 1 and p.decode(p.Pong, header).versions == [1, 2, 3]
+    assert header["v"] == 1 and p.decode(p.Pong, header).versions == [1, 2, 3, 4]
     # the trace settings' version (broker/tracesettings.py); an older broker's has none
     assert p.decode(p.Pong, p.unpack(p.encode(p.Pong(settings=7)))[1]).settings == 7
     assert p.decode(p.Pong, {"v": 1, "versions": [1]}).settings == 0
@@ -293,3 +295,32 @@ def test_waiting_is_version_3_and_a_load_says_which_versions_its_broker_speaks()
     stale["v"] = 2
     with pytest.raises(p.ProtocolError, match="WAITING needs protocol version 3"):
         p.unpack([frames[0], msgpack.packb(stale)])
+
+
+def test_steps_is_version_4_and_carries_several_batches_partials() -> None:
+    """One step of an iterative model: each batch's PARTIAL, its tensors in order; sent
+    only to a broker whose LOAD listed version 4 (an older one gets PARTIALs)."""
+    one = p.from_numpy("o", np.ones((1, 2), np.float32))
+    msgs = [p.Partial(3, [p.PartialItem("0", False, [one])]),
+            p.Partial(5, [p.PartialItem("1", True, []), p.PartialItem("2", False, [one])])]
+    kind, header, bufs = p.unpack(p.encode_steps(msgs))
+    assert kind is p.Kind.STEPS and header["v"] == p.STEPS_VERSION == 4
+    got = p.decode_steps(header, bufs)
+    assert [(m.batch_id, [(i.item, i.final, len(i.tensors)) for i in m.parts]) for m in got] \
+        == [(3, [("0", False, 1)]), (5, [("1", True, 0), ("2", False, 1)])]
+    assert p.steps_batch_ids(header) == [3, 5]
+
+
+@pytest.mark.parametrize("header, frames, match", [
+    ({"batches": "x"}, [], "has type str"),
+    ({"batches": [[1]]}, [], r"\[batch id, parts\]"),
+    ({"batches": [["1", []]]}, [], r"\[batch id, parts\]"),
+    ({"batches": [[1, "x"]]}, [], "must be a list"),
+    ({"batches": [[1, [["0", True, []]]]]}, [b"x"], "carry 1 frames"),
+    ({"batches": [[1, [["0", True, [["o", "FP32", [1, 2]]]]]]]}, [], "tensors declared"),
+    ({"batches": [[i, []] for i in range(p.MAX_BUNDLE + 1)]}, [], "more than"),
+])
+def test_malformed_steps_are_protocol_errors(header: dict[str, Any], frames: list[bytes],
+                                             match: str) -> None:
+    with pytest.raises(p.ProtocolError, match=match):
+        p.decode_steps(header, frames)

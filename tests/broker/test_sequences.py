@@ -6,9 +6,11 @@ draining worker waits for its sequences."""
 
 from __future__ import annotations
 
+import pytest
+
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.pool import Loss
-from tests.broker.test_streams import Harness
+from tests.broker.test_streams import Harness, frames_of, tensor
 
 
 def harness(most: int = 3) -> Harness:
@@ -118,3 +120,44 @@ def test_a_draining_worker_waits_for_its_sequences() -> None:
     h.partial(w, batch, [("0", True)])
     h.end(w, batch)
     assert list(h.pool.drained()) == [worker]
+
+
+def steps(h: Harness, identity: bytes, batches: list[tuple[p.Batch, list[tuple[str, bool]]]],
+          header: dict[str, object] | None = None) -> None:
+    msgs = [p.Partial(b.batch_id, [p.PartialItem(item, final, []) if final else
+                                   p.PartialItem(item, final, [tensor(1.0)])
+                                   for item, final in parts]) for b, parts in batches]
+    _, got, bufs = frames_of(p.encode_steps(msgs))
+    worker = h.pool.get(identity)
+    assert worker is not None
+    h.path.streaming.on_steps(worker, header or got, bufs, h.now)
+
+
+def test_a_step_of_several_joins_reaches_a_client_as_one_message() -> None:
+    h = harness(most=4)
+    h.request("a")
+    h.path.dispatch(h.now)
+    h.request("b")
+    h.path.dispatch(h.now)
+    [(w, first), (_, second)] = h.batches()   # two joins, apart
+    before = len(h.to_clients)
+    steps(h, w, [(first, [("0", False)]), (second, [("0", False)])])
+    assert len(h.to_clients) == before + 1     # both streams' parts in one PARTS
+    steps(h, w, [(first, [("0", True)]), (second, [("0", True)])])
+    h.end(w, first)
+    h.end(w, second)
+    assert h.answers() == {rid: [("part", (0, False)), ("part", (1, True))] for rid in "ab"}
+    assert h.empty()
+
+
+def test_a_malformed_step_fails_the_joins_it_names() -> None:
+    h = harness(most=4)
+    h.request("a")
+    h.path.dispatch(h.now)
+    [(w, batch)] = h.batches()
+    with pytest.raises(p.ProtocolError):
+        steps(h, w, [], header={"v": 4, "batches": [[batch.batch_id, "not parts"]]})
+    assert h.answers() == {"a": [("error", "internal")]}
+    assert h.stops() == [p.Stop(batch.batch_id, ["0"])]
+    h.end(w, batch)
+    assert h.empty()

@@ -48,8 +48,8 @@ class Drive:
         self.table = SequenceTable(loaded, self._emit, self._finish, lambda b: frozenset(),
                                    itertools.count(1))
 
-    def _emit(self, part: p.Partial) -> None:
-        for x in part.parts:
+    def _emit(self, step: list[p.Partial]) -> None:
+        for x in (x for part in step for x in part.parts):
             got = self.tokens.setdefault(x.item, [])
             if x.tensors:
                 got.append(int(p.to_numpy(x.tensors[0]).reshape(-1)[0]))
@@ -114,3 +114,86 @@ def test_a_config_that_does_not_fit_the_step_handler_is_refused(lm: tuple[Path, 
     raw["outputs"] = [{"name": "logits", "datatype": "FP32", "shape": [-1]}]
     with pytest.raises(LoadError, match="token_id"):
         load(parse_config(raw, "test"), 1, folder, "cpu", lambda: 0)
+
+
+@pytest.fixture(scope="module")
+def sampling_lm(lm: tuple[Path, Any]) -> Iterator[LoadedModel]:
+    folder, _ = lm
+    raw = lm_config()
+    raw["inputs"] += [{"name": "temperature", "datatype": "FP32", "shape": [1]},
+                      {"name": "top_p", "datatype": "FP32", "shape": [1]},
+                      {"name": "seed", "datatype": "INT64", "shape": [1]}]
+    loaded = load(parse_config(raw, "test"), 1, folder, "cpu", lambda: 0)
+    yield loaded
+    loaded.release()
+
+
+def sample(loaded: LoadedModel, asks: list[tuple[list[int], int, float, float, int]]
+           ) -> tuple[dict[str, list[int]], list[str]]:
+    """Each ask (ids, max_tokens, temperature, top_p, seed) joined at once, run to the end."""
+    drive = Drive(loaded)
+    for i, (ids, m, t, top, seed) in enumerate(asks):
+        item = p.BatchItem(f"s{i}", [
+            p.from_numpy("input_ids", np.array([ids], np.int64)),
+            p.from_numpy("max_tokens", np.array([[m]], np.int32)),
+            p.from_numpy("temperature", np.array([[t]], np.float32)),
+            p.from_numpy("top_p", np.array([[top]], np.float32)),
+            p.from_numpy("seed", np.array([[seed]], np.int64))])
+        drive.table.join(p.Batch(next(drive.batch_ids), "lm", 1, [item]), 0)
+    while drive.table.busy:
+        drive.table.step()
+    return drive.tokens, drive.errors
+
+
+def test_a_seeded_sampled_request_repeats_and_temperature_0_is_greedy(
+        lm: tuple[Path, Any], sampling_lm: LoadedModel) -> None:
+    folder, tokenizer = lm
+    ids = prompt_ids(tokenizer, 3, 21)
+    alone, errors = sample(sampling_lm, [(ids, 30, 1.5, 0.9, 7)])
+    # the same ask among others, in another batch of sequences: the same draws
+    crowd, _ = sample(sampling_lm, [(prompt_ids(tokenizer, 5, 9), 30, 1.0, 1.0, 1),
+                                    (ids, 30, 1.5, 0.9, 7), (ids, 30, 1.5, 0.9, 8),
+                                    (ids, 30, 0.0, 1.0, 7)])
+    assert not errors
+    assert alone["s0"] == crowd["s1"]
+    assert crowd["s2"] != crowd["s1"]           # another seed, other draws
+    assert crowd["s3"] == greedy(folder, ids, 30)[0]
+    assert crowd["s1"] != crowd["s3"]           # sampled is not greedy here
+
+
+@pytest.mark.parametrize("temperature, top_p, says", [
+    (-1.0, 1.0, "temperature must be 0"), (1.0, 0.0, "top_p must be above 0"),
+    (1.0, 1.5, "top_p must be above 0")])
+def test_bad_sampling_fails_the_join_with_a_message(
+        lm: tuple[Path, Any], sampling_lm: LoadedModel, temperature: float, top_p: float,
+        says: str) -> None:
+    _, tokenizer = lm
+    _, errors = sample(sampling_lm, [(prompt_ids(tokenizer, 1, 5), 3, temperature, top_p, 1)])
+    assert len(errors) == 1 and says in errors[0]
+
+
+def test_an_id_used_again_after_leave_starts_afresh(lm: tuple[Path, Any]) -> None:
+    """A caller that numbers its sequences from 0 for each batch (a generator handler
+    using the step code) gets each batch's own tokens, never the last batch's caches."""
+    folder, tokenizer = lm
+    steps = loaded_lm(folder).handler
+    import torch
+
+    def run(ids_by_seq: dict[int, list[int]], m: int) -> dict[int, list[int]]:
+        states = {k: steps.join(k, {"input_ids": torch.tensor([ids]),
+                                    "max_tokens": torch.tensor([[m]])})
+                  for k, ids in ids_by_seq.items()}
+        got: dict[int, list[int]] = {k: [] for k in states}
+        with torch.inference_mode():
+            while states:
+                for k, (out, final) in steps.step(states).items():
+                    got[k].append(int(out["token_id"][0, 0]))
+                    if final:
+                        del states[k]
+                        steps.leave(k)
+        return got
+    first = {0: prompt_ids(tokenizer, 2, 8), 1: prompt_ids(tokenizer, 4, 30)}
+    second = {0: prompt_ids(tokenizer, 6, 15), 1: prompt_ids(tokenizer, 7, 11)}
+    run(first, 12)
+    again = run(second, 12)
+    assert again == {k: greedy(folder, ids, 12)[0] for k, ids in second.items()}

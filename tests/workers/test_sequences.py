@@ -68,6 +68,7 @@ class Rig:
         loaded = LoadedModel("c", 1, config(most), "0" * 64, self.handler.step, "cpu",
                              handler=self.handler, version_dir=Path("/nonexistent"))
         self.parts: list[tuple[int, str, bool, list[float]]] = []
+        self.messages: list[int] = []   # each step's batches
         self.results: list[p.BatchResult] = []
         self.stops: dict[int, set[str]] = {}
         self.table = SequenceTable(loaded, self._emit, self._finish,
@@ -75,10 +76,12 @@ class Rig:
                                    itertools.count(1))
         self._ids = itertools.count(1)
 
-    def _emit(self, part: p.Partial) -> None:
-        for x in part.parts:
-            values = p.to_numpy(x.tensors[0]).reshape(-1).tolist() if x.tensors else []
-            self.parts.append((part.batch_id, x.item, x.final, values))
+    def _emit(self, step: list[p.Partial]) -> None:
+        self.messages.append(len(step))
+        for part in step:
+            for x in part.parts:
+                values = p.to_numpy(x.tensors[0]).reshape(-1).tolist() if x.tensors else []
+                self.parts.append((part.batch_id, x.item, x.final, values))
 
     def _finish(self, batch: p.Batch, result: p.BatchResult, taken_ns: int) -> None:
         self.results.append(result)
@@ -108,6 +111,7 @@ def test_a_request_joins_at_the_next_step_while_others_run() -> None:
     assert [r.batch_id for r in rig.results] == [short]   # its RESULT, the long one runs on
     assert rig.results[0].error is None
     assert len(rig.of(f"r{long}.0")) == 7 and rig.table.busy
+    assert rig.messages == [1] * 5 + [2, 2]   # a step's responses leave together
 
 
 def test_sequences_beyond_the_maximum_wait_for_a_slot() -> None:

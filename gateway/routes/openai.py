@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
@@ -301,19 +302,22 @@ def _prompt(model: TextModel, req: chat.GenerationRequest) -> list[int]:
 
 def _generation_inputs(model: TextModel, req: chat.GenerationRequest, prompt: list[int],
                        max_tokens: int) -> list[p.Tensor]:
-    """The prompt, the bound and the sampling settings the model takes. A model that
-    decodes greedily refuses sampling rather than answer what was not asked."""
+    """The prompt, the bound and the sampling settings the model takes (every input it
+    declares is sent: left out, OpenAI's defaults, temperature 1 and top_p 1, and a seed
+    drawn here). A model that decodes greedily refuses sampling rather than answer what
+    was not asked."""
     out = [p.Tensor(p.TensorMeta(IDS, "INT64", (1, len(prompt))),
                     np.asarray(prompt, np.int64).data),
            _scalar(MAX_TOKENS, model.inputs.get(MAX_TOKENS, "INT32"), max_tokens)]
-    for name, value, neutral in (("temperature", req.temperature, 0.0),
-                                 ("top_p", req.top_p, 1.0), ("seed", req.seed, None)):
-        if value is None:
-            continue
+    for name, value, neutral, default in (
+            ("temperature", req.temperature, 0.0, 1.0), ("top_p", req.top_p, 1.0, 1.0),
+            ("seed", req.seed, None, None)):
         datatype = model.inputs.get(name)
         if datatype is not None:
+            if value is None:
+                value = default if default is not None else secrets.randbelow(1 << 62)
             out.append(_scalar(name, datatype, value))
-        elif neutral is not None and value != neutral:
+        elif value is not None and neutral is not None and value != neutral:
             raise openai.OpenAIError(f"this model decodes greedily: '{name}' {value:g} is not "
                                      f"supported (leave it out, or {neutral:g})", name)
     return out

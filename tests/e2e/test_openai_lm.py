@@ -33,6 +33,13 @@ def served() -> Iterator[tuple[Server, Any, Any]]:
     config = json.loads((repo / "lm" / "config.json").read_text())
     config["text"] = {"task": "generate", "max_length": 512}
     (repo / "lm" / "config.json").write_text(json.dumps(config))
+    # the same model again, taking the sampling settings
+    shutil.copytree(repo / "lm", repo / "lms")
+    config = {**config, "name": "lms", "inputs": config["inputs"] + [
+        {"name": "temperature", "datatype": "FP32", "shape": [1]},
+        {"name": "top_p", "datatype": "FP32", "shape": [1]},
+        {"name": "seed", "datatype": "INT64", "shape": [1]}]}
+    (repo / "lms" / "config.json").write_text(json.dumps(config))
     srv = Server(repo, workers=1).wait_ready(180)
     yield srv, folder, tokenizer
     srv.stop()
@@ -95,3 +102,23 @@ def test_chat_streamed_is_the_template_and_generate(served: tuple[Server, Any, A
     notes: list[str] = []
     check(folder, tokenizer, ids, 24, text, notes)
     assert len(notes) <= 1, notes
+
+
+def test_sampling_where_the_model_takes_it(served: tuple[Server, Any, Any]) -> None:
+    srv, folder, tokenizer = served
+    ids = prompt_ids(tokenizer, 3, 20)
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as c:
+        def sample(seed: int | None, temperature: float | None = 1.2) -> str:
+            got = c.completions.create(model="lms", prompt=ids, max_tokens=24, seed=seed,
+                                       temperature=temperature, top_p=0.9)
+            return str(got.choices[0].text)
+        first = sample(seed=11)
+        assert sample(seed=11) == first               # a seeded request repeats
+        assert len({sample(seed=s) for s in (12, 13, 14)} | {first}) > 1   # and samples
+        greedy_text = sample(seed=None, temperature=0.0)
+        notes: list[str] = []
+        check(folder, tokenizer, ids, 24, greedy_text, notes)   # temperature 0: greedy
+        assert len(notes) <= 1, notes
+        with pytest.raises(openai.BadRequestError) as err:   # a greedy model refuses it
+            c.completions.create(model="lm", prompt=ids, max_tokens=4, temperature=0.8)
+        assert err.value.body["param"] == "temperature"

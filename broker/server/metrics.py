@@ -14,12 +14,14 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client import utils as prometheus_utils
 
 from zeroserve.broker.protocol import ErrorCode
+from zeroserve.broker.server.tenants import ANONYMOUS
 
 _REJECT_REASONS = {ErrorCode.DEADLINE: "deadline", ErrorCode.OVERLOADED: "shed",
                    ErrorCode.CANCELLED: "cancelled", ErrorCode.QUOTA: "quota",
                    ErrorCode.BAD_INPUT: "bad_input", ErrorCode.NO_WORKER: "no_worker",
                    ErrorCode.TOO_LARGE: "bad_input", ErrorCode.TOO_BIG: "no_worker"}
 LATENCY_BUCKETS = (.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30)
+GAP_BUCKETS = (.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5)
 LOAD_WAIT_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PADDING_BUCKETS = (0.0, .02, .05, .1, .2, .3, .5, .75, 1)
@@ -208,9 +210,15 @@ class BrokerMetrics:
                                         "(empty final responses included)", ["model"],
                                         namespace=ns, registry=r)
         self.first_response = Histogram("stream_first_response_seconds",
-                                        "Broker arrival to a stream's first response",
-                                        ["model"], namespace=ns, registry=r,
+                                        "Broker arrival to a stream's first response (a "
+                                        "generating model's first token)",
+                                        ["model", "tenant"], namespace=ns, registry=r,
                                         buckets=LATENCY_BUCKETS)
+        self.response_gap = Histogram("stream_response_gap_seconds",
+                                      "Between a stream's consecutive responses (a "
+                                      "generating model's inter-token gap)",
+                                      ["model", "tenant"], namespace=ns, registry=r,
+                                      buckets=GAP_BUCKETS)
         self.restarts = Counter("worker_restarts", "Times a worker id registered again "
                                 "with this broker (each start after its first)", ["worker"],
                                 namespace=ns, registry=r)
@@ -247,8 +255,11 @@ class BrokerMetrics:
     def stream_responses_sent(self, model: str, n: int) -> None:
         self._child(self.stream_responses, model).inc(n)
 
-    def stream_first_response(self, model: str, seconds: float) -> None:
-        self._child(self.first_response, model).observe(seconds)
+    def stream_response(self, model: str, tenant: str, index: int, gap_s: float) -> None:
+        """A stream's response went out, ``gap_s`` after its arrival (the first) or its
+        last response."""
+        metric = self.first_response if index == 0 else self.response_gap
+        self._child(metric, model, tenant or ANONYMOUS).observe(gap_s)
 
     def stream_ended(self, model: str, status: str) -> None:
         self._child(self.streams, model, status).inc()

@@ -150,9 +150,8 @@ class StreamPath:
         state = self.streams.get(entry.key)
         if state is None or state.batch_id != rec.batch_id:
             return
-        index = self.streams.responded(state, entry.key)
-        if index == 0:
-            self.metrics.stream_first_response(rec.model, now - entry.arrival_s)
+        index, gap_s = self.streams.responded(state, entry.key, now)
+        self.metrics.stream_response(rec.model, entry.tenant, index, gap_s)
         pl = entry.payload
         stats: dict[str, float] = {}
         if final:

@@ -20,7 +20,8 @@ Key = RequestKey
 
 
 class StreamState:
-    __slots__ = ("batch_id", "item", "worker", "deadline_s", "parts", "model", "arrival_s")
+    __slots__ = ("batch_id", "item", "worker", "deadline_s", "parts", "model", "arrival_s",
+                 "last_s")
 
     def __init__(self, batch_id: int, item: str, worker: bytes, deadline_s: float,
                  model: str, arrival_s: float) -> None:
@@ -31,6 +32,7 @@ class StreamState:
         self.parts = 0
         self.model = model
         self.arrival_s = arrival_s
+        self.last_s = arrival_s   # when its last response went out (its arrival: none yet)
 
 
 class Streams:
@@ -53,13 +55,15 @@ class Streams:
     def get(self, key: Key) -> StreamState | None:
         return self._running.get(key)
 
-    def responded(self, state: StreamState, key: Key) -> int:
-        """The index of the response about to be sent (0 for the first)."""
+    def responded(self, state: StreamState, key: Key, now: float) -> tuple[int, float]:
+        """The index of the response about to be sent (0 for the first), and the seconds
+        since the stream's last response (for the first, since its arrival)."""
         index = state.parts
         state.parts += 1
         if index == 0:
             self._awaiting.pop(key, None)
-        return index
+        gap_s, state.last_s = now - state.last_s, now
+        return index, gap_s
 
     def has_responded(self, key: Key) -> bool:
         state = self._running.get(key)

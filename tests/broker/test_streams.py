@@ -246,7 +246,11 @@ def test_parts_are_forwarded_in_order_and_the_result_ends_open_streams() -> None
     text = h.metrics.render()
     assert 'zeroserve_streams_total{model="s",status="ok"} 2.0' in text
     assert 'zeroserve_stream_responses_total{model="s"} 6.0' in text
-    assert 'zeroserve_stream_first_response_seconds_count{model="s"} 2.0' in text
+    assert 'zeroserve_stream_first_response_seconds_count{model="s",tenant="anonymous"} 2.0' \
+        in text
+    # 6 responses on 2 streams: 4 came after another of their stream
+    assert 'zeroserve_stream_response_gap_seconds_count{model="s",tenant="anonymous"} 4.0' \
+        in text
 
 
 def test_a_cancelled_stream_is_answered_once_and_stopped_at_its_worker() -> None:

@@ -138,6 +138,12 @@ def test_concurrent_streams_each_get_their_own_answer(server: Server) -> None:
             await c.close()
     got = asyncio.run(run())
     assert got == [tx.counted(k + 1, 1 + k % 7) for k in range(24)]
+    # time to the first token and between tokens, per model and tenant
+    _, _, raw = http("GET", server.url + "/metrics")
+    for family in ("first_response", "response_gap"):
+        assert any(line.startswith(f"zeroserve_stream_{family}_seconds_count{{") and
+                   'model="gen"' in line and 'tenant="anonymous"' in line
+                   for line in raw.decode().splitlines()), family
 
 
 def test_a_client_that_leaves_frees_its_sequence(server: Server) -> None:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
@@ -178,17 +180,15 @@ class OpenAIRoutes:
             priority=call.priority, timeout_ms=call.budget_ms(inference),
             api_key=key, routing_key=routing_key(request.headers, {"routing_key": req.user},
                                                  key, peer_host(request.scope.get("client"))))
-        answer = Answer(req, model, len(prompt), max_tokens)
+        answer = Answer(req, model, len(prompt), max_tokens, call.deadline_s())
         if not req.stream:
             async with stream:
-                async for response in stream:
-                    answer.add(response)
-                    if answer.ended:
-                        break
+                while not answer.ended:
+                    answer.add(await answer.next(stream))
             return json_response(answer.whole(), headers=build_headers(answer.version,
                                                                         answer.build))
         try:
-            first = await stream.__anext__()   # an error now is a plain JSON answer
+            first = await answer.next(stream)   # an error now is a plain JSON answer
         except BaseException:
             stream.close()
             raise
@@ -210,13 +210,18 @@ class Call:
         """What is left of the deadline, for the wire (0: none)."""
         return inference.budget_ms(self.timeout_ms, self.accepted) if self.timeout_ms else 0.0
 
+    def deadline_s(self) -> float:
+        """When the deadline passes, on the monotonic clock (inf: none)."""
+        return self.accepted + self.timeout_ms / 1000.0 if self.timeout_ms else math.inf
+
 
 class Answer:
     """One generation's answer as it comes: tokens to text, stop strings, the finish."""
 
     def __init__(self, req: chat.GenerationRequest, model: TextModel, prompt_tokens: int,
-                 max_tokens: int) -> None:
+                 max_tokens: int, deadline_s: float = math.inf) -> None:
         self.req = req
+        self.deadline_s = deadline_s
         self.ids = chat.Ids(req.chat)
         self.detok = chat.Detokenizer(model.decode, req.stop)
         self.end = model.end_token()
@@ -246,6 +251,20 @@ class Answer:
         self.text.append(piece)
         return piece
 
+    async def next(self, stream: AsyncStream) -> StreamResponse:
+        """The stream's next response, within the request's deadline (``X-Timeout-Ms``,
+        which bounds the whole answer): past it the sequence is withdrawn, closing the
+        stream, and the answer is a deadline error, never a silent end."""
+        if self.deadline_s == math.inf:
+            return await stream.__anext__()
+        try:
+            return await asyncio.wait_for(stream.__anext__(),
+                                          self.deadline_s - time.monotonic())
+        except TimeoutError:
+            stream.close()
+            raise InferError(p.ErrorCode.DEADLINE, f"the deadline passed after "
+                             f"{self._tokens} of at most {self.max_tokens} tokens") from None
+
     def counts(self) -> dict[str, int]:
         return chat.usage(self.prompt_tokens, self._tokens)
 
@@ -271,7 +290,7 @@ class Answer:
                 if piece:
                     yield _sse(chat.chunk(self.ids, model, piece, None))
                 response = None if self.ended or response.final else \
-                    await stream.__anext__()
+                    await self.next(stream)
         except InferError as exc:
             got = openai.error_of(exc)
             assert got is not None

@@ -160,3 +160,29 @@ def test_a_client_that_leaves_frees_its_sequence(server: Server) -> None:
             census = c.control("census")
         return bool(census) and not any(census.values())
     wait_for(empty, 2.5, "the sequence withdrawn")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_deadline_ends_a_generation_with_an_error(server: Server, stream: bool) -> None:
+    body = json.dumps({"model": "slow", "prompt": "w1", "max_tokens": 60,
+                       "stream": stream}).encode()
+    # 60 steps of 100 ms would take 6 s: the deadline of 700 ms ends it
+    status, _, raw = http("POST", server.url + "/v1/completions", body,
+                          {"Content-Type": "application/json", "X-Timeout-Ms": "700"})
+    if stream:
+        assert status == 200
+        events = [e for e in raw.decode().split("\n\n") if e]
+        error = json.loads(events[-1][6:])["error"]   # an error event ends it, no [DONE]
+        texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+        assert texts and "".join(texts).startswith("w2 w3")   # what came before it
+    else:
+        assert status == 504
+        error = json.loads(raw)["error"]
+    assert error["code"] == "deadline_exceeded" and "deadline passed after" in \
+        error["message"]
+
+    def empty() -> bool:
+        with Client(server.control, timeout_s=10) as c:
+            census = c.control("census")
+        return bool(census) and not any(census.values())
+    wait_for(empty, 2.5, "the sequence withdrawn at its deadline")

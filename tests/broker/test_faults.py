@@ -100,7 +100,7 @@ def corpus() -> list[list[bytes]]:
     for batches in (1, [[1]], [["x", []]], [[1, "x"]], [[1, [["0", True, [["o"]]]]]]):
         out.append([p.Kind.STEPS.value, msgpack.packb({"v": 4, "batches": batches})])
     for name in ("model", "version", "priority", "timeout_ms", "tenant", "tensors",
-                 "outputs"):
+                 "outputs", "row"):
         for bad in ([1, 2], {"k": "v"}, "str", 1.5, True, None, -1):
             out.append(request_frames(None, **{name: bad}))  # type: ignore[arg-type]
     return out

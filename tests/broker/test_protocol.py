@@ -324,3 +324,16 @@ def test_malformed_steps_are_protocol_errors(header: dict[str, Any], frames: lis
                                              match: str) -> None:
     with pytest.raises(p.ProtocolError, match=match):
         p.decode_steps(header, frames)
+
+
+def test_a_row_travels_only_when_set_and_is_checked():
+    t = [p.from_numpy("x", np.ones((1, 4), np.float32))]
+    frames = p.encode_request(p.InferRequest("1", "m", t, row=3))
+    _, header, bufs = p.unpack(frames)
+    assert p.decode_request(header, bufs).row == 3
+    _, header, bufs = p.unpack(p.encode_request(p.InferRequest("1", "m", t)))
+    assert "row" not in header   # a request of its own: the header an older broker knew
+    assert p.decode_request(header, bufs).row == 0
+    for bad in (-1, "2", 1.5, True, None, [1]):
+        with pytest.raises(p.ProtocolError, match="'row'"):
+            p.decode_request({**header, "row": bad}, bufs)

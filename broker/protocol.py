@@ -49,10 +49,14 @@ __all__ = ["DTYPES", "ITEM_BYTES", "Buffer", "ProtocolError", "Tensor", "TensorM
 # Version 4 adds STEPS (one step's responses of an iterative model's several batches in
 # one message, workers/sequences.py), sent only to a broker whose LOAD listed version 4:
 # an older one gets a PARTIAL per batch.
-PROTOCOL_VERSION = 4
-SUPPORTED_VERSIONS = (1, 2, 3, 4)
+# Version 5 adds PAUSE (a running sequence sits out its steps for a request of a higher
+# priority, workers/sequences.py), sent only to a worker whose READY listed version 5: an
+# older one would drop it, so no sequence of its is preempted.
+PROTOCOL_VERSION = 5
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5)
 WAITING_VERSION = 3
 STEPS_VERSION = 4
+PAUSE_VERSION = 5
 
 
 class VersionMismatch(ProtocolError):
@@ -90,6 +94,7 @@ class Kind(bytes, enum.Enum):
     STOP = b"\x1b"         # broker -> worker: requests of a running stream to stop
     WAITING = b"\x1c"      # worker -> broker: a batch waits on models it called (BLS)
     STEPS = b"\x1d"        # version 4, worker -> broker: one step's PARTIALs of several batches
+    PAUSE = b"\x1e"        # version 5, broker -> worker: running sequences to pause
     # control (CLI, gateway metadata and metrics)
     CONTROL = b"\x20"
     CONTROL_REPLY = b"\x21"
@@ -98,7 +103,7 @@ class Kind(bytes, enum.Enum):
 _KINDS = {k.value: k for k in Kind}
 # the version a kind first appeared in
 _SINCE = {Kind.REQUESTS: 2, Kind.REPLIES: 2, Kind.WAITING: WAITING_VERSION,
-          Kind.STEPS: STEPS_VERSION}
+          Kind.STEPS: STEPS_VERSION, Kind.PAUSE: PAUSE_VERSION}
 MAX_BUNDLE = 256    # inference messages in one REQUESTS or REPLIES at most
 
 
@@ -298,6 +303,17 @@ class Stop:
     out): their generation stops at its next yield once no item of the batch is left."""
 
     KIND = Kind.STOP
+    batch_id: int
+    items: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Pause:
+    """broker -> worker: these items of an iterative model's batch pause (a request of a
+    higher priority takes their slot): they sit out the steps, their state kept, and
+    resume once a slot is free there."""
+
+    KIND = Kind.PAUSE
     batch_id: int
     items: list[str] = field(default_factory=list)
 
@@ -521,7 +537,7 @@ def _schema(cls: type) -> list[tuple[str, str, Any, Any]]:
 
 MESSAGES = (Cancel, Ping, Pong, WorkerReady, WorkerHeartbeat, BrokerHeartbeat, LoadModel,
             ModelLoaded, UnloadModel, Disconnect, Leave, LogSettings, ControlRequest,
-            ControlReply, Stop, Waiting)
+            ControlReply, Stop, Waiting, Pause)
 _SCHEMAS: dict[type, list[tuple[str, str, Any, Any]]] = {cls: _schema(cls) for cls in MESSAGES}
 
 

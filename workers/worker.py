@@ -115,6 +115,9 @@ class Worker:
         # stream batches received and not finished -> their items the broker answered
         # already (STOP); the main thread adds, the compute thread reads and forgets
         self._stops: dict[int, set[str]] = {}
+        # iterative models' items to pause (PAUSE), taken by the compute thread at its next
+        # step boundary; under the same lock
+        self._pauses: dict[int, set[str]] = {}
         self._stops_lock = threading.Lock()
         # iterative models' running sequences, by the loaded version they run on (the
         # compute thread's alone); while one is busy the compute thread steps it between
@@ -345,6 +348,11 @@ class Worker:
                 with self._stops_lock:
                     if stop.batch_id in self._stops:   # else it is done already
                         self._stops[stop.batch_id].update(stop.items)
+            elif kind is p.Kind.PAUSE:
+                pause = p.decode(p.Pause, header)
+                with self._stops_lock:
+                    if pause.batch_id in self._stops:
+                        self._pauses.setdefault(pause.batch_id, set()).update(pause.items)
             elif kind is p.Kind.HEARTBEAT:
                 self._on_heartbeat(p.decode(p.BrokerHeartbeat, header))
             elif kind is p.Kind.DISCONNECT:
@@ -529,7 +537,7 @@ class Worker:
         if table is None:
             table = self._tables[id(loaded)] = SequenceTable(
                 loaded, functools.partial(self._send_step, loaded), self._finish,
-                self._stopped, self._seq_ids)
+                self._stopped, self._seq_ids, self._take_pauses)
         return table
 
     def _send_step(self, loaded: LoadedModel, parts: list[p.Partial]) -> None:
@@ -571,6 +579,7 @@ class Worker:
         if self._stops:
             with self._stops_lock:
                 self._stops.pop(batch.batch_id, None)
+                self._pauses.pop(batch.batch_id, None)
         done_ns = time.monotonic_ns()
         self._send_result(p.encode_result(result))
         if self.spans is not None and batch.trace is not None:   # after the answer
@@ -602,6 +611,13 @@ class Worker:
     def _stopped(self, batch_id: int) -> frozenset[str]:
         with self._stops_lock:
             return frozenset(self._stops.get(batch_id, ()))
+
+    def _take_pauses(self, batch_id: int) -> set[str]:
+        """A batch's items to pause received since the last call (each applies once)."""
+        if not self._pauses:
+            return set()
+        with self._stops_lock:
+            return self._pauses.pop(batch_id, set())
 
     def _loader_loop(self) -> None:
         while (job := self._loads.get()) is not _STOP:

@@ -15,7 +15,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import AbstractSet, Any, Callable, Iterable, Mapping, Sequence
+from typing import AbstractSet, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.scheduler import Entry
@@ -67,7 +67,7 @@ class WorkerState:
     __slots__ = ("_identity", "_worker_id", "_credits", "_info", "_last_seen_s",
                  "_loading", "_load_errors", "_inflight", "_waiting", "_draining", "_stalled",
                  "_exiting", "_recycle", "_metrics_text", "_memory", "_loaded", "_versions",
-                 "_load_s", "_sequences")
+                 "_load_s", "_sequences", "_paused", "_pausing")
 
     def __init__(self, identity: bytes, worker_id: str, credits: int, last_seen_s: float,
                  info: dict[str, Any]) -> None:
@@ -98,6 +98,12 @@ class WorkerState:
         # batches of iterative models whose requests run as sequences there: they hold
         # sequence slots (counted by their open requests), not a credit
         self._sequences: set[int] = set()
+        # (batch id, item) of those sequences it was told to pause (PAUSE) that have not
+        # resumed: they hold a slot but sit out the steps. True once the pause took
+        # effect there: its preemptor answered (a response the paused one sent before
+        # that was made before the pause; one after, it resumed)
+        self._paused: dict[tuple[int, str], bool] = {}
+        self._pausing: dict[Any, tuple[int, str]] = {}   # a preemptor's key -> its victim
 
     def __repr__(self) -> str:
         return f"WorkerState({self._worker_id!r})"
@@ -114,6 +120,7 @@ class WorkerState:
     inflight: ReadOnly[Sequence[int]] = ReadOnly()
     waiting: ReadOnly[AbstractSet[int]] = ReadOnly()
     sequences: ReadOnly[AbstractSet[int]] = ReadOnly()
+    paused: ReadOnly[Mapping[tuple[int, str], bool]] = ReadOnly()
     draining: ReadOnly[bool] = ReadOnly()
     stalled: ReadOnly[bool] = ReadOnly()
     exiting: ReadOnly[bool] = ReadOnly()
@@ -147,6 +154,7 @@ class WorkerState:
             "inflight_batches": len(self._inflight),
             "waiting_batches": len(self._waiting),
             "sequence_batches": len(self._sequences),
+            "paused_sequences": len(self._paused),
             "models": sorted(str(k) for k in self._loaded),
             "loading": sorted(str(k) for k in self._loading),
             "load_errors": {str(k): e for k, e in self._load_errors.items()},
@@ -241,6 +249,41 @@ class WorkerPool:
         return sum(len(rec.entries) for b in worker.sequences
                    if (rec := self.inflight[b]).model == model)
 
+    def paused_sequences(self, worker: WorkerState, model: str) -> int:
+        return sum(1 for b, _ in worker.paused if self.inflight[b].model == model)
+
+    def running_entries(self, worker: WorkerState, model: str
+                        ) -> Iterator[tuple[int, str, Entry]]:
+        """(batch id, item, entry) of each sequence of ``model`` that runs on ``worker``
+        (open and not paused)."""
+        for b in worker.sequences:
+            rec = self.inflight[b]
+            if rec.model == model:
+                for item, entry in rec.entries.items():
+                    if (b, item) not in worker.paused:
+                        yield b, item, entry
+
+    def pause(self, worker: WorkerState, batch_id: int, item: str, by: Any) -> bool:
+        """Tell a worker to pause one of its sequences: its slot goes to the request of
+        key ``by``, of a higher priority. False if the send failed."""
+        if not self._send(worker.identity, p.encode(p.Pause(batch_id, [item]))):
+            return False
+        worker._paused[(batch_id, item)] = False
+        worker._pausing[by] = (batch_id, item)
+        return True
+
+    def responded(self, identity: bytes, batch_id: int, item: str, key: Any) -> None:
+        """A sequence sent a response: a preemptor's first says its victim paused, a
+        paused one's after that says it resumed."""
+        worker = self.workers.get(identity)
+        if worker is None or not worker._paused:
+            return
+        victim = worker._pausing.pop(key, None)
+        if victim is not None and victim in worker._paused:
+            worker._paused[victim] = True
+        if worker._paused.get((batch_id, item)):
+            del worker._paused[(batch_id, item)]
+
     def sequence_holder(self, model: str, most: int) -> tuple[WorkerState | None, int]:
         """The worker holding an iterative ``model`` with the most free sequence slots of
         ``most``, and how many; (None, 0) when every slot is taken."""
@@ -314,6 +357,8 @@ class WorkerPool:
         worker._inflight = []
         worker._waiting = set()
         worker._sequences = set()
+        worker._paused = {}
+        worker._pausing = {}
         return lost
 
     # -- batches ------------------------------------------------------------
@@ -358,6 +403,8 @@ class WorkerPool:
                 worker._waiting.discard(batch_id)
                 if batch_id in worker.sequences:
                     worker._sequences.discard(batch_id)
+                    if worker._paused:
+                        self._unpause(worker, lambda b, _: b == batch_id)
                     self.changes += 1
                 self._off_queue(worker, batch_id)
         return rec
@@ -397,6 +444,15 @@ class WorkerPool:
     def stop(self, identity: bytes, batch_id: int, items: list[str]) -> None:
         """Tell a worker that these items of a running stream batch are answered."""
         self._send(identity, p.encode(p.Stop(batch_id, items)))
+        worker = self.workers.get(identity)
+        if worker is not None and worker._paused:
+            self._unpause(worker, lambda b, i: b == batch_id and i in items)
+
+    @staticmethod
+    def _unpause(worker: WorkerState, gone: Callable[[int, str], bool]) -> None:
+        """Paused sequences that were answered are paused no more."""
+        worker._paused = {x: v for x, v in worker._paused.items() if not gone(*x)}
+        worker._pausing = {k: x for k, x in worker._pausing.items() if not gone(*x)}
 
     def stalled(self, now: float, limit_s: Callable[[WorkerState, Inflight], float]
                 ) -> list[tuple[WorkerState, list[Inflight]]]:
@@ -423,10 +479,19 @@ class WorkerPool:
         return min(due, default=None)
 
     def overdue(self, now: float) -> list[Inflight]:
-        return [r for r in self.inflight.values() if r.exec_deadline_s <= now]
+        return [r for r in self.inflight.values()
+                if r.exec_deadline_s <= now and not self._all_paused(r)]
 
     def next_exec_deadline(self) -> float | None:
-        return min((r.exec_deadline_s for r in self.inflight.values()), default=None)
+        return min((r.exec_deadline_s for r in self.inflight.values()
+                    if not self._all_paused(r)), default=None)
+
+    def _all_paused(self, rec: Inflight) -> bool:
+        """Every open request of a join is paused: it waits for a slot, not hung (its
+        next response sets its bound again)."""
+        worker = self.workers.get(rec.worker)
+        return worker is not None and bool(worker._paused) and bool(rec.entries) and \
+            all((rec.batch_id, item) in worker._paused for item in rec.entries)
 
     def busy(self) -> set[tuple[bytes, str, int]]:
         return {(r.worker, r.model, r.version) for r in self.inflight.values()}

@@ -28,6 +28,7 @@ from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.releases import Releases
 from zeroserve.broker.server.pipeline import INTERNAL, Pipelines
 from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool, WorkerState
+from zeroserve.broker.server import preemption
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.stopping import StopState
@@ -451,7 +452,10 @@ class RequestPath:
                 # an iterative model's requests join the sequences running on a worker at
                 # its next step: as many as it has free slots, whatever else it runs
                 worker, free = self.pool.sequence_holder(name, model.config.max_sequences)
-                if worker is None or not self._take(worker, model, now, now, free):
+                if worker is None:
+                    if not self._preempt(model, now):
+                        return
+                elif not self._take(worker, model, now, now, free):
                     return
                 continue
             worker = self.pool.free_holder(name)
@@ -468,6 +472,25 @@ class RequestPath:
                                    self.scheduler.queued_units(name) / max(queued, 1), predict)
             if not self._take(worker, model, now, self._busy_until(worker, now), half):
                 return
+
+    def _preempt(self, model: CatalogModel, now: float) -> bool:
+        """Every slot is held: the queue's head takes the slot of a running sequence of a
+        lower priority, which pauses (broker/server/preemption.py); False if none may."""
+        name = model.config.name
+        head = self.scheduler.head(name, now)
+        if head is None:
+            return False
+        version = head.version if head.version is not None else model.default_version
+        running = (preemption.Running(w, b, item, e)
+                   for w in self.pool.holders(name, version)
+                   if not (w.draining or w.stalled) and self.pool.speaks(w, p.PAUSE_VERSION)
+                   for b, item, e in self.pool.running_entries(w, name))
+        chosen = preemption.victim(head, running)
+        if chosen is None or \
+                not self.pool.pause(chosen.worker, chosen.batch_id, chosen.item, head.key):
+            return False
+        self.metrics.preempted(name, chosen.entry.tenant)
+        return self._take(chosen.worker, model, now, now, 1)
 
     def _take(self, worker: WorkerState, model: CatalogModel, now: float, start_s: float,
               max_samples: int | None) -> bool:

@@ -121,6 +121,7 @@ class StreamPath:
             entry = rec.entries.get(part.item)
             if entry is None:
                 continue   # answered already (cancelled, late), or an item it never had
+            self.pool.responded(rec.worker, rec.batch_id, part.item, entry.key)
             if part.final:
                 del rec.entries[part.item]
             self._respond(out, rec, entry, part.final, part.tensors, now)

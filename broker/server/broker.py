@@ -148,7 +148,7 @@ class Broker:
             evicted=lambda w, m, r: self.ondemand.on_evicted(w, m, r))
         self.replicas = replicas = Replicas(   # autoscaled models: which workers hold them
             catalog, pool, scheduler, placement, metrics, predict=latency.predictor,
-            swapping=lambda name: name in self.lifecycle.swaps,
+            swapping=lambda name: self.lifecycle.swapping(name),
             sync_worker=lambda worker: self.lifecycle.sync_worker(worker),
             failing=breakers.failing)
         self.ondemand = ondemand = OnDemand(   # models loaded when asked for: where held

@@ -104,6 +104,10 @@ class Lifecycle:
         if self.watcher is None:
             self.rescan({name})
 
+    def swapping(self, name: str) -> bool:
+        """Whether a swap is placing ``name`` now (autoscaling waits for it)."""
+        return name in self.swaps
+
     def busy(self, name: str) -> bool:
         """Whether a change of ``name`` is on its way (hashing, swapping or deferred)."""
         return name in self.pending or name in self.swaps or name in self.deferred
@@ -118,7 +122,7 @@ class Lifecycle:
     def start(self, poller: zmq.Poller) -> None:
         self.registrar.clean_leftovers()
         self.hasher = Hasher(self.ctx)
-        poller.register(self.hasher.results, zmq.POLLIN)
+        self.hasher.register(poller)
         if self.opts.control_mode != "poll":  # none, explicit: the repository is not watched
             logger.info("model control %s: %s is not watched", self.opts.control_mode,
                         self.root)
@@ -140,7 +144,7 @@ class Lifecycle:
     def on_events(self, events: dict[Any, int]) -> None:
         if self.watcher is not None and self.watcher.fileno() in events:
             self.watcher.read()
-        if self.hasher is not None and self.hasher.results in events:
+        if self.hasher is not None and self.hasher.ready(events):
             for result in self.hasher.receive():
                 self._on_hashed(result)
 

@@ -276,7 +276,7 @@ def test_a_worker_lost_while_loading_answers_each_waiting_request_once(tmp_path:
     ids = [rig.ask("a") for _ in range(3)]
     rig.tick()
     assert rig.loads("w") == ["a/1"]
-    rig.b._lose(rig.b.pool.get(b"w"), Loss.CRASHED)
+    rig.b.membership.lose(rig.b.pool.get(b"w"), Loss.CRASHED)
     rig.tick()
     errors = rig.errors()
     assert sorted(e.request_id for e in errors) == sorted(ids), "each answered once"
@@ -367,7 +367,7 @@ def test_whatever_happens_each_request_is_answered_once_and_nothing_stays(
         elif action == "run" and worker is not None:
             rig.run_batches("w")
         elif action == "lose" and worker is not None:
-            rig.b._lose(worker, Loss.CRASHED)
+            rig.b.membership.lose(worker, Loss.CRASHED)
             rig.worker("w", "cpu", budget=BUDGET, context_bytes=0)
         worker = rig.b.pool.get(w)
         if worker is not None:   # nothing evicted from under work in flight

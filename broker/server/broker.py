@@ -122,7 +122,7 @@ class Broker:
                                             reroute=answering.reroute,
                                             watch_s=breaker.watch_s)
         self.streaming = streaming = StreamPath(streams, pool, catalog, metrics, stats, ledger,
-                                                reply, answering)
+                                                reply, answering, tenancy.completion_tokens)
         # the model lifecycle's strategies; what they ask of the lifecycle is bound late
         # (it is built last, from them): KNOWN_LATE_BINDINGS in tests/test_layout.py
         self.placement = placement = Placement(

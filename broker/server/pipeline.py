@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from dataclasses import replace
+from msgspec.structs import replace
 from typing import Any, Callable, Sequence
 
 from zeroserve.broker import protocol as p

@@ -14,8 +14,10 @@ import enum
 import itertools
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable, Iterable, Mapping, Sequence
+
+from msgspec.structs import replace
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.scheduler import Entry

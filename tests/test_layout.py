@@ -305,3 +305,48 @@ def test_the_sleep_finder_sees_an_untagged_one(tmp_path: Path) -> None:
     (tmp_path / "t.py").write_text("import time\ntime.sleep(0.1)\n"   # noqa: sleep-ok (a sample)
                                    "time.sleep(0.1)  # noqa: sleep-ok (pacing)\n")
     assert untagged_sleeps(tmp_path) == ["t.py:2: time.sleep(0.1)"]   # noqa: sleep-ok
+
+
+# -- rooms stay small ---------------------------------------------------------------------
+# A class past this runs more than one concern (the worker's three threads were one class
+# of 601 lines); a module past that holds more than one concept.
+MAX_CLASS_LINES = 350
+MAX_MODULE_LINES = 600
+
+
+def oversized(folder: Path, root: Path = ROOT) -> list[str]:
+    """The modules under ``folder`` (its subfolders too) longer than MAX_MODULE_LINES, and
+    their classes longer than MAX_CLASS_LINES, decorators and docstring included."""
+    out = []
+    for path in sorted(folder.rglob("*.py")):
+        rel = path.relative_to(root)
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            out.append(f"{rel}: {lines} lines (at most {MAX_MODULE_LINES} a module)")
+        for node in ast.walk(parsed(path)):
+            if isinstance(node, ast.ClassDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                size = (node.end_lineno or node.lineno) - first + 1
+                if size > MAX_CLASS_LINES:
+                    out.append(f"{rel}:{node.lineno} class {node.name}: {size} lines "
+                               f"(at most {MAX_CLASS_LINES} a class)")
+    return out
+
+
+def test_no_class_or_module_in_workers_is_oversized() -> None:
+    wrong = oversized(ROOT / "workers")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_size_checker_sees_a_long_class_and_a_long_module(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_CLASS_LINES))
+    (tmp_path / "pkg" / "big.py").write_text(f"@dataclass\nclass Big:\n{body}")
+    at_limit = "".join(f"    x{i} = {i}\n" for i in range(MAX_CLASS_LINES - 1))
+    (tmp_path / "pkg" / "ok.py").write_text(
+        f"class Ok:\n{at_limit}" + "y = 0\n" * (MAX_MODULE_LINES - MAX_CLASS_LINES))
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert oversized(tmp_path / "pkg", tmp_path) == [
+        f"pkg/big.py:2 class Big: {MAX_CLASS_LINES + 2} lines (at most {MAX_CLASS_LINES} "
+        "a class)",
+        f"pkg/long.py: {MAX_MODULE_LINES + 1} lines (at most {MAX_MODULE_LINES} a module)"]

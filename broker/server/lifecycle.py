@@ -6,7 +6,8 @@ The watcher, SIGHUP, ``zeroserve reload``, the repository extension's load and a
 worker joining all come here. The state they change is the catalog's (catalog.py),
 changed only by its verbs; what is placed where is the strategy it is given
 (``placed``: pins, or the replicas autoscaling chose), and what a rescan sees of the
-repository is ``source`` (explicit model control filters it).
+repository is what each of ``sources`` lets through in turn (explicit model control
+filters it, a rollout's retired versions leave it).
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import zmq
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
+from zeroserve.broker.server.answering import Answering
+from zeroserve.broker.server.breaker import Breakers
+from zeroserve.broker.server.cachepath import CachedAnswers
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.hasher import Hasher
 from zeroserve.broker.server.loadretry import LoadRetries, RetryPolicy
@@ -27,7 +31,7 @@ from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.registration import Registrar
-from zeroserve.broker.server.requests import RequestPath
+from zeroserve.broker.server.releases import Releases
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.swap import Placed, Swap, Swaps, placed_on
 from zeroserve.broker.server.types import ModelVersion
@@ -56,23 +60,23 @@ class LifecycleOptions:
     load_retry: RetryPolicy = RetryPolicy()   # loads that failed for a reason that may pass
 
 
-def _everything(found: Found) -> Found:
-    return found
-
-
 class Lifecycle:
     """The coordinator: rescans, hashes and worker joins become swaps or sync loads."""
 
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
-                 requests: RequestPath, metrics: BrokerMetrics, clock: Callable[[], float],
+                 answering: Answering, answers: CachedAnswers, breakers: Breakers,
+                 releases: Releases, metrics: BrokerMetrics, clock: Callable[[], float],
                  ctx: zmq.Context[Any], placement: Placement, registrar: Registrar, *,
                  options: LifecycleOptions | None = None, placed: Placed = placed_on,
-                 source: Source = _everything,
+                 sources: Sequence[Source] = (),
                  turn: Callable[[str], bool] = lambda name: False) -> None:
         self.catalog = catalog
         self.scheduler = scheduler
         self.pool = pool
-        self.requests = requests
+        self.answering = answering   # a change's queued requests: rerouted or failed
+        self.answers = answers       # the response cache: a retired version's go
+        self.breakers = breakers     # a new build starts with a closed breaker
+        self.releases = releases     # a new build may start a rollout
         self.metrics = metrics
         self.clock = clock
         self.ctx = ctx
@@ -81,7 +85,7 @@ class Lifecycle:
         self.placement = placement
         self.registrar = registrar
         self.placed = placed
-        self.source = source
+        self.sources = tuple(sources)
         self.turn = turn   # whether a model's load is load on demand's: logged at debug
         self.watcher: RepoWatcher | None = None
         self.hasher: Hasher | None = None
@@ -100,6 +104,10 @@ class Lifecycle:
         if self.watcher is None:
             self.rescan({name})
 
+    def swapping(self, name: str) -> bool:
+        """Whether a swap is placing ``name`` now (autoscaling waits for it)."""
+        return name in self.swaps
+
     def busy(self, name: str) -> bool:
         """Whether a change of ``name`` is on its way (hashing, swapping or deferred)."""
         return name in self.pending or name in self.swaps or name in self.deferred
@@ -114,7 +122,7 @@ class Lifecycle:
     def start(self, poller: zmq.Poller) -> None:
         self.registrar.clean_leftovers()
         self.hasher = Hasher(self.ctx)
-        poller.register(self.hasher.results, zmq.POLLIN)
+        self.hasher.register(poller)
         if self.opts.control_mode != "poll":  # none, explicit: the repository is not watched
             logger.info("model control %s: %s is not watched", self.opts.control_mode,
                         self.root)
@@ -136,7 +144,7 @@ class Lifecycle:
     def on_events(self, events: dict[Any, int]) -> None:
         if self.watcher is not None and self.watcher.fileno() in events:
             self.watcher.read()
-        if self.hasher is not None and self.hasher.results in events:
+        if self.hasher is not None and self.hasher.ready(events):
             for result in self.hasher.receive():
                 self._on_hashed(result)
 
@@ -172,7 +180,7 @@ class Lifecycle:
     def rescan(self, dirty: set[str]) -> None:
         skip = self.watcher.is_writing if self.watcher is not None else None
         try:
-            found, errors = self.source(scan(self.root, skip))
+            found, errors = self._source(scan(self.root, skip))
         except ConfigError as exc:
             logger.error("%s", exc)
             return
@@ -188,6 +196,11 @@ class Lifecycle:
                 self._on_error(folder, errors[folder])
             else:  # gone (or, under explicit control, not asked for)
                 self.remove_model(folder, "its folder was removed")
+
+    def _source(self, found: Found) -> Found:
+        for source in self.sources:
+            found = source(found)
+        return found
 
     def _ensembles_of(self, names: set[str], found: dict[str, RepoModel]) -> set[str]:
         """The ensembles to look at again with ``names``: those served whose steps name
@@ -222,7 +235,7 @@ class Lifecycle:
         """``zeroserve reload``: load these versions afresh on every worker placed for
         the model and swap them in (two phases, as for a change on disk), even when
         their files did not change or failed before. Returns the workers' ids."""
-        found, errors = self.source(scan(self.root))
+        found, errors = self._source(scan(self.root))
         if name not in found:
             raise LookupError(errors.get(name, f"model {name!r} is not in the repository"))
         return self.load_now(found[name], versions)
@@ -306,12 +319,11 @@ class Lifecycle:
     def _committed(self, name: str, gone: set[int], swap: Swap) -> None:
         model = self.catalog.models[name]
         self.scheduler.set_policy(name, model.policy())
-        self.requests.reroute(name, gone)
-        self.requests.answers.retain(name)   # a retired version's answers hold no memory
+        self.answering.reroute(name, gone)
+        self.answers.retain(name)   # a retired version's answers hold no memory
         if swap.changed:   # a new build: what the old one failed is moot
-            self.requests.breakers.reset(name)
-        if self.requests.releases is not None:   # a new build may start a rollout
-            self.requests.releases.committed(name, swap.changed)
+            self.breakers.reset(name)
+        self.releases.committed(name, swap.changed)   # a new build may start a rollout
         for w in list(self.pool.workers.values()):
             if w.identity not in swap.excluded and w.identity not in swap.workers:
                 self.sync_worker(w)   # joined meanwhile: loads what is now committed
@@ -436,9 +448,9 @@ class Lifecycle:
         if not self.catalog.remove(name):
             return
         self.swaps.cancel(name)
-        self.requests.answers.retain(name)
-        self.requests.breakers.reset(name)
-        self.requests.fail_queued(name, p.ErrorCode.NOT_FOUND, f"model {name!r} was removed")
+        self.answers.retain(name)
+        self.breakers.reset(name)
+        self.answering.fail_queued(name, p.ErrorCode.NOT_FOUND, f"model {name!r} was removed")
         for w in self.pool.workers.values():
             for v in w.versions_of(name):
                 self.pool.retire(w, ModelVersion(name, v))

@@ -213,6 +213,11 @@ class WorkerPool:
     def by_id(self, worker_id: str) -> WorkerState | None:
         return next((w for w in self.workers.values() if w.worker_id == worker_id), None)
 
+    def census(self) -> dict[str, int]:
+        return {"pool.inflight": len(self.inflight),
+                "pool.worker_batches": sum(len(w.inflight) for w in self.workers.values()),
+                "pool.worker_sequences": sum(len(w.sequences) for w in self.workers.values())}
+
     def holders(self, model: str, version: int | None = None) -> list[WorkerState]:
         """The workers that hold the model (that version); the caller must not change
         the list."""

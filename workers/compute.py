@@ -85,6 +85,7 @@ class Compute:
         self._seq_ids = itertools.count(1)
         self._callers = CallerThreads(self._execute, self._finish, self._waiting)
         self._thread: threading.Thread | None = None
+        self._claimed: Job | None = None   # the batch _claim took, for _read_batch
         self._channel: BrokerChannel   # from start()
         self._router: Router
         r = registry
@@ -174,18 +175,29 @@ class Compute:
         """A batch from the socket if one is waiting; any other message goes to the main
         thread (in order, and while the lock is held, so before anything it reads)."""
         while not self._closing:
-            frames = self._channel.recv_batch(_is_batch, self._router.route)
-            if frames is None:
+            self._claimed = None
+            if self._channel.recv_batch(self._claim, self._router.route) is None:
                 return None
-            received_s = time.monotonic()
-            self._router.heard(received_s)
-            try:
-                kind, header, bufs = p.unpack(frames)
-                return self._job(header, bufs, received_s)
-            except (p.ProtocolError, KeyError, ValueError, TypeError) as exc:
-                self._bad_log.log(logging.WARNING, "dropped a malformed batch from the "
-                                  "broker: %s", str(exc)[:300])
+            if self._claimed is not None:
+                return self._claimed
         return None
+
+    def _claim(self, frames: list[Any]) -> bool:
+        """Under the channel's lock: whether a message is a batch, and if so the batch,
+        decoded into ``_claimed``. A stream's batch is registered for its STOPs here, while
+        the main thread cannot read: a STOP it read right behind the batch, before the
+        batch was registered, would be taken for one of a batch already done and dropped."""
+        if not _is_batch(frames):
+            return False
+        received_s = time.monotonic()
+        self._router.heard(received_s)
+        try:
+            kind, header, bufs = p.unpack(frames)
+            self._claimed = self._job(header, bufs, received_s)
+        except (p.ProtocolError, KeyError, ValueError, TypeError) as exc:
+            self._bad_log.log(logging.WARNING, "dropped a malformed batch from the "
+                              "broker: %s", str(exc)[:300])
+        return True
 
     def _job(self, header: dict[str, Any], bufs: Any, received_s: float) -> Job:
         batch = p.decode_batch(header, bufs)

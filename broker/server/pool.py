@@ -15,8 +15,10 @@ import enum
 import itertools
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable, Iterable, Mapping, Sequence
+
+from msgspec.structs import replace
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.scheduler import Entry
@@ -174,9 +176,6 @@ class Batches:
         self._stacked: dict[bytes, WorkerState] = {}
         self._batch_ids = itertools.count(1)
         self.changes = 0
-
-    def census(self) -> dict[str, int]:
-        return {"pool.inflight": len(self.inflight)}
 
     def _pop(self, batch_id: int) -> Inflight:
         self._owners.pop(batch_id, None)
@@ -389,7 +388,7 @@ class WorkerPool:
         return self._batches.busy_models(worker)
 
     def census(self) -> dict[str, int]:
-        return {**self._batches.census(),
+        return {"pool.inflight": len(self._batches.inflight),
                 "pool.worker_batches": sum(len(w.inflight) for w in self.workers.values()),
                 "pool.worker_sequences": sum(len(w.sequences) for w in self.workers.values())}
 

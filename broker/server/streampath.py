@@ -15,9 +15,9 @@ the worker closes the generator at its next yield once no item of the batch is l
 which frees its slot. The deadline bounds the first response only, and
 ``max_execution_ms`` the time between two responses (a generation may run long).
 
-The request path owns it and gives it the one answer ledger, so the books are the same
-as for unary requests; what is retried or failed whole goes back through the request
-path's public verbs (:class:`BatchAnswers`).
+The composition root gives it the one answer ledger, so the books are the same as for
+unary requests; what is retried or failed whole goes back through the request path's
+answering (:class:`BatchAnswers`, implemented by answering.py).
 """
 
 from __future__ import annotations

@@ -69,6 +69,10 @@ class Breakers:
         m = self._models.get(model)
         return CLOSED if m is None else m.state
 
+    def failing(self, model: str) -> bool:
+        """Open or probing: what autoscaling holds a model's replicas still for."""
+        return self.state(model) != CLOSED
+
     def admit(self, model: str, now: float) -> float | None:
         """None to let a request through; else the seconds after which to try again."""
         m = self._models.get(model)

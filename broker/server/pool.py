@@ -14,8 +14,10 @@ import enum
 import itertools
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable, Iterable, Mapping, Sequence
+
+from msgspec.structs import replace
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.scheduler import Entry
@@ -212,6 +214,11 @@ class WorkerPool:
 
     def by_id(self, worker_id: str) -> WorkerState | None:
         return next((w for w in self.workers.values() if w.worker_id == worker_id), None)
+
+    def census(self) -> dict[str, int]:
+        return {"pool.inflight": len(self.inflight),
+                "pool.worker_batches": sum(len(w.inflight) for w in self.workers.values()),
+                "pool.worker_sequences": sum(len(w.sequences) for w in self.workers.values())}
 
     def holders(self, model: str, version: int | None = None) -> list[WorkerState]:
         """The workers that hold the model (that version); the caller must not change
@@ -433,22 +440,6 @@ class WorkerPool:
 
     def busy_models(self, worker: WorkerState) -> set[str]:
         return {self.inflight[b].model for b in worker.inflight if b in self.inflight}
-
-    def busy_until(self, worker: WorkerState, now: float,
-                   predict: Callable[[str, float], float]) -> float:
-        """When a worker is predicted to finish the batches it has (they run in order);
-        ``predict(model, units)`` is that worker's latency model."""
-        cursor = now
-        for i, batch_id in enumerate(worker.inflight):
-            rec = self.inflight[batch_id]
-            run_s = predict(rec.model, rec.units)
-            cursor = max(cursor, rec.sent_s + run_s) if i == 0 else cursor + run_s
-        return cursor
-
-    def work_s(self, worker: WorkerState, predict: Callable[[str, float], float]) -> float:
-        """The predicted run time of every batch the worker holds, elapsed or not."""
-        return sum(predict(self.inflight[b].model, self.inflight[b].units)
-                   for b in worker.inflight)
 
     # -- messages to workers ----------------------------------------------------
     def load(self, worker: WorkerState, msg: p.LoadModel) -> None:

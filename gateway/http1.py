@@ -92,5 +92,6 @@ class InferHttpProtocol(HttpToolsProtocol):
         # the request's cycle exists now and its task has not run yet (an upgrade
         # makes none)
         cycle = self.cycle
-        if cycle is not before and cycle.scope["method"] == "POST" and cycle.scope["path"].endswith("/infer"):
+        if cycle is not before and cycle.scope["method"] == "POST" and \
+                cycle.scope["path"].endswith("/infer"):
             cycle.scope[ONE_WRITE] = OneWrite(cycle)  # type: ignore[literal-required]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeAlias, Union
 
 import orjson
 from starlette.types import Receive, Scope, Send
@@ -81,7 +81,7 @@ def wanted_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
 
 
 # where an answer goes: the request's OneWrite under the gateway's protocol, else ASGI's send
-To = Send | OneWrite
+To: TypeAlias = Union[Send, OneWrite]
 
 
 async def send_answer(to: To, status: int, body: bytes, content_type: bytes = JSON,

@@ -1,148 +1,136 @@
 r"""Encoders and decoders of every message kind: headers of named fields, each field's
-type checked on the way in (a decoder never ``assert``\ s), tensors as frames of their own."""
+type checked on the way in (a decoder never ``assert``\ s), tensors as frames of their own.
+
+A received header is a map (:func:`.envelope.unpack` checks the envelope and the
+receiver's limits first); its decoder converts it to the kind's wire shape, a
+``msgspec.Struct`` whose fields msgspec checks in C (types, bounds, enums), then pairs
+its tensors' metadata with their frames. A field of the wrong type is a
+:class:`ProtocolError` naming the field, never another exception.
+"""
 
 from __future__ import annotations
 
-import enum
-import math
-from dataclasses import MISSING, fields
-from typing import Any, Callable, Sequence
+import functools
+import re
+import types
+import typing
+from typing import Annotated, Any, Sequence, TypeVar
 
-from zeroserve.broker.protocol.envelope import (bundle, field_of, pack,
-                                                unbundle)
-from zeroserve.broker.protocol.messages import (MAX_BUNDLE, MESSAGES, Batch, BatchItem,
-                                                BatchResult, BatchTrace, Caller,
-                                                DisconnectReason, ErrorCode, ErrorReply,
-                                                InferReply, InferRequest, Kind, LeaveReason,
-                                                Partial, PartialItem, StreamPart)
-from zeroserve.broker.tensors import (DTYPES, ITEM_BYTES, Buffer, ProtocolError, Tensor,
-                                      TensorMeta)
+import msgspec
 
+from zeroserve.broker.protocol.envelope import bundle, enc_hook, pack, unbundle
+from zeroserve.broker.protocol.messages import (MAX_BUNDLE, Batch, BatchItem, BatchResult,
+                                                BatchTrace, Caller, ErrorCode, ErrorReply,
+                                                InferReply, InferRequest, Kind,
+                                                Message, Partial, PartialItem, StreamPart)
+from zeroserve.broker.tensors import DTYPES, ITEM_BYTES, Buffer, ProtocolError, Tensor, TensorMeta
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+S = TypeVar("S")
+_ID = {"request_id": "id", "batch_id": "id"}
+NonNegative = Annotated[float, msgspec.Meta(ge=0.0, le=1.7976931348623157e308)]
 
 
-def _is_pairs(v: Any) -> bool:
-    return isinstance(v, list) and all(
-        isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and _is_int(x[1])
-        for x in v)
+# ---------------------------------------------------------------------------
+# typed decoding: a header map to its wire shape, checked in C
+
+def convert(header: Any, shape: type[S], what: str) -> S:
+    """``header`` as ``shape``, every field checked, or ProtocolError naming the field."""
+    try:
+        return msgspec.convert(header, shape)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"{what}: {_reason(shape, exc)}"[:300]) from None
 
 
-_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "int": (_is_int, "an integer"),
-    "float": (lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
-    "bool": (lambda v: isinstance(v, bool), "a boolean"),
-    "map": (lambda v: isinstance(v, dict), "a map"),
-    "pairs": (_is_pairs, "a list of [name, version] pairs"),
-    "ints": (lambda v: isinstance(v, list) and all(_is_int(x) for x in v), "a list of integers"),
-    "strs": (lambda v: isinstance(v, list) and len(v) <= MAX_BUNDLE
-             and all(isinstance(x, str) for x in v), "a list of strings"),
-    "any": (lambda v: True, "anything"),
-}
+def _reason(shape: type, exc: msgspec.ValidationError) -> str:
+    """msgspec's reason, its ``$.tensors[0][2]`` path named as ``tensors[0].shape``, a
+    bound on a float said as the finite range it is."""
+    whole = str(exc)
+    text, sep, path = whole.rpartition(" - at `$")
+    if not sep:
+        return whole[:1].lower() + whole[1:]
+    try:
+        name, typ = _path(shape, path.rstrip("`"))
+    except (ValueError, TypeError, NameError, AttributeError):   # a path it cannot walk
+        name, typ = path.rstrip("`").lstrip("."), Any
+    bounds = [m for m in typing.get_args(typ)[1:] if isinstance(m, msgspec.Meta)]
+    if bounds and text.startswith("Expected `float` ") and ", got" not in text:
+        low, high = bounds[0].ge, bounds[0].le
+        return f"field {name!r} must be a finite number " + (
+            f">= {low:g}" if high is None or high > 1e300 else f"in [{low:g}, {high:g}]")
+    return f"field {name!r}: {text[:1].lower()}{text[1:]}"
 
 
-_WIRE = {"request_id": "id", "call_id": "id", "batch_id": "id"}
-_TYPES = {"str": "str", "int": "int", "float": "float", "bool": "bool",
-          "dict[str, Any]": "map", "list[list[Any]]": "pairs", "list[int]": "ints",
-          "list[str]": "strs", "Any": "any"}
-_ENUMS: dict[str, type[enum.Enum]] = {"DisconnectReason": DisconnectReason,
-                                      "LeaveReason": LeaveReason}
+_TOKENS = re.compile(r"\[(?:\d+|\.\.\.)\]|(?<=\.)\w+")   # [0], [...] (a map's value), .name
 
 
-def _schema(cls: type) -> list[tuple[str, str, Any, Any]]:
-    """(field, wire name, check name or enum class, default) per field of a message."""
-    out = []
-    for f in fields(cls):
-        typ = str(f.type)  # annotations are strings here (from __future__ import annotations)
-        check: Any = _ENUMS.get(typ) or _TYPES[typ]
-        default: Any = ...
-        if f.default_factory is not MISSING:
-            default = f.default_factory
-        elif f.default is not MISSING:
-            default = f.default
-        out.append((f.name, _WIRE.get(f.name, f.name), check, default))
-    return out
+def _path(shape: Any, path: str) -> tuple[str, Any]:
+    """A msgspec error path as the fields it names, and the type found there."""
+    out = ""
+    for token in _TOKENS.findall(path):
+        shape = _unwrap(shape)
+        if token.startswith("["):
+            fields = getattr(shape, "__struct_fields__", None)
+            if fields is not None and shape.__struct_config__.array_like \
+                    and int(token[1:-1]) < len(fields):
+                name = fields[int(token[1:-1])]
+                out += f".{name}" if out else name
+                shape = _hints(shape).get(name, Any)
+            else:   # an item of a list, or a map's value ([...])
+                out += token
+                args = typing.get_args(shape)   # list[X], tuple[X, ...], dict[K, X]
+                shape = (args[0] if typing.get_origin(shape) is tuple else args[-1]) \
+                    if args else Any
+        else:
+            names = getattr(shape, "__struct_encode_fields__", ())
+            name = shape.__struct_fields__[names.index(token)] if token in names else token
+            out += f".{token}" if out else token
+            shape = _hints(shape).get(name, Any) if names else Any
+    return out, shape
 
 
+def _unwrap(shape: Any) -> Any:
+    """The type inside ``Annotated[...]`` and ``X | None``."""
+    while True:
+        if typing.get_origin(shape) is Annotated:
+            shape = typing.get_args(shape)[0]
+            continue
+        args = [a for a in typing.get_args(shape) if a is not type(None)]
+        if typing.get_origin(shape) in (typing.Union, types.UnionType) and len(args) == 1:
+            shape = args[0]
+            continue
+        return shape
 
-_SCHEMAS: dict[type, list[tuple[str, str, Any, Any]]] = {cls: _schema(cls) for cls in MESSAGES}
+
+@functools.lru_cache(maxsize=None)
+def _hints(shape: type) -> dict[str, Any]:
+    return typing.get_type_hints(shape, include_extras=True)
 
 
-def encode(msg: Any) -> list[Buffer]:
-    """Frames of a schema-declared message (everything but the inference messages)."""
-    header: dict[str, Any] = {}
-    for name, wire, _, _ in _SCHEMAS[type(msg)]:
-        value = getattr(msg, name)
-        header[wire] = value.value if isinstance(value, enum.Enum) else value
+# ---------------------------------------------------------------------------
+# messages without tensors: the message type is its own wire shape
+
+def encode(msg: Message) -> list[Buffer]:
+    """Frames of a message without tensors (everything but the inference messages)."""
+    header = msgspec.to_builtins(msg, builtin_types=(bytes, bytearray, memoryview),
+                                 enc_hook=enc_hook)
     return pack(msg.KIND, header)
 
 
-def decode(cls: type, header: dict[str, Any]) -> Any:
-    """A schema-declared message from its header; ProtocolError names a bad field."""
-    values: dict[str, Any] = {}
-    for name, wire, check, default in _SCHEMAS[cls]:
-        if wire not in header or header[wire] is None:
-            if default is ...:
-                raise ProtocolError(f"{cls.__name__}: field {wire!r} is missing")
-            values[name] = default() if callable(default) else default
-            continue
-        value = header[wire]
-        if isinstance(check, type) and issubclass(check, enum.Enum):
-            try:
-                value = check(value)
-            except (ValueError, TypeError):
-                raise ProtocolError(f"{cls.__name__}: field {wire!r} is not one of "
-                                    f"{', '.join(e.value for e in check)}") from None
-        else:
-            ok, what = _CHECKS[check]
-            if not ok(value):
-                raise ProtocolError(f"{cls.__name__}: field {wire!r} must be {what}, "
-                                    f"got {type(value).__name__}")
-            if check == "float":
-                value = float(value)
-        values[name] = value
-    return cls(**values)
+def decode(cls: type[S], header: dict[str, Any]) -> S:
+    """A message without tensors from its header; ProtocolError names a bad field."""
+    return convert(header, cls, cls.__name__)
 
 
-_MAX_DIM = 2**40
+# ---------------------------------------------------------------------------
+# tensors: metadata in the header, each tensor's bytes a frame of its own
+
+def _encode_tensors(tensors: Sequence[Tensor]) -> tuple[list[TensorMeta], list[Buffer]]:
+    return [t.meta for t in tensors], [t.data for t in tensors]
 
 
-def _metas(raw: Any) -> list[TensorMeta]:
-    """Checked with ``type(..) is``: a header comes from msgpack, which makes exactly
-    these types (bool is the one int it can make that is not an int here). This runs
-    for every tensor a broker sees, twice a request; the generic checks cost twice as
-    much."""
-    if type(raw) is not list:
-        raise ProtocolError("'tensors' must be a list")
-    metas = []
-    for entry in raw:
-        if type(entry) is not list or len(entry) != 3:
-            raise ProtocolError("each tensor must be [name, datatype, shape]")
-        name, datatype, shape = entry
-        if type(name) is not str or type(datatype) is not str or datatype not in DTYPES:
-            raise ProtocolError(f"bad tensor name or datatype: {name!r} {datatype!r}"[:200])
-        if type(shape) is not list:
-            raise ProtocolError(f"tensor {name!r}: shape must be a list of ints >= 0")
-        for d in shape:
-            if type(d) is not int or not 0 <= d < _MAX_DIM:
-                raise ProtocolError(f"tensor {name!r}: shape must be a list of ints >= 0")
-        metas.append(TensorMeta(name, datatype, tuple(shape)))
-    return metas
-
-
-def _encode_tensors(tensors: Sequence[Tensor]) -> tuple[list[list[Any]], list[Buffer]]:
-    metas = [[t.meta.name, t.meta.datatype, list(t.meta.shape)] for t in tensors]
-    return metas, [t.data for t in tensors]
-
-
-def _decode_tensors(raw: Any, frames: Sequence[Buffer]) -> list[Tensor]:
-    metas = _metas(raw)
+def _tensors(metas: Sequence[TensorMeta], frames: Sequence[Buffer]) -> list[Tensor]:
+    """Each tensor's metadata (already checked in C) with its frame, whose size its
+    datatype and shape fix (BYTES excepted)."""
     if len(metas) != len(frames):
         raise ProtocolError(f"{len(metas)} tensors declared but {len(frames)} frames sent")
     tensors = []
@@ -158,6 +146,9 @@ def _decode_tensors(raw: Any, frames: Sequence[Buffer]) -> list[Tensor]:
                 raise ProtocolError(
                     f"tensor {meta.name!r}: {buf.nbytes} bytes for shape {list(meta.shape)} "
                     f"{meta.datatype} (expected {expected})")
+        elif meta.datatype not in DTYPES:
+            raise ProtocolError(f"tensor {meta.name!r}: unknown datatype "
+                                f"{meta.datatype!r}"[:200])
         tensors.append(Tensor(meta, buf))
     return tensors
 
@@ -168,64 +159,49 @@ _PLAIN = (bytes, memoryview, bytearray)
 # ---------------------------------------------------------------------------
 # client <-> broker
 
+class _Wire(msgspec.Struct, frozen=True, rename=_ID):
+    """A header's shape as it arrives: the fields a decoder checks."""
+
+
+class TraceContext(_Wire, frozen=True):
+    """A traced request's W3C context (broker/tracing.py)."""
+
+    traceparent: str
+    tracestate: str = ""
+
+
+class RequestHeader(_Wire, frozen=True):
+    request_id: str
+    model: str
+    tensors: list[TensorMeta]
+    version: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    priority: int = 0
+    timeout_ms: NonNegative = 0.0
+    tenant: str = ""
+    outputs: list[str] | None = None
+    api_key: str = ""
+    stream: bool = False
+    trace: TraceContext | None = None
+    routing_key: str = ""
+    row: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
 def encode_request(req: InferRequest) -> list[Buffer]:
     header, bufs = request_header(req)
     return pack(Kind.REQUEST, header) + bufs
 
 
 def decode_request(header: dict[str, Any], frames: Sequence[Buffer]) -> InferRequest:
-    outputs = field_of(header, "outputs", list, None)
-    if outputs is not None and not all(isinstance(o, str) for o in outputs):
-        raise ProtocolError("'outputs' must be a list of names")
-    version = field_of(header, "version", int, None)
-    if version is not None and version < 1:
-        raise ProtocolError(f"version must be a positive integer, got {version}")
-    timeout_ms = float(field_of(header, "timeout_ms", (int, float), 0.0))
-    if not math.isfinite(timeout_ms) or timeout_ms < 0:
-        raise ProtocolError(f"timeout_ms must be a finite number >= 0 (0: the model's "
-                            f"default), got {timeout_ms}")
-    return InferRequest(
-        request_id=field_of(header, "id", str),
-        model=field_of(header, "model", str),
-        tensors=_decode_tensors(header.get("tensors"), frames),
-        version=version,
-        priority=field_of(header, "priority", int, 0),
-        timeout_ms=timeout_ms,
-        tenant=field_of(header, "tenant", str, ""),
-        outputs=outputs,
-        api_key=field_of(header, "api_key", str, ""),
-        stream=_stream_flag(header),
-        trace=_trace_context(header),
-        routing_key=field_of(header, "routing_key", str, ""),
-        row=_row(header),
-    )
+    h = convert(header, RequestHeader, "request")
+    trace = None if h.trace is None else _context(h.trace)
+    return InferRequest(h.request_id, h.model, _tensors(h.tensors, frames), h.version,
+                        h.priority, h.timeout_ms, h.tenant, h.outputs, h.api_key, h.stream,
+                        trace, h.routing_key, h.row)
 
 
-def _row(header: dict[str, Any]) -> int:
-    """Absent on a request of its own, so the common case is one dict lookup."""
-    row = header.get("row", 0)
-    if isinstance(row, bool) or not isinstance(row, int) or row < 0:
-        raise ProtocolError(f"header field 'row' must be an integer >= 0, got {row!r}")
-    return row
-
-
-def _stream_flag(header: dict[str, Any]) -> bool:
-    """Absent on unary requests, so the common case is one dict lookup."""
-    stream = header.get("stream", False)
-    if stream is not False and stream is not True:
-        raise ProtocolError(f"header field 'stream' must be a boolean, got "
-                            f"{type(stream).__name__}")
-    return stream
-
-
-def _trace_context(header: dict[str, Any]) -> dict[str, str] | None:
-    raw = header.get("trace")
-    if raw is None:
-        return None
-    if not (isinstance(raw, dict) and isinstance(raw.get("traceparent"), str)
-            and isinstance(raw.get("tracestate", ""), str)):
-        raise ProtocolError("'trace' must be {traceparent: str, tracestate: str}")
-    return {k: raw[k] for k in ("traceparent", "tracestate") if k in raw}
+def _context(trace: TraceContext) -> dict[str, str]:
+    return {"traceparent": trace.traceparent, "tracestate": trace.tracestate} \
+        if trace.tracestate else {"traceparent": trace.traceparent}
 
 
 def encode_requests(reqs: Sequence[InferRequest]) -> list[Buffer]:
@@ -235,24 +211,41 @@ def encode_requests(reqs: Sequence[InferRequest]) -> list[Buffer]:
 
 
 def request_header(req: InferRequest) -> tuple[dict[str, Any], list[Buffer]]:
-    """A request's header (without ``v``) and its tensor frames, to bundle."""
+    """A request's header (without ``v``) and its tensor frames, to bundle. A field at
+    its default stays off the wire: every peer's decoder defaults an absent one."""
     metas, bufs = _encode_tensors(req.tensors)
-    header: dict[str, Any] = {"id": req.request_id, "model": req.model, "version": req.version,
-              "priority": req.priority, "timeout_ms": float(req.timeout_ms),
-              "tenant": req.tenant, "tensors": metas,
-              "outputs": list(req.outputs) if req.outputs is not None else None}
+    header: dict[str, Any] = {"id": req.request_id, "model": req.model, "tensors": metas}
+    if req.version is not None:
+        header["version"] = req.version
+    if req.priority:
+        header["priority"] = req.priority
+    if req.timeout_ms:
+        header["timeout_ms"] = float(req.timeout_ms)
+    if req.tenant:
+        header["tenant"] = req.tenant
+    if req.outputs is not None:
+        header["outputs"] = list(req.outputs)
     if req.row:
         header["row"] = req.row
     if req.api_key:
         header["api_key"] = req.api_key
-    if req.stream:   # absent otherwise: a unary request's header stays as it was
+    if req.stream:
         header["stream"] = True
-    if req.trace is not None:   # likewise: an untraced request carries nothing
+    if req.trace is not None:
         header["trace"] = req.trace
-    if req.routing_key:   # likewise; an older broker ignores a field it does not know
+    if req.routing_key:
         header["routing_key"] = req.routing_key
     return header, bufs
 
+
+class ReplyHeader(_Wire, frozen=True):
+    request_id: str
+    model: str
+    version: int
+    tensors: list[TensorMeta]
+    stats: dict[str, Any] = {}
+    trace: dict[str, Any] | None = None
+    build: str = ""
 
 
 def reply_header(rep: InferReply) -> tuple[dict[str, Any], list[Buffer]]:
@@ -265,14 +258,13 @@ def reply_part(request_id: str, model: str, version: int, tensors: Sequence[Tens
                build: str = "") -> tuple[dict[str, Any], list[Buffer]]:
     """An InferReply's header and frames without the InferReply, for
     :func:`encode_reply_parts`: the broker makes one for every request it answers."""
-    metas, bufs = _encode_tensors(tensors)
-    header = {"id": request_id, "model": model, "version": version, "tensors": metas,
-              "stats": stats}
+    header = {"id": request_id, "model": model, "version": version,
+              "tensors": [t.meta for t in tensors], "stats": stats}
     if trace is not None:
         header["trace"] = trace
     if build:
         header["build"] = build
-    return header, bufs
+    return header, [t.data for t in tensors]
 
 
 def encode_reply_parts(parts: Sequence[tuple[dict[str, Any], list[Buffer]]]) -> list[Buffer]:
@@ -298,15 +290,16 @@ def decode_replies(header: dict[str, Any], frames: Sequence[Buffer]) -> list[Inf
 
 
 def decode_reply(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReply:
-    return InferReply(
-        request_id=field_of(header, "id", str),
-        model=field_of(header, "model", str),
-        version=field_of(header, "version", int),
-        tensors=_decode_tensors(header.get("tensors"), frames),
-        stats=field_of(header, "stats", dict, {}),
-        trace=field_of(header, "trace", dict, None),
-        build=field_of(header, "build", str, ""),
-    )
+    h = convert(header, ReplyHeader, "reply")
+    return InferReply(h.request_id, h.model, h.version, _tensors(h.tensors, frames), h.stats,
+                      h.trace, h.build)
+
+
+class ErrorHeader(_Wire, frozen=True):
+    request_id: str
+    code: str
+    message: str
+    retry_after_s: float | None = None
 
 
 def encode_error(err: ErrorReply) -> list[Buffer]:
@@ -316,27 +309,68 @@ def encode_error(err: ErrorReply) -> list[Buffer]:
 
 
 def decode_error(header: dict[str, Any]) -> ErrorReply:
+    """A code this peer does not know reads as ``internal``: newer brokers add codes."""
+    h = convert(header, ErrorHeader, "error")
     try:
-        code = ErrorCode(field_of(header, "code", str))
+        code = ErrorCode(h.code)
     except ValueError:
         code = ErrorCode.INTERNAL
-    retry = field_of(header, "retry_after_s", (int, float), None)
-    return ErrorReply(field_of(header, "id", str), code, field_of(header, "message", str),
-                      float(retry) if retry is not None else None)
+    return ErrorReply(h.request_id, code, h.message, h.retry_after_s)
 
 
 # ---------------------------------------------------------------------------
 # broker <-> worker
 
+class ItemWire(msgspec.Struct, frozen=True, array_like=True):
+    """A batch item on the wire: ``[id, tensors, outputs]``."""
+
+    request_id: str
+    tensors: list[TensorMeta]
+    outputs: list[str] | None
+
+
+class CallerWire(msgspec.Struct, frozen=True, array_like=True):
+    """``[priority, timeout_ms, api_key]``."""
+
+    priority: int
+    timeout_ms: float
+    api_key: str
+
+
+class TracedItem(msgspec.Struct, frozen=True, array_like=True):
+    """``[index, context, arrival_ns]``."""
+
+    index: Annotated[int, msgspec.Meta(ge=0)]
+    context: TraceContext
+    arrival_ns: int
+
+
+class BatchTraceWire(msgspec.Struct, frozen=True):
+    boot: str
+    sent_ns: int
+    items: list[TracedItem]
+
+
+class BatchHeader(_Wire, frozen=True):
+    batch_id: int
+    model: str
+    version: int
+    items: list[ItemWire]
+    timeout_ms: float = 0.0
+    trace: BatchTraceWire | None = None
+    callers: list[CallerWire] | None = None
+
+
 def encode_batch(batch: Batch) -> list[Buffer]:
-    items, bufs = [], []
+    items: list[list[Any]] = []
+    bufs: list[Buffer] = []
     for item in batch.items:
-        metas, item_bufs = _encode_tensors(item.tensors)
-        items.append([item.request_id, metas,
+        items.append([item.request_id, [t.meta for t in item.tensors],
                       list(item.outputs) if item.outputs is not None else None])
-        bufs.extend(item_bufs)
-    header = {"id": batch.batch_id, "model": batch.model, "version": batch.version,
-              "items": items, "timeout_ms": float(batch.timeout_ms)}
+        bufs.extend(t.data for t in item.tensors)
+    header: dict[str, Any] = {"id": batch.batch_id, "model": batch.model,
+                              "version": batch.version, "items": items,
+                              "timeout_ms": float(batch.timeout_ms)}
     if batch.trace is not None:
         t = batch.trace
         header["trace"] = {"boot": t.boot, "sent_ns": t.sent_ns,
@@ -348,61 +382,70 @@ def encode_batch(batch: Batch) -> list[Buffer]:
 
 
 def decode_batch(header: dict[str, Any], frames: Sequence[Buffer]) -> Batch:
-    raw_items = field_of(header, "items", list)
+    h = convert(header, BatchHeader, "batch")
     items, pos = [], 0
-    for raw in raw_items:
-        if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], str)
-                and isinstance(raw[1], list)):
-            raise ProtocolError("each batch item must be [id, tensors, outputs]")
-        n = len(raw[1])
-        items.append(BatchItem(raw[0], _decode_tensors(raw[1], frames[pos:pos + n]), raw[2]))
+    for raw in h.items:
+        n = len(raw.tensors)
+        items.append(BatchItem(raw.request_id, _tensors(raw.tensors, frames[pos:pos + n]),
+                               raw.outputs))
         pos += n
     if pos != len(frames):
         raise ProtocolError(f"batch declares {pos} tensors but carries {len(frames)} frames")
-    return Batch(field_of(header, "id", int), field_of(header, "model", str),
-                 field_of(header, "version", int), items,
-                 float(field_of(header, "timeout_ms", (int, float), 0.0)),
-                 _batch_trace(header.get("trace"), len(items)),
-                 _callers(header.get("callers"), len(items)))
+    trace = None
+    if h.trace is not None:
+        if any(t.index >= len(items) for t in h.trace.items):
+            raise ProtocolError("a traced item's index is past the batch's items")
+        trace = BatchTrace(h.trace.boot, h.trace.sent_ns, [
+            (t.index, _context(t.context), t.arrival_ns) for t in h.trace.items])
+    callers = None
+    if h.callers is not None:
+        if len(h.callers) != len(items):
+            raise ProtocolError("a batch's 'callers' must be a list with one entry per item")
+        callers = [Caller(c.priority, c.timeout_ms, c.api_key) for c in h.callers]
+    return Batch(h.batch_id, h.model, h.version, items, h.timeout_ms, trace, callers)
 
 
-def _callers(raw: Any, n_items: int) -> list[Caller] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list) or len(raw) != n_items:
-        raise ProtocolError("a batch's 'callers' must be a list with one entry per item")
-    out = []
-    for entry in raw:
-        if not (isinstance(entry, list) and len(entry) == 3 and _is_int(entry[0])
-                and isinstance(entry[1], (int, float)) and isinstance(entry[2], str)):
-            raise ProtocolError("each caller must be [priority, timeout_ms, api_key]")
-        out.append(Caller(entry[0], float(entry[1]), entry[2]))
-    return out
+MAX_DURATION_MS = 7 * 24 * 3600 * 1000.0   # a week: no batch runs longer
+# a time a worker measured: finite and within [0, a week], or the message is refused
+# (a NaN once poisoned the latency model and lost its batch)
+Duration = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_DURATION_MS)]
 
 
-def _batch_trace(raw: Any, n_items: int) -> BatchTrace | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise ProtocolError("a batch's 'trace' must be a map")
-    items = []
-    for entry in field_of(raw, "items", list):
-        if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int
-                and 0 <= entry[0] < n_items and type(entry[2]) is int):
-            raise ProtocolError("each traced item must be [index, context, arrival_ns]")
-        items.append((entry[0], _trace_context({"trace": entry[1]}) or {}, entry[2]))
-    return BatchTrace(field_of(raw, "boot", str), field_of(raw, "sent_ns", int), items)
+class ResultReply(msgspec.Struct, frozen=True, array_like=True):
+    """One item's answer in a RESULT: ``[id, tensors]``."""
+
+    request_id: str
+    tensors: list[TensorMeta]
+
+
+class ResultHeader(_Wire, frozen=True):
+    batch_id: int
+    replies: list[ResultReply]
+    compute_ms: Duration = 0.0
+    error: str | None = None
+    retry: bool = False
+    expired: bool = False
+    phases_ms: dict[str, Duration] = {}
+    trace: dict[str, Any] | None = None
 
 
 def encode_result(result: BatchResult) -> list[Buffer]:
-    replies, bufs = [], []
+    """A field at its default stays off the wire (an older broker defaults it too)."""
+    replies: list[list[Any]] = []
+    bufs: list[Buffer] = []
     for rep in result.replies:
-        metas, rep_bufs = _encode_tensors(rep.tensors)
-        replies.append([rep.request_id, metas])
-        bufs.extend(rep_bufs)
-    header = {"id": result.batch_id, "replies": replies, "compute_ms": result.compute_ms,
-              "error": result.error, "retry": result.retry, "expired": result.expired,
-              "phases_ms": result.phases_ms}
+        replies.append([rep.request_id, [t.meta for t in rep.tensors]])
+        bufs.extend(t.data for t in rep.tensors)
+    header: dict[str, Any] = {"id": result.batch_id, "replies": replies,
+                              "compute_ms": result.compute_ms}
+    if result.error is not None:
+        header["error"] = result.error
+    if result.retry:
+        header["retry"] = True
+    if result.expired:
+        header["expired"] = True
+    if result.phases_ms:
+        header["phases_ms"] = result.phases_ms
     if result.trace is not None:
         header["trace"] = result.trace
     return pack(Kind.RESULT, header) + bufs
@@ -410,57 +453,50 @@ def encode_result(result: BatchResult) -> list[Buffer]:
 
 def decode_result(header: dict[str, Any], frames: Sequence[Buffer],
                   model: str, version: int) -> BatchResult:
+    h = convert(header, ResultHeader, "result")
     replies, pos = [], 0
-    for raw in field_of(header, "replies", list):
-        if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], str)
-                and isinstance(raw[1], list)):
-            raise ProtocolError("each reply must be [id, tensors]")
-        n = len(raw[1])
-        replies.append(InferReply(raw[0], model, version,
-                                  _decode_tensors(raw[1], frames[pos:pos + n])))
+    for raw in h.replies:
+        n = len(raw.tensors)
+        replies.append(InferReply(raw.request_id, model, version,
+                                  _tensors(raw.tensors, frames[pos:pos + n])))
         pos += n
     if pos != len(frames):
         raise ProtocolError(f"result declares {pos} tensors but carries {len(frames)} frames")
-    phases = {str(k): _duration_ms(f"phases_ms[{k!r}]", v)
-              for k, v in field_of(header, "phases_ms", dict, {}).items()}
-    return BatchResult(field_of(header, "id", int), replies,
-                       _duration_ms("compute_ms",
-                                    field_of(header, "compute_ms", (int, float), 0.0)),
-                       field_of(header, "error", str, None),
-                       field_of(header, "retry", bool, False),
-                       field_of(header, "expired", bool, False), phases,
-                       field_of(header, "trace", dict, None))
-
-
-MAX_DURATION_MS = 7 * 24 * 3600 * 1000.0   # a week: no batch runs longer
-
-
-def _duration_ms(name: str, value: Any) -> float:
-    """A time a worker measured: finite and within [0, a week], or the message is
-    refused (a NaN once poisoned the latency model and lost its batch)."""
-    if not _is_number(value) or not 0.0 <= value <= MAX_DURATION_MS:
-        raise ProtocolError(f"{name} must be a finite number of ms in [0, "
-                            f"{MAX_DURATION_MS:.0f}], got {value!r}"[:200])
-    return float(value)
+    return BatchResult(h.batch_id, replies, h.compute_ms, h.error, h.retry, h.expired,
+                       h.phases_ms, h.trace)
 
 
 def result_batch_id(header: dict[str, Any]) -> int:
-    return int(field_of(header, "id", int))
+    batch_id = header.get("id")
+    if type(batch_id) is not int:
+        raise ProtocolError(f"header field 'id' must be an integer, got "
+                            f"{type(batch_id).__name__}")
+    return batch_id
 
 
 # ---------------------------------------------------------------------------
 # streams (decoupled models)
 
+class PartHeader(_Wire, frozen=True):
+    request_id: str
+    model: str
+    version: int
+    index: Annotated[int, msgspec.Meta(ge=0)]
+    final: bool
+    tensors: list[TensorMeta]
+    stats: dict[str, Any] = {}
+    build: str = ""
+
+
 def part_header(part: StreamPart) -> tuple[dict[str, Any], list[Buffer]]:
-    metas, bufs = _encode_tensors(part.tensors)
     header: dict[str, Any] = {"id": part.request_id, "model": part.model,
                               "version": part.version, "index": part.index,
-                              "final": part.final, "tensors": metas}
+                              "final": part.final, "tensors": [t.meta for t in part.tensors]}
     if part.stats:
         header["stats"] = part.stats
     if part.build:
         header["build"] = part.build
-    return header, bufs
+    return header, [t.data for t in part.tensors]
 
 
 def encode_parts(parts: Sequence[StreamPart]) -> list[Buffer]:
@@ -469,25 +505,47 @@ def encode_parts(parts: Sequence[StreamPart]) -> list[Buffer]:
 
 
 def decode_part(header: dict[str, Any], frames: Sequence[Buffer]) -> StreamPart:
-    index = field_of(header, "index", int)
-    if index < 0:
-        raise ProtocolError(f"a response index must be >= 0, got {index}")
-    return StreamPart(field_of(header, "id", str), field_of(header, "model", str),
-                      field_of(header, "version", int), index, field_of(header, "final", bool),
-                      _decode_tensors(header.get("tensors"), frames),
-                      field_of(header, "stats", dict, {}), field_of(header, "build", str, ""))
+    h = convert(header, PartHeader, "response")
+    return StreamPart(h.request_id, h.model, h.version, h.index, h.final,
+                      _tensors(h.tensors, frames), h.stats, h.build)
 
 
 def decode_parts(header: dict[str, Any], frames: Sequence[Buffer]) -> list[StreamPart]:
     return [decode_part(h, bufs) for h, bufs in unbundle(header, frames, "parts")]
 
 
+class PartialWire(msgspec.Struct, frozen=True, array_like=True):
+    """One yielded response of a batch item: ``[item, final, tensors]``."""
+
+    item: str
+    final: bool
+    tensors: list[TensorMeta]
+
+
+Parts = Annotated[list[PartialWire], msgspec.Meta(max_length=MAX_BUNDLE)]
+
+
+class PartialHeader(_Wire, frozen=True):
+    batch_id: int
+    parts: Parts
+
+
+class StepWire(msgspec.Struct, frozen=True, array_like=True):
+    """One batch's PARTIAL inside a STEPS: ``[batch id, parts]``."""
+
+    batch_id: int
+    parts: Parts
+
+
+class StepsHeader(_Wire, frozen=True):
+    batches: Annotated[list[StepWire], msgspec.Meta(max_length=MAX_BUNDLE)]
+
+
 def _partial_parts(msg: Partial, bufs: list[Buffer]) -> list[list[Any]]:
     parts = []
     for item in msg.parts:
-        metas, item_bufs = _encode_tensors(item.tensors)
-        parts.append([item.item, item.final, metas])
-        bufs.extend(item_bufs)
+        parts.append([item.item, item.final, [t.meta for t in item.tensors]])
+        bufs.extend(t.data for t in item.tensors)
     return parts
 
 
@@ -497,20 +555,14 @@ def encode_partial(msg: Partial) -> list[Buffer]:
     return pack(Kind.PARTIAL, {"id": msg.batch_id, "parts": parts}) + bufs
 
 
-def _decode_partial_items(raw_parts: Any, frames: Sequence[Buffer]
-                          ) -> tuple[list[PartialItem], int]:
+def _partial_items(raw: Sequence[PartialWire], frames: Sequence[Buffer]
+                   ) -> tuple[list[PartialItem], int]:
     """A batch's parts, and how many of ``frames`` (from the first) their tensors took."""
-    if type(raw_parts) is not list:
-        raise ProtocolError("a batch's parts must be a list")
-    if len(raw_parts) > MAX_BUNDLE:
-        raise ProtocolError(f"{len(raw_parts)} parts in one, more than {MAX_BUNDLE}")
     parts, pos = [], 0
-    for raw in raw_parts:
-        if not (type(raw) is list and len(raw) == 3 and type(raw[0]) is str
-                and type(raw[1]) is bool and type(raw[2]) is list):
-            raise ProtocolError("each part must be [item, final, tensors]")
-        n = len(raw[2])
-        parts.append(PartialItem(raw[0], raw[1], _decode_tensors(raw[2], frames[pos:pos + n])))
+    for part in raw:
+        n = len(part.tensors)
+        parts.append(PartialItem(part.item, part.final,
+                                 _tensors(part.tensors, frames[pos:pos + n])))
         pos += n
     return parts, pos
 
@@ -518,10 +570,11 @@ def _decode_partial_items(raw_parts: Any, frames: Sequence[Buffer]
 def decode_partial(header: dict[str, Any], frames: Sequence[Buffer]) -> Partial:
     """A PARTIAL whose every part is well formed, or ProtocolError (then none is used:
     the broker fails the batch, as for a malformed RESULT)."""
-    parts, pos = _decode_partial_items(field_of(header, "parts", list), frames)
+    h = convert(header, PartialHeader, "partial")
+    parts, pos = _partial_items(h.parts, frames)
     if pos != len(frames):
         raise ProtocolError(f"partial declares {pos} tensors but carries {len(frames)} frames")
-    return Partial(field_of(header, "id", int), parts)
+    return Partial(h.batch_id, parts)
 
 
 def encode_steps(msgs: Sequence[Partial]) -> list[Buffer]:
@@ -541,15 +594,11 @@ def steps_batch_ids(header: dict[str, Any]) -> list[int]:
 def decode_steps(header: dict[str, Any], frames: Sequence[Buffer]) -> list[Partial]:
     """Every batch's PARTIAL of a STEPS, each well formed, or ProtocolError (then none is
     used: the broker fails the batches it names)."""
-    raw = field_of(header, "batches", list)
-    if len(raw) > MAX_BUNDLE:
-        raise ProtocolError(f"{len(raw)} batches in one, more than {MAX_BUNDLE}")
+    h = convert(header, StepsHeader, "steps")
     out, pos = [], 0
-    for batch in raw:
-        if not (type(batch) is list and len(batch) == 2 and type(batch[0]) is int):
-            raise ProtocolError("each batch must be [batch id, parts]")
-        parts, used = _decode_partial_items(batch[1], frames[pos:])
-        out.append(Partial(batch[0], parts))
+    for batch in h.batches:
+        parts, used = _partial_items(batch.parts, frames[pos:])
+        out.append(Partial(batch.batch_id, parts))
         pos += used
     if pos != len(frames):
         raise ProtocolError(f"steps declare {pos} tensors but carry {len(frames)} frames")

@@ -8,8 +8,10 @@ here and goes through :func:`.codec.encode` / :func:`.codec.decode`.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Annotated, Any, ClassVar, Sequence
+
+import msgspec
+from msgspec import field
 
 from zeroserve.broker.tensors import Tensor
 
@@ -114,11 +116,23 @@ class LeaveReason(str, enum.Enum):
     RECYCLE = "recycle"      # memory not returned: drain me, then I exit to be restarted
 
 
+# a number a peer measured or chose: finite (NaN fails both bounds), as JSON can say it
+_FLOAT_MAX = 1.7976931348623157e308
+Finite = Annotated[float, msgspec.Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
+
+
+class Message(msgspec.Struct, frozen=True, rename={"request_id": "id", "call_id": "id",
+                                                  "batch_id": "id"}):
+    """Every message type: immutable, cheap to build (msgspec builds and checks it in C),
+    its id fields named ``id`` on the wire (short and stable)."""
+
+    KIND: ClassVar[Kind]   # a message without tensors: its kind (each declares its own)
+
+
 # ---------------------------------------------------------------------------
 # inference messages (they carry tensors)
 
-@dataclass(frozen=True)
-class InferRequest:
+class InferRequest(Message, frozen=True):
     """client -> broker. ``timeout_ms`` 0 means the model's default."""
 
     request_id: str
@@ -143,8 +157,7 @@ class InferRequest:
     row: int = 0
 
 
-@dataclass(frozen=True)
-class InferReply:
+class InferReply(Message, frozen=True):
     """broker -> client, and per request inside a worker's batch result."""
 
     request_id: str
@@ -158,23 +171,20 @@ class InferReply:
     build: str = ""
 
 
-@dataclass(frozen=True)
-class ErrorReply:
+class ErrorReply(Message, frozen=True):
     request_id: str
     code: ErrorCode
     message: str
     retry_after_s: float | None = None
 
 
-@dataclass(frozen=True)
-class BatchItem:
+class BatchItem(Message, frozen=True):
     request_id: str
     tensors: Sequence[Tensor]
     outputs: Sequence[str] | None = None
 
 
-@dataclass(frozen=True)
-class BatchTrace:
+class BatchTrace(Message, frozen=True):
     """A batch holding traced requests: each one's item index, wire context (as
     ``InferRequest.trace``) and arrival, and when the batch left, on the broker's clock
     (``boot``: broker/tracing.py), so a worker in opentelemetry mode can emit their queue
@@ -185,8 +195,7 @@ class BatchTrace:
     items: Sequence[tuple[int, dict[str, str], int]]
 
 
-@dataclass(frozen=True)
-class Caller:
+class Caller(Message, frozen=True):
     """Who sent one item of a batch, for a handler that calls models (workers/bls.py):
     its priority level, its remaining budget when the batch left (0: none) and its key."""
 
@@ -195,8 +204,7 @@ class Caller:
     api_key: str = ""
 
 
-@dataclass(frozen=True)
-class Batch:
+class Batch(Message, frozen=True):
     """broker -> worker: requests of one model version to run together."""
 
     batch_id: int
@@ -210,8 +218,7 @@ class Batch:
     callers: Sequence[Caller] | None = None
 
 
-@dataclass(frozen=True)
-class BatchResult:
+class BatchResult(Message, frozen=True):
     """worker -> broker. On failure ``error`` is set and ``replies`` is empty.
     ``phases_ms`` splits ``compute_ms`` into input assembly, the model call and output
     encoding (``input``, ``infer``, ``output``)."""
@@ -226,8 +233,7 @@ class BatchResult:
     trace: dict[str, Any] | None = None   # the worker's stamps, for a traced batch
 
 
-@dataclass(frozen=True)
-class StreamPart:
+class StreamPart(Message, frozen=True):
     """broker -> client: one response of a stream. ``index`` counts a request's responses
     from 0; the one with ``final`` ends it (it may carry no tensors: an empty final
     response). A request is answered at its final part, or by an ERROR."""
@@ -242,8 +248,7 @@ class StreamPart:
     build: str = ""   # as InferReply.build
 
 
-@dataclass(frozen=True)
-class PartialItem:
+class PartialItem(Message, frozen=True):
     """One yielded response of one batch item (``item`` is its id in the batch)."""
 
     item: str
@@ -251,8 +256,7 @@ class PartialItem:
     tensors: Sequence[Tensor]
 
 
-@dataclass(frozen=True)
-class Partial:
+class Partial(Message, frozen=True):
     """worker -> broker: what one yield of a decoupled model's generator produced, sent
     as it is produced. The batch's RESULT follows the generator's end (or its error)."""
 
@@ -260,72 +264,64 @@ class Partial:
     parts: Sequence[PartialItem]
 
 
-@dataclass(frozen=True)
-class Stop:
+class Stop(Message, frozen=True):
     """broker -> worker: these items of a running batch are answered (cancelled, timed
     out): their generation stops at its next yield once no item of the batch is left."""
 
-    KIND = Kind.STOP
+    KIND: ClassVar[Kind] = Kind.STOP
     batch_id: int
-    items: list[str] = field(default_factory=list)
+    items: Annotated[list[str], msgspec.Meta(max_length=MAX_BUNDLE)] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Pause:
+class Pause(Message, frozen=True):
     """broker -> worker: these items of an iterative model's batch pause (a request of a
     higher priority takes their slot): they sit out the steps, their state kept, and
     resume once a slot is free there."""
 
-    KIND = Kind.PAUSE
+    KIND: ClassVar[Kind] = Kind.PAUSE
     batch_id: int
-    items: list[str] = field(default_factory=list)
+    items: Annotated[list[str], msgspec.Meta(max_length=MAX_BUNDLE)] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Waiting:
+class Waiting(Message, frozen=True):
     """worker -> broker: this batch runs off the worker's compute thread and waits on
     models it called, so it holds none of the worker's credits until its result (no
     worker may wait on work only it can run: docs/bls.md)."""
 
-    KIND = Kind.WAITING
+    KIND: ClassVar[Kind] = Kind.WAITING
     batch_id: int
 
 
-
-@dataclass(frozen=True)
-class Cancel:
+class Cancel(Message, frozen=True):
     """client -> broker: withdraw a queued request."""
-    KIND = Kind.CANCEL
+    KIND: ClassVar[Kind] = Kind.CANCEL
     request_id: str
 
 
-@dataclass(frozen=True)
-class Ping:
-    KIND = Kind.PING
+class Ping(Message, frozen=True):
+    KIND: ClassVar[Kind] = Kind.PING
 
 
-@dataclass(frozen=True)
-class Pong:
+class Pong(Message, frozen=True):
     """``versions``: those the sender speaks (absent from a version-1 peer's);
     ``settings`` and ``logs``: the versions of the trace settings and of the log settings
     the broker holds for the gateways (broker/tracesettings.py, broker/server/extverbs.py;
     0 from a broker without them)."""
-    KIND = Kind.PONG
+    KIND: ClassVar[Kind] = Kind.PONG
     versions: list[int] = field(default_factory=lambda: list(SUPPORTED_VERSIONS))
     settings: int = 0
     logs: int = 0
 
 
-@dataclass(frozen=True)
-class WorkerReady:
+class WorkerReady(Message, frozen=True):
     """worker -> broker: register (again), with what is already loaded."""
-    KIND = Kind.READY
+    KIND: ClassVar[Kind] = Kind.READY
     worker_id: str
     credits: int = 2
     pid: int = 0
     host: str = ""
     device: str = ""
-    models: list[list[Any]] = field(default_factory=list)   # [[model, version], ...]
+    models: list[tuple[str, int]] = field(default_factory=list)   # [[model, version], ...]
     memory_budget_bytes: int = 0
     # the memory planner's inputs, as in heartbeats: device, headroom_bytes, context_bytes,
     # gpu_free_bytes, models/plans of what is loaded (see models/footprint.py)
@@ -336,28 +332,25 @@ class WorkerReady:
     versions: list[int] = field(default_factory=lambda: [1])
 
 
-@dataclass(frozen=True)
-class WorkerHeartbeat:
+class WorkerHeartbeat(Message, frozen=True):
     """worker -> broker: alive, with its memory and its metrics text."""
-    KIND = Kind.HEARTBEAT
+    KIND: ClassVar[Kind] = Kind.HEARTBEAT
     memory: dict[str, Any] = field(default_factory=dict)
     metrics: str = ""
 
 
-@dataclass(frozen=True)
-class BrokerHeartbeat:
+class BrokerHeartbeat(Message, frozen=True):
     """broker -> worker: alive. The worker heartbeats at ``interval_s`` too, and counts
     the broker lost after ``expiry_s`` of silence (the broker's own worker expiry)."""
-    KIND = Kind.HEARTBEAT
-    interval_s: float = 0.5
-    expiry_s: float = 2.0
+    KIND: ClassVar[Kind] = Kind.HEARTBEAT
+    interval_s: Finite = 0.5
+    expiry_s: Finite = 2.0
 
 
-@dataclass(frozen=True)
-class LoadModel:
+class LoadModel(Message, frozen=True):
     """broker -> worker: load (and warm up) a version; ``sha256`` is what the broker's
     repository holds (empty: not known)."""
-    KIND = Kind.LOAD
+    KIND: ClassVar[Kind] = Kind.LOAD
     model: str
     version: int
     path: str
@@ -371,17 +364,16 @@ class LoadModel:
     versions: list[int] = field(default_factory=lambda: [1])
 
 
-@dataclass(frozen=True)
-class ModelLoaded:
+class ModelLoaded(Message, frozen=True):
     """worker -> broker: the outcome of a LOAD."""
-    KIND = Kind.LOADED
+    KIND: ClassVar[Kind] = Kind.LOADED
     model: str
     version: int
     ok: bool
     error: str = ""
     sha256: str = ""
     memory_bytes: int = 0
-    load_s: float = 0.0
+    load_s: Finite = 0.0
     # what warm-up measured: resident_bytes, the activation term, footprint_bytes
     memory: dict[str, Any] = field(default_factory=dict)
     # the config a LOAD with ``discover`` completed (datatypes and outputs found)
@@ -390,60 +382,52 @@ class ModelLoaded:
     transient: bool = False
 
 
-@dataclass(frozen=True)
-class UnloadModel:
-    KIND = Kind.UNLOAD
+class UnloadModel(Message, frozen=True):
+    KIND: ClassVar[Kind] = Kind.UNLOAD
     model: str
     version: int
 
 
-@dataclass(frozen=True)
-class Disconnect:
+class Disconnect(Message, frozen=True):
     """broker -> worker. ``restart``: exit so that the supervisor starts you again."""
-    KIND = Kind.DISCONNECT
+    KIND: ClassVar[Kind] = Kind.DISCONNECT
     reason: DisconnectReason
     restart: bool = False
     detail: str = ""
 
 
-@dataclass(frozen=True)
-class Leave:
+class Leave(Message, frozen=True):
     """worker -> broker: I am leaving; with ``drain``, once my batches are done."""
-    KIND = Kind.LEAVE
+    KIND: ClassVar[Kind] = Kind.LEAVE
     reason: LeaveReason
     drain: bool = True
     detail: str = ""
 
 
-@dataclass(frozen=True)
-class LogSettings:
+class LogSettings(Message, frozen=True):
     """broker -> worker: the logging extension's settings (the keys given change;
     validated by the broker, applied by the worker with zeroserve.broker.logsettings)."""
-    KIND = Kind.LOG_SETTINGS
+    KIND: ClassVar[Kind] = Kind.LOG_SETTINGS
     settings: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class ControlRequest:
+class ControlRequest(Message, frozen=True):
     """CLI / gateway -> broker: a control verb. ``token`` is the admin token, needed for
     verbs that change state when the broker has one."""
-    KIND = Kind.CONTROL
+    KIND: ClassVar[Kind] = Kind.CONTROL
     call_id: str
     verb: str
     args: dict[str, Any] = field(default_factory=dict)
     token: str = ""
 
 
-@dataclass(frozen=True)
-class ControlReply:
-    KIND = Kind.CONTROL_REPLY
+class ControlReply(Message, frozen=True):
+    KIND: ClassVar[Kind] = Kind.CONTROL_REPLY
     call_id: str
     ok: bool
     result: Any = None
     code: str = ""
     error: str = ""
-
-
 
 
 MESSAGES = (Cancel, Ping, Pong, WorkerReady, WorkerHeartbeat, BrokerHeartbeat, LoadModel,

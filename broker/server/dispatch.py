@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Iterator
 
 
 from zeroserve.broker import protocol as p, tracing
@@ -16,21 +17,22 @@ from zeroserve.broker.server.dispatchgate import DispatchGate
 from zeroserve.broker.server.forecast import Forecast, Usage
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
-from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.pool import Batches, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.streampath import StreamPath
-from zeroserve.broker.server.streams import Streams
+from zeroserve.broker.server.streams import NOT_PAUSED, Streams
 from zeroserve.broker.server.tenancy import Tenancy
 
 
 class Dispatch:
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
-                 latency: LatencyBook, gate: DispatchGate, forecast: Forecast, usage: Usage,
-                 answering: Answering, streams: Streams, streaming: StreamPath,
-                 tenancy: Tenancy, metrics: BrokerMetrics) -> None:
+                 batches: Batches, latency: LatencyBook, gate: DispatchGate,
+                 forecast: Forecast, usage: Usage, answering: Answering, streams: Streams,
+                 streaming: StreamPath, tenancy: Tenancy, metrics: BrokerMetrics) -> None:
         self.catalog = catalog
         self.scheduler = scheduler
         self.pool = pool
+        self.batches = batches
         self.latency = latency
         self.gate = gate
         self.forecast = forecast
@@ -90,16 +92,30 @@ class Dispatch:
         if head is None:
             return False
         version = head.version if head.version is not None else model.default_version
-        running = (preemption.Running(w, b, item, e)
-                   for w in self.pool.holders(name, version)
-                   if not (w.draining or w.stalled) and self.pool.speaks(w, p.PAUSE_VERSION)
-                   for b, item, e in self.pool.running_entries(w, name))
-        chosen = preemption.victim(head, running)
-        if chosen is None or \
-                not self.pool.pause(chosen.worker, chosen.batch_id, chosen.item, head.key):
+        chosen = preemption.victim(head, self._running(name, version))
+        if chosen is None or not self.batches.stop(chosen.worker.identity, chosen.batch_id,
+                                                   [chosen.item], pause=True):
             return False
+        self.streams.pause(chosen.entry.key, head.key)
+        # a paused join sends nothing for a while: its next response bounds it again
+        self.batches.progressed(chosen.batch_id, now, math.inf)
         self.metrics.preempted(name, chosen.entry.tenant)
         return self._take(chosen.worker, model, now, now, 1)
+
+    def _running(self, name: str, version: int) -> Iterator[preemption.Running]:
+        """The sequences of a model running (not paused) on the workers that may pause
+        them."""
+        for w in self.pool.holders(name, version):
+            if w.draining or w.stalled or not self.pool.speaks(w, p.PAUSE_VERSION):
+                continue
+            for b in w.sequences:
+                rec = self.batches.inflight[b]
+                if rec.model != name:
+                    continue
+                for item, entry in rec.entries.items():
+                    state = self.streams.get(entry.key)
+                    if state is not None and state.paused == NOT_PAUSED:
+                        yield preemption.Running(w, b, item, entry)
 
     def _take(self, worker: WorkerState, model: CatalogModel, now: float, start_s: float,
               max_samples: int | None) -> bool:
@@ -134,7 +150,7 @@ class Dispatch:
         items = [p.BatchItem(str(i), e.payload.request.tensors, e.payload.request.outputs)
                  for i, e in enumerate(entries)]  # open entries: their requests are held
         exec_s = model.config.dynamic_batching.max_execution_ms / 1000.0
-        rec = self.pool.send_batch(worker, model.config.name, version, entries, items, reason,
+        rec = self.batches.send_batch(worker, model.config.name, version, entries, items, reason,
                                    now, exec_s, model.config.decoupled,
                                    _batch_trace(entries, now),
                                    _callers(entries, now) if model.config.platform == "python"
@@ -152,9 +168,9 @@ class Dispatch:
         self.tenancy.queued([(e.tenant, now - e.arrival_s) for e in entries])
 
     def next_due(self, now: float) -> float | None:
-        due = [d for d in (self.scheduler.next_deadline(), self.pool.next_exec_deadline(),
+        due = [d for d in (self.scheduler.next_deadline(), self.batches.next_exec_deadline(),
                            self.streams.next_deadline() if self.streams else None,
-                           self.pool.next_stall(self.forecast.stall_limit_s)) if d is not None]
+                           self.batches.next_stall(self.forecast.stall_limit_s)) if d is not None]
         for name in self.scheduler.models_waiting():
             d = self.scheduler.next_due(name, now, self.latency.predictor(name))
             if d is not None:

@@ -14,9 +14,10 @@ from zeroserve.broker.server.answering import Answering
 from zeroserve.broker.server.forecast import Forecast
 from zeroserve.broker.server.ledger import AnswerLedger
 from zeroserve.broker.server.lifecycle import Lifecycle
+from zeroserve.broker.server.loads import WorkerLoads
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.ondemand import OnDemand
-from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.pool import Batches, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.replicas import Replicas
 from zeroserve.broker.server.results import Results
 from zeroserve.broker.server.stopping import StopState
@@ -26,16 +27,19 @@ logger = logging.getLogger(__name__)
 
 
 class Membership:
-    def __init__(self, pool: WorkerPool, limits: p.Limits, results: Results,
-                 streaming: StreamPath, lifecycle: Lifecycle, ondemand: OnDemand,
+    def __init__(self, pool: WorkerPool, batches: Batches, limits: p.Limits, results: Results,
+                 streaming: StreamPath, lifecycle: Lifecycle, loads: WorkerLoads,
+                 ondemand: OnDemand,
                  replicas: Replicas, answering: Answering, forecast: Forecast,
                  ledger: AnswerLedger, stop: StopState, metrics: BrokerMetrics,
                  clock: Callable[[], float]) -> None:
         self.pool = pool
+        self.batches = batches
         self.limits = limits
         self.results = results
         self.streaming = streaming
         self.lifecycle = lifecycle
+        self.loads = loads
         self.ondemand = ondemand
         self.replicas = replicas
         self.answering = answering
@@ -74,7 +78,7 @@ class Membership:
         elif kind is p.Kind.LEAVE:
             self._on_leave(worker, p.decode(p.Leave, header))
         elif kind is p.Kind.WAITING:   # its freed credit is used by this round's dispatch
-            self.pool.waits(worker, p.decode(p.Waiting, header).batch_id)
+            self.batches.waits(worker, p.decode(p.Waiting, header).batch_id)
         else:
             raise p.ProtocolError(f"unexpected kind {kind.name} on the backend")
 
@@ -105,7 +109,7 @@ class Membership:
         self.metrics.worker_registered(worker.worker_id)
         self.replicas.adopt(worker)
         self.ondemand.adopt(worker)
-        self.lifecycle.sync_worker(worker)
+        self.loads.sync_worker(worker)
         self.metrics.workers_alive(len(self.pool.workers))
 
     def _on_leave(self, worker: WorkerState, msg: p.Leave) -> None:

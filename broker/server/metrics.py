@@ -223,9 +223,6 @@ class BrokerMetrics:
                                    "paused for a request of a higher priority, by the "
                                    "paused one's tenant", ["model", "tenant"], namespace=ns,
                                    registry=r)
-        self.sequences = Gauge("sequences", "Sequences of iterative models on the workers, "
-                               "running or paused (waiting ones: queue_depth)",
-                               ["model", "state"], namespace=ns, registry=r)
         self.restarts = Counter("worker_restarts", "Times a worker id registered again "
                                 "with this broker (each start after its first)", ["worker"],
                                 namespace=ns, registry=r)

@@ -21,8 +21,9 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from dataclasses import replace
 from typing import Any, Callable, Protocol, Sequence
+
+from msgspec.structs import replace
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker import tracing

@@ -28,11 +28,11 @@ refused as before.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -347,7 +347,7 @@ class Placement:
         self.catalog.fail(msg.model, why, [msg.version])
         self.forget(key)
         self.pool.unload(worker, msg.model, msg.version)
-        return dataclasses.replace(msg, ok=False, error=why)
+        return msgspec.structs.replace(msg, ok=False, error=why)
 
     def _learn(self, worker: WorkerState, msg: p.ModelLoaded) -> int:
         key = (worker.identity, msg.model, msg.version)

@@ -1,7 +1,6 @@
 """The broker's read-only control verbs (``status``, ``models``, ``metadata``, ``config``,
 ``metrics``): what its parts say of themselves, put together. Each part is given here as
-what is read of it; nothing is changed but the gauges a scrape refreshes (queue depth,
-sequences running and paused)."""
+what is read of it; nothing is changed but the queue-depth gauges a scrape refreshes."""
 
 from __future__ import annotations
 
@@ -124,15 +123,8 @@ class ReadVerbs:
                 **chat_settings(folder)}
 
     def scrape(self, _: dict[str, Any]) -> dict[str, Any]:
-        for name, model in self.catalog.models.items():
+        for name in self.catalog.models:
             self.metrics.queue_depth.labels(name).set(self.scheduler.depth(name))
-            if model.config.max_sequences:
-                held = [(self.pool.running_sequences(w, name), self.pool.paused_sequences(w, name))
-                        for w in self.pool.holders(name)]
-                paused = sum(n for _, n in held)
-                self.metrics.sequences.labels(name, "running").set(
-                    sum(n for n, _ in held) - paused)
-                self.metrics.sequences.labels(name, "paused").set(paused)
         return {"broker": self.metrics.render(), "instance": f"{hostname()}:{os.getpid()}",
                 "workers": {w.worker_id: w.metrics_text for w in self.pool.workers.values()}}
 

@@ -39,7 +39,7 @@ def test_a_worker_takes_requests_up_to_its_free_sequence_slots() -> None:
     assert len(second.items) == 2  # two slots freed by two final parts
     worker = h.pool.get(w)
     assert worker is not None and worker.inflight == [] and len(worker.sequences) == 2
-    assert h.pool.running_sequences(worker, "s") == 3
+    assert h.pool.batches.running_sequences(worker, "s") == 3
 
 
 def test_a_freed_slot_goes_to_the_highest_priority_waiting() -> None:
@@ -177,6 +177,11 @@ def pauses(h: Harness) -> list[p.Pause]:
     return [p.decode(p.Pause, header) for _, header, _ in h.sent(p.Kind.PAUSE)]
 
 
+def paused(h: Harness) -> list[str]:
+    """The requests whose streams the broker holds paused (told to pause, not resumed)."""
+    return sorted(key[1] for key in h.path.streams.paused())
+
+
 def test_a_higher_priority_request_pauses_the_lowest_and_takes_its_slot() -> None:
     h = vip_harness(most=2)
     h.request("a")              # priority 0: the default level, 2
@@ -193,22 +198,21 @@ def test_a_higher_priority_request_pauses_the_lowest_and_takes_its_slot() -> Non
     assert pauses(h) == [p.Pause(low.batch_id, ["1"])]
     [(w2, vip)] = h.batches()
     assert w2 == w and ids(vip) == ["0"] and len(vip.items) == 1
-    worker = h.pool.get(w)
-    assert worker is not None and h.pool.paused_sequences(worker, "s") == 1
+    assert paused(h) == ["b"]
     assert h.metrics.preemptions.labels("s", "anonymous")._value.get() == 1
     h.partial(w, low, [("0", False), ("1", False)])   # a step made before it paused
-    assert h.pool.paused_sequences(worker, "s") == 1
+    assert paused(h) == ["b"]
     h.path.dispatch(h.now)
     assert h.batches() == []    # c waits: the paused one resumes first
     h.partial(w, vip, [("0", False)])   # the pause took effect: the VIP runs
     h.partial(w, low, [("0", False)])
-    assert h.pool.paused_sequences(worker, "s") == 1
+    assert paused(h) == ["b"]
     h.partial(w, vip, [("0", True)])
     h.end(w, vip)
     h.path.dispatch(h.now)
     assert h.batches() == []    # the VIP's slot is the paused one's again
     h.partial(w, low, [("1", False)])   # resumed: it answers again
-    assert h.pool.paused_sequences(worker, "s") == 0
+    assert paused(h) == []
     h.partial(w, low, [("0", True), ("1", True)])
     h.path.dispatch(h.now)
     [(_, last)] = h.batches()
@@ -259,10 +263,11 @@ def test_a_paused_join_is_not_taken_for_hung() -> None:
     h.now = 0.09
     h.partial(w, vip, [("0", False)])
     h.now = 0.5                         # the low one sat out past max_execution_ms
-    assert [r.batch_id for r in h.pool.overdue(h.now)] == [vip.batch_id]
+    assert [r.batch_id for r in h.pool.batches.overdue(h.now)] == [vip.batch_id]
     h.partial(w, vip, [("0", True)])
     h.end(w, vip)
-    assert h.pool.overdue(h.now) == [] and h.pool.next_exec_deadline() is None
+    assert h.pool.batches.overdue(h.now) == []
+    assert h.pool.batches.next_exec_deadline() == float("inf")   # the paused one's: none
     h.partial(w, low, [("0", True)])    # resumed, and ends
     h.end(w, low)
     assert h.finals() == {"low": 1, "vip": 1} and h.empty()

@@ -32,6 +32,8 @@ from zeroserve.broker.server.intake import Intake
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.ledger import AnswerLedger
 from zeroserve.broker.server.lifecycle import Lifecycle, LifecycleOptions
+from zeroserve.broker.server.loadretry import LoadRetries
+from zeroserve.broker.server.loads import WorkerLoads
 from zeroserve.broker.server.membership import Membership
 from zeroserve.broker.server.metrics import BreakerStates, BrokerMetrics, CacheSize, ModelStates
 from zeroserve.broker.server.ondemand import OnDemand, OnDemandOptions
@@ -133,11 +135,11 @@ class Broker:
         self.replicas = replicas = Replicas(   # autoscaled models: which workers hold them
             catalog, pool, scheduler, placement, metrics, predict=latency.predictor,
             swapping=lambda name: self.lifecycle.swapping(name),
-            sync_worker=lambda worker: self.lifecycle.sync_worker(worker),
+            sync_worker=lambda worker: self.loads.sync_worker(worker),
             failing=breakers.failing)
         self.ondemand = ondemand = OnDemand(   # models loaded when asked for: where held
             catalog, pool, scheduler, placement, metrics, clock, demand,
-            load_placed=lambda worker, name: self.lifecycle.load_placed(worker, name),
+            load_placed=lambda worker, name: self.loads.load_placed(worker, name),
             fail=answering.fail_waiting, default=replicas.placed)
         admission = Admission(catalog, scheduler, pool, latency, tenancy, stop, gate,
                               forecast, answers, ondemand)
@@ -156,10 +158,13 @@ class Broker:
             busy=lambda name: self.lifecycle.busy(name), demand=ondemand.state)
         self.registrar = registrar = Registrar(catalog, pool, opts.import_roots,
                                                published=repository.published)
+        retries = LoadRetries(opts.load_retry)
+        self.loads = loads = WorkerLoads(catalog, pool, placement, retries, metrics, clock,
+                                         placed=OnWorkers(ondemand.placed),
+                                         turn=ondemand.loading)
         self.lifecycle = Lifecycle(catalog, scheduler, pool, answering, answers, breakers,
-                                   releases, metrics, clock, ctx, placement, registrar,
-                                   options=opts, placed=OnWorkers(ondemand.placed),
-                                   turn=ondemand.loading,
+                                   releases, metrics, clock, ctx, placement, registrar, loads,
+                                   retries, options=opts,
                                    sources=(repository.source, releases.unretired))
         registry.register(ModelStates(catalog, ondemand.on))
         registry.register(CacheSize(cache.describe))
@@ -171,8 +176,8 @@ class Broker:
         # tensors; control calls carry configs; workers' heartbeats carry metrics text
         self.membership = Membership(
             pool, p.Limits(header_bytes=32 << 20, message_bytes=max_message_bytes), self.results,
-            streaming, self.lifecycle, ondemand, replicas, answering, forecast, ledger, stop,
-            metrics, clock)
+            streaming, self.lifecycle, loads, ondemand, replicas, answering, forecast, ledger,
+            stop, metrics, clock)
         self.control = control = ControlTable(admin_token, TenantScope(tenancy, admin_token))
         self._add_verbs()
         repository.add_verbs(control)

@@ -32,14 +32,21 @@ class Forecast:
         return soonest if workers else now
 
     def busy_until(self, worker: WorkerState, now: float) -> float:
-        def predict(model: str, units: float) -> float:
-            return self.latency.predictor(model, worker.worker_id)(units)
-        return self.pool.busy_until(worker, now, predict)
+        """When a worker is predicted to finish the batches it has (they run in order)."""
+        cursor = now
+        for i, batch_id in enumerate(worker.inflight):
+            rec = self.pool.inflight[batch_id]
+            run_s = self.latency.predictor(rec.model, worker.worker_id)(rec.units)
+            cursor = max(cursor, rec.sent_s + run_s) if i == 0 else cursor + run_s
+        return cursor
 
     def work_s(self, worker: WorkerState) -> float:
-        def predict(model: str, units: float) -> float:
-            return self.latency.predictor(model, worker.worker_id)(units)
-        return self.pool.work_s(worker, predict)
+        """The predicted run time of every batch the worker holds, elapsed or not."""
+        work = 0.0
+        for batch_id in worker.inflight:
+            rec = self.pool.inflight[batch_id]
+            work += self.latency.predictor(rec.model, worker.worker_id)(rec.units)
+        return work
 
     def stall_limit_s(self, worker: WorkerState, head: Inflight) -> float:
         predict = self.latency.predictor(head.model, worker.worker_id)

@@ -14,6 +14,7 @@ from zeroserve.broker.server.answering import Answering
 from zeroserve.broker.server.forecast import Forecast
 from zeroserve.broker.server.ledger import AnswerLedger
 from zeroserve.broker.server.lifecycle import Lifecycle
+from zeroserve.broker.server.loads import WorkerLoads
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.ondemand import OnDemand
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
@@ -27,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 class Membership:
     def __init__(self, pool: WorkerPool, limits: p.Limits, results: Results,
-                 streaming: StreamPath, lifecycle: Lifecycle, ondemand: OnDemand,
+                 streaming: StreamPath, lifecycle: Lifecycle, loads: WorkerLoads,
+                 ondemand: OnDemand,
                  replicas: Replicas, answering: Answering, forecast: Forecast,
                  ledger: AnswerLedger, stop: StopState, metrics: BrokerMetrics,
                  clock: Callable[[], float]) -> None:
@@ -36,6 +38,7 @@ class Membership:
         self.results = results
         self.streaming = streaming
         self.lifecycle = lifecycle
+        self.loads = loads
         self.ondemand = ondemand
         self.replicas = replicas
         self.answering = answering
@@ -105,7 +108,7 @@ class Membership:
         self.metrics.worker_registered(worker.worker_id)
         self.replicas.adopt(worker)
         self.ondemand.adopt(worker)
-        self.lifecycle.sync_worker(worker)
+        self.loads.sync_worker(worker)
         self.metrics.workers_alive(len(self.pool.workers))
 
     def _on_leave(self, worker: WorkerState, msg: p.Leave) -> None:

@@ -441,22 +441,6 @@ class WorkerPool:
     def busy_models(self, worker: WorkerState) -> set[str]:
         return {self.inflight[b].model for b in worker.inflight if b in self.inflight}
 
-    def busy_until(self, worker: WorkerState, now: float,
-                   predict: Callable[[str, float], float]) -> float:
-        """When a worker is predicted to finish the batches it has (they run in order);
-        ``predict(model, units)`` is that worker's latency model."""
-        cursor = now
-        for i, batch_id in enumerate(worker.inflight):
-            rec = self.inflight[batch_id]
-            run_s = predict(rec.model, rec.units)
-            cursor = max(cursor, rec.sent_s + run_s) if i == 0 else cursor + run_s
-        return cursor
-
-    def work_s(self, worker: WorkerState, predict: Callable[[str, float], float]) -> float:
-        """The predicted run time of every batch the worker holds, elapsed or not."""
-        return sum(predict(self.inflight[b].model, self.inflight[b].units)
-                   for b in worker.inflight)
-
     # -- messages to workers ----------------------------------------------------
     def load(self, worker: WorkerState, msg: p.LoadModel) -> None:
         worker._loading.add(ModelVersion(msg.model, msg.version))

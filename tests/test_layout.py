@@ -365,7 +365,6 @@ OVERSIZED = {
     "broker/server/ondemand.py:OnDemand": "evict: eviction moves to one pure room",
     "broker/server/scheduler.py:Scheduler": "lead: 2 lines over; the queues and batch "
                                             "formation in one pure class, split when it grows",
-    "broker/client.py": "wire: the client's room, with the import rooms",
     "broker/server/pool.py:WorkerPool": "compose: the batches in flight (sending, stacking, "
                                         "stalls) are the next room out of the pool",
 }

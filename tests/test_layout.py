@@ -365,8 +365,6 @@ OVERSIZED = {
     "broker/server/ondemand.py:OnDemand": "evict: eviction moves to one pure room",
     "broker/server/scheduler.py:Scheduler": "lead: 2 lines over; the queues and batch "
                                             "formation in one pure class, split when it grows",
-    "broker/server/pool.py:WorkerPool": "compose: the batches in flight (sending, stacking, "
-                                        "stalls) are the next room out of the pool",
 }
 
 

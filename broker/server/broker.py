@@ -25,6 +25,7 @@ from zeroserve.broker.server.extverbs import ExtensionVerbs
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.lifecycle import Lifecycle, LifecycleOptions
 from zeroserve.broker.server.metrics import BreakerStates, BrokerMetrics, CacheSize, ModelStates
+from zeroserve.broker.server.memplan import MemoryPlan
 from zeroserve.broker.server.ondemand import OnDemand, OnDemandOptions
 from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
@@ -111,12 +112,11 @@ class Broker:
                  demand: OnDemandOptions) -> Lifecycle:
         """The model lifecycle and its strategies, each given what it reads and
         callbacks for what it asks (the lifecycle's, bound late: it is built last)."""
-        self.placement = Placement(self.catalog, self.pool, self.metrics.registry,
+        tenure = demand.tenure()   # load on demand writes it, placement reads it
+        self.plan = MemoryPlan(self.catalog, self.pool, self.metrics.registry)
+        self.placement = Placement(self.catalog, self.pool, self.plan, self.metrics, clock,
                                    queued=self.scheduler.depth,
-                                   last_used=self.requests.last_used,
-                                   wanted=lambda m: self.ondemand.wanted_level(m),
-                                   evictable=lambda w, m, k, h: self.ondemand.evictable(w, m, k, h),
-                                   evicted=lambda w, m, r: self.ondemand.on_evicted(w, m, r))
+                                   last_used=self.requests.last_used, tenure=tenure)
         self.replicas = Replicas(   # autoscaled models: which workers hold them
             self.catalog, self.pool, self.scheduler, self.placement, self.metrics,
             predict=self.requests.latency.predictor,
@@ -126,7 +126,7 @@ class Broker:
         self.ondemand = OnDemand(   # models loaded when asked for: where they are held
             self.catalog, self.pool, self.scheduler, self.placement, self.metrics, clock,
             demand, load_placed=lambda worker, name: self.lifecycle.load_placed(worker, name),
-            fail=self.requests.fail_waiting, default=self.replicas.placed)
+            fail=self.requests.fail_waiting, default=self.replicas.placed, tenure=tenure)
         self.requests.admission.use_demand(self.ondemand)
         self.repository = RepositoryControl(
             opts.control_mode, opts.load_models, self.catalog, self.pool,
@@ -554,4 +554,4 @@ class Broker:
                 "streams": self.requests.streams.sizes(), "tenants": self.tenancy.summary(),
                 "autoscaling": self.replicas.describe(),
                 "load_on_demand": self.ondemand.summary(self.clock()),
-                "memory_plan": self.placement.describe()}
+                "memory_plan": self.plan.describe()}

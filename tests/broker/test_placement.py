@@ -45,7 +45,7 @@ def test_a_version_that_does_not_fit_on_a_gpu_is_refused_before_it_loads(tmp_pat
     assert rig.b.catalog.failures["m"]["error"] == why
     assert 'zeroserve_memory_refusals_total{device="cuda:0",model="m"} 1.0' \
         in rig.b.metrics.render()
-    plan = rig.placement.describe()["host/1"]
+    plan = rig.plan.describe()["host/1"]
     assert plan["available_bytes"] == 3 * MB and plan["headroom_bytes"] == 1 * MB
 
 
@@ -55,14 +55,14 @@ def test_what_fits_loads_and_its_measurement_replaces_the_prediction(tmp_path: P
     a = rig.worker("a/0", "cuda:0", gpu_free_bytes=100 * MB, headroom_bytes=1 * MB,
                    models={})
     assert rig.loads("a/0") == ["m/1"]
-    entry = rig.placement.describe()["a/0"]["models"]["m/1"]
+    entry = rig.plan.describe()["a/0"]["models"]["m/1"]
     assert entry["predicted_bytes"] == NEED and entry["state"] == "loading"
     # loading, not yet in a heartbeat: what it is predicted to take is not free any more
     assert rig.placement.available(a) == 100 * MB - NEED - 1 * MB
     rig.loaded("a/0", "m", 1, resident_bytes=WEIGHTS + 100_000, batch=8,
                activation_bytes_per_sample=4000, activation_fixed_bytes=1000,
                overhead_bytes=100_000, footprint_bytes=WEIGHTS + 100_000 + 33_000)
-    entry = rig.placement.describe()["a/0"]["models"]["m/1"]
+    entry = rig.plan.describe()["a/0"]["models"]["m/1"]
     assert entry["measured_bytes"] == WEIGHTS + 133_000
     assert entry["error_pct"] == round(100 * (NEED - WEIGHTS - 133_000) / (WEIGHTS + 133_000),
                                        1)
@@ -122,7 +122,7 @@ def test_a_budget_caps_a_gpu_below_its_free_memory(tmp_path: Path) -> None:
     assert rig.loads("g/0")[-1] == "third/1"   # an idle one made room, on a roomy GPU
     assert len(w.loaded & {("old", 1), ("new", 1)}) == 1 and ("third", 1) in w.loading
     rig.model("huge", mbs=8)
-    rig.placement.measured[(w.identity, "huge", 1)] = {"footprint_bytes": 10_500_000}
+    rig.plan.measured[(w.identity, "huge", 1)] = {"footprint_bytes": 10_500_000}
     why = rig.placement.refusal(w, "huge", 1) or ""
     assert why.startswith("cuda:0 on worker g/0 (memory budget 11.0 MB, 1.0 MB context) has ")
     assert why.endswith("more than worker g/0's memory budget of 11.0 MB leaves after its "
@@ -156,7 +156,7 @@ def test_a_model_is_not_too_big_while_others_load_into_the_room(
     assert rig.placement.too_big(w, "e", 1) is None
     assert not rig.placement.fits(w, "e", 1)
     rig.model("f", mbs=8)
-    rig.placement.measured[(w.identity, "f", 1)] = {"footprint_bytes": 21_500_000}
+    rig.plan.measured[(w.identity, "f", 1)] = {"footprint_bytes": 21_500_000}
     assert "needs 21.5 MB (measured on this worker)" in (rig.placement.too_big(w, "f", 1)
                                                         or "")
 
@@ -219,7 +219,7 @@ def test_a_measurement_is_not_inherited_by_a_version_of_another_format(
     rig.add_model("m", cfg, (1, 2, 3))
     b = rig.worker("b/0", "cpu", budget=200 * MB, context_bytes=5 * MB)
     config = rig.b.catalog.models["m"].config
-    need, how = rig.placement.need(b, "m", 2, config, rig.repo / "m" / "2")
+    need, how = rig.plan.need(b, "m", 2, config, rig.repo / "m" / "2")
     assert need == NEED and "a first guess from the inputs" in how, how
-    need, how = rig.placement.need(b, "m", 3, config, rig.repo / "m" / "3")
+    need, how = rig.plan.need(b, "m", 3, config, rig.repo / "m" / "3")
     assert need == WEIGHTS + 30 * MB + 80_000 and "30.0 MB overhead" in how, how

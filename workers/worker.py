@@ -625,6 +625,8 @@ class Worker:
         try:
             stamp = files_stamp(Path(msg.path))   # before the load reads them
             cfg = parse_config(msg.config, f"config of {name}", discover=bool(msg.discover))
+            memory.load_runtime(self.context, cfg, Path(msg.path),
+                                memory.settled(self._memory_probe, self.device))
             loaded = load(cfg, version, Path(msg.path), self.device,
                           memory.settled(self._memory_probe, self.device),
                           memory.PeakProbe(self.device), settle, self._models_for(msg))

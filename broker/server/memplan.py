@@ -32,8 +32,8 @@ from zeroserve.broker import protocol as p
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.types import ModelVersion
-from zeroserve.models.footprint import Learned, Prediction, WeightsCache, files_of, predict, \
-    size_text
+from zeroserve.models.footprint import Learned, Prediction, WeightsCache, facts, files_of, \
+    predict, runtime_charge, size_text
 from zeroserve.models.repository import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -142,19 +142,34 @@ class MemoryPlan:
     def need(self, worker: WorkerState, name: str, version: int, cfg: ModelConfig,
              version_dir: Path, sha: str = "") -> tuple[int, str]:
         """(bytes, how they were known): measured here, measured on another worker of the
-        same device kind for the same content, or predicted from the files."""
+        same device kind for the same content, or predicted from the files; with the
+        runtime of its format where the worker has not loaded that yet."""
+        kind, files = device_kind(worker), facts(cfg, version_dir, self._weights)
+        runtime = runtime_charge(files.runtime, worker.memory.get("runtimes") or {},
+                                 self._runtimes(kind) if files.runtime else {}, kind == "cpu")
+        more = f" + {size_text(runtime)} for the {files.runtime} runtime" if runtime else ""
         mine = self.measured.get((worker.identity, name, version))
         if mine is not None:
-            return int_of(mine, "footprint_bytes"), "measured on this worker"
+            return int_of(mine, "footprint_bytes") + runtime, "measured on this worker" + more
         sha = sha or self.catalog.shas.get(name, {}).get(version, "")
-        seen = self.by_content.get((name, sha, device_kind(worker))) if sha else None
+        seen = self.by_content.get((name, sha, kind)) if sha else None
         if seen is not None:
-            return seen[0], f"measured on worker {seen[1]}"
-        fmt = files_of(cfg, version_dir, self._weights)[1]
-        pred = predict(cfg, version_dir, self.learned.get((name, device_kind(worker), fmt)),
-                       self._weights)
+            return seen[0] + runtime, f"measured on worker {seen[1]}{more}"
+        pred = predict(cfg, version_dir, self.learned.get((name, kind, files.format)),
+                       self._weights, host=kind == "cpu", runtime_bytes=runtime)
         self.predicted[(worker.identity, name, version)] = pred
         return pred.total_bytes, pred.describe()
+
+    def _runtimes(self, kind: str) -> dict[str, int]:
+        """The format runtimes workers of a device kind measured (the most of each)."""
+        out: dict[str, int] = {}
+        for w in self.pool.workers.values():
+            got = w.memory.get("runtimes")
+            if device_kind(w) == kind and isinstance(got, dict):
+                for name, n in got.items():
+                    if isinstance(n, int) and n >= out.get(name, 0):
+                        out[name] = n
+        return out
 
     def learn(self, worker: WorkerState, msg: p.ModelLoaded) -> int:
         """Replace the prediction with what the worker measured (its bytes returned), and

@@ -18,11 +18,12 @@ refused as before.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+import msgspec
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
@@ -227,7 +228,7 @@ class Placement:
         self.catalog.fail(msg.model, why, [msg.version])
         self.plan.forget(key)
         self.pool.unload(worker, msg.model, msg.version)
-        return dataclasses.replace(msg, ok=False, error=why)
+        return msgspec.structs.replace(msg, ok=False, error=why)
 
     # -- eviction ----------------------------------------------------------------------
     def snapshot(self, worker: WorkerState, keep: str, need: int,

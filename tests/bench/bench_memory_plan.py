@@ -47,13 +47,13 @@ probe = memory.settled(lambda: memory.rss_bytes(), device) if device == "cpu" el
     (lambda: int(torch.cuda.memory_allocated(device)) + int(torch.cuda.memory_reserved(device)))
 start = probe() if device == "cpu" else 0
 w = Worker("ipc:///nonexistent", "bench/0", device=device)
-out = {"context": w.context, "models": {}}
+out = {"context": w.report.context, "models": {}}
 for name in names:
     cfg = load_config(repo / name)
-    paid = dict(w.context.get("runtimes", {}))
-    reply = w.load_version(p.LoadModel(name, 1, str(repo / name / "1"), cfg.to_json()))
+    paid = dict(w.report.context.get("runtimes", {}))
+    reply = w.loader.load_version(p.LoadModel(name, 1, str(repo / name / "1"), cfg.to_json()))
     assert reply.ok, reply.error
-    runtime = sum(w.context.get("runtimes", {}).values()) - sum(paid.values())
+    runtime = sum(w.report.context.get("runtimes", {}).values()) - sum(paid.values())
     lm = w.models[(name, 1)]
     held = [*lm.fn.parameters(), *lm.fn.buffers()] if hasattr(lm.fn, "parameters") else []
     params = sum(t.numel() * t.element_size() for t in held)

@@ -175,7 +175,7 @@ def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -
         for _, _, batch in rig.sent(p.Kind.BATCH)[-1:]:
             rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0,
                                                 error="RuntimeError: the model broke"))
-    assert rig.b.requests.breakers.state("m") == OPEN
+    assert rig.b.breakers.state("m") == OPEN
     sent = len(rig.sent(p.Kind.BATCH))
     rig.request()
     rig.tick()
@@ -188,9 +188,9 @@ def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -
     model = rig.b.catalog.models["m"]
     rig.b.lifecycle.swaps.start(Swap(RepoModel(model.config, model.path, model.versions),
                                      {1: "b" * 64}, {1}, rig.now))
-    assert rig.b.requests.breakers.state("m") == OPEN
+    assert rig.b.breakers.state("m") == OPEN
     rig.from_worker("w1", p.ModelLoaded("m", 1, True, sha256="b" * 64))
-    assert rig.b.requests.breakers.state("m") == CLOSED
+    assert rig.b.breakers.state("m") == CLOSED
 
 
 def test_zeroserve_models_names_an_open_breaker() -> None:

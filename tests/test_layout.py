@@ -361,8 +361,6 @@ def test_the_sleep_finder_sees_an_untagged_one(tmp_path: Path) -> None:
 # by concern. The ones over today, each with its owner and why it may stay for now:
 CLASS_LINES, MODULE_LINES = 350, 600
 OVERSIZED = {
-    "broker/server/placement.py:Placement": "evict: eviction moves to one pure room",
-    "broker/server/ondemand.py:OnDemand": "evict: eviction moves to one pure room",
     "broker/server/scheduler.py:Scheduler": "lead: 2 lines over; the queues and batch "
                                             "formation in one pure class, split when it grows",
 }
@@ -422,9 +420,6 @@ def test_the_size_checkers_see_a_long_class_and_module(tmp_path: Path) -> None:
 # demand; each names its owner:
 COMPOSITION_ROOT = ("broker/server/broker.py", "Broker", "_compose")
 KNOWN_LATE_BINDINGS = {
-    ("Placement", "wanted"): "evict: eviction in one pure room, on-demand not asked",
-    ("Placement", "evictable"): "evict: as above",
-    ("Placement", "evicted"): "evict: as above",
     ("Replicas", "swapping"): "compose: the lifecycle is built from the replicas' placement",
     ("Replicas", "sync_worker"): "compose: as above",
     ("OnDemand", "load_placed"): "compose: the lifecycle is built from on-demand's placement",

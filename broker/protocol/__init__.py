@@ -40,11 +40,11 @@ from zeroserve.broker.protocol.envelope import (
     TRUSTED, Limits, Refused, VersionMismatch, bundle, ids_of, peek_kind, request_id_of,
     unbundle, unpack)
 from zeroserve.broker.protocol.messages import (
-    MAX_BUNDLE, MESSAGES, PROTOCOL_VERSION, STEPS_VERSION, SUPPORTED_VERSIONS, WAITING_VERSION,
-    Batch, BatchItem, BatchResult, BatchTrace, BrokerHeartbeat, Caller, Cancel, ControlReply,
-    ControlRequest, Disconnect, DisconnectReason, ErrorCode, ErrorReply, InferReply,
+    MAX_BUNDLE, MESSAGES, PAUSE_VERSION, PROTOCOL_VERSION, STEPS_VERSION, SUPPORTED_VERSIONS,
+    WAITING_VERSION, Batch, BatchItem, BatchResult, BatchTrace, BrokerHeartbeat, Caller, Cancel,
+    ControlReply, ControlRequest, Disconnect, DisconnectReason, ErrorCode, ErrorReply, InferReply,
     InferRequest, Kind, Leave, LeaveReason, LoadModel, LogSettings, ModelLoaded, Partial,
-    PartialItem, Ping, Pong, StreamPart, Stop, UnloadModel, Waiting, WorkerHeartbeat,
+    PartialItem, Pause, Ping, Pong, StreamPart, Stop, UnloadModel, Waiting, WorkerHeartbeat,
     WorkerReady)
 from zeroserve.broker.protocol.typed import decode, encode
 from zeroserve.broker.tensors import (DTYPES, ITEM_BYTES, Buffer, ProtocolError, Tensor,
@@ -52,12 +52,14 @@ from zeroserve.broker.tensors import (DTYPES, ITEM_BYTES, Buffer, ProtocolError,
                                       pack_bytes_elements, to_numpy, unpack_bytes_elements)
 
 __all__ = [
-    "DTYPES", "ITEM_BYTES", "MAX_BUNDLE", "MAX_DURATION_MS", "MESSAGES", "PROTOCOL_VERSION",
-    "STEPS_VERSION", "SUPPORTED_VERSIONS", "TRUSTED", "WAITING_VERSION", "Batch", "BatchItem",
+    "DTYPES", "ITEM_BYTES", "MAX_BUNDLE", "MAX_DURATION_MS", "MESSAGES", "PAUSE_VERSION",
+    "PROTOCOL_VERSION", "STEPS_VERSION", "SUPPORTED_VERSIONS", "TRUSTED", "WAITING_VERSION",
+    "Batch", "BatchItem",
     "BatchResult", "BatchTrace", "BrokerHeartbeat", "Buffer", "Caller", "Cancel",
     "ControlReply", "ControlRequest", "Disconnect", "DisconnectReason", "ErrorCode",
     "ErrorReply", "InferReply", "InferRequest", "Kind", "Leave", "LeaveReason", "Limits",
-    "LoadModel", "LogSettings", "ModelLoaded", "Partial", "PartialItem", "Ping", "Pong",
+    "LoadModel", "LogSettings", "ModelLoaded", "Partial", "PartialItem", "Pause", "Ping",
+    "Pong",
     "ProtocolError", "Refused", "StreamPart", "Stop", "Tensor", "TensorMeta", "UnloadModel",
     "VersionMismatch", "Waiting", "WorkerHeartbeat", "WorkerReady", "bundle", "datatype_of",
     "decode", "decode_batch", "decode_error", "decode_part", "decode_partial", "decode_parts",

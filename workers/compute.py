@@ -49,7 +49,8 @@ class Router(Protocol):
         when it is the main thread's."""
 
     def heard(self, now: float) -> None:
-        """The broker spoke (the main loop counts it lost after its silence)."""
+        """The broker spoke (the main loop counts it lost after its silence); called as
+        a batch is read, under the channel's lock."""
 
 
 class Compute:

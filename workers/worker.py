@@ -108,7 +108,8 @@ class Worker:
         self.loader = Loader(self.models, self.device, r, stopping=self._stopping,
                              forget=self.compute.forget,
                              memory_tolerance_bytes=memory_tolerance_bytes,
-                             host_cache_bytes=host_cache_bytes, models_client=self.models_client)
+                             host_cache_bytes=host_cache_bytes, models_client=self.models_client,
+                             context=self.report.context)
 
     # -- sockets ------------------------------------------------------------
     def _connect(self) -> None:

@@ -9,8 +9,10 @@ or at the model's end token (which is sent, as ``generate`` returns it).
 
 - ``join`` runs the prompt's prefill and keeps its key/value cache and the greedy next
   token: the first step answers it at once.
-- ``step`` answers each sequence's token, then runs one batched decode of every sequence
-  that goes on. Their caches are packed into one batch, left-padded to the longest, with
+- ``step`` answers each sequence's token; ``advance``, which the sequence table calls once
+  the step's tokens are sent, runs one batched decode of every sequence that goes on (a
+  caller that never calls ``advance`` gets that decode at the start of the next ``step``).
+  Their caches are packed into one batch, left-padded to the longest, with
   an attention mask over each one's own positions and its own position ids; the pack is
   kept while the same sequences step on (a column more per step) and rebuilt from each
   sequence's own cache when one joins or leaves.
@@ -85,6 +87,7 @@ class _Seq:
     layers: Layers | None    # its own cache; None while it lives in the pack (or dropped)
     tokens: list[int]        # its prompt and what it sent: a dropped cache's prefill
     sent: int = 0
+    chosen: bool = True      # next_token is not sent yet (False: the decode is due)
     dropped: bool = False    # paused with its cache let go: resume prefills it again
     temperature: float = 0.0
     top_p: float = 1.0
@@ -218,8 +221,11 @@ class CausalLMSteps:
             self._kept -= _nbytes(seq.layers)
 
     def step(self, states: dict[int, _Seq]) -> dict[int, tuple[Any, bool]]:
+        """Each sequence's chosen token, sent before the next decode runs (``advance``);
+        a sequence whose decode is still due (no ``advance`` since its last token) gets
+        it here first."""
+        self.advance(states)
         out: dict[int, tuple[Any, bool]] = {}
-        going = []
         for seq_id, seq in states.items():
             if seq.left <= 0:
                 out[seq_id] = (None, True)
@@ -228,11 +234,14 @@ class CausalLMSteps:
             seq.tokens.append(seq.next_token)
             final = seq.sent >= seq.left or seq.next_token in self.eos
             out[seq_id] = ({TOKEN: torch.tensor([[seq.next_token]])}, final)
-            if not final:
-                going.append(seq_id)
-        if going:
-            self._decode(going, states)
+            seq.chosen = final
         return out
+
+    def advance(self, states: dict[int, _Seq]) -> None:
+        """One batched decode of the sequences whose last token is sent."""
+        due = [seq_id for seq_id, seq in states.items() if not seq.chosen]
+        if due:
+            self._decode(due, states)
 
     def _decode(self, ids: list[int], states: dict[int, _Seq]) -> None:
         pack = self._fit(ids, states)
@@ -254,6 +263,7 @@ class CausalLMSteps:
                 continue
             seq = states[seq_id]
             seq.length += 1
+            seq.chosen = True
             seq.next_token = greedy[row] if seq.generator is None else \
                 self._choose(seq, logits[row])
         self._pack = _Pack(rows, self._cache_of(out), mask, pack.width + 1)

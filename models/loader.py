@@ -262,7 +262,7 @@ def _packed_sample(cfg: ModelConfig, args: list[torch.Tensor]) -> dict[str, torc
 
 def _run_sequences(loaded: LoadedModel, named: dict[str, torch.Tensor], batch: int) -> None:
     """An iterative model's warm-up: ``batch`` sequences joined (each a one-row request)
-    and one step of them all, then they leave."""
+    and one step of them all (its ``advance`` too), then they leave."""
     handler = loaded.handler
     batched = loaded.config.max_batch_size > 0
     ids = [-1 - i for i in range(min(batch, loaded.config.max_sequences))]   # not a request's
@@ -271,7 +271,10 @@ def _run_sequences(loaded: LoadedModel, named: dict[str, torch.Tensor], batch: i
         for i, seq in enumerate(ids):
             rows = slice(i, i + 1) if batched else slice(None)
             states[seq] = handler.join(seq, {k: v[rows] for k, v in named.items()})
-        handler.step(states)
+        out = handler.step(states)
+        advance = getattr(handler, "advance", None)
+        if advance is not None:   # the decode a split step runs after sending
+            advance({k: v for k, v in states.items() if not out.get(k, (None, False))[1]})
     finally:
         leave = getattr(handler, "leave", None)
         if leave is not None:

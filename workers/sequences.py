@@ -8,6 +8,7 @@ The contract (docs/generation.md), a class ``Model`` in ``model.py`` with::
         # rows when the model batches), as a batch of one; do its prefill here
     def step(self, states) -> {seq_id: (outputs, final)}
         # one step of every sequence running: states {seq_id: the state join returned}
+    def advance(self, states): ...    # optional: compute the next step's responses
     def leave(self, seq_id): ...      # optional: the sequence is gone (ended or stopped)
     def pause(self, seq_id): ...      # optional: it sits out the steps until resume
     def resume(self, seq_id): ...     # optional: it steps again
@@ -19,14 +20,21 @@ only the sequences it has a response for. The state is the handler's: the table 
 what ``join`` returned and hands it back; a state that changes is changed in place (a
 dict, an object), or kept by the handler under ``seq_id``.
 
+A handler with ``advance`` splits a step in two: ``step`` answers what is ready (a
+join's first token from its prefill, the token the last decode chose) and ``advance``
+computes the next ones (a decode). The table calls ``advance`` with the sequences still
+running right after it has sent the step's responses, so a token leaves the worker as
+soon as it exists instead of waiting for the next decode. Without it ``step`` does both.
+
 At each step boundary the table retires the sequences the broker stopped (a cancel, a
 client gone, a deadline before the first response), pauses those the broker paused (a
 request of a higher priority takes their slot: PAUSE), joins waiting requests up to
 ``sequences.max``, resumes paused ones into the slots still free (the first paused
 first), runs one step and sends its responses at once, a PARTIAL per join
-(the broker's batch), together in one STEPS where the broker reads it; a join gets its
-RESULT once every request of it has left. An
-exception in ``join`` or ``step`` fails the joins of the sequences it touched, whole:
+(the broker's batch), together in one STEPS where the broker reads it, then calls
+``advance`` where the handler has it; a join gets its RESULT once every request of it
+has left. An exception in ``join``, ``step`` or ``advance`` fails the joins of the
+sequences it touched, whole:
 their requests still open end with the message, their sequences leave the table.
 """
 
@@ -87,6 +95,7 @@ class SequenceTable:
         self._leave = getattr(loaded.handler, "leave", None)
         self._pause = getattr(loaded.handler, "pause", None)
         self._resume = getattr(loaded.handler, "resume", None)
+        self._advance = getattr(loaded.handler, "advance", None)
         self._waiting: collections.deque[tuple[_Join, p.BatchItem]] = collections.deque()
         self._running: dict[int, _Seq] = {}
         # paused, their states kept, in the order they paused (the first resumes first)
@@ -227,6 +236,18 @@ class SequenceTable:
                         for join, items in by_join.values()])
         for _, join in ended:
             self._left(join)
+        if self._advance is not None and self._running:
+            self._advance_running()
+
+    def _advance_running(self) -> None:
+        """The handler computes the next step's responses, after this step's are sent."""
+        states = {seq_id: seq.state for seq_id, seq in self._running.items()}
+        try:
+            with torch.inference_mode():
+                self._advance(states)
+        except Exception as exc:  # the model's code can raise anything
+            self._fail(list({id(s.join): s.join for s in self._running.values()}.values()),
+                       f"advance() failed: {type(exc).__name__}: {exc}")
 
     def _parts(self, out: Any) -> list[tuple[int, p.PartialItem]]:
         """A step's responses, checked whole before any is sent (a bad one fails the

@@ -224,6 +224,48 @@ def test_a_failed_step_fails_the_joins_it_ran_and_the_rest_go_on() -> None:
     assert [f for f, _ in rig.of(f"r{waiting}.0")] == [False] * 4 + [True]
 
 
+class Split(Counter):
+    """A Counter whose step answers what is ready and whose ``advance`` does the work
+    (a decode's stand-in): it records, at each advance, the responses already sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[Any] = []   # the rig's responses, set once the rig is made
+        self.advanced: list[tuple[list[int], int]] = []   # (sequences, responses sent)
+        self.fail_advance: int | None = None
+
+    def advance(self, states: dict[int, dict[str, int]]) -> None:
+        self.advanced.append((sorted(states), len(self.sent)))
+        if len(self.advanced) == self.fail_advance:
+            raise RuntimeError("advance failed on purpose")
+
+
+def test_advance_runs_after_the_steps_responses_are_sent_with_those_going_on() -> None:
+    rig = Rig(most=4, handler=Split())
+    rig.handler.sent = rig.parts
+    rig.join(1, 3)
+    rig.table.step()
+    # both first responses were out before advance ran; the one that ended is not advanced
+    assert rig.handler.advanced == [([2], 2)]
+    while rig.table.busy:
+        rig.table.step()
+    assert rig.handler.advanced == [([2], 2), ([2], 3)]
+    assert [v[0] for _, v in rig.of("r1.1")] == [1.0, 2.0, 3.0]
+
+
+def test_a_failed_advance_fails_the_joins_it_ran_after_their_responses() -> None:
+    rig = Rig(most=4, handler=Split())
+    rig.handler.sent = rig.parts
+    rig.handler.fail_advance = 1
+    batch = rig.join(3)
+    rig.table.step()
+    assert rig.of("r1.0") == [(False, [1.0, 1.0, 1.0])]
+    assert [r.batch_id for r in rig.results if r.error] == [batch]
+    assert "advance() failed: RuntimeError: advance failed on purpose" in \
+        (rig.results[0].error or "")
+    assert not rig.table.busy
+
+
 def test_a_failed_join_fails_its_batch_only() -> None:
     rig = Rig(most=4)
     good = rig.join(2)

@@ -121,6 +121,7 @@ class Admission:
         if demand is not None:
             demand.want(req.model, now)
         entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
+        entry.by_time = grant.by_time
         entry.payload.notes = grant.notes
         entry.payload.digest = digest
         return entry

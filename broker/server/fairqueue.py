@@ -29,7 +29,7 @@ class FairLevel:
     neither. Cost: a heap over the tenants that have work at this level.
     """
 
-    __slots__ = ("heaps", "vt", "clock", "samples", "weights")
+    __slots__ = ("heaps", "vt", "clock", "samples", "weights", "per_unit")
 
     def __init__(self) -> None:
         self.heaps: dict[str, list[tuple[float, int, Entry]]] = {}
@@ -37,6 +37,9 @@ class FairLevel:
         self.clock = 0.0
         self.samples: dict[str, int] = {}     # queued, per tenant with work here
         self.weights: dict[str, float] = {}
+        # seconds a unit of work took, last seen: what a row shared by compute time is
+        # reckoned to cost before it is taken (ordering only; the charge is its own)
+        self.per_unit = 0.0
 
     def _live(self, tenant: str) -> list[tuple[float, int, Entry]]:
         heap = self.heaps.get(tenant)
@@ -73,11 +76,37 @@ class FairLevel:
         return mine + sum(min(n, math.ceil(span * self.weights[u]))
                           for u, n in self.samples.items() if u != tenant)
 
+    def cost(self, e: Entry) -> float:
+        """The work ``e`` will be charged: its rows, or (shares by compute time) the
+        seconds its units are reckoned to take."""
+        if not e.by_time:
+            return e.samples
+        return e.units * (self.per_unit or 1.0)
+
     def charge(self, e: Entry) -> None:
-        """``e`` was taken: its tenant has been served its work."""
+        """``e`` was taken: its tenant has been served its work (by compute time: the
+        seconds the scheduler put on it, ``charged_s``)."""
         v = self.vt.get(e.tenant, self.clock)
         self.clock = max(self.clock, v)
-        self.vt[e.tenant] = v + e.samples / e.weight
+        if e.by_time:
+            if e.charged_s > 0 and e.units > 0:
+                self.per_unit = e.charged_s / e.units
+            work = e.charged_s
+        else:
+            work = e.samples
+        self.vt[e.tenant] = v + work / e.weight
+
+    def adjust(self, tenant: str, weight: float, delta_s: float, units: float = 0.0,
+               seconds: float = 0.0) -> None:
+        """A batch came back: a tenant's charge corrected by what its rows really took
+        (``delta_s``, measured less predicted); ``units``/``seconds`` the measured rate.
+        A tenant with no virtual time here (the level emptied since) has nothing to
+        correct: idleness restarts it at the clock either way."""
+        if units > 0 and seconds > 0:
+            self.per_unit = seconds / units
+        v = self.vt.get(tenant)
+        if v is not None:
+            self.vt[tenant] = max(0.0, v + delta_s / weight)
 
     def clear(self) -> None:
         """The level emptied: every tenant is idle, so all restart level (virtual times
@@ -124,7 +153,7 @@ class FairLevel:
             for _, _, e in it:
                 if e.state == QUEUED:
                     yield e
-                    v += e.samples / e.weight
+                    v += self.cost(e) / e.weight
                     break
             nxt = next(it, None)
             if nxt is not None:

@@ -33,7 +33,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
 from zeroserve.broker.server.fairqueue import GONE, QUEUED, TAKEN, FairLevel as _Level
 
@@ -61,6 +61,8 @@ class Entry:
     shape: Hashable = None    # shape key: only equal keys share a batch
     scale: float = 1.0        # a row's cost in units of the declared shape's
     length: int = 0           # tokens a row: its length along the padded dimension
+    by_time: bool = False     # its tenant's share counts compute time, not rows
+    charged_s: float = 0.0    # by time: the seconds its tenant was charged when taken
 
     @property
     def units(self) -> float:
@@ -73,7 +75,7 @@ class Entry:
         return Entry(self.key, self.model, self.priority, self.arrival_s, self.deadline_s,
                      self.samples, self.version, self.payload, tenant=self.tenant,
                      weight=self.weight, shed_rank=self.shed_rank, shape=self.shape,
-                     scale=self.scale, length=self.length)
+                     scale=self.scale, length=self.length, by_time=self.by_time)
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,25 @@ Predict = Callable[[float], float]   # units (rows x scale) -> seconds
 
 def _no_latency(_: float) -> float:
     return 0.0
+
+
+def split_by_units(entries: list[Entry], seconds: float) -> list[tuple[str, float]]:
+    """A batch's time over its rows, in proportion to each row's units (rows x scale,
+    what the latency model prices): (tenant, seconds) a row."""
+    total = sum(e.units for e in entries)
+    if total <= 0:
+        return [(e.tenant, seconds / len(entries)) for e in entries]
+    return [(e.tenant, seconds * e.units / total) for e in entries]
+
+
+def _reckon(batch: list[Entry], predict: Predict) -> None:
+    """The seconds each row of a batch is charged when taken: the batch's predicted
+    time (every row at its longest scale) split by units; corrected by
+    :meth:`Scheduler.used` once it is measured."""
+    rows = sum(e.samples for e in batch)
+    predicted = predict(rows * max(e.scale for e in batch))
+    for e, (_, share) in zip(batch, split_by_units(batch, predicted)):
+        e.charged_s = share
 
 
 @dataclass
@@ -400,7 +421,7 @@ class Scheduler:
         start = now if start_s is None else max(now, start_s)
         if pol.max_batch_tokens:
             batch, doomed = self._by_tokens(q, now, start, cap, predict, resolve)
-            return self._taken(q, batch, doomed, reason)
+            return self._taken(q, batch, doomed, reason, predict)
         batch = []
         doomed = []
         total, tightest, version, scale = 0, math.inf, None, 0.0
@@ -424,11 +445,13 @@ class Scheduler:
                 break
         for e in batch:
             e.version = version
-        return self._taken(q, batch, doomed, reason)
+        return self._taken(q, batch, doomed, reason, predict)
 
     def _taken(self, q: _Queue, batch: list[Entry], doomed: list[Entry],
-               reason: str) -> Decision:
+               reason: str, predict: Predict) -> Decision:
         """The batch leaves the queue (charged to its tenants), the doomed with it."""
+        if any(e.by_time for e in batch):
+            _reckon(batch, predict)
         for e in batch:
             e.state = TAKEN
             q.levels[e.priority].charge(e)
@@ -551,6 +574,21 @@ class Scheduler:
         if now + predict(min(q.samples, pol.cap) * q.scale()) >= tightest:
             return DEADLINE
         return None
+
+    def used(self, model: str, entries: Iterable[Entry], seconds: float
+             ) -> list[tuple[str, float]]:
+        """A batch of ``entries`` ran for ``seconds`` (measured): each row's share, split
+        by units as the latency model prices them, as (tenant, seconds); a tenant whose
+        share counts compute time has its fair-queue charge corrected to it."""
+        rows = list(entries)
+        out = split_by_units(rows, seconds)
+        q = self._queues.get(model)
+        total = sum(e.units for e in rows)
+        for e, (_, share) in zip(rows, out):
+            level = q.levels.get(e.priority) if q is not None and e.by_time else None
+            if level is not None:
+                level.adjust(e.tenant, e.weight, share - e.charged_s, total, seconds)
+        return out
 
     # -- internals ----------------------------------------------------------
     def _remove(self, e: Entry) -> None:

@@ -308,6 +308,9 @@ class Lifecycle:
         self.scheduler.set_policy(name, model.policy())
         self.requests.reroute(name, gone)
         self.requests.answers.retain(name)   # a retired version's answers hold no memory
+        self.requests.stats.retain(name, model.versions)
+        self.requests.metrics.retain_versions(name, model.versions)
+        self.placement.retain(name, model.path, self.catalog.shas.get(name, {}).values())
         if swap.changed:   # a new build: what the old one failed is moot
             self.requests.breakers.reset(name)
         if self.requests.releases is not None:   # a new build may start a rollout

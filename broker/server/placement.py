@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -368,6 +369,22 @@ class Placement:
                         msg.version, worker.worker_id, size_text(pred.total_bytes),
                         size_text(need))
         return need
+
+    def retain(self, model: str, folder: Path, shas: Iterable[str]) -> None:
+        """Only the builds ``shas`` of the model (in ``folder``) are served now: what was
+        learned of the others' contents and files goes (their folders are deleted; a
+        version every 30 s once left an entry each for good)."""
+        keep = set(shas)
+        for key in [k for k in self.by_content if k[0] == model and k[1] not in keep]:
+            del self.by_content[key]
+        prefix = f"{folder}/"
+        try:
+            live = set(os.listdir(folder))
+        except OSError:
+            live = set()
+        for key in [k for k in self._weights if k[0].startswith(prefix)
+                    and k[0][len(prefix):].split("/", 1)[0] not in live]:
+            del self._weights[key]
 
     def forget(self, key: Key) -> None:
         self.footprints.pop(key, None)

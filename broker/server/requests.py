@@ -10,6 +10,7 @@ never produce a second answer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -153,9 +154,12 @@ class RequestPath:
             return
         wait_s = self.breakers.admit(req.model, now)
         if wait_s is not None:
-            self.refuse(client, req.request_id, p.ErrorCode.UNAVAILABLE,
-                        refusal(req.model, wait_s), req.model, wait_s)
-            return
+            version = self.breakers.route(req.model, req.version, self._ready(model))
+            if version is None:
+                self.refuse(client, req.request_id, p.ErrorCode.UNAVAILABLE,
+                            refusal(req.model, wait_s), req.model, wait_s)
+                return
+            req = dataclasses.replace(req, version=version)   # a healthy version it holds
         entry = self.admission.admit(client, req, now)
         if isinstance(entry, Refusal):
             self.refuse(client, req.request_id, entry.code, entry.message, req.model,
@@ -324,6 +328,13 @@ class RequestPath:
                                     result.phases_ms, result.compute_ms, len(totals_s))
         self.fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
 
+    def _ready(self, model: CatalogModel | None) -> list[int]:
+        """The versions of a model a worker holds ready, not rolled back."""
+        if model is None:
+            return []
+        name = model.config.name
+        return [v for v in model.ready if v not in model.failed and self.pool.holders(name, v)]
+
     def _rolling_out(self, model: str) -> bool:
         return self.releases is not None and model in self.releases.rollouts
 
@@ -332,10 +343,11 @@ class RequestPath:
         rollout compares the versions and rolls back the bad one instead)."""
         if self._rolling_out(rec.model):
             return
-        if self.breakers.failed(rec.model, len(rec.entries), now, error[:200]):
+        if self.breakers.failed(rec.model, len(rec.entries), now, error[:200], rec.version):
             self.metrics.breaker_tripped(rec.model)
-            logger.error("model %s: circuit breaker open, its requests answered 503 until "
-                         "probes pass: %s", rec.model, error[:200])
+            logger.error("model %s: circuit breaker open, its requests answered 503 (or "
+                         "routed to another version it holds) until probes pass: %s",
+                         rec.model, error[:200])
 
     def _canary_failed(self, rec: Inflight, result: p.BatchResult, now: float) -> None:
         """A failed batch of a model in a rollout: counted against its version; when that

@@ -219,8 +219,8 @@ def _qos_classes(w: _Where, doc: Any) -> dict[str, QosClass]:
 
 
 _FIELDS = {"keys", "qos", "rate", "burst", "samples_rate", "samples_burst", "max_inflight",
-           "models", "max_timeout_ms", "weight", "tokens_per_minute", "tokens_burst", "compute_per_minute",
-           "compute_burst"}
+           "models", "max_timeout_ms", "weight", "tokens_per_minute", "tokens_burst",
+           "compute_per_minute", "compute_burst"}
 SHARES = ("requests", "compute")
 
 

@@ -170,7 +170,7 @@ class Admission:
                 return Refusal(p.ErrorCode.DEADLINE,
                                f"deadline of {timeout_ms:g} ms cannot be met: {loading}the "
                                f"queue ahead needs about {wait_s * 1000:.1f} ms", grant.tenant)
-        self.gate.note(req.model, priority, now)
+        self.gate.note(req.model, priority, now, grant.tenant)
         version = req.version
         if version is None and model.routed:
             version = model.route(req.routing_key or req.api_key or client.hex())

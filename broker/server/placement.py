@@ -382,9 +382,9 @@ class Placement:
             live = set(os.listdir(folder))
         except OSError:
             live = set()
-        for key in [k for k in self._weights if k[0].startswith(prefix)
-                    and k[0][len(prefix):].split("/", 1)[0] not in live]:
-            del self._weights[key]
+        for path in [k for k in self._weights if k[0].startswith(prefix)
+                     and k[0][len(prefix):].split("/", 1)[0] not in live]:
+            del self._weights[path]
 
     def forget(self, key: Key) -> None:
         self.footprints.pop(key, None)

@@ -299,7 +299,8 @@ class Tenancy:
     def summary(self) -> dict[str, dict[str, Any]]:
         """For ``status``: per tenant its observed rate, in-flight and rejections."""
         full = self.describe()["tenants"]
-        return {n: {k: t[k] for k in ("rate", "inflight", "rejected")} for n, t in full.items()}
+        return {n: {k: t[k] for k in ("rate", "inflight", "rejected", "compute_s")}
+                for n, t in full.items()}
 
     def reload_verb(self, _: dict[str, Any]) -> dict[str, Any]:
         try:

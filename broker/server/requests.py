@@ -154,7 +154,8 @@ class RequestPath:
             return
         wait_s = self.breakers.admit(req.model, now)
         if wait_s is not None:
-            version = self.breakers.route(req.model, req.version, self._ready(model))
+            held = [] if model is None else [v for v in model.ready if v not in model.failed]
+            version = self.breakers.route(req.model, req.version, held)
             if version is None:
                 self.refuse(client, req.request_id, p.ErrorCode.UNAVAILABLE,
                             refusal(req.model, wait_s), req.model, wait_s)
@@ -328,12 +329,6 @@ class RequestPath:
                                     result.phases_ms, result.compute_ms, len(totals_s))
         self.fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
 
-    def _ready(self, model: CatalogModel | None) -> list[int]:
-        """The versions of a model a worker holds ready, not rolled back."""
-        if model is None:
-            return []
-        name = model.config.name
-        return [v for v in model.ready if v not in model.failed and self.pool.holders(name, v)]
 
     def _rolling_out(self, model: str) -> bool:
         return self.releases is not None and model in self.releases.rollouts

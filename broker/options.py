@@ -298,8 +298,9 @@ def parser() -> argparse.ArgumentParser:
                         "usable core down (the gateway and broker stay unpinned)")
     p.add_argument("--http-workers", type=int, default=0,
                    help="gateway processes sharing the HTTP port (one core each at most; "
-                        "default: one per 4 cores, at most 8, and 1 with "
-                        "--allow-shared-memory)")
+                        "default: one per 2 cores the workers and the broker leave (a GPU "
+                        "worker takes 1, a CPU worker its --threads), at least 1, at most "
+                        "4, and 1 with --allow-shared-memory)")
 
     p = sub.add_parser("broker", help="run the broker")
     _common(p)

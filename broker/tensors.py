@@ -7,9 +7,9 @@ is interpreted by workers alone).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Annotated, Any, Sequence
 
+import msgspec
 import numpy as np
 
 
@@ -34,11 +34,17 @@ ITEM_BYTES = {name: (dt.itemsize if dt is not None else 2) for name, dt in DTYPE
               if name != "BYTES"}
 
 
-@dataclass(frozen=True)
-class TensorMeta:
+MAX_DIM = 2**40   # no tensor dimension is longer (a shape's product stays an int64)
+
+
+class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
+    """``[name, datatype, shape]`` on the wire, decoded and checked in C (each dimension
+    an int in [0, MAX_DIM); the datatype's name is checked against DTYPES beside its
+    frame, which it sizes)."""
+
     name: str
     datatype: str
-    shape: tuple[int, ...]
+    shape: tuple[Annotated[int, msgspec.Meta(ge=0, lt=MAX_DIM)], ...]
 
     def nbytes(self) -> int | None:
         """Exact byte size, or None for BYTES (variable length)."""
@@ -53,8 +59,7 @@ class TensorMeta:
 Buffer = Any  # bytes, memoryview, zmq.Frame: anything with the buffer protocol
 
 
-@dataclass(frozen=True)
-class Tensor:
+class Tensor(msgspec.Struct, frozen=True):
     meta: TensorMeta
     data: Buffer
 

@@ -1,62 +1,90 @@
-"""uvicorn's httptools protocol with the infer route's answer written in one system call.
+"""uvicorn's httptools protocol with a short way in and out for the infer route.
 
-uvicorn writes a response's head when the app sends ``http.response.start`` and its body
-on ``http.response.body``: two writes, two TCP segments, and a reader that may wake for
-each. py-spy at C=64 on ``mlp`` found those two writes at 18% of the gateway's CPU. The
-infer route sends both at once (gateway/routes/infer.py), so for it the head waits for
-the body and both leave in one ``writelines`` (uvloop gathers them into one writev).
-Other routes stream (generate, SSE) and keep uvicorn's writes as they are.
+uvicorn hands a request's body to the app as ``http.request`` messages and writes its
+answer as the app sends ``http.response.start`` (the head, checked and built header by
+header) and ``http.response.body``: two writes, two TCP segments, a reader that may wake
+for each, and Python work per header and per message that py-spy at C=64 on ``mlp``
+put at a fifth of the gateway's CPU with the writes. For ``POST .../infer`` this
+protocol puts a :class:`OneWrite` in the scope (``scope[ONE_WRITE]``): the endpoint
+takes the body at once when it has all arrived, and answers with one call that builds
+the head from the few headers it has and writes head and body together (uvloop gathers
+them into one writev). Everything else about the connection stays uvicorn's: keep-alive,
+pipelining, flow control, 100 Continue (a body still on its way is read through
+``receive``), the disconnect, shutdown. Other routes (generate, SSE) keep uvicorn's
+messages as they are, and so does an app served by any other server.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
+from typing import Sequence
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (HEADER_VALUE_RE, STATUS_LINE,
+                                                   HttpToolsProtocol, RequestResponseCycle)
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
-__all__ = ["HeadWithBody", "InferHttpProtocol"]
+__all__ = ["ONE_WRITE", "InferHttpProtocol", "OneWrite"]
 
-CONTINUE = b"HTTP/1.1 100 "
+ONE_WRITE = "zeroserve.one_write"   # the scope key of a request's OneWrite
 
 
-class HeadWithBody(asyncio.Transport):
-    """A request's view of its connection: the response's head (the first write other
-    than a 100 Continue) is held and leaves with the next write. A head never followed
-    by a body (the app failed after starting) leaves when the connection closes."""
+class OneWrite:
+    """One infer request's body and answer on its uvicorn cycle, without ASGI messages.
+    It keeps the cycle's own state as uvicorn's ``receive`` and ``send`` would."""
 
-    __slots__ = ("transport", "head", "held")
+    __slots__ = ("cycle",)
 
-    def __init__(self, transport: asyncio.Transport) -> None:
-        super().__init__()
-        self.transport = transport
-        self.head: bytes | None = None
-        self.held = False   # once the head has been seen, writes go straight through
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self.cycle = cycle
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        if self.head is not None:
-            head, self.head = self.head, None
-            self.transport.writelines((head, data))
-        elif self.held or data[:len(CONTINUE)] == CONTINUE:
-            self.transport.write(data)
-        else:
-            self.head, self.held = bytes(data), True
+    def body(self) -> bytes | None:
+        """The whole body when it has all arrived (its ``receive`` would give it in one
+        message), else None: read it with ``receive`` (100 Continue, a large body)."""
+        cycle = self.cycle
+        if cycle.more_body or cycle.disconnected or cycle.response_complete:
+            return None
+        body = bytes(cycle.body)
+        cycle.body = bytearray()
+        cycle.waiting_for_100_continue = False   # the body came without it
+        # as receive does: the next receive (the disconnect watch) waits for news
+        cycle.message_event.clear()
+        cycle.flow.resume_reading()
+        return body
 
-    def close(self) -> None:
-        if self.head is not None:
-            head, self.head = self.head, None
-            self.transport.write(head)
-        self.transport.close()
-
-    def is_closing(self) -> bool:
-        return self.transport.is_closing()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self.transport.get_extra_info(name, default)
+    def answer(self, status: int, content_type: bytes, body: bytes,
+               headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        """The whole answer in one write, the response completed as ``send`` completes
+        it (a client gone already gets nothing, as there)."""
+        cycle = self.cycle
+        if cycle.disconnected or cycle.response_started:
+            return
+        cycle.response_started = cycle.response_complete = True
+        cycle.waiting_for_100_continue = False
+        if cycle.access_log:   # the gateway runs without; uvicorn's line where it is on
+            scope = cycle.scope
+            cycle.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope),
+                                     scope["method"], get_path_with_query_string(scope),
+                                     scope["http_version"], status)
+        head = [STATUS_LINE[status]]
+        for name, value in cycle.default_headers:
+            head += (name, b": ", value, b"\r\n")
+        head += (b"content-type: ", content_type, b"\r\ncontent-length: ",
+                 b"%d" % len(body), b"\r\n")
+        for name, value in headers:
+            if HEADER_VALUE_RE.search(value):   # as uvicorn: no header splits the answer
+                raise RuntimeError("Invalid HTTP header value.")
+            head += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        cycle.transport.writelines((b"".join(head), body))
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            cycle.transport.close()
+        cycle.on_response()
 
 
 class InferHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol; a request to an infer route answers in one write."""
+    """uvicorn's httptools protocol; a request to an infer route gets a OneWrite."""
 
     def on_headers_complete(self) -> None:
         before = self.cycle
@@ -66,4 +94,4 @@ class InferHttpProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not before and cycle.scope["method"] == "POST" and \
                 cycle.scope["path"].endswith("/infer"):
-            cycle.transport = HeadWithBody(cycle.transport)
+            cycle.scope[ONE_WRITE] = OneWrite(cycle)  # type: ignore[literal-required]

@@ -11,7 +11,7 @@ its highest priority, and the key and trace context of its first request (the on
 scheduler took first), or those of one request with ``item=i``. A call whose caller's
 deadline has passed fails here, before it reaches the broker.
 
-Such a handler's batches run on threads of their own (workers/worker.py), so the compute
+Such a handler's batches run on threads of their own (workers/callers.py), so the compute
 thread keeps taking batches while one waits; the first call of a batch tells the broker
 (``Waiting``) that it holds no credit until its result, so the models it waits on can run
 on this very worker. No worker waits on work only it can run.

@@ -152,7 +152,8 @@ class BrokerChannel:
         """From the compute thread: the first waiting batch, or None; any other message
         read on the way goes to ``forward`` while the lock is held, so before anything
         the main thread reads after it, and the main thread is woken when ``forward``
-        says the message is its."""
+        says the message is its. ``is_batch`` is asked under the lock too, so what the
+        compute thread records of its batch is there before the main thread reads on."""
         while True:
             with self._lock:
                 frames = self.recv()

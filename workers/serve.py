@@ -59,8 +59,11 @@ def _base(args: argparse.Namespace, command: str) -> list[str]:
             *forwarded(args, command), *curve_args(args, command)]
 
 
-CORES_PER_GATEWAY = 4
-MAX_GATEWAYS = 8
+CORES_PER_GATEWAY = 2
+# The broker is one thread: bundled (a turn's requests in one message) it spends about
+# 35-50 us a request, unbundled 150 (bench_broker_cpu), against about 200 us of a
+# gateway's (bench_path), so past about four gateways the broker would be the wall.
+MAX_GATEWAYS = 4
 
 
 def usable_cores() -> int:
@@ -71,15 +74,18 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def http_processes(requested: int, cores: int, shared_memory: bool) -> int:
-    """--http-workers, or by default one gateway per four cores, at most eight. A gateway
-    process tops out at one core, and HTTP parsing was about half of the CPU a request
-    costs outside the model (measured on mlp), so a quarter of the cores keeps HTTP off
-    the critical path and leaves the rest to the broker and the workers. Shared-memory
-    registrations live in the gateway that took them, so allowing them keeps one."""
+def http_processes(requested: int, cores: int, shared_memory: bool,
+                   worker_cores: int = 0) -> int:
+    """--http-workers, or by default one gateway per two cores the workers and the
+    broker leave (``worker_cores``: a GPU worker's one, a CPU worker's torch threads;
+    the broker's one), at least 1 and at most MAX_GATEWAYS. A gateway tops out at one
+    core and the kernel's network work for it takes about as much again; past four the
+    broker's one thread would be the wall. Shared-memory registrations live in the
+    gateway that took them, so allowing them keeps one."""
     if requested > 0:
         return requested
-    return 1 if shared_memory else max(1, min(MAX_GATEWAYS, cores // CORES_PER_GATEWAY))
+    spare = cores - 1 - worker_cores
+    return 1 if shared_memory else max(1, min(MAX_GATEWAYS, spare // CORES_PER_GATEWAY))
 
 
 def pinning(wanted: bool, workers: int, threads: int, gpus: int) -> list[list[int]] | None:
@@ -112,11 +118,12 @@ def curve_args(args: argparse.Namespace, role: str) -> list[str]:
     return argv
 
 
-def gateways(args: argparse.Namespace) -> list[Child]:
+def gateways(args: argparse.Namespace, worker_cores: int) -> list[Child]:
     """One gateway process, or several sharing the port (SO_REUSEPORT) and one
     prometheus multiprocess folder, so /metrics on any of them counts them all."""
     argv = _base(args, "gateway")
-    n = http_processes(args.http_workers, usable_cores(), args.allow_shared_memory)
+    n = http_processes(args.http_workers, usable_cores(), args.allow_shared_memory,
+                       worker_cores)
     if n == 1:
         return [Child("gateway", argv)]
     prom = (Path(args.runtime_dir) if args.runtime_dir else runtime_dir()) / "prometheus"
@@ -170,7 +177,8 @@ def _run(args: argparse.Namespace) -> int:
         if pins is not None:
             argv += ["--cpus", affinity.format_cpus(pins[i])]
         children.append(Child(f"worker {hostname()}/{i}", argv, env))
-    children += gateways(args)
+    # a GPU worker keeps a core busy feeding its device; a CPU worker, its threads
+    children += gateways(args, sum(threads if d is None else 1 for d in devices))
     # each stop stage outlasts the bound of the component it waits for
     sup = Supervisor(children,
                      stop_timeout_s=max(args.drain_timeout_s, args.shutdown_timeout_s) + 5)

@@ -4,12 +4,16 @@ held, the inputs valid against the config (Triton's order and words) and their s
 class, the tenant's quota and rate, and the deadline against the work queued ahead (a
 request that cannot finish in time is refused now, not after waiting). What passes becomes
 the scheduler's entry; what does not, a :class:`~zeroserve.broker.server.tenancy.Refusal`
-to answer at once."""
+to answer at once.
+
+An ensemble's request climbs the same ladder (:meth:`Admission.admit_ensemble`), its
+steps' models standing in for the holders and its critical path for the queue ahead; what
+passes is run by the broker (pipeline.py)."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Hashable, NamedTuple, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
@@ -17,12 +21,14 @@ from zeroserve.broker.server.cachepath import CachedAnswers, Hit
 from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError, check_inputs, \
     normalize_priority
 from zeroserve.broker.server.dispatchgate import DispatchGate
+from zeroserve.broker.server.forecast import Forecast
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.ondemand import OnDemand, Refused
-from zeroserve.broker.server.pool import WorkerPool, WorkerState
+from zeroserve.broker.server.pool import WorkerPool
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
+from zeroserve.models import ensemble as ens
 from zeroserve.models.repository import ModelConfig
 from zeroserve.models.shapes import ShapeError, rule as shape_rule
 
@@ -49,9 +55,6 @@ class Payload:
         self.request = None
 
 
-SoonestFree = Callable[[list[WorkerState], float], float]
-
-
 class Cached(NamedTuple):
     """Admitted and answered from the response cache: never queued."""
 
@@ -60,12 +63,14 @@ class Cached(NamedTuple):
 
 
 class Admission:
-    """Turns a decoded request into a queue entry or a refusal. ``soonest_free`` says
-    when the first of some workers is predicted to be done with what it holds."""
+    """Turns a decoded request into a queue entry or a refusal. ``forecast`` says when
+    the first of some workers is predicted to be done with what it holds; ``demand``
+    (models loaded on demand) the load a request waits for."""
 
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
                  latency: LatencyBook, tenancy: Tenancy, stop: StopState, gate: DispatchGate,
-                 soonest_free: SoonestFree, answers: CachedAnswers) -> None:
+                 forecast: Forecast, answers: CachedAnswers,
+                 demand: OnDemand | None = None) -> None:
         self.catalog = catalog
         self.scheduler = scheduler
         self.pool = pool
@@ -73,12 +78,8 @@ class Admission:
         self.tenancy = tenancy
         self.stop = stop
         self.gate = gate
-        self._soonest_free = soonest_free
+        self.forecast = forecast
         self.answers = answers
-        self.demand: OnDemand | None = None
-
-    def use_demand(self, demand: OnDemand) -> None:
-        """Models loaded on demand: admission asks it for the load a request waits for."""
         self.demand = demand
 
     def admit(self, client: bytes, req: p.InferRequest, now: float
@@ -126,6 +127,52 @@ class Admission:
         entry.payload.digest = digest
         return entry
 
+    def admit_ensemble(self, req: p.InferRequest, model: CatalogModel, now: float
+                       ) -> Refusal | None:
+        """The ladder for a request to an ensemble: None when it may start."""
+        who = self.tenancy.identify(req)
+        if isinstance(who, Refusal):
+            return who
+        if req.version is not None and req.version not in model.versions:
+            return Refusal(p.ErrorCode.NOT_FOUND, wording.unknown_version(req.model,
+                                                                          req.version), "")
+        if self.streams(model) and not req.stream:
+            return Refusal(p.ErrorCode.UNSUPPORTED, wording.decoupled_unary(req.model), "")
+        try:
+            samples = check_inputs(model.config, [t.meta for t in req.tensors], req.outputs)
+        except RequestError as exc:
+            return Refusal(p.ErrorCode.BAD_INPUT, str(exc), "")
+        for i, step in enumerate(model.config.ensemble):
+            if not self.pool.holders(step.model_name):
+                return Refusal(p.ErrorCode.NO_WORKER, f"step {i} of ensemble {req.model!r}: "
+                               f"no worker has model {step.model_name!r} loaded", "")
+        timeout_ms, deadline = deadline_of(req, model.config, now)
+        if deadline < math.inf:
+            need_s = self.ensemble_s(model, req.priority, samples, now)
+            if now + need_s > deadline:
+                return Refusal(p.ErrorCode.DEADLINE, (
+                    f"deadline of {timeout_ms:g} ms cannot be met: ensemble {req.model!r} "
+                    f"needs about {need_s * 1000:.1f} ms along its slowest chain of steps"), "")
+        return None
+
+    def streams(self, model: CatalogModel) -> bool:
+        """Whether an ensemble's last step is a decoupled model (its answer streams)."""
+        return any(decoupled(self.catalog, s.model_name) for s in model.config.ensemble)
+
+    def ensemble_s(self, model: CatalogModel, priority: int, samples: int, now: float
+                   ) -> float:
+        """An ensemble's critical path: the first steps wait for the queue ahead of them
+        and run; a later step is counted by its run alone (its queue may drain
+        meanwhile), so the refusal is for what surely cannot finish."""
+        cfg = model.config
+        inputs = [t.name for t in cfg.inputs]
+        first = {i for i, d in enumerate(ens.depends(cfg.ensemble, inputs)) if not d}
+
+        def cost_s(i: int) -> float:
+            name = cfg.ensemble[i].model_name
+            return self.predict_s(name, priority, samples, now, queue=i in first)
+        return ens.critical_path_s(cfg.ensemble, inputs, cost_s)
+
     def predict_s(self, model: str, priority: int, samples: int, now: float,
                   queue: bool = True) -> float:
         """Seconds a request of ``samples`` to ``model`` is predicted to take from now:
@@ -140,7 +187,7 @@ class Admission:
             holders = self.pool.holders(model)
             need_s += self.scheduler.estimate_wait(
                 model, normalize_priority(priority, cat.config), predict, len(holders))
-            need_s += self._soonest_free(holders, now) - now
+            need_s += self.forecast.soonest_free(holders, now) - now
         return need_s
 
     def _demand(self, model: CatalogModel | None, req: p.InferRequest) -> OnDemand | None:
@@ -163,7 +210,7 @@ class Admission:
             holders = self.pool.holders(req.model)
             wait_s = self.scheduler.estimate_wait(req.model, priority, predict, len(holders),
                                                   grant.tenant, grant.weight, samples)
-            wait_s += self._soonest_free(holders, now) - now
+            wait_s += self.forecast.soonest_free(holders, now) - now
             if now + load_s + wait_s + predict(samples * scale) > deadline:
                 loading = f"loading model {req.model!r} takes about {load_s * 1000:.0f} ms " \
                     "and " if load_s else ""
@@ -188,6 +235,11 @@ def shape_class(cfg: ModelConfig, tensors: Sequence[p.Tensor]
     if rule.fixed:
         return None, 1.0, 0
     return rule.measure({t.meta.name: t.meta.shape for t in tensors})
+
+
+def decoupled(catalog: Catalog, name: str) -> bool:
+    model = catalog.get(name)
+    return model is not None and model.config.decoupled
 
 
 def warmup_scale(model: CatalogModel | None) -> float:

@@ -8,9 +8,10 @@ model still holds another ready version for (one that did not trip it) is routed
 instead of refused (:meth:`Breakers.route`).
 
 Pure: the counts and the clock come in (:meth:`Breakers.answered`, :meth:`failed`,
-:meth:`admit`), the state goes out; the request path (requests.py) feeds it and answers
-its refusals. A swap's first minutes are watched by a rollout instead (releases.py): the
-request path feeds the breaker only for models with no rollout running.
+:meth:`admit`), the state goes out; the request path's results (results.py) feed it and
+its intake (intake.py) answers its refusals. A swap's first minutes are watched by a
+rollout instead (releases.py): the results feed the breaker only for models with no
+rollout running.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class Breakers:
     def state(self, model: str) -> str:
         m = self._models.get(model)
         return CLOSED if m is None else m.state
+
+    def failing(self, model: str) -> bool:
+        """Open or probing: what autoscaling holds a model's replicas still for."""
+        return self.state(model) != CLOSED
 
     def admit(self, model: str, now: float) -> float | None:
         """None to let a request through; else the seconds after which to try again."""

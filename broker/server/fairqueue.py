@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 import itertools
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 if TYPE_CHECKING:
     from zeroserve.broker.server.scheduler import Entry
@@ -177,3 +177,35 @@ def in_order(heap: list[tuple[float, int, Entry]]) -> Iterator[tuple[float, int,
             heapq.heappush(frontier, (heap[child], child))
             if child + 1 < n:
                 heapq.heappush(frontier, (heap[child + 1], child + 1))
+
+
+def split_by_units(entries: list[Entry], seconds: float) -> list[tuple[str, float]]:
+    """A batch's time over its rows, in proportion to each row's units (rows x scale,
+    what the latency model prices): (tenant, seconds) a row."""
+    total = sum(e.units for e in entries)
+    if total <= 0:
+        return [(e.tenant, seconds / len(entries)) for e in entries]
+    return [(e.tenant, seconds * e.units / total) for e in entries]
+
+
+def reckon(batch: list[Entry], predict: Callable[[float], float]) -> None:
+    """The seconds each row of a batch is charged when taken, shares by compute time:
+    the batch's predicted time (every row at its longest scale) split by units;
+    corrected by :func:`measured` once it is measured."""
+    rows = sum(e.samples for e in batch)
+    predicted = predict(rows * max(e.scale for e in batch))
+    for e, (_, share) in zip(batch, split_by_units(batch, predicted)):
+        e.charged_s = share
+
+
+def measured(rows: list[Entry], seconds: float, levels: Mapping[int, FairLevel]
+             ) -> list[tuple[str, float]]:
+    """A batch of ``rows`` ran ``seconds``: each row's share (tenant, seconds); a tenant
+    whose share counts compute time has its charge in its level corrected to it."""
+    out = split_by_units(rows, seconds)
+    total = sum(e.units for e in rows)
+    for e, (_, share) in zip(rows, out):
+        level = levels.get(e.priority) if e.by_time else None
+        if level is not None:
+            level.adjust(e.tenant, e.weight, share - e.charged_s, total, seconds)
+    return out

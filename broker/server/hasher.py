@@ -39,6 +39,13 @@ class Hasher:
         self._jobs.put((job, model, versions))
         return job
 
+    def register(self, poller: zmq.Poller) -> None:
+        """The loop wakes when a result arrives (then :meth:`receive` takes them)."""
+        poller.register(self.results, zmq.POLLIN)
+
+    def ready(self, events: dict[Any, int]) -> bool:
+        return self.results in events
+
     def receive(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         while True:

@@ -9,7 +9,7 @@ nothing. The unary path and the stream path are each given the one ledger.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from zeroserve.broker.server.types import RequestKey
 
@@ -17,13 +17,13 @@ Key = RequestKey
 
 
 class AnswerLedger:
-    """Open keys by client; ``on_close`` lets go of what others hold for a key (its
-    tenant's slot, its stream's state) at the moment it is answered."""
+    """Open keys by client; each of ``on_close`` lets go of what others hold for a key
+    (its tenant's slot, its stream's state) at the moment it is answered."""
 
-    def __init__(self, on_close: Callable[[Key], None]) -> None:
+    def __init__(self, on_close: Sequence[Callable[[Key], object]] = ()) -> None:
         self._open: dict[Key, str] = {}               # key -> model
         self._by_client: dict[bytes, set[str]] = {}
-        self._on_close = on_close
+        self._on_close = tuple(on_close)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -42,7 +42,8 @@ class AnswerLedger:
         """Mark a request answered; False if it already was (then send nothing)."""
         if self._open.pop(key, None) is None:
             return False
-        self._on_close(key)
+        for let_go in self._on_close:
+            let_go(key)
         ids = self._by_client.get(key[0])
         if ids is not None:
             ids.discard(key[1])

@@ -2,11 +2,12 @@
 sha256 of its files (hashed off the loop, hasher.py), and bring every change in
 through a two-phase swap (swap.py).
 
-The watcher, SIGHUP, ``zeroserve reload``, the repository extension's load and a
-worker joining all come here. The state they change is the catalog's (catalog.py),
-changed only by its verbs; what is placed where is the strategy it is given
-(``placed``: pins, or the replicas autoscaling chose), and what a rescan sees of the
-repository is ``source`` (explicit model control filters it).
+The watcher, SIGHUP, ``zeroserve reload`` and the repository extension's load all come
+here. The state they change is the catalog's (catalog.py), changed only by its verbs;
+what each worker should hold, and its loads, are the worker loads' (loads.py, which a
+worker joining asks directly), and what a rescan sees of the
+repository is what each of ``sources`` lets through in turn (explicit model control
+filters it, a rollout's retired versions leave it).
 """
 
 from __future__ import annotations
@@ -14,22 +15,27 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import zmq
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
+from zeroserve.broker.server.answering import Answering
+from zeroserve.broker.server.breaker import Breakers
+from zeroserve.broker.server.cachepath import CachedAnswers
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.hasher import Hasher
 from zeroserve.broker.server.loadretry import LoadRetries, RetryPolicy
+from zeroserve.broker.server.loads import WorkerLoads
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.registration import Registrar
-from zeroserve.broker.server.requests import RequestPath
+from zeroserve.broker.server.releases import Releases
 from zeroserve.broker.server.scheduler import Scheduler
-from zeroserve.broker.server.swap import Placed, Swap, Swaps, placed_on
+from zeroserve.broker.server.stats import ModelStatistics
+from zeroserve.broker.server.swap import Swap, Swaps
 from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import ConfigError, RepoModel, load_config, scan, \
     version_sha256
@@ -56,40 +62,41 @@ class LifecycleOptions:
     load_retry: RetryPolicy = RetryPolicy()   # loads that failed for a reason that may pass
 
 
-def _everything(found: Found) -> Found:
-    return found
-
-
 class Lifecycle:
     """The coordinator: rescans, hashes and worker joins become swaps or sync loads."""
 
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
-                 requests: RequestPath, metrics: BrokerMetrics, clock: Callable[[], float],
-                 ctx: zmq.Context[Any], placement: Placement, registrar: Registrar, *,
-                 options: LifecycleOptions | None = None, placed: Placed = placed_on,
-                 source: Source = _everything,
-                 turn: Callable[[str], bool] = lambda name: False) -> None:
+                 answering: Answering, answers: CachedAnswers, breakers: Breakers,
+                 releases: Releases, metrics: BrokerMetrics, clock: Callable[[], float],
+                 ctx: zmq.Context[Any], placement: Placement, registrar: Registrar,
+                 loads: WorkerLoads, retries: LoadRetries, *, stats: ModelStatistics,
+                 options: LifecycleOptions | None = None, sources: Sequence[Source] = ()
+                 ) -> None:
         self.catalog = catalog
         self.scheduler = scheduler
         self.pool = pool
-        self.requests = requests
+        self.answering = answering   # a change's queued requests: rerouted or failed
+        self.answers = answers       # the response cache: a retired version's go
+        self.breakers = breakers     # a new build starts with a closed breaker
+        self.releases = releases     # a new build may start a rollout
         self.metrics = metrics
+        self.stats = stats           # a retired version's figures go
         self.clock = clock
         self.ctx = ctx
         self.opts = options or LifecycleOptions()
         self.root = catalog.root
         self.placement = placement
         self.registrar = registrar
-        self.placed = placed
-        self.source = source
-        self.turn = turn   # whether a model's load is load on demand's: logged at debug
+        self.loads = loads       # what each worker should hold: loaded, retried
+        self.retries = retries
+        self.sources = tuple(sources)
         self.watcher: RepoWatcher | None = None
         self.hasher: Hasher | None = None
         self.pending: dict[str, tuple[RepoModel, int]] = {}   # hashing
         self.deferred: set[str] = set()     # changed again while a swap ran
         self.forced: dict[str, set[int]] = {}   # operator reloads waiting for their hashes
-        self.retries = LoadRetries(self.opts.load_retry)
-        self.swaps = Swaps(catalog, pool, metrics, clock, load=placement.load, placed=placed,
+        self.swaps = Swaps(catalog, pool, metrics, clock, load=placement.load,
+                           placed=loads.placed,
                            committed=self._committed, ended=self._after_swap,
                            retry=self._retry, retries=self.retries,
                            timeout_s=self.opts.swap_timeout_s)
@@ -99,6 +106,10 @@ class Lifecycle:
         the watcher off (model control none or explicit) this is called instead."""
         if self.watcher is None:
             self.rescan({name})
+
+    def swapping(self, name: str) -> bool:
+        """Whether a swap is placing ``name`` now (autoscaling waits for it)."""
+        return name in self.swaps
 
     def busy(self, name: str) -> bool:
         """Whether a change of ``name`` is on its way (hashing, swapping or deferred)."""
@@ -114,7 +125,7 @@ class Lifecycle:
     def start(self, poller: zmq.Poller) -> None:
         self.registrar.clean_leftovers()
         self.hasher = Hasher(self.ctx)
-        poller.register(self.hasher.results, zmq.POLLIN)
+        self.hasher.register(poller)
         if self.opts.control_mode != "poll":  # none, explicit: the repository is not watched
             logger.info("model control %s: %s is not watched", self.opts.control_mode,
                         self.root)
@@ -136,7 +147,7 @@ class Lifecycle:
     def on_events(self, events: dict[Any, int]) -> None:
         if self.watcher is not None and self.watcher.fileno() in events:
             self.watcher.read()
-        if self.hasher is not None and self.hasher.results in events:
+        if self.hasher is not None and self.hasher.ready(events):
             for result in self.hasher.receive():
                 self._on_hashed(result)
 
@@ -157,9 +168,7 @@ class Lifecycle:
                 self.rescan(dirty)
         if self.swaps:
             self.swaps.check(now)
-        if self.retries:
-            for worker_id, load in self.retries.take_due(now):
-                self._retry_load(worker_id, load)
+        self.loads.retry_due(now, self.swaps)
         if self.pool.retiring:
             for holder, key in self.pool.take_idle():
                 self.placement.forget((holder.identity, *key))
@@ -172,7 +181,7 @@ class Lifecycle:
     def rescan(self, dirty: set[str]) -> None:
         skip = self.watcher.is_writing if self.watcher is not None else None
         try:
-            found, errors = self.source(scan(self.root, skip))
+            found, errors = self._source(scan(self.root, skip))
         except ConfigError as exc:
             logger.error("%s", exc)
             return
@@ -188,6 +197,11 @@ class Lifecycle:
                 self._on_error(folder, errors[folder])
             else:  # gone (or, under explicit control, not asked for)
                 self.remove_model(folder, "its folder was removed")
+
+    def _source(self, found: Found) -> Found:
+        for source in self.sources:
+            found = source(found)
+        return found
 
     def _ensembles_of(self, names: set[str], found: dict[str, RepoModel]) -> set[str]:
         """The ensembles to look at again with ``names``: those served whose steps name
@@ -216,13 +230,13 @@ class Lifecycle:
         bring every worker in line with what is committed now."""
         self.rescan({ALL})
         for worker in list(self.pool.workers.values()):
-            self.sync_worker(worker)
+            self.loads.sync_worker(worker)
 
     def reload(self, name: str, versions: list[int]) -> list[str]:
         """``zeroserve reload``: load these versions afresh on every worker placed for
         the model and swap them in (two phases, as for a change on disk), even when
         their files did not change or failed before. Returns the workers' ids."""
-        found, errors = self.source(scan(self.root))
+        found, errors = self._source(scan(self.root))
         if name not in found:
             raise LookupError(errors.get(name, f"model {name!r} is not in the repository"))
         return self.load_now(found[name], versions)
@@ -234,8 +248,7 @@ class Lifecycle:
         self.catalog.retry(name)
         self.retries.forget(name)   # an operator's load starts the count afresh
         self.forced.setdefault(name, set()).update(versions)
-        placed = [w for w in self.pool.workers.values()
-                  if not w.draining and self.placed(rm.config, w)]
+        placed = self.loads.placed_on(rm.config)
         for w in placed:
             for v in versions:
                 self.pool.begin_load(w, ModelVersion(name, v))
@@ -306,18 +319,17 @@ class Lifecycle:
     def _committed(self, name: str, gone: set[int], swap: Swap) -> None:
         model = self.catalog.models[name]
         self.scheduler.set_policy(name, model.policy())
-        self.requests.reroute(name, gone)
-        self.requests.answers.retain(name)   # a retired version's answers hold no memory
-        self.requests.stats.retain(name, model.versions)
-        self.requests.metrics.retain_versions(name, model.versions)
+        self.answering.reroute(name, gone)
+        self.answers.retain(name)   # a retired version's answers hold no memory
+        self.stats.retain(name, model.versions)     # nor its figures, nor its series
+        self.metrics.retain_versions(name, model.versions)
         self.placement.retain(name, model.path, self.catalog.shas.get(name, {}).values())
         if swap.changed:   # a new build: what the old one failed is moot
-            self.requests.breakers.reset(name)
-        if self.requests.releases is not None:   # a new build may start a rollout
-            self.requests.releases.committed(name, swap.changed)
+            self.breakers.reset(name)
+        self.releases.committed(name, swap.changed)   # a new build may start a rollout
         for w in list(self.pool.workers.values()):
             if w.identity not in swap.excluded and w.identity not in swap.workers:
-                self.sync_worker(w)   # joined meanwhile: loads what is now committed
+                self.loads.sync_worker(w)   # joined meanwhile: loads what is now committed
 
     def _after_swap(self, name: str) -> None:
         if name in self.deferred:
@@ -333,104 +345,15 @@ class Lifecycle:
         """A LOADED: a registration's trial, part of a swap, or a plain sync load."""
         msg = self.placement.check(worker, msg)  # may turn it into a refused load
         if msg.ok:
-            self._release(msg)
+            self.loads.release(msg, self.swaps)
         if self.registrar.on_loaded(worker, msg) or self.swaps.on_loaded(worker, msg):
             return
-        key = ModelVersion(msg.model, msg.version)
-        if msg.ok:
-            self.pool.loaded(worker, key, msg.load_s)
-            self.metrics.model_loaded(msg.model, True, msg.load_s)
-            if not self.catalog.mark_ready(*key):
-                self.pool.unload(worker, *key)
-            # a turn of load on demand loads many a second (the metrics count them, and
-            # the worker says at info what it read from disk)
-            logger.log(logging.DEBUG if self.turn(msg.model) else logging.INFO,
-                       "worker %s loaded %s/%d in %.2fs", worker.worker_id, msg.model,
-                       msg.version, msg.load_s)
-        else:
-            load = self._message(msg.model, msg.version)
-            # load on demand asks again on the next request: no retry of its own
-            retry = None if load is None or self.turn(msg.model) else self.retries.failed(
-                worker.worker_id, load, msg.error, msg.transient, self.clock())
-            self.pool.failed(worker, key, msg.error if retry is None
-                             else f"{msg.error} ({retry})")
-            for worker_id in self.retries.given_up():   # parked behind it: never sent
-                parked = self.pool.by_id(worker_id)
-                if parked is not None:
-                    self.pool.failed(parked, key, msg.error)
-            self.metrics.model_loaded(msg.model, False, 0.0)
-            logger.log(logging.ERROR if retry is None else logging.WARNING,
-                       "worker %s failed to load %s/%d: %s%s", worker.worker_id, msg.model,
-                       msg.version, msg.error, f" ({retry})" if retry else "")
-
-    def sync_worker(self, worker: WorkerState) -> None:
-        """Tell a worker to load what it should serve and unload what it should not."""
-        wanted = {(name, v) for name, m in self.catalog.models.items()
-                  if self.placed(m.config, worker) for v in m.versions}
-        for name, version in sorted(wanted - worker.loaded - worker.loading):
-            self._load(worker, name, version)
-        for name, version in sorted(worker.loaded - wanted):
-            self.pool.unload(worker, name, version)
-        for key in worker.loaded & wanted:
-            self.catalog.mark_ready(*key)
-
-    def load_placed(self, worker: WorkerState, name: str) -> None:
-        """What :meth:`sync_worker` does for one model placed on ``worker`` anew: load
-        its versions the worker neither holds nor loads, without walking the catalog (load
-        on demand places a model on every turn, on hosts of hundreds of models)."""
-        model = self.catalog.models.get(name)
-        if model is None or not self.placed(model.config, worker):
-            return
-        for version in model.versions:
-            key = ModelVersion(name, version)
-            if key not in worker.loaded and key not in worker.loading:
-                self._load(worker, name, version)
-
-    def _load(self, worker: WorkerState, name: str, version: int) -> None:
-        load = self._message(name, version)
-        assert load is not None
-        if not self.retries.park(worker.worker_id, load):   # else sent when its turn comes
-            self.placement.load(worker, load, self.catalog.models[name].config)
-
-    def _message(self, name: str, version: int) -> p.LoadModel | None:
-        model = self.catalog.models.get(name)
-        if model is None:
-            return None
-        return p.LoadModel(name, version, str(model.path / str(version)), model.config_json(),
-                           self.catalog.shas.get(name, {}).get(version, ""))
-
-    def _retry_load(self, worker_id: str, load: p.LoadModel) -> None:
-        """A retry come due: sent where it is still wanted (its swap waits for it, or the
-        catalog still serves that content on that worker), else given up."""
-        worker = self.pool.by_id(worker_id)
-        model = self.catalog.models.get(load.model)
-        if worker is None:
-            self.retries.worker_left(worker_id)
-        elif load.model in self.swaps:
-            if self.swaps.waits_for(worker, load):
-                self.placement.load(worker, load)
-                return
-        elif model is not None and load.version in model.versions \
-                and self.catalog.shas.get(load.model, {}).get(load.version) == load.sha256 \
-                and self.placed(model.config, worker) \
-                and not worker.holds(load.model, load.version):
-            self.placement.load(worker, load, model.config)
-            return
-        self.retries.skip(worker_id, load)
-
-    def _release(self, msg: p.ModelLoaded) -> None:
-        """A load succeeded: loads parked behind its content go now."""
-        for worker_id, load in self.retries.succeeded(msg.model, msg.version, msg.sha256):
-            worker = self.pool.by_id(worker_id)
-            if worker is not None and (load.model not in self.swaps
-                                       or self.swaps.waits_for(worker, load)):
-                self.placement.load(worker, load)
+        self.loads.loaded(worker, msg)
 
     def worker_removed(self, worker_id: str) -> None:
         """A worker left: versions no live worker holds are no longer routable; loads it
         would retry go to the next worker."""
-        self.retries.worker_left(worker_id)
-        self.catalog.routable(self.pool.workers.values())
+        self.loads.worker_left(worker_id)
 
     def remove_model(self, name: str, why: str) -> None:
         # a folder that never loaded has no catalog entry, but its failure must go too
@@ -439,9 +362,9 @@ class Lifecycle:
         if not self.catalog.remove(name):
             return
         self.swaps.cancel(name)
-        self.requests.answers.retain(name)
-        self.requests.breakers.reset(name)
-        self.requests.fail_queued(name, p.ErrorCode.NOT_FOUND, f"model {name!r} was removed")
+        self.answers.retain(name)
+        self.breakers.reset(name)
+        self.answering.fail_queued(name, p.ErrorCode.NOT_FOUND, f"model {name!r} was removed")
         for w in self.pool.workers.values():
             for v in w.versions_of(name):
                 self.pool.retire(w, ModelVersion(name, v))

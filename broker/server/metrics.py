@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, cast
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -332,14 +332,21 @@ class BrokerMetrics:
         return generate_latest(self.registry).decode()
 
 
+class Served(Protocol):
+    """What a scrape reads of the catalog: its models by name."""
+
+    @property
+    def models(self) -> Mapping[str, Any]: ...
+
+
 class ModelStates:
     """prometheus_client's collector protocol: each catalog model's readiness (what
     ``/v2/models/{m}/ready`` answers) and its queue-time SLO (``autoscaling.queue_slo_ms``,
     the alert rules' threshold), read at each scrape so the request path pays nothing."""
 
-    def __init__(self, models: Callable[[], Mapping[str, Any]],
+    def __init__(self, served: Served,
                  on_demand: Callable[[Any], bool] = lambda config: False) -> None:
-        self.models = models
+        self.served = served
         self.on_demand = on_demand
 
     def collect(self) -> Iterator[Metric]:
@@ -350,7 +357,7 @@ class ModelStates:
         demand = GaugeMetricFamily("zeroserve_model_on_demand", "1 for a model loaded on "
                                    "demand (not ready until asked for), else 0",
                                    labels=["model"])
-        for name, model in sorted(self.models().items()):
+        for name, model in sorted(self.served.models.items()):
             ready.add_metric([name], 1.0 if model.ready else 0.0)
             slo.add_metric([name], float(model.config.autoscaling.get("queue_slo_ms", 100.0))
                            / 1000.0)
@@ -365,16 +372,15 @@ class BreakerStates:
 
     LEVELS = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 
-    def __init__(self, models: Callable[[], Mapping[str, Any]],
-                 state: Callable[[str], str]) -> None:
-        self.models = models
+    def __init__(self, served: Served, state: Callable[[str], str]) -> None:
+        self.served = served
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
         gauge = GaugeMetricFamily("zeroserve_circuit_breaker_state", "A model's circuit "
                                   "breaker: 0 closed, 1 half-open (probing), 2 open (its "
                                   "requests answered 503 at once)", labels=["model"])
-        for name in sorted(self.models()):
+        for name in sorted(self.served.models):
             gauge.add_metric([name], self.LEVELS[self.state(name)])
         yield gauge
 

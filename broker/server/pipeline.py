@@ -13,7 +13,7 @@ answered once: by its outputs, or by the first step that fails, expires or loses
 worker (named in the message), or by the client's cancel; its steps still queued are
 withdrawn then. A request whose critical path (the latency model of each step, the
 queue ahead of the first ones) cannot finish before its deadline is refused before any
-step runs.
+step runs, on the admission ladder of every request (admission.py).
 """
 
 from __future__ import annotations
@@ -21,20 +21,22 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
+
+from msgspec.structs import replace
 
 from zeroserve.broker import protocol as p
-from zeroserve.broker import tracing, wording
-from zeroserve.broker.server.admission import Admission, deadline_of
-from zeroserve.broker.server.catalog import Catalog, CatalogModel, RequestError, check_inputs
+from zeroserve.broker import tracing
+from zeroserve.broker.server.admission import deadline_of, decoupled
+from zeroserve.broker.server.catalog import Catalog, CatalogModel
 from zeroserve.broker.server.ledger import AnswerLedger, Key
 from zeroserve.broker.server.metrics import BrokerMetrics
-from zeroserve.broker.server.pool import WorkerPool
+from zeroserve.broker.server.pool import WorkerState
 from zeroserve.broker.server.stats import ModelStatistics
-from zeroserve.broker.server.tenancy import Refusal, Tenancy
+from zeroserve.broker.server.swap import Placed
 from zeroserve.broker.server.types import Send
 from zeroserve.models import ensemble as ens
+from zeroserve.models.repository import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +44,29 @@ logger = logging.getLogger(__name__)
 # start with a zero byte for itself, and generates 5-byte ones, so no peer has this one
 INTERNAL = b"\x00zeroserve-pipeline"
 
-Submit = Callable[[bytes, p.InferRequest, float, bool], None]
-Withdraw = Callable[[bytes, str], None]
-Refuse = Callable[[bytes, str, p.ErrorCode, str, str], None]
+
+class Steps(Protocol):
+    """What a pipeline asks of the request path (the intake's): ``submit`` a step, admitted
+    as any request; withdraw a queued one (``on_cancel``); ``refuse`` a request that holds
+    no place. Handed in with each pipeline request, so it is the path that admitted it."""
+
+    def submit(self, client: bytes, req: p.InferRequest, now: float,
+               bundled: bool = False) -> None: ...
+
+    def on_cancel(self, client: bytes, request_id: str) -> None: ...
+
+    def refuse(self, client: bytes, request_id: str, code: p.ErrorCode, message: str,
+               model: str, retry_after_s: float | None = None) -> None: ...
 
 
 class Run:
     """One pipeline request in progress."""
 
     __slots__ = ("key", "request", "config", "version", "tensors", "waiting", "running",
-                 "arrival_s", "deadline_s", "compute_ms", "traces")
+                 "arrival_s", "deadline_s", "compute_ms", "traces", "path")
 
     def __init__(self, key: Key, request: p.InferRequest, model: CatalogModel, version: int,
-                 arrival_s: float, deadline_s: float) -> None:
+                 arrival_s: float, deadline_s: float, path: Steps) -> None:
         self.key = key
         self.request = request
         self.config = model.config   # as it was: a change of the ensemble mid-run moves no step
@@ -66,6 +78,7 @@ class Run:
         self.deadline_s = deadline_s
         self.compute_ms = 0.0
         self.traces: list[dict[str, Any]] = []   # a traced pipeline's steps' stamps
+        self.path = path
 
     @property
     def steps(self) -> tuple[ens.Step, ...]:
@@ -77,25 +90,15 @@ class Run:
 
 
 class Pipelines:
-    """The pipelines in progress. What it asks of the request path comes in as
-    callbacks: ``submit`` a step (admitted as any request), ``withdraw`` a queued one,
-    ``refuse`` a request that holds no place; ``send`` is the socket's reply."""
+    """The pipelines in progress; ``send`` is the socket's reply."""
 
-    def __init__(self, catalog: Catalog, pool: WorkerPool, admission: Admission,
-                 tenancy: Tenancy, ledger: AnswerLedger, stats: ModelStatistics,
-                 metrics: BrokerMetrics, send: Send, *, submit: Submit, withdraw: Withdraw,
-                 refuse: Refuse, clock: Callable[[], float]) -> None:
+    def __init__(self, catalog: Catalog, ledger: AnswerLedger, stats: ModelStatistics,
+                 metrics: BrokerMetrics, send: Send, clock: Callable[[], float]) -> None:
         self.catalog = catalog
-        self.pool = pool
-        self.admission = admission
-        self.tenancy = tenancy
         self.ledger = ledger
         self.stats = stats
         self.metrics = metrics
         self._send = send
-        self._submit = submit
-        self._withdraw = withdraw
-        self._refuse = refuse
         self.clock = clock
         self._runs: dict[Key, Run] = {}
         self._steps: dict[str, Key] = {}     # a step's request id -> its pipeline
@@ -129,71 +132,17 @@ class Pipelines:
         return True
 
     # -- intake -------------------------------------------------------------------
-    def start(self, client: bytes, req: p.InferRequest, model: CatalogModel,
-              now: float) -> None:
-        """A request for an ensemble: refused at once, or admitted and its first steps
-        queued."""
+    def start(self, client: bytes, req: p.InferRequest, model: CatalogModel, now: float,
+              path: Steps) -> None:
+        """A request for an ensemble, admitted (admission.py): its first steps queued
+        through ``path``, which takes its steps' answers back and its refusals."""
         key = (client, req.request_id)
-        refusal = self._check(req, model, now)
-        if refusal is not None:
-            self._refuse(client, req.request_id, refusal[0], refusal[1], req.model)
-            return
-        cfg = model.config
-        _, deadline = deadline_of(req, cfg, now)
+        _, deadline = deadline_of(req, model.config, now)
         version = req.version if req.version is not None else model.default_version
-        run = Run(key, req, model, version, now, deadline)
+        run = Run(key, req, model, version, now, deadline, path)
         self.ledger.admit(key, req.model)
         self._runs[key] = run
         self._advance(run, now)
-
-    def _check(self, req: p.InferRequest, model: CatalogModel, now: float
-               ) -> tuple[p.ErrorCode, str] | None:
-        who = self.tenancy.identify(req)
-        if isinstance(who, Refusal):
-            return who.code, who.message
-        if req.version is not None and req.version not in model.versions:
-            return p.ErrorCode.NOT_FOUND, wording.unknown_version(req.model, req.version)
-        if self._streams(model) and not req.stream:
-            return p.ErrorCode.UNSUPPORTED, wording.decoupled_unary(req.model)
-        try:
-            samples = check_inputs(model.config, [t.meta for t in req.tensors], req.outputs)
-        except RequestError as exc:
-            return p.ErrorCode.BAD_INPUT, str(exc)
-        for i, step in enumerate(model.config.ensemble):
-            if not self.pool.holders(step.model_name):
-                return p.ErrorCode.NO_WORKER, f"step {i} of ensemble {req.model!r}: no " \
-                                              f"worker has model {step.model_name!r} loaded"
-        timeout_ms, deadline = deadline_of(req, model.config, now)
-        if deadline < math.inf:
-            need_s = self.predict_s(model, req.priority, samples, now)
-            if now + need_s > deadline:
-                return p.ErrorCode.DEADLINE, (
-                    f"deadline of {timeout_ms:g} ms cannot be met: ensemble {req.model!r} "
-                    f"needs about {need_s * 1000:.1f} ms along its slowest chain of steps")
-        return None
-
-    def _streams(self, model: CatalogModel) -> bool:
-        """Whether the pipeline's last step is a decoupled model (its answer streams)."""
-        return any(self._decoupled(s.model_name) for s in model.config.ensemble)
-
-    def _decoupled(self, name: str) -> bool:
-        step = self.catalog.get(name)
-        return step is not None and step.config.decoupled
-
-    def predict_s(self, model: CatalogModel, priority: int, samples: int, now: float
-                  ) -> float:
-        """The critical path: the first steps wait for the queue ahead of them and run;
-        a later step is counted by its run alone (its queue may drain meanwhile), so the
-        refusal is for what surely cannot finish."""
-        cfg = model.config
-        inputs = [t.name for t in cfg.inputs]
-        first = {i for i, d in enumerate(ens.depends(cfg.ensemble, inputs)) if not d}
-
-        def cost_s(i: int) -> float:
-            name = cfg.ensemble[i].model_name
-            return self.admission.predict_s(name, priority, samples, now,
-                                            queue=i in first)
-        return ens.critical_path_s(cfg.ensemble, inputs, cost_s)
 
     # -- steps --------------------------------------------------------------------
     def _advance(self, run: Run, now: float) -> None:
@@ -217,11 +166,11 @@ class Pipelines:
             req = run.request
             tensors = [p.Tensor(replace(run.tensors[t].meta, name=name), run.tensors[t].data)
                        for name, t in step.input_map]
-            self._submit(INTERNAL, p.InferRequest(
+            run.path.submit(INTERNAL, p.InferRequest(
                 request_id=rid, model=step.model_name, tensors=tensors,
                 version=None if step.model_version < 0 else step.model_version,
                 priority=req.priority, timeout_ms=left_ms if left_ms < math.inf else 0.0,
-                api_key=req.api_key, stream=self._decoupled(step.model_name),
+                api_key=req.api_key, stream=decoupled(self.catalog, step.model_name),
                 trace=req.trace), now, True)   # bundled: a batch's answers come at once
 
     def _step_done(self, rid: str, rep: p.InferReply | None, err: p.ErrorReply | None
@@ -274,7 +223,7 @@ class Pipelines:
             self._runs.pop(run.key)
             for rid in list(run.running):   # a step read by none, still running: let go
                 self._steps.pop(rid, None)
-                self._withdraw(INTERNAL, rid)
+                run.path.on_cancel(INTERNAL, rid)
             if not self.ledger.close(run.key):
                 return
             total_s = self.clock() - run.arrival_s
@@ -317,13 +266,13 @@ class Pipelines:
         for rid in list(run.running):
             self._steps.pop(rid, None)
         for rid in list(run.running):
-            self._withdraw(INTERNAL, rid)
+            run.path.on_cancel(INTERNAL, rid)
         run.running.clear()
         if not self.ledger.close(run.key):
             return
         self.stats.request_failed(run.config.name, run.version,
                                   max(0.0, self.clock() - run.arrival_s))
-        self._refuse(run.key[0], run.key[1], code, message, run.config.name)
+        run.path.refuse(run.key[0], run.key[1], code, message, run.config.name)
 
     def cancel(self, key: Key, message: str) -> bool:
         """The client cancelled or went away: every step is withdrawn."""
@@ -346,6 +295,17 @@ class Pipelines:
                         self.catalog.mark_ready(name, v)
             elif model.ready:
                 self.catalog.routable((), name)
+
+
+class OnWorkers:
+    """A placement strategy with the ensembles left out: the broker runs them, so none
+    is ever loaded on a worker."""
+
+    def __init__(self, placed: Placed) -> None:
+        self._placed = placed
+
+    def __call__(self, cfg: ModelConfig, worker: WorkerState) -> bool:
+        return not cfg.ensemble and self._placed(cfg, worker)
 
 
 def _samples(max_batch_size: int, tensors: Sequence[p.Tensor]) -> int:

@@ -28,12 +28,12 @@ refused as before.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -348,7 +348,7 @@ class Placement:
         self.catalog.fail(msg.model, why, [msg.version])
         self.forget(key)
         self.pool.unload(worker, msg.model, msg.version)
-        return dataclasses.replace(msg, ok=False, error=why)
+        return msgspec.structs.replace(msg, ok=False, error=why)
 
     def _learn(self, worker: WorkerState, msg: p.ModelLoaded) -> int:
         key = (worker.identity, msg.model, msg.version)

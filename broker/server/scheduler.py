@@ -35,7 +35,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
-from zeroserve.broker.server.fairqueue import GONE, QUEUED, TAKEN, FairLevel as _Level
+from zeroserve.broker.server.fairqueue import GONE, QUEUED, TAKEN, FairLevel as _Level, \
+    measured, reckon
 
 __all__ = ["GONE", "QUEUED", "TAKEN"]
 
@@ -124,25 +125,6 @@ Predict = Callable[[float], float]   # units (rows x scale) -> seconds
 
 def _no_latency(_: float) -> float:
     return 0.0
-
-
-def split_by_units(entries: list[Entry], seconds: float) -> list[tuple[str, float]]:
-    """A batch's time over its rows, in proportion to each row's units (rows x scale,
-    what the latency model prices): (tenant, seconds) a row."""
-    total = sum(e.units for e in entries)
-    if total <= 0:
-        return [(e.tenant, seconds / len(entries)) for e in entries]
-    return [(e.tenant, seconds * e.units / total) for e in entries]
-
-
-def _reckon(batch: list[Entry], predict: Predict) -> None:
-    """The seconds each row of a batch is charged when taken: the batch's predicted
-    time (every row at its longest scale) split by units; corrected by
-    :meth:`Scheduler.used` once it is measured."""
-    rows = sum(e.samples for e in batch)
-    predicted = predict(rows * max(e.scale for e in batch))
-    for e, (_, share) in zip(batch, split_by_units(batch, predicted)):
-        e.charged_s = share
 
 
 @dataclass
@@ -451,7 +433,7 @@ class Scheduler:
                reason: str, predict: Predict) -> Decision:
         """The batch leaves the queue (charged to its tenants), the doomed with it."""
         if any(e.by_time for e in batch):
-            _reckon(batch, predict)
+            reckon(batch, predict)
         for e in batch:
             e.state = TAKEN
             q.levels[e.priority].charge(e)
@@ -580,15 +562,8 @@ class Scheduler:
         """A batch of ``entries`` ran for ``seconds`` (measured): each row's share, split
         by units as the latency model prices them, as (tenant, seconds); a tenant whose
         share counts compute time has its fair-queue charge corrected to it."""
-        rows = list(entries)
-        out = split_by_units(rows, seconds)
         q = self._queues.get(model)
-        total = sum(e.units for e in rows)
-        for e, (_, share) in zip(rows, out):
-            level = q.levels.get(e.priority) if q is not None and e.by_time else None
-            if level is not None:
-                level.adjust(e.tenant, e.weight, share - e.charged_s, total, seconds)
-        return out
+        return measured(list(entries), seconds, q.levels if q is not None else {})
 
     # -- internals ----------------------------------------------------------
     def _remove(self, e: Entry) -> None:

@@ -11,13 +11,13 @@ Metrics carry a ``tenant`` label bounded to the configured names plus ``anonymou
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from zeroserve.broker import protocol as p
@@ -219,7 +219,7 @@ class Tenancy:
             st.count(now)
             self._open[key] = t.name
             self.m_requests.inc((t.name,))
-        return Grant(dataclasses.replace(req, priority=priority, timeout_ms=timeout_ms),
+        return Grant(msgspec.structs.replace(req, priority=priority, timeout_ms=timeout_ms),
                      t.name, t.weight, t.qos.rank, notes, self.set.share == "compute")
 
     def open_count(self) -> int:

@@ -6,7 +6,9 @@ InferFastPath` calls it straight from uvicorn (around Starlette's middleware and
 router, which cost about 40% of the gateway's CPU per inference when measured with
 py-spy), and the Starlette route calls it for an app used without the fast path
 (tests, embedding). The body is read once, with one size check; the answer is
-written with two ``send`` calls and no Response object.
+written with no Response object: under the gateway's own uvicorn protocol
+(gateway/http1.py) the body is taken and the answer written in one call each, without
+ASGI messages; elsewhere with two ``send`` calls.
 
 It takes the one inference path (gateway/inference.py) as every entry point does: the
 door before the body is read (503 with Retry-After past the in-flight bound or far
@@ -27,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeAlias, Union
 
 import orjson
 from starlette.types import Receive, Scope, Send
@@ -39,6 +41,7 @@ from zeroserve.gateway import v2
 from zeroserve.gateway.apikey import api_key_of
 from zeroserve.gateway import errors
 from zeroserve.gateway.errors import BadRequest, BodyTooLarge
+from zeroserve.gateway.http1 import ONE_WRITE, OneWrite
 from zeroserve.gateway.inference import ROUTING_HEADER, InferencePath, peer_host, routing_key
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.tracing import Trace
@@ -77,30 +80,43 @@ def wanted_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     return out
 
 
-async def send_answer(send: Send, status: int, body: bytes, content_type: bytes = JSON,
+# where an answer goes: the request's OneWrite under the gateway's protocol, else ASGI's send
+To: TypeAlias = Union[Send, OneWrite]
+
+
+async def send_answer(to: To, status: int, body: bytes, content_type: bytes = JSON,
                       headers: dict[str, str] | None = None) -> None:
-    head = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
-    if headers:
-        head += [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": body})
+    extra = [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()] \
+        if headers else []
+    if isinstance(to, OneWrite):
+        to.answer(status, content_type, body, extra)
+        return
+    head = [(b"content-type", content_type), (b"content-length", b"%d" % len(body)), *extra]
+    await to({"type": "http.response.start", "status": status, "headers": head})
+    await to({"type": "http.response.body", "body": body})
 
 
-async def send_error(send: Send, status: int, message: str,
+async def send_error(to: To, status: int, message: str,
                      headers: dict[str, str] | None = None) -> int:
-    await send_answer(send, status, orjson.dumps({"error": message}), JSON, headers)
+    await send_answer(to, status, orjson.dumps({"error": message}), JSON, headers)
     return status
 
 
-async def send_answer_of(send: Send, answer: errors.Answer) -> int:
+async def send_answer_of(to: To, answer: errors.Answer) -> int:
     """An error of the table (gateway/errors.py), answered as every other route does."""
-    return await send_error(send, answer.status.http, answer.message, answer.http_headers())
+    return await send_error(to, answer.status.http, answer.message, answer.http_headers())
 
 
-async def read_all(receive: Receive, declared: str | None, limit: int) -> bytes:
+async def read_all(receive: Receive, declared: str | None, limit: int,
+                   one: OneWrite | None = None) -> bytes:
     """The raw body; BodyTooLarge past ``limit``, Disconnected if the client left."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
+    whole = one.body() if one is not None else None
+    if whole is not None:
+        if len(whole) > limit:
+            raise BodyTooLarge(limit)
+        return whole
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -126,8 +142,9 @@ class InferEndpoint:
         self.max_body_bytes = max_body_bytes
         self.leaving = Leaving(WATCH_AFTER_S)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, asgi_send: Send) -> None:
         inference = self.inference
+        send: To = scope.get(ONE_WRITE) or asgi_send
         try:
             accepted = inference.enter()
         except InferError as exc:   # shed at the door
@@ -145,7 +162,7 @@ class InferEndpoint:
             inference.leave()
             scope[STATUS_KEY] = status
 
-    async def _infer(self, scope: Scope, receive: Receive, send: Send,
+    async def _infer(self, scope: Scope, receive: Receive, send: To,
                      accepted: float) -> int:
         inference, limit = self.inference, self.max_body_bytes
         headers = wanted_headers(scope["headers"])
@@ -157,7 +174,8 @@ class InferEndpoint:
         trace = inference.trace(path["name"], headers)
         try:
             version = parse_version(path.get("version"))
-            body = await read_all(receive, headers.get("content-length"), limit)
+            body = await read_all(receive, headers.get("content-length"), limit,
+                                  scope.get(ONE_WRITE))
             if trace is not None:
                 trace.stamp("HTTP_RECV_END")
             encoding = headers.get("content-encoding", "identity").strip().lower()
@@ -197,7 +215,7 @@ class InferEndpoint:
             return await send_error(send, answer.status.http, message, answer.http_headers())
         return await self._answer(send, req, *got, headers.get("accept-encoding"))
 
-    async def _traced(self, send: Send, req: v2.V2Request,
+    async def _traced(self, send: To, req: v2.V2Request,
                       got: tuple[p.InferReply, list[p.Tensor]] | InferError,
                       headers: dict[str, str], trace: Trace, sent_ns: int) -> int:
         """The answer of a traced request, stamped, then its trace record."""
@@ -246,7 +264,7 @@ class InferEndpoint:
         finally:
             self.leaving.remove(waiting)
 
-    async def _answer(self, send: Send, req: v2.V2Request, reply: p.InferReply,
+    async def _answer(self, send: To, req: v2.V2Request, reply: p.InferReply,
                       tensors: list[p.Tensor], accept: str | None) -> int:
         try:
             body, json_len = v2.encode_response(reply.model, reply.version, req.id, tensors,

@@ -74,15 +74,20 @@ class Checkout:
 
 
 class Running:
-    def __init__(self, checkout: Checkout, repo: Path, workers: int) -> None:
+    def __init__(self, checkout: Checkout, repo: Path, workers: int,
+                 extra: list[str] | None = None) -> None:
         self.runtime = short_tmpdir("zsrt")
         self.broker_pattern = checkout.broker_pattern
         self.port = free_port()
+        # its own gRPC port: two servers side by side (and other users of the host)
+        # must not both want 8001
+        self.grpc_port = free_port()
         self.log = open(self.runtime / "serve.log", "wb")
         self.proc = subprocess.Popen(
             [*checkout.serve, "--model-dir", str(repo), "--runtime-dir", str(self.runtime),
              "--http-port", str(self.port), "--workers", str(workers), "--threads", "1",
-             "--log-level", "warning"], env=checkout.env, stdout=self.log,
+             "--grpc-port", str(self.grpc_port), "--log-level", "warning", *(extra or [])],
+            env=checkout.env, stdout=self.log,
             stderr=subprocess.STDOUT, start_new_session=True)
         wait_for(lambda: self._ready(), 120, "the server")
 

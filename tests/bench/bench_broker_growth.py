@@ -109,7 +109,7 @@ class QueuedBench(Bench):
             self._loop_turn()
             self.held.extend(self.to_worker)
             self.to_worker.clear()
-        census = self.broker.requests.census()
+        census = self.broker.census()
         assert not any(census.values()), census
         assert self.replies == self._n, (self.replies, self._n)
 

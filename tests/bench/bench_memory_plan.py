@@ -45,7 +45,7 @@ w = Worker("ipc:///nonexistent", "bench/0", device=device)
 out = {"context": w.context, "models": {}}
 for name in names:
     cfg = load_config(repo / name)
-    reply = w.load_version(p.LoadModel(name, 1, str(repo / name / "1"), cfg.to_json()))
+    reply = w.loader.load_version(p.LoadModel(name, 1, str(repo / name / "1"), cfg.to_json()))
     assert reply.ok, reply.error
     lm = w.models[(name, 1)]
     held = [*lm.fn.parameters(), *lm.fn.buffers()] if hasattr(lm.fn, "parameters") else []

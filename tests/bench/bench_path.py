@@ -11,7 +11,11 @@ with one worker; every server runs at once and they are measured in turn,
 * direct: ``zeroserve bench --transport direct`` at C=1 (p50) and C=64 (req/s), with
   the CPU each process spent per request (process CPU time over requests answered);
 * in-process: the model called directly (``--in-process``), batch 1 and the batch the
-  C=64 level formed.
+  C=64 level formed;
+* the gateway's front ends at C=64: HTTP v2 JSON, HTTP v2 binary tensors and gRPC, with
+  the CPU each process spent per request (the gateway's is the figure they move).
+
+``--loads`` picks among ``c1,c64,http64,bin64,grpc64`` (default all).
 
 The target: direct p50 at C=1 within 0.2 ms of ping p50 + in-process batch-1 time.
 The load generator shares the machine's cores with the server.
@@ -79,7 +83,7 @@ def direct(srv: Running, conc: int, warmup_s: float, duration_s: float,
     out = Path(srv.runtime) / "bench.json"
     cmd = [sys.executable, str(ROOT / "bin" / "zeroserve"), "bench", "-m", "mlp",
            "--transport", transport, "--runtime-dir", str(srv.runtime),
-           "--url", f"http://127.0.0.1:{srv.port}",
+           "--url", f"http://127.0.0.1:{srv.port}", "--grpc-url", f"127.0.0.1:{srv.grpc_port}",
            "--concurrency", str(conc), "--warmup-s", str(warmup_s),
            "--duration-s", str(duration_s), "--json", str(out), "--quiet"]
     if in_process:
@@ -94,13 +98,22 @@ def direct(srv: Running, conc: int, warmup_s: float, duration_s: float,
     return row
 
 
-def one_round(srv: Running, procs: dict[str, int]) -> dict[str, Any]:
+FRONT_ENDS = {"http64": ("http-json", "HTTP JSON"), "bin64": ("http-binary", "HTTP binary"),
+              "grpc64": ("grpc", "gRPC")}
+LOADS = ("c1", "c64", *FRONT_ENDS)
+
+
+def one_round(srv: Running, procs: dict[str, int], loads: tuple[str, ...]) -> dict[str, Any]:
     endpoint = f"ipc://{srv.runtime}/frontend"
     res: dict[str, Any] = {"ping_p50_ms": ping_p50_ms(endpoint, 1000),
                            "ping64_rps": ping_floor(endpoint, 64, 2.0)}
-    res["c1"] = direct(srv, 1, 0.5, 3.0, procs, in_process=True)
-    res["c64"] = direct(srv, 64, 1.0, 4.0, procs, in_process=True)
-    res["http64"] = direct(srv, 64, 1.0, 4.0, procs, transport="http-json")
+    if "c1" in loads:
+        res["c1"] = direct(srv, 1, 0.5, 3.0, procs, in_process=True)
+    if "c64" in loads:
+        res["c64"] = direct(srv, 64, 1.0, 4.0, procs, in_process=True)
+    for level, (transport, _) in FRONT_ENDS.items():
+        if level in loads:
+            res[level] = direct(srv, 64, 1.0, 4.0, procs, transport=transport)
     return res
 
 
@@ -117,30 +130,47 @@ def summary(rev: str, rounds: list[dict[str, Any]]) -> list[str]:
     def med(f: Any) -> float:
         return statistics.median(f(r) for r in rounds)
     lines = []
+    if "c1" in rounds[0]:
+        lines.append(c1_line(rev, rounds))
+    if "c64" in rounds[0]:
+        lines.append(c64_line(rev, rounds))
+    for level, (_, label) in FRONT_ENDS.items():
+        if level in rounds[0]:
+            lines.append(
+                f"| {rev} | {label} C=64 | {med(lambda r: r[level]['throughput_rps']):.0f}"
+                f" req/s (all: {_all(rounds, level, 'throughput_rps', '.0f')}), p99 "
+                f"{med(lambda r: r[level]['p99_ms']):.2f} ms | | cpu/req µs "
+                f"{json.dumps(_cpu(rounds, level))} |")
+    return lines
+
+
+def c1_line(rev: str, rounds: list[dict[str, Any]]) -> str:
+    def med(f: Any) -> float:
+        return statistics.median(f(r) for r in rounds)
     ping = med(lambda r: r["ping_p50_ms"])
     c1 = med(lambda r: r["c1"]["p50_ms"])
     ip = med(lambda r: r["c1"]["in_process_ms"])
-    lines.append(f"| {rev} | C=1 | p50 {c1:.3f} ms (all: "
-                 f"{_all(rounds, 'c1', 'p50_ms', '.3f')}) | ping p50 "
-                 f"{ping:.3f} ms + in-process {ip:.3f} ms = {ping + ip:.3f} ms, gap "
-                 f"{c1 - ping - ip:.3f} ms | cpu/req µs "
-                 f"{json.dumps(_cpu(rounds, 'c1'))} |")
-    c64 = med(lambda r: r["c64"]["throughput_rps"])
+    return (f"| {rev} | C=1 | p50 {c1:.3f} ms (all: "
+            f"{_all(rounds, 'c1', 'p50_ms', '.3f')}) | ping p50 "
+            f"{ping:.3f} ms + in-process {ip:.3f} ms = {ping + ip:.3f} ms, gap "
+            f"{c1 - ping - ip:.3f} ms | cpu/req µs "
+            f"{json.dumps(_cpu(rounds, 'c1'))} |")
+
+
+def c64_line(rev: str, rounds: list[dict[str, Any]]) -> str:
+    def med(f: Any) -> float:
+        return statistics.median(f(r) for r in rounds)
     ping64 = med(lambda r: r["ping64_rps"])
+    c64 = med(lambda r: r["c64"]["throughput_rps"])
     ips = [r["c64"]["in_process_samples_per_s"] for r in rounds]
     cpu = _cpu(rounds, "c64")
-    lines.append(f"| {rev} | C=64 | {c64:.0f} req/s (all: "
-                 f"{_all(rounds, 'c64', 'throughput_rps', '.0f')}), p99 "
-                 f"{med(lambda r: r['c64']['p99_ms']):.2f} ms, batch "
-                 f"{med(lambda r: r['c64']['server_batch_mean'] or 0):.1f} | ping C=64 "
-                 f"{ping64:.0f}/s, in-process {statistics.median(ips) if ips else 0:.0f}"
-                 f" samples/s | cpu/req µs {json.dumps(cpu)}, generator "
-                 f"{med(lambda r: r['c64']['generator_cpu_pct'] or 0):.0f}% |")
-    lines.append(f"| {rev} | HTTP JSON C=64 | {med(lambda r: r['http64']['throughput_rps']):.0f}"
-                 f" req/s (all: {_all(rounds, 'http64', 'throughput_rps', '.0f')}), p99 "
-                 f"{med(lambda r: r['http64']['p99_ms']):.2f} ms | | cpu/req µs "
-                 f"{json.dumps(_cpu(rounds, 'http64'))} |")
-    return lines
+    return (f"| {rev} | C=64 | {c64:.0f} req/s (all: "
+            f"{_all(rounds, 'c64', 'throughput_rps', '.0f')}), p99 "
+            f"{med(lambda r: r['c64']['p99_ms']):.2f} ms, batch "
+            f"{med(lambda r: r['c64']['server_batch_mean'] or 0):.1f} | ping C=64 "
+            f"{ping64:.0f}/s, in-process {statistics.median(ips) if ips else 0:.0f}"
+            f" samples/s | cpu/req µs {json.dumps(cpu)}, generator "
+            f"{med(lambda r: r['c64']['generator_cpu_pct'] or 0):.0f}% |")
 
 
 def main() -> None:
@@ -148,7 +178,12 @@ def main() -> None:
     ap.add_argument("--before", default=None, help="also run this commit, side by side")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None, help="write every round's figures here")
+    ap.add_argument("--loads", default=",".join(LOADS),
+                    help=f"which to measure, of {','.join(LOADS)}")
     args = ap.parse_args()
+    loads = tuple(x.strip() for x in args.loads.split(",") if x.strip())
+    if not loads or set(loads) - set(LOADS):
+        ap.error(f"--loads {args.loads!r}: choose from {','.join(LOADS)}")
     checkouts = ([Checkout(args.before)] if args.before else []) + [Checkout(None)]
     repo = example_repo({"mlp": {}})
     rounds: dict[str, list[dict[str, Any]]] = {c.rev: [] for c in checkouts}
@@ -159,7 +194,7 @@ def main() -> None:
         procs = [pids(srv) for srv in servers]
         for _ in range(args.repeats):
             for c, srv, pp in zip(checkouts, servers, procs):
-                rounds[c.rev].append(one_round(srv, pp))
+                rounds[c.rev].append(one_round(srv, pp, loads))
         print("| code | load | direct client | floor | CPU |\n|---|---|---|---|---|")
         for c in checkouts:
             print("\n".join(summary(c.rev, rounds[c.rev])), flush=True)

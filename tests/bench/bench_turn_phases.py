@@ -1,6 +1,6 @@
 """Where a worker's turn of load on demand goes, phase by phase: the worker's own unload
-into the host-memory tier and load back from it (``Worker.unload_version`` and
-``Worker.load_version``, the real code, in this process, no broker), and the first batch
+into the host-memory tier and load back from it (``Loader.unload_version`` and
+``Loader.load_version``, the real code, in this process, no broker), and the first batch
 of the model taken back, beside a batch of a model that stayed loaded. On the device a
 worker takes here (``--device`` to choose).
 
@@ -51,7 +51,7 @@ def measure(device: str, turns: int, profile_top: int = 14) -> dict[str, Any]:
         names = [f"m{i}" for i in range(MODELS)]
         msgs = {n: p.LoadModel(n, 1, str(repo / n / "1"), linear_config(n)) for n in names}
         for n in names:   # each read from disk once, then known by its content
-            reply = worker.load_version(msgs[n])
+            reply = worker.loader.load_version(msgs[n])
             assert reply.ok, reply.error
             msgs[n] = p.LoadModel(n, 1, msgs[n].path, msgs[n].config, sha256=reply.sha256)
         x = torch.from_numpy(mm.X).to(device)
@@ -67,7 +67,7 @@ def measure(device: str, turns: int, profile_top: int = 14) -> dict[str, Any]:
 
         for n in names:
             batch(n)
-        worker.unload_version(names[0], 1)
+        worker.loader.unload_version(names[0], 1)
         phases: dict[str, tuple[list[float], list[float]]] = {
             k: ([], []) for k in ("park", "take back", "first batch", "kept batch")}
         profile = cProfile.Profile()
@@ -78,15 +78,15 @@ def measure(device: str, turns: int, profile_top: int = 14) -> dict[str, Any]:
             kept = names[(i + 2) % MODELS]
             if i == turns:
                 profile.enable()
-            reply = timed(lambda: worker.load_version(msgs[take]), *phases["take back"])
+            reply = timed(lambda: worker.loader.load_version(msgs[take]), *phases["take back"])
             got = timed(lambda: batch(take), *phases["first batch"])
-            timed(lambda: worker.unload_version(park, 1), *phases["park"])
+            timed(lambda: worker.loader.unload_version(park, 1), *phases["park"])
             timed(lambda: batch(kept), *phases["kept batch"])
             assert reply.ok and got == float(take[1:]), (reply, got)
         profile.disable()
         for wall, cpu in phases.values():
             del wall[turns:], cpu[turns:]
-        hits = worker.host_cache.hits
+        hits = worker.loader.host_cache.hits
     finally:
         shutil.rmtree(repo, ignore_errors=True)
     out = io.StringIO()

@@ -3,6 +3,7 @@ a number, and models enter through the broker's public seam (``Broker.add_model`
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -10,7 +11,30 @@ import numpy as np
 
 from tests.conftest import write_model
 from zeroserve.broker import protocol as p
+from zeroserve.broker.server.admission import Admission
+from zeroserve.broker.server.answering import Answering
+from zeroserve.broker.server.breaker import BreakerOptions, Breakers
 from zeroserve.broker.server.broker import Broker
+from zeroserve.broker.server.cache import ResponseCache
+from zeroserve.broker.server.cachepath import CachedAnswers
+from zeroserve.broker.server.catalog import Catalog
+from zeroserve.broker.server.dispatch import Dispatch
+from zeroserve.broker.server.dispatchgate import DispatchGate
+from zeroserve.broker.server.forecast import Forecast, Usage
+from zeroserve.broker.server.intake import Intake
+from zeroserve.broker.server.latency import LatencyBook
+from zeroserve.broker.server.ledger import AnswerLedger
+from zeroserve.broker.server.metrics import BrokerMetrics
+from zeroserve.broker.server.pipeline import INTERNAL, Pipelines
+from zeroserve.broker.server.pool import WorkerPool
+from zeroserve.broker.server.results import Results
+from zeroserve.broker.server.scheduler import Scheduler
+from zeroserve.broker.server.stats import ModelStatistics
+from zeroserve.broker.server.stopping import StopState
+from zeroserve.broker.server.streampath import StreamPath
+from zeroserve.broker.server.streams import Streams
+from zeroserve.broker.server.tenancy import Tenancy
+from zeroserve.broker.server.types import Send
 from zeroserve.models.repository import RepoModel, parse_config, version_sha256
 
 Outbox = list[tuple[bytes, list[Any]]]
@@ -129,3 +153,63 @@ class BrokerRig:
 
     def disconnects(self) -> list[str]:
         return [msg.reason.value for _, _, msg in self.sent(p.Kind.DISCONNECT)]
+
+
+class RequestPath:
+    """The request path's parts wired as the broker's composition root wires them
+    (broker.py ``_compose``), without the model lifecycle and load on demand: for tests
+    of the path alone, with the pool, scheduler and catalog the test made."""
+
+    def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
+                 latency: LatencyBook, metrics: BrokerMetrics, reply: Send,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.metrics = metrics
+        self.scheduler = scheduler
+        self.pool = pool
+        batches = pool.batches   # the test's pool made its own
+        self.tenancy = tenancy = Tenancy(None, metrics.registry, lambda: 0.0)
+        stop = StopState()
+        stop.client_draining(INTERNAL)
+        stats = ModelStatistics()
+        self.streams = streams = Streams()
+        forecast = Forecast(pool, batches, latency)
+        gate = DispatchGate()
+        breakers = Breakers(BreakerOptions(error_rate=0.0))
+        answers = CachedAnswers(ResponseCache(0), catalog, stats, metrics)
+        self.ledger = ledger = AnswerLedger((streams.forget, tenancy.release))
+        self.pipelines = pipelines = Pipelines(catalog, ledger, stats, metrics, reply, clock)
+        self.answering = answering = Answering(catalog, scheduler, pool, batches, latency,
+                                               ledger, streams, tenancy, stats, metrics,
+                                               pipelines.reply, clock)
+        self.streaming = StreamPath(streams, batches, catalog, metrics, stats, ledger,
+                                    pipelines.reply, answering)
+        admission = Admission(catalog, scheduler, pool, latency, tenancy, stop, gate,
+                              forecast, answers)
+        self.intake = Intake(catalog, scheduler, ledger, stop, breakers, admission, answers,
+                             pipelines, streams, self.streaming, answering, tenancy,
+                             pipelines.reply, clock)
+        self.results = Results(catalog, pool, batches, ledger, answering, self.streaming, answers,
+                               latency, forecast, breakers, None, stats, metrics,
+                               pipelines.reply, scheduler=scheduler, tenancy=tenancy)
+        self.dispatcher = Dispatch(catalog, scheduler, pool, batches, latency, gate, forecast,
+                                   Usage(), answering, streams, self.streaming, tenancy, metrics)
+        self.on_request = self.intake.on_request
+        self.on_cancel = self.intake.on_cancel
+        self.client_gone = self.intake.client_gone
+        self.on_result = self.results.on_result
+        self.overdue = self.results.overdue
+        self.move_stalled = self.results.move_stalled
+        self.worker_lost = answering.worker_lost
+        self.fail_everything = answering.fail_everything
+        self.dispatch = self.dispatcher.dispatch
+        self.expire = self.dispatcher.expire
+        self.next_due = self.dispatcher.next_due
+
+    def open_count(self) -> int:
+        return len(self.ledger)
+
+    def census(self) -> dict[str, int]:
+        """As the broker's census verb counts it."""
+        return {**self.scheduler.census(), **self.ledger.census(), **self.pool.census(),
+                "tenancy.open": self.tenancy.open_count(), **self.pipelines.census(),
+                **{f"streams.{k}": n for k, n in self.streams.sizes().items()}}

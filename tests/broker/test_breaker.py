@@ -175,7 +175,7 @@ def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -
         for _, _, batch in rig.sent(p.Kind.BATCH)[-1:]:
             rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0,
                                                 error="RuntimeError: the model broke"))
-    assert rig.b.requests.breakers.state("m") == OPEN
+    assert rig.b.breakers.state("m") == OPEN
     sent = len(rig.sent(p.Kind.BATCH))
     rig.request()
     rig.tick()
@@ -188,9 +188,9 @@ def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -
     model = rig.b.catalog.models["m"]
     rig.b.lifecycle.swaps.start(Swap(RepoModel(model.config, model.path, model.versions),
                                      {1: "b" * 64}, {1}, rig.now))
-    assert rig.b.requests.breakers.state("m") == OPEN
+    assert rig.b.breakers.state("m") == OPEN
     rig.from_worker("w1", p.ModelLoaded("m", 1, True, sha256="b" * 64))
-    assert rig.b.requests.breakers.state("m") == CLOSED
+    assert rig.b.breakers.state("m") == CLOSED
 
 
 def test_zeroserve_models_names_an_open_breaker() -> None:
@@ -215,8 +215,8 @@ def test_an_open_breaker_routes_to_another_healthy_version_it_holds(tmp_path: Pa
         assert batch.version == 2
         rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0,
                                             error="RuntimeError: the model broke"))
-    assert rig.b.requests.breakers.state("m") == OPEN
-    assert rig.b.requests.breakers.describe("m", rig.now)["breaker"]["version"] == 2
+    assert rig.b.breakers.state("m") == OPEN
+    assert rig.b.breakers.describe("m", rig.now)["breaker"]["version"] == 2
     for _ in range(3):
         rig.request()
     rig.tick()
@@ -225,7 +225,7 @@ def test_an_open_breaker_routes_to_another_healthy_version_it_holds(tmp_path: Pa
     rig.run_batches("w1")
     assert rig.answers()[-3:] == ["ok"] * 3
     # a request naming the failing version is refused; one naming the healthy one runs
-    b = rig.b.requests.breakers
+    b = rig.b.breakers
     assert b.route("m", 2, [1, 2]) is None and b.route("m", 1, [1, 2]) == 1
     assert b.route("m", None, [2]) is None        # nothing else held: 503 as before
     # past open_s the probes go to version 2 again: the fix is seen there

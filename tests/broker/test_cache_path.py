@@ -53,7 +53,7 @@ def batches(rig: BrokerRig) -> int:
 
 
 def stats(rig: BrokerRig) -> dict[str, Any]:
-    (doc,) = rig.b.requests.stats.render("m", [1], 1, {})
+    (doc,) = rig.b.stats.render("m", [1], 1, {})
     return dict(doc["inference_stats"])
 
 
@@ -72,7 +72,7 @@ def test_an_identical_request_is_answered_at_admission_without_a_batch(tmp_path)
     st = stats(rig)
     assert st["cache_hit"]["count"] == 1 and st["cache_miss"]["count"] == 1
     assert st["success"]["count"] == 2
-    assert not any(rig.b.requests.census().values()), rig.b.requests.census()
+    assert not any(rig.b.census().values()), rig.b.census()
 
 
 def test_a_different_input_or_version_misses(tmp_path) -> None:
@@ -92,7 +92,7 @@ def test_errors_are_not_kept(tmp_path) -> None:
     (_, _, batch), = rig.sent(p.Kind.BATCH)
     rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0, error="boom"))
     send(rig, "2")
-    assert batches(rig) == 2 and len(rig.b.requests.answers.cache) == 0
+    assert batches(rig) == 2 and len(rig.b.cache) == 0
     assert isinstance(replies(rig)["1"], p.ErrorReply)
 
 
@@ -101,7 +101,7 @@ def test_a_model_without_the_cache_never_uses_it(tmp_path) -> None:
     for rid in ("1", "2", "3"):
         send(rig, rid)
         rig.run_batches("w1")
-    assert batches(rig) == 3 and len(rig.b.requests.answers.cache) == 0
+    assert batches(rig) == 3 and len(rig.b.cache) == 0
     assert stats(rig)["cache_miss"]["count"] == 0
 
 
@@ -136,12 +136,12 @@ def test_a_new_version_misses_and_the_old_ones_answers_go(tmp_path) -> None:
     rig = rig_with(tmp_path)
     send(rig, "1")
     rig.run_batches("w1")
-    assert len(rig.b.requests.answers.cache) == 1
+    assert len(rig.b.cache) == 1
     # version 2 committed in place of 1 (what a swap's commit does), then what the
     # lifecycle does after every commit
     rig.add_model("m", CACHED, versions=(2,), factory="nn.Linear(4, 3)")
-    rig.b.requests.answers.retain("m")
-    assert len(rig.b.requests.answers.cache) == 0
+    rig.b.answers.retain("m")
+    assert len(rig.b.cache) == 0
     rig.loaded("w1", "m", 2)
     send(rig, "2")
     rig.run_batches("w1")
@@ -154,6 +154,6 @@ def test_removing_the_model_drops_its_answers(tmp_path) -> None:
     rig = rig_with(tmp_path)
     send(rig, "1")
     rig.run_batches("w1")
-    assert len(rig.b.requests.answers.cache) == 1
+    assert len(rig.b.cache) == 1
     rig.b.lifecycle.remove_model("m", "its folder was removed")
-    assert len(rig.b.requests.answers.cache) == 0 and rig.b.requests.answers.cache.nbytes == 0
+    assert len(rig.b.cache) == 0 and rig.b.cache.nbytes == 0

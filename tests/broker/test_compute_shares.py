@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.conftest import examples
-from zeroserve.broker.server.scheduler import Entry, Policy, Scheduler, split_by_units
+from zeroserve.broker.server.fairqueue import split_by_units
+from zeroserve.broker.server.scheduler import Entry, Policy, Scheduler
 
 SHORT, LONG = 16, 512     # tokens a row: a row's scale is its length
 

@@ -60,7 +60,7 @@ class Rig(BrokerRig):
         return str(self.b.ondemand.describe(name)["state"])
 
     def census_empty(self) -> bool:
-        return not any(self.b.requests.census().values())
+        return not any(self.b.census().values())
 
 
 def rig_with(tmp_path: Path, names: str, **opts: Any) -> Rig:
@@ -133,7 +133,7 @@ def test_the_hot_model_stays_and_the_cold_ones_take_turns(tmp_path: Path) -> Non
     rig.ask("c")
     rig.load_done("w", "c")
     rig.run_batches("w")   # c ran last: h is now the least recently used
-    assert rig.b.requests.last_used("h") < rig.b.requests.last_used("c")
+    assert rig.b.usage.last_used("h") < rig.b.usage.last_used("c")
     rig.ask("d")
     rig.tick()
     assert rig.loads("w") == ["h/1", "c/1", "d/1"]
@@ -276,7 +276,7 @@ def test_a_worker_lost_while_loading_answers_each_waiting_request_once(tmp_path:
     ids = [rig.ask("a") for _ in range(3)]
     rig.tick()
     assert rig.loads("w") == ["a/1"]
-    rig.b._lose(rig.b.pool.get(b"w"), Loss.CRASHED)
+    rig.b.membership.lose(rig.b.pool.get(b"w"), Loss.CRASHED)
     rig.tick()
     errors = rig.errors()
     assert sorted(e.request_id for e in errors) == sorted(ids), "each answered once"
@@ -367,7 +367,7 @@ def test_whatever_happens_each_request_is_answered_once_and_nothing_stays(
         elif action == "run" and worker is not None:
             rig.run_batches("w")
         elif action == "lose" and worker is not None:
-            rig.b._lose(worker, Loss.CRASHED)
+            rig.b.membership.lose(worker, Loss.CRASHED)
             rig.worker("w", "cpu", budget=BUDGET, context_bytes=0)
         worker = rig.b.pool.get(w)
         if worker is not None:   # nothing evicted from under work in flight
@@ -387,7 +387,7 @@ def test_whatever_happens_each_request_is_answered_once_and_nothing_stays(
             p.decode_reply(header, bufs).request_id
         answered[rid] = answered.get(rid, 0) + 1
     assert answered == {rid: 1 for rid in asked}
-    assert rig.census_empty(), rig.b.requests.census()
+    assert rig.census_empty(), rig.b.census()
 
 
 def test_a_cached_answer_of_a_model_not_loaded_needs_no_load(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ def repo() -> Iterator[Path]:
 def test_models_report_readiness_and_their_slo_at_each_scrape(repo: Path) -> None:
     catalog = Catalog(repo)
     m = BrokerMetrics()
-    m.registry.register(ModelStates(lambda: catalog.models))
+    m.registry.register(ModelStates(catalog))
     assert not any(n.startswith("zeroserve_model_ready") for n, _ in samples(m))
     catalog.rescan()   # read when scraped: models the catalog gains show at once
     got = samples(m)

@@ -17,9 +17,9 @@ from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import WorkerPool
-from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.models.repository import RepoModel, parse_config
+from tests.broker.rig import RequestPath
 from tests.conftest import linear_config
 
 T4 = {"datatype": "FP32", "shape": [4]}

@@ -114,11 +114,11 @@ def test_a_budget_caps_a_gpu_below_its_free_memory(tmp_path: Path) -> None:
     assert rig.placement.available(w) == 11 * MB - 1 * MB - NEED
     rig.loaded("g/0", "old", 1, resident_bytes=WEIGHTS, footprint_bytes=WEIGHTS)
     rig.model("new")
-    rig.b.lifecycle.sync_worker(w)
+    rig.b.loads.sync_worker(w)
     assert rig.loads("g/0")[-1] == "new/1"     # 1 + 4 + 5 of 11 MB: both fit
     rig.loaded("g/0", "new", 1, resident_bytes=WEIGHTS, footprint_bytes=WEIGHTS)
     rig.model("third")
-    rig.b.lifecycle.sync_worker(w)
+    rig.b.loads.sync_worker(w)
     assert rig.loads("g/0")[-1] == "third/1"   # an idle one made room, on a roomy GPU
     assert len(w.loaded & {("old", 1), ("new", 1)}) == 1 and ("third", 1) in w.loading
     rig.model("huge", mbs=8)
@@ -167,10 +167,10 @@ def test_an_idle_model_is_evicted_before_the_load_when_that_makes_room(tmp_path:
     w = rig.worker("a/0", "cpu", budget=11_100_000, context_bytes=1 * MB)
     rig.loaded("a/0", "old", 1, resident_bytes=WEIGHTS, footprint_bytes=WEIGHTS)
     rig.model("new")
-    rig.b.lifecycle.sync_worker(w)
+    rig.b.loads.sync_worker(w)
     assert rig.loads("a/0") == ["old/1", "new/1"]   # room for both: nothing evicted
     rig.model("third")
-    rig.b.lifecycle.sync_worker(w)
+    rig.b.loads.sync_worker(w)
     # 1 MB context + 4 + 5 + 5 of 11.1 MB: the least recently used idle model makes room
     assert rig.loads("a/0")[-1] == "third/1"
     assert ("old", 1) not in w.loaded and ("third", 1) in w.loading

@@ -146,7 +146,7 @@ def test_failures_after_the_rollback_run_again_on_the_stable_version(rig: Broker
     assert len(got) == 200, "a request was not answered, or answered twice"
     assert {rid for rid, a in got.items() if isinstance(a, p.ErrorReply)} == expected_failed
     assert all(a.version == 1 for a in got.values() if isinstance(a, p.InferReply))
-    assert all(n == 0 for n in rig.b.requests.census().values())
+    assert all(n == 0 for n in rig.b.census().values())
 
 
 def test_a_retrying_plan_answers_every_canary_failure_from_the_stable_version(

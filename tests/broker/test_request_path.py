@@ -20,10 +20,10 @@ from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Loss, WorkerPool
-from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import RepoModel, parse_config
+from tests.broker.rig import RequestPath
 from tests.conftest import examples, linear_config
 
 

@@ -106,13 +106,13 @@ def test_drain_all_is_the_stop_without_the_exit(tmp_path: Path) -> None:
     for _ in range(2):
         r.request()
     r.tick()
-    assert r.b._drain_all({})["open_requests"] == 2
+    assert r.b.shutdown.drain_all({})["open_requests"] == 2
     r.request()                       # nothing new, even from a gateway
     r.run_batches("w")
     assert r.answers() == ["error", "ok", "ok"]
     r.live("w", 40)   # past the drain bound: no exit, and nothing 503s
     assert not r.b.finished(r.now) and r.disconnects() == []
-    r.b._undrain_all({})
+    r.b.shutdown.undrain_all({})
     r.request()
     r.run_batches("w")
     assert r.answers()[-1] == "ok"

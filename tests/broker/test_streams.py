@@ -18,9 +18,9 @@ from zeroserve.broker.server.catalog import Catalog, CatalogModel
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Loss, WorkerPool
-from zeroserve.broker.server.requests import RequestPath
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.models.repository import ConfigError, parse_config
+from tests.broker.rig import RequestPath
 from tests.conftest import linear_config
 
 
@@ -71,12 +71,12 @@ def test_the_stream_flag_travels_only_when_set() -> None:
 
 
 @pytest.mark.parametrize("header, frames, match", [
-    ({"id": 1, "parts": "x"}, [], "has type str"),
-    ({"id": 1, "parts": [["0", 1, []]]}, [], "each part"),
+    ({"id": 1, "parts": "x"}, [], "'parts': expected `array`, got `str`"),
+    ({"id": 1, "parts": [["0", 1, []]]}, [], r"'parts\[0\]\.final': expected `bool`"),
     ({"id": 1, "parts": [["0", True, [["output", "FP32", [1, 3]]]]]}, [], "1 tensors declared"),
     ({"id": 1, "parts": [["0", True, []]]}, [b"x"], "carries 1 frames"),
-    ({"id": 1, "parts": [["0", False, []]] * (p.MAX_BUNDLE + 1)}, [], "more than"),
-    ({"parts": []}, [], "'id' is missing"),
+    ({"id": 1, "parts": [["0", False, []]] * (p.MAX_BUNDLE + 1)}, [], "length <= 256"),
+    ({"parts": []}, [], "missing required field `id`"),
 ])
 def test_malformed_partials_are_protocol_errors(header: dict[str, Any], frames: list[bytes],
                                                match: str) -> None:

@@ -11,9 +11,13 @@ site):
   it must exit 0, and each ``# prints TEXT`` comment in it names text its output holds.
 * ``<!-- example: output -->``: the output of the run block before it; the parts between
   ``...`` must appear in that output, in order.
+* ``<!-- example: serve -->``: a ``sh`` block holding the page's ``zeroserve serve``
+  command; its options are added to the server's (a relative path names a file beside
+  the repository, where ``file ../NAME`` writes and run blocks run).
 
 Each page with marks gets a server of its own: ``zeroserve serve`` on the bundled
-examples (``mlp``, ``cnn``) plus the page's files, with an import root. In the blocks,
+examples (``mlp``, ``cnn``) plus the page's files, with an import root and the options of
+its serve block. In the blocks,
 ``127.0.0.1:8080`` and ``localhost:8080`` become the server's HTTP address,
 ``127.0.0.1:8001`` its gRPC one, ``/srv/imports`` the import root, and the runtime
 folder is the server's (``ZEROSERVE_RUNTIME_DIR``), so ``zeroserve`` commands and the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,7 +43,7 @@ from tests.conftest import ROOT, Server, short_tmpdir
 pytestmark = pytest.mark.timeout(300)
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MARK = re.compile(r"^<!-- example: (file|setup|run|output)(?: (\S+))? -->\n"
+MARK = re.compile(r"^<!-- example: (file|setup|run|output|serve)(?: (\S+))? -->\n"
                   r"```(\w*)\n(.*?)^```$", re.M | re.S)
 PRINTS = re.compile(r"#\s*prints\s+(.+?)\s*$", re.M)
 
@@ -105,6 +110,17 @@ def substitute(text: str, srv: Server, imports: Path) -> str:
     return text.replace("127.0.0.1:8001", srv.grpc_url).replace("/srv/imports", str(imports))
 
 
+def serve_options(block: Block, folder: Path) -> list[str]:
+    """The options of the page's ``zeroserve serve`` line; the runner sets the model
+    folder, the ports and the runtime folder itself, so the page may not."""
+    words = shlex.split(block.text.replace("\\\n", " "))
+    assert words[:2] == ["zeroserve", "serve"], f"{block.where()}: not a zeroserve serve line"
+    own = {"--model-dir", "--http-port", "--grpc-port", "--runtime-dir"} & set(words)
+    assert not own, f"{block.where()}: the runner sets {sorted(own)} itself"
+    return [str(folder / w) if not w.startswith("-") and (folder / w).exists() else w
+            for w in words[2:]]
+
+
 def run(block: Block, code: str, env: dict[str, str], cwd: Path) -> str:
     argv = [sys.executable, "-c", code] if block.lang == "python" else \
         ["bash", "-e", "-o", "pipefail", "-c", code]
@@ -138,7 +154,10 @@ def test_the_marked_examples_of_the_page_run(page: str, examples: Path) -> None:
             (repo / block.arg).write_text(block.text)
         elif block.kind == "setup":
             run(block, block.text.replace("/srv/imports", str(imports)), env, repo)
-    srv = Server(repo, extra=["--import-root", str(imports)])
+    served = [b for b in marked if b.kind == "serve"]
+    assert len(served) <= 1, f"{page}: one serve block a page, found {len(served)}"
+    extra = ["--import-root", str(imports), *(serve_options(served[0], folder) if served else [])]
+    srv = Server(repo, extra=extra)
     try:
         srv.wait_ready()
         env["ZEROSERVE_RUNTIME_DIR"] = str(srv.runtime)

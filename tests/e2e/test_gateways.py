@@ -31,10 +31,15 @@ def test_two_gateway_processes_share_the_port_and_the_metrics(serve):
     assert served >= 40  # both processes' counts, whichever answered the scrape
 
 
-def test_gateway_processes_by_default_follow_the_usable_cores() -> None:
+def test_gateway_processes_by_default_follow_the_cores_the_workers_leave() -> None:
     from zeroserve.workers.serve import http_processes, usable_cores
+    # no worker on the host's cores: one gateway per two cores the broker leaves, at most 4
     assert [http_processes(0, c, False) for c in (1, 2, 4, 7, 8, 16, 32, 64)] == [
-        1, 1, 1, 1, 2, 4, 8, 8]
+        1, 1, 1, 3, 3, 4, 4, 4]
+    # 16 cores: 8 GPU workers (a core each) leave 7; one CPU worker of 15 threads, none
+    assert http_processes(0, 16, False, 8) == 3
+    assert http_processes(0, 16, False, 15) == 1
+    assert http_processes(0, 64, False, 8) == 4
     assert http_processes(0, 32, True) == 1   # shared-memory regions live in one gateway
     assert http_processes(3, 2, True) == 3    # what the operator asked for, as is
     assert 1 <= usable_cores() <= (os.cpu_count() or 1)

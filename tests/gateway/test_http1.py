@@ -1,8 +1,10 @@
-"""gateway/http1.py: an infer route's answer leaves in one write, other routes' heads at once.
+"""gateway/http1.py: an infer route's body is taken and its answer written in one write
+through the request's OneWrite; other routes keep uvicorn's messages.
 
-A real uvicorn server on loopback runs the gateway's protocol class; the app sends its
-head, waits, then sends its body, so a head written on its own reaches the client a
-pause before the body and one written with the body arrives with it.
+A real uvicorn server on loopback runs the gateway's protocol class. The app answers an
+infer route with the OneWrite it finds in the scope (and says so in a header), and any
+other route with a head, a pause, then its body, so a head written on its own reaches
+the client a pause before the body.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import uvicorn
 
 from tests.conftest import free_port, wait_for
-from zeroserve.gateway.http1 import InferHttpProtocol
+from zeroserve.gateway.http1 import ONE_WRITE, InferHttpProtocol
 
 PAUSE_S = 1.0   # a reader stalled longer than this on a loaded host would see both
 BODY = b'{"ok":true}'
@@ -25,6 +27,19 @@ BODY = b'{"ok":true}'
 
 async def app(scope: Any, receive: Any, send: Any) -> None:
     if scope["type"] != "http":
+        return
+    one = scope.get(ONE_WRITE)
+    if one is not None:
+        got = one.body()
+        if got is None:   # still on its way (100 Continue): read as uvicorn gives it
+            got = b""
+            while True:
+                message = await receive()
+                got += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+        one.answer(200, b"application/json", BODY + got[:0],
+                   [(b"x-echo-length", b"%d" % len(got))])
         return
     while (await receive()).get("more_body"):
         pass
@@ -51,20 +66,28 @@ def port() -> Iterator[int]:
         assert not thread.is_alive()
 
 
+def request(method: str, path: str, body: bytes = b"", close: bool = True) -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+            f"{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n").encode() + body
+
+
+def read_answer(sock: socket.socket, first: bytes = b"") -> bytes:
+    got = first
+    deadline = time.monotonic() + 10
+    while not got.endswith(BODY) and time.monotonic() < deadline:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
 def first_read(port: int, method: str, path: str, body: bytes = b"") -> tuple[bytes, bytes]:
     """What the first read of the answer holds, and the whole answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
-                     f"Connection: close\r\n\r\n".encode() + body)
+        sock.sendall(request(method, path, body))
         first = sock.recv(65536)
-        rest = first
-        deadline = time.monotonic() + 10
-        while not rest.endswith(BODY) and time.monotonic() < deadline:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            rest += chunk
-        return first, rest
+        return first, read_answer(sock, first)
 
 
 @pytest.mark.parametrize("path", ["/v2/models/m/infer", "/v2/models/m/versions/2/infer"])
@@ -72,6 +95,9 @@ def test_infer_answer_leaves_in_one_write(port: int, path: str) -> None:
     first, whole = first_read(port, "POST", path, b"{}")
     assert first.startswith(b"HTTP/1.1 200 ") and first.endswith(BODY)
     assert first == whole
+    head = first.split(b"\r\n\r\n")[0].lower().split(b"\r\n")
+    assert b"content-length: %d" % len(BODY) in head and b"x-echo-length: 2" in head
+    assert b"connection: close" in head and b"server: uvicorn" in head
 
 
 @pytest.mark.parametrize("method, path", [("POST", "/v2/models/m/generate_stream"),
@@ -80,6 +106,17 @@ def test_other_routes_send_their_head_at_once(port: int, method: str, path: str)
     first, whole = first_read(port, method, path)
     assert first.startswith(b"HTTP/1.1 200 ") and first.endswith(b"\r\n\r\n")
     assert whole.endswith(BODY)
+
+
+def test_keep_alive_serves_the_next_request_on_the_connection(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for body in (b"{}", b"[1,2,3]"):
+            sock.sendall(request("POST", "/v2/models/m/infer", body, close=False))
+            answer = read_answer(sock)
+            head = answer.split(b"\r\n\r\n")[0].lower().split(b"\r\n")
+            assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(BODY)
+            assert b"x-echo-length: %d" % len(body) in head
+            assert b"connection: close" not in head
 
 
 def test_expect_continue_then_one_write(port: int) -> None:
@@ -91,5 +128,6 @@ def test_expect_continue_then_one_write(port: int) -> None:
             got += sock.recv(65536)
         assert got.startswith(b"HTTP/1.1 100 ")
         sock.sendall(b"{}")
-        answer = got.split(b"\r\n\r\n", 1)[1] or sock.recv(65536)
+        answer = read_answer(sock, got.split(b"\r\n\r\n", 1)[1])
         assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(BODY)
+        assert b"x-echo-length: 2" in answer.lower()

@@ -4,7 +4,7 @@ allocated bytes where there is no NVML, resident memory on a CPU):
 
 - loaded, then unloaded (parked in host memory): used memory after against before the
   load, in percent of before;
-- moved back from the host tier (``Worker.load_version`` of the parked version) against
+- moved back from the host tier (``Loader.load_version`` of the parked version) against
   a plain ``to(device)`` of the same weights from ordinary host memory;
 - unloaded for good at the end: what stays, and whether the worker would recycle.
 
@@ -65,17 +65,17 @@ def measure(device: str, size_bytes: int) -> dict[str, Any]:
                         host_cache_bytes=2 * size_bytes)
         msg = p.LoadModel("big", 1, str(repo / "big" / "1"), cfg)
         before = used()
-        first = worker.load_version(msg)
+        first = worker.loader.load_version(msg)
         assert first.ok, first.error
         loaded_used = used()
-        worker.unload_version("big", 1)   # parked in host memory
+        worker.loader.unload_version("big", 1)   # parked in host memory
         after = used()
         msg = p.LoadModel("big", 1, msg.path, cfg, sha256=first.sha256)
-        move_back_s = _timed(lambda: worker.load_version(msg), device)
-        hits = worker.host_cache.hits
-        worker.unload_version("big", 1)
+        move_back_s = _timed(lambda: worker.loader.load_version(msg), device)
+        hits = worker.loader.host_cache.hits
+        worker.loader.unload_version("big", 1)
         final = used()
-        recycle = worker.recycle_reason
+        recycle = worker.loader.recycle_reason
         weights = torch.jit.load(str(repo / "big" / "1" / "model.pt"), map_location="cpu")
 
         def plain() -> float:   # from ordinary (pageable) host memory, each time

@@ -94,12 +94,12 @@ def test_a_handler_that_calls_models_is_refused_by_a_worker_of_an_older_broker(
     try:
         _, old, _ = p.unpack(p.encode(p.LoadModel(**header)))
         del old["versions"]   # what an older broker's LOAD holds
-        refused = worker.load_version(p.decode(p.LoadModel, old))
+        refused = worker.loader.load_version(p.decode(p.LoadModel, old))
         assert not refused.ok
         assert "load() asks for a models client" in refused.error
         assert "protocol version 3 or later" in refused.error
         assert "speaks protocol versions 1" in refused.error
-        loaded = worker.load_version(p.LoadModel(**header, versions=[1, 2, 3]))
+        loaded = worker.loader.load_version(p.LoadModel(**header, versions=[1, 2, 3]))
         assert loaded.ok, loaded.error
     finally:
         if worker.models_client is not None:

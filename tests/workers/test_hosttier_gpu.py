@@ -1,7 +1,7 @@
 """Memory returned after a move back from the host-memory tier: a version parked in host
 memory (an unload), taken back (a load), then unloaded for good leaves the device as it
 found it, and the worker sees no leak to recycle for. The worker's own code
-(``Worker.load_version``, ``Worker.unload_version``) in this process, no broker; on the
+(``Loader.load_version``, ``Loader.unload_version``) in this process, no broker; on the
 CPU, and on a GPU where there is one."""
 
 from __future__ import annotations
@@ -38,19 +38,19 @@ def test_memory_is_returned_after_a_move_back_from_the_host_tier(repo: Path, dev
     msg = p.LoadModel("wide", 1, str(repo / "wide" / "1"),
                       linear_config("wide", n_in=WIDTH, n_out=WIDTH))
     base = torch.cuda.memory_allocated(device) if device != "cpu" else 0
-    first = worker.load_version(msg)
+    first = worker.loader.load_version(msg)
     assert first.ok, first.error
     msg = p.LoadModel("wide", 1, msg.path, msg.config, sha256=first.sha256)
-    worker.unload_version("wide", 1)              # parked in host memory
+    worker.loader.unload_version("wide", 1)       # parked in host memory
     parked = torch.cuda.memory_allocated(device) if device != "cpu" else 0
-    back = worker.load_version(msg)               # moved back from it
-    assert back.ok and worker.host_cache.hits == 1, (back, worker.host_cache.hits)
+    back = worker.loader.load_version(msg)        # moved back from it
+    assert back.ok and worker.loader.host_cache.hits == 1, (back, worker.loader.host_cache.hits)
     x = torch.ones(2, WIDTH, device=device)
     with torch.inference_mode():
         assert worker.models[("wide", 1)].fn(x).shape == (2, WIDTH)
     del x
-    worker.unload_version("wide", 1)
-    assert worker.recycle_reason == "", worker.recycle_reason
+    worker.loader.unload_version("wide", 1)
+    assert worker.loader.recycle_reason == "", worker.loader.recycle_reason
     if device != "cpu":
         # parked, the weights left the device; taken back and parked again, they left it
         # again: nothing of them stays allocated there

@@ -38,14 +38,14 @@ SCRIPT = textwrap.dedent('''
                     memory_tolerance_bytes=int(sys.argv[2]))
     rss, footprints = [], []
     for _ in range(20):
-        reply = worker.load_version(p.LoadModel(**header))
+        reply = worker.loader.load_version(p.LoadModel(**header))
         assert reply.ok, reply
         footprints.append(reply.memory_bytes)
-        worker.unload_version("mlp", 1)
+        worker.loader.unload_version("mlp", 1)
         gc.collect()
         rss.append(rss_bytes())
     print(json.dumps({"rss": rss, "footprints": footprints,
-                      "recycle": worker.recycle_reason}))
+                      "recycle": worker.loader.recycle_reason}))
 ''')
 
 LEAKY = textwrap.dedent('''
@@ -125,7 +125,8 @@ GPU_SCRIPT = SCRIPT.replace('device="cpu"', 'device="cuda:0"').replace(
     "rss.append(rss_bytes())", "rss.append(torch.cuda.memory_allocated())").replace(
     "range(20)", "range(5)").replace(
     "rss, footprints = [], []", "rss, footprints = [], []; base = torch.cuda.memory_allocated()"
-).replace('"recycle": worker.recycle_reason}', '"recycle": worker.recycle_reason, "base": base}')
+).replace('"recycle": worker.loader.recycle_reason}',
+          '"recycle": worker.loader.recycle_reason, "base": base}')
 
 
 @pytest.mark.gpu

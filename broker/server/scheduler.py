@@ -222,10 +222,13 @@ class _Queue:
         """Live entries in dispatch order; lazily, so taking a few costs little."""
         self.oldest()  # drop answered entries from the front, so the scan below stays short
         aged_ids = set()
+        # aging lifts over higher priorities; among the top level's tenants shares decide
+        top = min((lvl for lvl, n in self.level_samples.items() if n > 0), default=0)
+        shared = top in self.levels and len(self.levels[top].samples) > 1
         for e in self.fifo:
             if e.arrival_s + self.policy.aging_s > now:
                 break
-            if e.state == QUEUED:
+            if e.state == QUEUED and not (shared and e.priority == top):
                 aged_ids.add(id(e))
                 yield e
         for level in sorted(self.levels):
@@ -559,9 +562,8 @@ class Scheduler:
 
     def used(self, model: str, entries: Iterable[Entry], seconds: float
              ) -> list[tuple[str, float]]:
-        """A batch of ``entries`` ran for ``seconds`` (measured): each row's share, split
-        by units as the latency model prices them, as (tenant, seconds); a tenant whose
-        share counts compute time has its fair-queue charge corrected to it."""
+        """A batch of ``entries`` ran ``seconds``: (tenant, seconds) a row, split by units;
+        shares by compute time corrected to it (:func:`fairqueue.measured`)."""
         q = self._queues.get(model)
         return measured(list(entries), seconds, q.levels if q is not None else {})
 

@@ -192,6 +192,8 @@ def reckon(batch: list[Entry], predict: Callable[[float], float]) -> None:
     """The seconds each row of a batch is charged when taken, shares by compute time:
     the batch's predicted time (every row at its longest scale) split by units;
     corrected by :func:`measured` once it is measured."""
+    if not any(e.by_time for e in batch):
+        return
     rows = sum(e.samples for e in batch)
     predicted = predict(rows * max(e.scale for e in batch))
     for e, (_, share) in zip(batch, split_by_units(batch, predicted)):

@@ -32,7 +32,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
 from zeroserve.broker.server.fairqueue import GONE, QUEUED, TAKEN, FairLevel as _Level, \
@@ -70,13 +70,9 @@ class Entry:
         return self.samples * self.scale
 
     def again(self) -> "Entry":
-        """A fresh entry for the same request, to queue it again (a retry): the old one
-        may still sit in the queue's heaps, and one object in two places would be taken
-        twice."""
-        return Entry(self.key, self.model, self.priority, self.arrival_s, self.deadline_s,
-                     self.samples, self.version, self.payload, tenant=self.tenant,
-                     weight=self.weight, shed_rank=self.shed_rank, shape=self.shape,
-                     scale=self.scale, length=self.length, by_time=self.by_time)
+        """A fresh entry for the same request, to queue it again (a retry): the old one may
+        still sit in the queue's heaps; one object in two places would be taken twice."""
+        return replace(self, seq=0, state=QUEUED, charged_s=0.0)
 
 
 @dataclass(frozen=True)
@@ -337,6 +333,13 @@ class Scheduler:
         q = self._queues.get(model)
         return [e for e in q.fifo if e.state == QUEUED] if q else []
 
+    def head(self, model: str, now: float) -> Entry | None:
+        """The live entry a free slot would take first (dispatch order), or None."""
+        q = self._queues.get(model)
+        if q is None or not q.count:
+            return None
+        return next((e for e in q.ordered(now) if e.deadline_s > now), None)
+
     def oldest_arrival(self, model: str) -> float | None:
         """When the longest-queued live entry arrived (the autoscaler's queue time)."""
         q = self._queues.get(model)
@@ -435,8 +438,7 @@ class Scheduler:
     def _taken(self, q: _Queue, batch: list[Entry], doomed: list[Entry],
                reason: str, predict: Predict) -> Decision:
         """The batch leaves the queue (charged to its tenants), the doomed with it."""
-        if any(e.by_time for e in batch):
-            reckon(batch, predict)
+        reckon(batch, predict)
         for e in batch:
             e.state = TAKEN
             q.levels[e.priority].charge(e)
@@ -560,10 +562,8 @@ class Scheduler:
             return DEADLINE
         return None
 
-    def used(self, model: str, entries: Iterable[Entry], seconds: float
-             ) -> list[tuple[str, float]]:
-        """A batch of ``entries`` ran ``seconds``: (tenant, seconds) a row, split by units;
-        shares by compute time corrected to it (:func:`fairqueue.measured`)."""
+    def used(self, model: str, entries: Iterable[Entry], seconds: float) -> list[Any]:
+        """A batch ran ``seconds``: (tenant, seconds) a row (:func:`fairqueue.measured`)."""
         q = self._queues.get(model)
         return measured(list(entries), seconds, q.levels if q is not None else {})
 

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 _ANON = Tenant(ANONYMOUS, DEFAULT_QOS["guaranteed"])
 RATE_TAU_S = 10.0   # the observed rate shown by `zeroserve tenants` is averaged over ~this
-_PER = {"tokens": "tokens per minute", "compute": "compute time per minute"}
+_PER = {"tokens": "tokens per minute (prompt and completion tokens)",
+        "compute": "compute time per minute"}
 _BUCKETS = (.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30)
 
 
@@ -222,6 +223,14 @@ class Tenancy:
         return Grant(msgspec.structs.replace(req, priority=priority, timeout_ms=timeout_ms),
                      t.name, t.weight, t.qos.rank, notes, self.set.share == "compute")
 
+    def completion_tokens(self, tenant: str, n: int, now: float) -> None:
+        """Tokens a generating model made for one of the tenant's requests, charged to its
+        ``tokens_per_minute`` as they come (the prompt's were at admission): past its
+        quota a stream runs on, and the tenant's next requests wait for the refill."""
+        st = self._state.get(tenant)
+        if st is not None and st.tokens is not None:
+            st.tokens.spend(n, now)
+
     def open_count(self) -> int:
         """Requests holding an in-flight place (the census: 0 once all are answered)."""
         return len(self._open)
@@ -246,7 +255,7 @@ class Tenancy:
             st.compute_s += seconds
             self._child(self.m_compute, self._label(name)).inc(seconds)
             if st.compute is not None:
-                st.compute.debit(seconds, now)
+                st.compute.spend(seconds, now)
 
     # -- counting --------------------------------------------------------------
     def _refuse(self, tenant: str, code: p.ErrorCode, message: str,

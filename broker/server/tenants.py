@@ -358,7 +358,7 @@ def write_atomically(path: Path, text: str) -> None:
 
 class TokenBucket:
     """``rate`` tokens a second up to ``burst``; starts full. Over any window of t
-    seconds at most burst + rate*t tokens are taken (and :meth:`debit`ed: what is spent
+    seconds at most burst + rate*t tokens are taken (and :meth:`spend`: what is used
     after the fact, compute time, can go below zero and is paid back before more)."""
 
     __slots__ = ("rate", "burst", "tokens", "stamp")
@@ -387,8 +387,9 @@ class TokenBucket:
         self.tokens -= n
         return True
 
-    def debit(self, n: float, now: float) -> None:
-        """Spend ``n`` already used, if need be into debt."""
+    def spend(self, n: float, now: float) -> None:
+        """Take ``n`` whatever is there: use already made (a generated token) is paid,
+        below empty if need be, and the next take waits for the refill."""
         self._refill(now)
         self.tokens -= n
 

@@ -71,9 +71,10 @@ class Rig:
         self.messages: list[int] = []   # each step's batches
         self.results: list[p.BatchResult] = []
         self.stops: dict[int, set[str]] = {}
+        self.pauses: dict[int, set[str]] = {}
         self.table = SequenceTable(loaded, self._emit, self._finish,
                                    lambda b: frozenset(self.stops.get(b, ())),
-                                   itertools.count(1))
+                                   itertools.count(1), lambda b: self.pauses.pop(b, set()))
         self._ids = itertools.count(1)
 
     def _emit(self, step: list[p.Partial]) -> None:
@@ -148,6 +149,55 @@ def test_a_stopped_request_that_never_joined_never_runs() -> None:
     rig.table.step()
     assert [r.batch_id for r in rig.results] == [waiting]
     assert rig.handler.joined == [1]
+
+
+class Pausing(Counter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def pause(self, seq_id: int) -> None:
+        self.calls.append(("pause", seq_id))
+
+    def resume(self, seq_id: int) -> None:
+        self.calls.append(("resume", seq_id))
+
+
+def test_a_paused_sequence_sits_out_while_the_newcomer_runs_then_resumes() -> None:
+    rig = Rig(most=2, handler=Pausing())
+    low = rig.join(4, 4)
+    rig.table.step()
+    vip = rig.join(2)
+    rig.pauses[low] = {f"r{low}.1"}
+    rig.table.step()   # r.1 pauses, the newcomer joins: its first response at once
+    assert rig.table.paused == 1 and rig.table.running == 2
+    assert rig.of(f"r{vip}.0") == [(False, [1.0, 2.0, 2.0])]
+    rig.table.step()   # the newcomer ends here; r.1 resumes at the next boundary
+    assert rig.of(f"r{low}.1") == [(False, [1.0, 1.0, 2.0])]
+    while rig.table.busy:
+        rig.table.step()
+    # the paused one counted on from where it stopped: 2, 3, 4, none lost or repeated
+    assert [v[0] for _, v in rig.of(f"r{low}.1")] == [1.0, 2.0, 3.0, 4.0]
+    assert [v[1] for _, v in rig.of(f"r{low}.1")] == [1.0, 4.0, 5.0, 6.0]
+    assert rig.handler.calls == [("pause", 2), ("resume", 2)]
+    assert [r.batch_id for r in rig.results] == [vip, low]
+
+
+def test_a_paused_sequence_that_is_stopped_leaves_and_one_not_joined_goes_behind() -> None:
+    rig = Rig(most=1)
+    running = rig.join(9)
+    queued = rig.join(9)    # waits for the slot
+    rig.table.step()
+    vip = rig.join(1)
+    rig.pauses[running] = {f"r{running}.0"}
+    rig.pauses[queued] = {f"r{queued}.0"}   # the broker thought it ran: it goes behind
+    rig.table.step()
+    assert rig.of(f"r{vip}.0") == [(True, [1.0, 2.0, 1.0])]
+    rig.stops[running] = {f"r{running}.0"}
+    rig.table.step()   # the paused one leaves; the one behind joins
+    assert [r.batch_id for r in rig.results] == [vip, running]
+    assert rig.of(f"r{queued}.0") == [(False, [1.0, 3.0, 1.0])]
+    assert rig.handler.left == [2, 1] and rig.table.paused == 0   # the newcomer was 2
 
 
 def test_a_zero_count_is_one_empty_final_response() -> None:
@@ -228,3 +278,72 @@ def test_an_iterative_model_is_decoupled_and_says_so_in_its_json() -> None:
     assert "sequences" not in parse_config(linear_config("x"), "x").to_json()
     lm = parse_config(lm_config(), "lm")   # what the broker sends its workers reads back
     assert parse_config(lm.to_json(), "again") == lm and lm.decoupled
+
+
+class GruLM:
+    """A small recurrent LM (a GRU over token embeddings, random weights): the second kind
+    of state, a hidden vector a sequence, stepped in one batch. Greedy; answers
+    ``output`` [token, 0, 0] a step, the input's first value tokens."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(3)
+        self.embed = torch.nn.Embedding(32, 16)
+        self.cell = torch.nn.GRUCell(16, 24)
+        self.head = torch.nn.Linear(24, 32)
+
+    def join(self, seq_id: int, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+        x = inputs["input"][0]
+        h = torch.zeros(1, 24)
+        for tok in x[1:].long().tolist():   # the prompt: the other three values
+            h = self.cell(self.embed(torch.tensor([tok])), h)
+        return {"h": h, "next": int(self.head(h).argmax()), "left": int(x[0]), "sent": 0}
+
+    def step(self, states: dict[int, dict[str, Any]]) -> dict[int, Any]:
+        out, going = {}, []
+        for seq_id, st in states.items():
+            st["sent"] += 1
+            final = st["sent"] >= st["left"]
+            out[seq_id] = ({"output": torch.tensor([[float(st["next"]), 0.0, 0.0]])}, final)
+            if not final:
+                going.append(st)
+        if going:   # one batched step of every sequence that goes on
+            h = self.cell(self.embed(torch.tensor([st["next"] for st in going])),
+                          torch.cat([st["h"] for st in going]))
+            for row, st in enumerate(going):
+                st["h"], st["next"] = h[row:row + 1], int(self.head(h[row]).argmax())
+        return out
+
+
+def test_a_recurrent_lm_batched_and_paused_makes_the_tokens_it_makes_alone() -> None:
+    """The GRU's hidden states stepped together, joining at different steps and one
+    paused for a while, give each sequence the tokens it gets run alone."""
+    prompts = [[12, 3, 7, 1], [9, 5, 5, 2], [15, 8, 1, 4], [6, 2, 9, 9]]
+
+    def tokens(rig: Rig) -> dict[str, list[float]]:
+        return {item: [v[0] for _, v in rig.of(item)] for _, item, _, _ in rig.parts}
+    alone = Rig(most=3, handler=GruLM())
+    for prompt in prompts:
+        _join_row(alone, prompt)
+        while alone.table.busy:
+            alone.table.step()
+    rig = Rig(most=3, handler=GruLM())
+    first = _join_row(rig, prompts[0])
+    rig.table.step()
+    _join_row(rig, prompts[1])
+    rig.table.step()
+    rig.pauses[first] = {f"r{first}.0"}
+    _join_row(rig, prompts[2])
+    _join_row(rig, prompts[3])
+    rig.table.step()
+    assert rig.table.paused == 1 and rig.table.running == 3
+    while rig.table.busy:
+        rig.table.step()
+    assert tokens(rig) == tokens(alone)
+    assert [len(v) for v in tokens(alone).values()] == [12, 9, 15, 6]
+
+
+def _join_row(rig: Rig, row: list[float]) -> int:
+    batch_id = next(rig._ids)
+    item = p.BatchItem(f"r{batch_id}.0", [p.from_numpy("input", np.array([row], np.float32))])
+    rig.table.join(p.Batch(batch_id, "c", 1, [item]), 0)
+    return batch_id

@@ -250,6 +250,8 @@ class Worker:
                 self.compute.queue(header, bufs, self._last_heard)
             elif kind is p.Kind.STOP:
                 self.compute.stop(p.decode(p.Stop, header))
+            elif kind is p.Kind.PAUSE:
+                self.compute.pause(p.decode(p.Pause, header))
             elif kind is p.Kind.HEARTBEAT:
                 self._on_heartbeat(p.decode(p.BrokerHeartbeat, header))
             elif kind is p.Kind.DISCONNECT:

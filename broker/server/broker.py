@@ -127,7 +127,7 @@ class Broker:
                                             reroute=answering.reroute,
                                             watch_s=breaker.watch_s)
         self.streaming = streaming = StreamPath(streams, batches, catalog, metrics, stats, ledger,
-                                                reply, answering)
+                                                reply, answering, tenancy.completion_tokens)
         # the model lifecycle's strategies; what they ask of the lifecycle is bound late
         # (it is built last, from them): KNOWN_LATE_BINDINGS in tests/test_layout.py
         tenure = demand.tenure()   # load on demand writes it, placement reads it

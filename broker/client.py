@@ -23,10 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import os
 import time
-import uuid
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Mapping, Sequence, cast
 
@@ -34,8 +31,12 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from zeroserve.broker import curve, protocol as p, sockets, tracing
-from zeroserve.broker.runtime import ELSEWHERE, Endpoints
+from zeroserve.broker import curve, protocol as p, tracing
+from zeroserve.broker.clientbase import (LOST, InferError, InferResult, RowError,
+                                         control_result, decode_answers, fd_of, keyed,
+                                         new_socket, tensors_of, to_result, unreachable,
+                                         unwatch, watch)
+from zeroserve.broker.runtime import Endpoints
 from zeroserve.broker.streamclient import AsyncStream, Stream, StreamResponse
 
 __all__ = ["AsyncClient", "AsyncStream", "Client", "ErrorCode", "InferError", "InferResult",
@@ -44,86 +45,6 @@ __all__ = ["AsyncClient", "AsyncStream", "Client", "ErrorCode", "InferError", "I
 ErrorCode = p.ErrorCode
 
 
-class InferError(Exception):
-    """A request that the server answered with an error (or that could not be sent)."""
-
-    def __init__(self, code: p.ErrorCode, message: str,
-                 retry_after_s: float | None = None) -> None:
-        super().__init__(f"{code.value}: {message}")
-        self.code = code
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-    @property
-    def retryable(self) -> bool:
-        return self.code.retryable
-
-
-class RowError(InferError):
-    """One input of a request of several failed, and with it the request: ``row`` is its
-    index, the code and message its own."""
-
-    def __init__(self, row: int, cause: InferError) -> None:
-        super().__init__(cause.code, f"input {row}: {cause.message}", cause.retry_after_s)
-        self.row = row
-        self.cause = cause
-
-
-@dataclass
-class InferResult:
-    model: str
-    version: int
-    outputs: dict[str, np.ndarray]
-    stats: dict[str, float] = field(default_factory=dict)
-    # a traced request (``traceparent=``): Triton's JSON trace records of it, the broker's
-    # and worker's timestamps on this process's monotonic clock (broker/tracing.py)
-    trace: list[dict[str, Any]] | None = None
-    build: str = ""   # the sha256 of the version's files that answered (InferReply.build)
-
-
-def _tensors(inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor]) -> list[p.Tensor]:
-    if isinstance(inputs, Mapping):
-        return [p.from_numpy(name, np.asarray(arr)) for name, arr in inputs.items()]
-    return list(inputs)
-
-
-def to_result(reply: p.InferReply, traceparent: str = "", sent_ns: int = 0) -> InferResult:
-    out = InferResult(reply.model, reply.version,
-                      {t.meta.name: p.to_numpy(t) for t in reply.tensors}, dict(reply.stats),
-                      build=reply.build)
-    if reply.trace is not None:
-        stamps = tracing.core_stamps(reply.trace, sent_ns, time.monotonic_ns())
-        trace_id = int(reply.request_id) if reply.request_id.isdigit() else 0
-        out.trace = tracing.records(trace_id, reply.model, reply.version, stamps,
-                                    reply.request_id, traceparent)
-    return out
-
-
-def _new_socket(ctx: zmq.Context[Any], endpoint: str,
-                keys: curve.ClientKeys | None = None) -> zmq.Socket[Any]:
-    # bounded, like the broker's side: past it a send fails at once (overloaded); and
-    # nothing queued for a broker that is not there
-    return sockets.dealer(ctx, endpoint, hwm=1000, immediate=True, keys=keys,
-                          identity=f"c-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode())
-
-
-def _watch(sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
-    """A monitor that reports when the connection to the broker drops: the broker's
-    ROUTER forgets us then, so every request waiting on it will never be answered; and
-    when a Curve handshake is refused, so the caller hears why instead of a timeout."""
-    return sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | curve.REFUSAL_EVENTS,
-                                   addr=f"inproc://zeroserve-monitor-{uuid.uuid4().hex}")
-
-
-def _unwatch(sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
-    try:
-        sock.disable_monitor()
-    except zmq.ZMQError:
-        pass
-    monitor.close(linger=0)
-
-
-LOST = "lost the connection to the broker (it may have restarted); retry"
 # Requests a loop turn sends at once rather than at its end: a gateway turn that parsed
 # 64 bodies before sending any left the broker and the worker idle meanwhile, then gave
 # them one big batch while it idled in turn. mlp at C=64, same runs: at the end of the
@@ -134,61 +55,6 @@ FLUSH_AT = 32
 # connected, yet the socket would block: the broker is not keeping up
 _FULL = (p.ErrorCode.OVERLOADED, "the broker is not keeping up with requests (its queue "
          "to this client is full)", 1.0)
-
-
-def _fd(sock: zmq.Socket[Any]) -> int:
-    """The socket's descriptor, for the event loop (pyzmq types every option int | bytes)."""
-    return int(sock.getsockopt(zmq.FD))
-
-
-def _unreachable(endpoint: str, refused: int) -> InferError:
-    """Why no connection came up: a refused Curve key is not worth retrying."""
-    if refused == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return InferError(p.ErrorCode.UNAUTHORIZED, f"broker at {endpoint}: "
-                          f"{curve.REFUSALS[refused]}")
-    why = f": {curve.REFUSALS[refused]}" if refused else ""
-    if not why and endpoint.startswith("ipc://"):
-        why = f" ({ELSEWHERE})"
-    return InferError(p.ErrorCode.UNAVAILABLE, f"broker at {endpoint} is not reachable{why}")
-
-
-def _decode_answers(frames: list[Any]) -> list[tuple[p.Kind, str, Any]]:
-    """(kind, id, answer) of each answer in a message: one, or a REPLIES bundle's."""
-    kind, header, bufs = p.unpack(frames)
-    if kind is p.Kind.REPLIES:
-        return [(p.Kind.REPLY, r.request_id, r) for r in p.decode_replies(header, bufs)]
-    if kind is p.Kind.PARTS:
-        return [(kind, part.request_id, part) for part in p.decode_parts(header, bufs)]
-    return [_decode_answer(kind, header, bufs)]
-
-
-def _decode_answer(kind: p.Kind, header: dict[str, Any], bufs: Any) -> tuple[p.Kind, str, Any]:
-    if kind is p.Kind.REPLY:
-        reply = p.decode_reply(header, bufs)
-        return kind, reply.request_id, reply
-    if kind is p.Kind.ERROR:
-        err = p.decode_error(header)
-        return kind, err.request_id, InferError(err.code, err.message, err.retry_after_s)
-    if kind is p.Kind.CONTROL_REPLY:
-        return kind, str(header.get("id", "")), header
-    return kind, "", header
-
-
-def _keyed(args: dict[str, Any], api_key: str) -> dict[str, Any]:
-    """A control call's args with the client's API key, unless it names one: with a
-    tenants file the broker shows a tenant only its own models (broker/server/scope.py)."""
-    return {"api_key": api_key, **args} if api_key else args
-
-
-def _control_result(header: dict[str, Any]) -> Any:
-    if header.get("ok"):
-        return header.get("result")
-    code = header.get("code", "internal")
-    try:
-        ec = p.ErrorCode(code)
-    except ValueError:
-        ec = p.ErrorCode.INTERNAL
-    raise InferError(ec, str(header.get("error")))
 
 
 class Client:
@@ -212,8 +78,8 @@ class Client:
         self._open()
 
     def _open(self) -> None:
-        self._sock = _new_socket(self._ctx, self.endpoint, self.curve_keys)
-        self._monitor = _watch(self._sock)
+        self._sock = new_socket(self._ctx, self.endpoint, self.curve_keys)
+        self._monitor = watch(self._sock)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -252,7 +118,7 @@ class Client:
         this client's connection."""
         rid = str(next(self._ids))
         trace = tracing.context(traceparent, tracestate) if traceparent else None
-        req = p.InferRequest(rid, model, _tensors(inputs), version, priority, timeout_ms,
+        req = p.InferRequest(rid, model, tensors_of(inputs), version, priority, timeout_ms,
                              tenant, outputs, self.api_key if api_key is None else api_key,
                              trace=trace, routing_key=routing_key)
         wait_s = timeout_ms / 1000.0 + 5.0 if timeout_ms else self.timeout_s
@@ -264,9 +130,9 @@ class Client:
 
     def control(self, verb: str, **args: Any) -> Any:
         rid = f"ctl-{next(self._ids)}"
-        frames = p.encode(p.ControlRequest(rid, verb, _keyed(args, self.api_key),
+        frames = p.encode(p.ControlRequest(rid, verb, keyed(args, self.api_key),
                                            self.admin_token))
-        return _control_result(self._roundtrip(frames, rid, self.timeout_s))
+        return control_result(self._roundtrip(frames, rid, self.timeout_s))
 
     def stream(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
                version: int | None = None, priority: int = 0, timeout_ms: float | None = None,
@@ -281,7 +147,7 @@ class Client:
         parents in opentelemetry mode (a stream has no Triton-mode record)."""
         rid = str(next(self._ids))
         trace = tracing.context(traceparent, tracestate) if traceparent else None
-        req = p.InferRequest(rid, model, _tensors(inputs), version, priority, timeout_ms or 0.0,
+        req = p.InferRequest(rid, model, tensors_of(inputs), version, priority, timeout_ms or 0.0,
                              tenant, outputs, self.api_key if api_key is None else api_key,
                              stream=True, trace=trace, routing_key=routing_key)
         first_wait_s = timeout_ms / 1000.0 + 5.0 if timeout_ms else self.timeout_s
@@ -312,7 +178,7 @@ class Client:
         # IMMEDIATE: writable only once connected, so a missing broker times out here
         if not self._sock.poll(0, zmq.POLLOUT) and \
                 not self._await_connection(min(wait_s, self.connect_timeout_s)):
-            raise _unreachable(self.endpoint, self._refused)
+            raise unreachable(self.endpoint, self._refused)
         if not self._inbox:
             self._disconnected()  # a drop before this request says nothing about it
         self._sock.send_multipart(frames, copy=False)
@@ -327,7 +193,7 @@ class Client:
                 # one message may hold answers to several requests (the parts one step of
                 # a batch of streams made): each is kept, not only the one awaited
                 mine: list[Any] = []
-                for _, got, answer in _decode_answers(self._sock.recv_multipart(copy=False)):
+                for _, got, answer in decode_answers(self._sock.recv_multipart(copy=False)):
                     if got == rid and not mine:
                         mine.append(answer)
                     elif got in self._inbox:
@@ -358,7 +224,7 @@ class Client:
         self._open()
 
     def close(self) -> None:
-        _unwatch(self._sock, self._monitor)
+        unwatch(self._sock, self._monitor)
         self._sock.close(linger=0)
 
     def __enter__(self) -> "Client":
@@ -416,10 +282,10 @@ class AsyncClient:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._sock = _new_socket(self._ctx, self.endpoint, self.curve_keys)
-        self._monitor = _watch(self._sock)
-        self._loop.add_reader(_fd(self._sock), self._drain)
-        self._loop.add_reader(_fd(self._monitor), self._drain_monitor)
+        self._sock = new_socket(self._ctx, self.endpoint, self.curve_keys)
+        self._monitor = watch(self._sock)
+        self._loop.add_reader(fd_of(self._sock), self._drain)
+        self._loop.add_reader(fd_of(self._monitor), self._drain_monitor)
         self._tasks = [self._loop.create_task(self._pinger(), name="zeroserve-client-pinger")]
         self._drain()
         self._drain_monitor()
@@ -469,7 +335,7 @@ class AsyncClient:
         yet answered is withdrawn: nothing of the request stays in the broker."""
         assert self._loop is not None, "call start() first"
         if not self.connected:
-            raise _unreachable(self.endpoint, self._refused)
+            raise unreachable(self.endpoint, self._refused)
         key = self.api_key if api_key is None else api_key
         loop = self._loop
         whole: asyncio.Future[RowError | None] = loop.create_future()
@@ -517,7 +383,7 @@ class AsyncClient:
         if traceparent:
             kwargs["trace"] = tracing.context(traceparent, tracestate)
         sent_ns = time.monotonic_ns()
-        reply = await self.infer_tensors(model, _tensors(inputs), **kwargs)
+        reply = await self.infer_tensors(model, tensors_of(inputs), **kwargs)
         return to_result(reply, traceparent, sent_ns)
 
     def stream(self, model: str, inputs: Mapping[str, np.ndarray] | Sequence[p.Tensor], *,
@@ -538,9 +404,9 @@ class AsyncClient:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[rid] = queue
         if not self.connected:
-            queue.put_nowait(_unreachable(self.endpoint, self._refused))
+            queue.put_nowait(unreachable(self.endpoint, self._refused))
         else:
-            tensors = list(inputs) if not isinstance(inputs, Mapping) else _tensors(inputs)
+            tensors = list(inputs) if not isinstance(inputs, Mapping) else tensors_of(inputs)
             req = p.InferRequest(rid, model, tensors, version, priority, timeout_ms or 0.0,
                                  tenant, outputs, self.api_key if api_key is None else api_key,
                                  stream=True, trace=trace, routing_key=routing_key)
@@ -555,16 +421,16 @@ class AsyncClient:
 
     async def control(self, verb: str, **args: Any) -> Any:
         rid = f"ctl-{next(self._ids)}"
-        msg = p.ControlRequest(rid, verb, _keyed(args, self.api_key), self.admin_token)
+        msg = p.ControlRequest(rid, verb, keyed(args, self.api_key), self.admin_token)
         header = await self._call(p.encode(msg), rid, cancel=False)
         if isinstance(header, InferError):
             raise header
-        return _control_result(header)
+        return control_result(header)
 
     async def _call(self, msg: list[Any] | p.InferRequest, rid: str, cancel: bool) -> Any:
         assert self._sock is not None and self._loop is not None, "call start() first"
         if not self.connected:
-            raise _unreachable(self.endpoint, self._refused)
+            raise unreachable(self.endpoint, self._refused)
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._pending[rid] = fut
         try:
@@ -626,7 +492,7 @@ class AsyncClient:
             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             self._last_heard = time.monotonic()
             try:
-                answers = _decode_answers(frames)
+                answers = decode_answers(frames)
             except p.ProtocolError:
                 continue
             for kind, rid, answer in answers:
@@ -691,9 +557,9 @@ class AsyncClient:
                 pass
         self._tasks = []
         if self._sock is not None and self._loop is not None:
-            self._loop.remove_reader(_fd(self._sock))
-            self._loop.remove_reader(_fd(self._monitor))
-            _unwatch(self._sock, self._monitor)
+            self._loop.remove_reader(fd_of(self._sock))
+            self._loop.remove_reader(fd_of(self._monitor))
+            unwatch(self._sock, self._monitor)
             self._sock.close(linger=0)
             self._sock = None
         self._fail_pending("client closed")

@@ -13,7 +13,7 @@ import argparse
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from zeroserve.broker import config
 from zeroserve.broker.runtime import Endpoints, cache_dir, runtime_dir
@@ -275,7 +275,12 @@ def _trace_opt(p: argparse.ArgumentParser) -> None:
                         "(tracing is off without level)")
 
 
-def parser() -> argparse.ArgumentParser:
+Register = Callable[[Any], None]   # adds one subcommand to the subparsers it is given
+
+
+def parser(commands: Sequence[Register] = ()) -> argparse.ArgumentParser:
+    """Every component's command line; ``commands`` adds the CLI's own subcommands (the
+    load generator's, ``broker/bench``), which no component's process imports."""
     ap = argparse.ArgumentParser(prog="zeroserve", description="Serve PyTorch models.")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -341,9 +346,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
     p.set_defaults(verb="tenants")
-    from zeroserve.broker.bench import main as bench  # torch-free; only its options here
-    p = sub.add_parser("bench", help=bench.HELP, description=bench.HELP)
-    bench.add_arguments(p)
+    for register in commands:
+        register(sub)
     p = sub.add_parser("keys", help="generate a CurveZMQ key pair (workers on other hosts)")
     p.add_argument("action", choices=["generate"], help="generate: write a new key pair")
     p.add_argument("name", help="file name: NAME.key (public) and NAME.key_secret (0600)")
@@ -489,10 +493,11 @@ def _apply_config(ap: argparse.ArgumentParser, args: argparse.Namespace,
     return ap.parse_args(argv)
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def parse(argv: list[str] | None = None, commands: Sequence[Register] = ()
+          ) -> argparse.Namespace:
     """The command line with the config file and environment applied (flag > env > file >
     default); raises config.ConfigError."""
-    ap = parser()
+    ap = parser(commands)
     args = ap.parse_args(argv)
     return args if args.command in ("config", "keys", "compile") \
         else _apply_config(ap, args, argv)

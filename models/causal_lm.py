@@ -14,6 +14,10 @@ or at the model's end token (which is sent, as ``generate`` returns it).
   an attention mask over each one's own positions and its own position ids; the pack is
   kept while the same sequences step on (a column more per step) and rebuilt from each
   sequence's own cache when one joins or leaves.
+- ``pause`` takes a sequence out of the pack: its cache is copied out and kept while the
+  paused caches fit ``keep_bytes`` (on a GPU, by default, what its free memory allows),
+  else dropped, and ``resume`` rebuilds it with one prefill of its prompt and the tokens
+  it generated. Either way it goes on with the token it had chosen.
 
 Decoding is greedy (argmax), as ``model.generate(do_sample=False)``; float32 batching may
 flip a near-tie, where the top two logits differ by less than the sums' rounding. A config
@@ -78,8 +82,10 @@ class _Seq:
     length: int              # tokens in its cache
     next_token: int          # the greedy token its last forward chose
     left: int                # tokens it may still answer
-    layers: Layers | None    # its own cache; None while it lives in the pack
+    layers: Layers | None    # its own cache; None while it lives in the pack (or dropped)
+    tokens: list[int]        # its prompt and what it sent: a dropped cache's prefill
     sent: int = 0
+    dropped: bool = False    # paused with its cache let go: resume prefills it again
     temperature: float = 0.0
     top_p: float = 1.0
     generator: torch.Generator | None = None   # a sampled sequence's own
@@ -108,12 +114,18 @@ class CausalLMSteps:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._pack: _Pack | None = None
         self._states: dict[int, _Seq] = {}
+        # bytes of paused caches kept at most (None: on a GPU half its free memory, on a
+        # CPU no bound); one over it is dropped and prefilled again on resume
+        self.keep_bytes: int | None = None
+        self._kept = 0
+        self._paused: set[int] = set()
 
     def join(self, seq_id: int, inputs: dict[str, torch.Tensor]) -> _Seq:
         ids = inputs[IDS].reshape(1, -1).to(self.device, torch.long)
         if ids.shape[1] == 0:
             raise ValueError("a prompt of no tokens: nothing to continue")
-        seq = _Seq(ids.shape[1], 0, int(inputs[MAX_TOKENS].reshape(-1)[0]), None)
+        seq = _Seq(ids.shape[1], 0, int(inputs[MAX_TOKENS].reshape(-1)[0]), None,
+                   ids[0].tolist())
         self._sampling(seq, inputs)
         out = self.model(input_ids=ids, use_cache=True)
         seq.layers = _layers(self._cache_of(out))
@@ -153,10 +165,57 @@ class CausalLMSteps:
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def leave(self, seq_id: int) -> None:
-        self._states.pop(seq_id, None)
+        seq = self._states.pop(seq_id, None)
+        if seq_id in self._paused:
+            self._paused.discard(seq_id)
+            if seq is not None and seq.layers is not None:
+                self._kept -= _nbytes(seq.layers)
+        self._let_go(seq_id)
+
+    def _let_go(self, seq_id: int) -> None:
         pack = self._pack
         if pack is not None and seq_id in pack.rows:   # its row is let go, its id free
             pack.rows[pack.rows.index(seq_id)] = None
+
+    def pause(self, seq_id: int) -> None:
+        """It sits out the steps: its cache out of the pack, kept if it fits, else
+        dropped (resume prefills it again)."""
+        seq = self._states[seq_id]
+        pack = self._pack
+        if seq.layers is None and pack is not None and seq_id in pack.rows:
+            row, start = pack.rows.index(seq_id), pack.width - seq.length
+            own = [(k[row:row + 1, :, start:], v[row:row + 1, :, start:])
+                   for k, v in _layers(pack.cache)]
+            size = _nbytes(own)
+            if self._may_keep(size):
+                # a copy: the pack's row is written over by the next sequence that joins
+                seq.layers = [(k.clone(), v.clone()) for k, v in own]
+                self._kept += size
+            else:
+                seq.dropped = True
+            self._let_go(seq_id)
+        elif seq.layers is not None:
+            self._kept += _nbytes(seq.layers)   # joined, never stepped: its own already
+        self._paused.add(seq_id)
+
+    def _may_keep(self, size: int) -> bool:
+        if self.keep_bytes is not None:
+            return self._kept + size <= self.keep_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return size <= free // 2
+        return True
+
+    def resume(self, seq_id: int) -> None:
+        seq = self._states[seq_id]
+        self._paused.discard(seq_id)
+        if seq.dropped:
+            # its prompt and the tokens it sent but the last (which the next decode feeds)
+            ids = torch.tensor([seq.tokens[:seq.length]], device=self.device)
+            seq.layers = _layers(self._cache_of(self.model(input_ids=ids, use_cache=True)))
+            seq.dropped = False
+        elif seq.layers is not None:
+            self._kept -= _nbytes(seq.layers)
 
     def step(self, states: dict[int, _Seq]) -> dict[int, tuple[Any, bool]]:
         out: dict[int, tuple[Any, bool]] = {}
@@ -166,6 +225,7 @@ class CausalLMSteps:
                 out[seq_id] = (None, True)
                 continue
             seq.sent += 1
+            seq.tokens.append(seq.next_token)
             final = seq.sent >= seq.left or seq.next_token in self.eos
             out[seq_id] = ({TOKEN: torch.tensor([[seq.next_token]])}, final)
             if not final:
@@ -269,6 +329,10 @@ class CausalLMSteps:
 def _own(seq: _Seq) -> Layers:
     assert seq.layers is not None, "a sequence outside the pack has its own cache"
     return seq.layers
+
+
+def _nbytes(layers: Layers) -> int:
+    return sum(k.nbytes + v.nbytes for k, v in layers)
 
 
 def _layers(cache: Any) -> Layers:

@@ -17,7 +17,8 @@ from typing import Callable
 
 from zeroserve.models import archives, hfweights
 
-__all__ = ["FORMATS", "Format", "FormatError", "canonical", "identify", "model_file",
+__all__ = ["EXPORT_RUNTIME", "FORMATS", "Format", "FormatError", "canonical", "identify",
+           "model_file",
            "platforms", "triton_names", "weights_bytes"]
 
 
@@ -38,23 +39,53 @@ class Format:
     detect: Callable[[list[str]], bool] | None = None
     # the bytes its weights take once loaded; None: the files do not say
     weights: Callable[[Path], int | None] | None = None
+    # the memory planner's first guess of a loaded version's overhead (host memory
+    # beyond its tensors) from its files, before a warm-up measured it
+    overhead: Callable[[Path], int | None] | None = None
+    # the runtime its loader needs that a worker process loads once, on the first load
+    # of a format that names it (the worker measures it into its context), "" for none
+    # beyond what every worker loads at start
+    runtime: str = ""
     what: str = ""                 # how a user makes such a file, for error messages
+
+
+# torch.export's deserializer and what it imports (sympy, the FX and inductor packages):
+# an AOTInductor package's loader imports the same, so the first of either pays it
+EXPORT_RUNTIME = "torch.export"
+
+# A loaded version's overhead per byte of its archive's graph, before a warm-up measured
+# it (the interpreter's graph and the optimized copies its first batches make, the
+# kernels they build). On a CPU with torch 2.13: TorchScript 60-360 (a BERT-mini 13.4 MB
+# for 223 KB of code, the bundled cnn 5.9-11.3 MB for 70 KB, the mlp 2.1 MB for 6 KB),
+# exported programs 10-27 (the BERT 4.2 MB for 415 KB, the mlp 0.25 MB for 9 KB); the
+# least of each, as the weights and the activations guess carry the small models
+TORCHSCRIPT_GRAPH_FACTOR = 60
+EXPORT_GRAPH_FACTOR = 10
+
+
+def _per_graph_byte(path: Path, factor: int) -> int | None:
+    graph = archives.graph_bytes(path)
+    return None if graph is None else factor * graph
 
 
 FORMATS: tuple[Format, ...] = (
     Format("TorchScript", "pytorch_torchscript", "model.pt",
            "zeroserve.models.loader:load_torchscript", "pytorch_libtorch", "pytorch",
            aliases=("pytorch_libtorch", "pytorch"), weights=archives.storage_bytes,
+           overhead=lambda path: _per_graph_byte(path, TORCHSCRIPT_GRAPH_FACTOR),
            what="torch.jit.save"),
     # an AOTInductor package first: a package that also holds its exported program
     # runs compiled
     Format("AOTInductor package", "pytorch_export", "model.pt2",
            "zeroserve.models.aoti:load_package", "pytorch_export", "pytorch",
            detect=archives.is_aoti_package, weights=archives.aoti_weights_bytes,
+           overhead=archives.aoti_binary_bytes, runtime=EXPORT_RUNTIME,
            what="torch._inductor.aoti_compile_and_package, or zeroserve compile"),
     Format("exported program", "pytorch_export", "model.pt2",
            "zeroserve.models.loader:load_export", "pytorch_export", "pytorch",
            detect=archives.is_exported_program, weights=archives.storage_bytes,
+           overhead=lambda path: _per_graph_byte(path, EXPORT_GRAPH_FACTOR),
+           runtime=EXPORT_RUNTIME,
            what="torch.export.save"),
     Format("Python handler", "python", "model.py", "zeroserve.models.loader:load_python",
            "", "python"),

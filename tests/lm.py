@@ -50,9 +50,10 @@ def write_tokenizer(out: Path) -> Any:
 
 
 def write_lm(repo: Path, name: str = "lm", most: int = 16, hidden: int = 64,
-             layers: int = 2) -> tuple[Path, Any]:
+             layers: int = 2, **config: Any) -> tuple[Path, Any]:
     """``repo/name/1`` holds the model and its tokenizer; returns the folder and the
-    tokenizer (a ``PreTrainedTokenizerFast``)."""
+    tokenizer (a ``PreTrainedTokenizerFast``). ``config``: fields of the model's config
+    over :func:`lm_config`'s."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -69,7 +70,7 @@ def write_lm(repo: Path, name: str = "lm", most: int = 16, hidden: int = 64,
     with torch.no_grad():   # random weights would often end at once: the end token's (tied)
         model.transformer.wte.weight[hf.eos_token_id].zero_()   # row at 0 makes its logit 0
     model.save_pretrained(str(out))
-    (repo / name / "config.json").write_text(json.dumps(lm_config(name, most)))
+    (repo / name / "config.json").write_text(json.dumps({**lm_config(name, most), **config}))
     return out, hf
 
 

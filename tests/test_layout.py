@@ -1,7 +1,10 @@
 """The import rules, read from the source's own imports (every module on disk, nothing
 listed by hand): broker never imports workers or gateway; gateway never imports
 workers, models' loaders or torch; models never import broker; only workers (and the
-model loaders they call) import torch."""
+model loaders they call) import torch. The rooms match the processes: workers and the
+gateway import the shared wire library and the broker's client, never the broker's
+process (``broker/server``); no process imports the load generator (``broker/bench``),
+which the CLI registers."""
 
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ PACKAGES = ("broker", "gateway", "workers", "models")
 FORBIDDEN = {
     "broker": ("zeroserve.workers", "zeroserve.gateway", "torch"),
     "gateway": ("zeroserve.workers", "zeroserve.models.loader", "zeroserve.models.handlers",
-                "torch"),
+                "torch", "zeroserve.broker.server", "zeroserve.broker.bench"),
     "models": ("zeroserve.broker",),
+    "workers": ("zeroserve.broker.server", "zeroserve.broker.bench"),
 }
 
 
@@ -57,6 +61,51 @@ def test_imports_point_one_way(package: str) -> None:
              for path in modules(package) for line, name in imports(path)
              if any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN[package])]
     assert not wrong, "\n".join(wrong)
+
+
+def imports_of_room(room: str, root: Path = ROOT) -> list[tuple[str, int, str]]:
+    """(file, line, module) of every import in ``room`` (a folder under the root, or a
+    package's top-level modules when it ends in ``/*.py``)."""
+    paths = sorted((root / room[:-len("/*.py")]).glob("*.py")) if room.endswith("/*.py") \
+        else sorted((root / room).rglob("*.py"))
+    return [(str(path.relative_to(root)), line, name)
+            for path in paths for line, name in imports(path)]
+
+
+def named(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
+
+
+def test_no_process_imports_the_load_generator() -> None:
+    """The bench is the CLI's subcommand (bin/zeroserve registers it with
+    options.parser): the options every process parses do not stand on it."""
+    wrong = [f"{path}:{line} imports {name}" for package in PACKAGES
+             for path, line, name in imports_of_room(package)
+             if named(name, "zeroserve.broker.bench") and not path.startswith("broker/bench/")]
+    assert not wrong, "\n".join(wrong)
+
+
+# the shared library's modules that are a CLI's, and so may use the broker's own files
+CLI_OF_THE_BROKER = {"broker/tenants_cli.py"}   # zeroserve tenants: the tenants file
+
+
+def test_the_shared_library_does_not_stand_on_the_broker_process() -> None:
+    """broker/*.py is what every process imports (the wire protocol, the client, the
+    options): none of it imports the broker process's package, bar the CLI's verbs."""
+    wrong = [f"{path}:{line} imports {name}"
+             for path, line, name in imports_of_room("broker/*.py")
+             if named(name, "zeroserve.broker.server") and path not in CLI_OF_THE_BROKER]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_room_rules_see_a_stray_import(tmp_path: Path) -> None:
+    (tmp_path / "broker").mkdir()
+    (tmp_path / "broker" / "options.py").write_text(
+        "def f():\n    from zeroserve.broker.bench import main\n")
+    (tmp_path / "broker" / "protocol.py").write_text("import zeroserve.broker.server.pool\n")
+    assert [(p, n) for p, _, n in imports_of_room("broker/*.py", tmp_path)] == [
+        ("broker/options.py", "zeroserve.broker.bench"),
+        ("broker/protocol.py", "zeroserve.broker.server.pool")]
 
 
 def test_torch_stays_in_workers_and_model_loaders() -> None:
@@ -312,12 +361,8 @@ def test_the_sleep_finder_sees_an_untagged_one(tmp_path: Path) -> None:
 # by concern. The ones over today, each with its owner and why it may stay for now:
 CLASS_LINES, MODULE_LINES = 350, 600
 OVERSIZED = {
-    "broker/server/placement.py:Placement": "evict: eviction moves to one pure room",
-    "broker/server/ondemand.py:OnDemand": "evict: eviction moves to one pure room",
     "broker/server/scheduler.py:Scheduler": "lead: 2 lines over; the queues and batch "
                                             "formation in one pure class, split when it grows",
-    "broker/client.py": "wire: the client's room, with the import rooms",
-    "broker/protocol/codec.py": "wire: the msgspec codec landed beside the old one",
 }
 
 
@@ -375,9 +420,6 @@ def test_the_size_checkers_see_a_long_class_and_module(tmp_path: Path) -> None:
 # demand; each names its owner:
 COMPOSITION_ROOT = ("broker/server/broker.py", "Broker", "_compose")
 KNOWN_LATE_BINDINGS = {
-    ("Placement", "wanted"): "evict: eviction in one pure room, on-demand not asked",
-    ("Placement", "evictable"): "evict: as above",
-    ("Placement", "evicted"): "evict: as above",
     ("Replicas", "swapping"): "compose: the lifecycle is built from the replicas' placement",
     ("Replicas", "sync_worker"): "compose: as above",
     ("OnDemand", "load_placed"): "compose: the lifecycle is built from on-demand's placement",

@@ -23,6 +23,7 @@ import pytest
 from markdown.extensions.toc import slugify
 
 from zeroserve.broker import config, options
+from zeroserve.broker.bench import main as bench
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -92,14 +93,14 @@ def parse_error(argv: list[str]) -> str | None:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            options.parser().parse_args(argv)
+            options.parser([bench.register]).parse_args(argv)
     except SystemExit as exc:
         return None if exc.code == 0 else err.getvalue().strip().splitlines()[-1]
     return None
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
-    return options.subparsers(options.parser())
+    return options.subparsers(options.parser([bench.register]))
 
 
 def every_flag() -> set[str]:

@@ -49,7 +49,8 @@ class Router(Protocol):
         when it is the main thread's."""
 
     def heard(self, now: float) -> None:
-        """The broker spoke (the main loop counts it lost after its silence)."""
+        """The broker spoke (the main loop counts it lost after its silence); called as
+        a batch is read, under the channel's lock."""
 
 
 class Compute:
@@ -77,6 +78,9 @@ class Compute:
         # stream batches received and not finished -> their items the broker answered
         # already (STOP); the main thread adds, this thread reads and forgets
         self._stops: dict[int, set[str]] = {}
+        # iterative models' items to pause (PAUSE), taken by the sequence table at its next
+        # step boundary; under the same lock
+        self._pauses: dict[int, set[str]] = {}
         self._stops_lock = threading.Lock()
         # iterative models' running sequences, by the loaded version they run on (this
         # thread's alone); while one is busy this thread steps it between the batches it
@@ -98,6 +102,9 @@ class Compute:
         self.m_sequences = Gauge("zeroserve_worker_sequences",
                                  "Sequences an iterative model runs on this worker now",
                                  ["model"], registry=r)
+        self.m_paused = Gauge("zeroserve_worker_sequences_paused", "Sequences of an iterative "
+                              "model paused on this worker for a request of a higher "
+                              "priority", ["model"], registry=r)
         self.m_steps = Counter("zeroserve_worker_steps", "Steps an iterative model ran",
                                ["model"], registry=r)
 
@@ -136,6 +143,12 @@ class Compute:
         with self._stops_lock:
             if stop.batch_id in self._stops:   # else it is done already
                 self._stops[stop.batch_id].update(stop.items)
+
+    def pause(self, pause: p.Pause) -> None:
+        """From the main thread: sequences of an iterative batch to pause (PAUSE)."""
+        with self._stops_lock:
+            if pause.batch_id in self._stops:
+                self._pauses.setdefault(pause.batch_id, set()).update(pause.items)
 
     def forget(self, key: Key) -> None:
         """From the loader: the version's last batch says nothing of its next."""
@@ -258,7 +271,7 @@ class Compute:
         if table is None:
             table = self._tables[id(loaded)] = SequenceTable(
                 loaded, functools.partial(self._send_step, loaded), self._finish,
-                self._stopped, self._seq_ids)
+                self._stopped, self._seq_ids, self._take_pauses)
         return table
 
     def _send_step(self, loaded: LoadedModel, parts: list[p.Partial]) -> None:
@@ -279,6 +292,7 @@ class Compute:
             if table.step():
                 self.m_steps.labels(name).inc()
             self.m_sequences.labels(name).set(table.running)
+            self.m_paused.labels(name).set(table.paused)
             if not table.busy:
                 del self._tables[key]
         if not self._tables:
@@ -300,6 +314,7 @@ class Compute:
         if self._stops:
             with self._stops_lock:
                 self._stops.pop(batch.batch_id, None)
+                self._pauses.pop(batch.batch_id, None)
         done_ns = time.monotonic_ns()
         self._send_result(p.encode_result(result))
         if self.spans is not None and batch.trace is not None:   # after the answer
@@ -337,3 +352,10 @@ class Compute:
     def _stopped(self, batch_id: int) -> frozenset[str]:
         with self._stops_lock:
             return frozenset(self._stops.get(batch_id, ()))
+
+    def _take_pauses(self, batch_id: int) -> set[str]:
+        """A batch's items to pause received since the last call (each applies once)."""
+        if not self._pauses:
+            return set()
+        with self._stops_lock:
+            return self._pauses.pop(batch_id, set())

@@ -51,13 +51,17 @@ class Stopping:
 class Loader:
     """``forget(key)`` drops the compute thread's timing of a version whose files may
     now run differently; ``stopping`` is the worker's flag: set, unloads drop rather than
-    park, and a leak found after an unload sets it with ``recycle_reason``."""
+    park, and a leak found after an unload sets it with ``recycle_reason``. ``context``
+    is the device's context cost the report sends: the loader is its one writer after
+    start, adding a format's runtime when it loads one (memory.load_runtime)."""
 
     def __init__(self, models: LoadedModels, device: str, registry: CollectorRegistry, *,
                  stopping: Stopping, forget: Callable[[Key], None],
                  memory_tolerance_bytes: int, host_cache_bytes: int,
-                 models_client: bls.ModelsClient | None) -> None:
+                 models_client: bls.ModelsClient | None,
+                 context: dict[str, Any] | None = None) -> None:
         self.models = models
+        self.context = context if context is not None else {}
         self.device = device
         self.stopping = stopping
         self._forget = forget
@@ -117,6 +121,8 @@ class Loader:
         try:
             stamp = files_stamp(Path(msg.path))   # before the load reads them
             cfg = parse_config(msg.config, f"config of {name}", discover=bool(msg.discover))
+            memory.load_runtime(self.context, cfg, Path(msg.path),
+                                memory.settled(self._memory_probe, self.device))
             loaded = load(cfg, version, Path(msg.path), self.device,
                           memory.settled(self._memory_probe, self.device),
                           memory.PeakProbe(self.device), settle, self._models_for(msg))

@@ -9,6 +9,8 @@ The contract (docs/generation.md), a class ``Model`` in ``model.py`` with::
     def step(self, states) -> {seq_id: (outputs, final)}
         # one step of every sequence running: states {seq_id: the state join returned}
     def leave(self, seq_id): ...      # optional: the sequence is gone (ended or stopped)
+    def pause(self, seq_id): ...      # optional: it sits out the steps until resume
+    def resume(self, seq_id): ...     # optional: it steps again
 
 ``step`` maps a sequence to ``(outputs, final)`` as a decoupled generator's yield maps a
 request (workers/streaming.py): ``outputs`` a dict of that request's outputs, ``None`` or
@@ -18,8 +20,10 @@ what ``join`` returned and hands it back; a state that changes is changed in pla
 dict, an object), or kept by the handler under ``seq_id``.
 
 At each step boundary the table retires the sequences the broker stopped (a cancel, a
-client gone, a deadline before the first response), joins waiting requests up to
-``sequences.max``, runs one step and sends its responses at once, a PARTIAL per join
+client gone, a deadline before the first response), pauses those the broker paused (a
+request of a higher priority takes their slot: PAUSE), joins waiting requests up to
+``sequences.max``, resumes paused ones into the slots still free (the first paused
+first), runs one step and sends its responses at once, a PARTIAL per join
 (the broker's batch), together in one STEPS where the broker reads it; a join gets its
 RESULT once every request of it has left. An
 exception in ``join`` or ``step`` fails the joins of the sequences it touched, whole:
@@ -71,24 +75,34 @@ class SequenceTable:
     def __init__(self, loaded: LoadedModel, emit: Callable[[list[p.Partial]], None],
                  finish: Callable[[p.Batch, p.BatchResult, int], None],
                  stopped: Callable[[int], AbstractSet[str]],
-                 ids: itertools.count[int]) -> None:
+                 ids: itertools.count[int],
+                 pauses: Callable[[int], AbstractSet[str]] = lambda _: frozenset()) -> None:
         self.loaded = loaded
         self._emit = emit            # a step's responses, a PARTIAL per join, sent at once
         self._finish = finish        # a join's RESULT (and when it was taken, for spans)
         self._stopped = stopped      # a join's items the broker has answered already
         self._ids = ids
+        self._pauses = pauses        # a join's items the broker paused since last asked
         self._handler = loaded.handler
         self._leave = getattr(loaded.handler, "leave", None)
+        self._pause = getattr(loaded.handler, "pause", None)
+        self._resume = getattr(loaded.handler, "resume", None)
         self._waiting: collections.deque[tuple[_Join, p.BatchItem]] = collections.deque()
         self._running: dict[int, _Seq] = {}
+        # paused, their states kept, in the order they paused (the first resumes first)
+        self._paused: dict[int, _Seq] = {}
 
     @property
     def busy(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self._running or self._waiting or self._paused)
 
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def paused(self) -> int:
+        return len(self._paused)
 
     def join(self, batch: p.Batch, taken_ns: int) -> None:
         """A batch's requests wait to join at the next step boundary."""
@@ -99,7 +113,9 @@ class SequenceTable:
         """One step boundary: retire, join, run one step, answer the joins done; False
         when no sequence was left to step."""
         self._retire_stopped()
+        self._pause_asked()
         self._admit()
+        self._resume_paused()
         if not self._running:
             return False
         self._run_step()
@@ -115,10 +131,11 @@ class SequenceTable:
                 known[batch_id] = self._stopped(batch_id)
             return known[batch_id]
 
-        for seq_id, seq in list(self._running.items()):
-            if seq.item.request_id in gone(seq.join):
-                self._retire(seq_id)
-                self._left(seq.join)
+        for table in (self._running, self._paused):
+            for seq_id, seq in list(table.items()):
+                if seq.item.request_id in gone(seq.join):
+                    self._retire(seq_id)
+                    self._left(seq.join)
         if self._waiting:
             keep: collections.deque[tuple[_Join, p.BatchItem]] = collections.deque()
             for join, item in self._waiting:
@@ -127,6 +144,50 @@ class SequenceTable:
                 else:
                     keep.append((join, item))
             self._waiting = keep
+
+    def _pause_asked(self) -> None:
+        """The sequences the broker paused sit out the steps from now; one not joined
+        yet goes behind the requests waiting (its slot is the newcomer's)."""
+        asked: dict[int, AbstractSet[str]] = {}
+        for join in {id(j): j for j in [*(s.join for s in self._running.values()),
+                                        *(j for j, _ in self._waiting)]}.values():
+            items = self._pauses(join.batch.batch_id)
+            if items:
+                asked[join.batch.batch_id] = items
+        if not asked:
+            return
+        for seq_id, seq in list(self._running.items()):
+            if seq.item.request_id in asked.get(seq.join.batch.batch_id, ()):
+                del self._running[seq_id]
+                self._paused[seq_id] = seq
+                if self._pause is not None:
+                    self._call(self._pause, seq_id, seq)
+        later = [(j, it) for j, it in self._waiting
+                 if it.request_id in asked.get(j.batch.batch_id, ())]
+        if later:
+            self._waiting = collections.deque(
+                [(j, it) for j, it in self._waiting
+                 if it.request_id not in asked.get(j.batch.batch_id, ())] + later)
+
+    def _resume_paused(self) -> None:
+        """Paused sequences take the slots the requests waiting left free."""
+        capacity = self.loaded.config.max_sequences
+        while self._paused and not self._waiting and len(self._running) < capacity:
+            seq_id = next(iter(self._paused))
+            seq = self._paused.pop(seq_id)
+            self._running[seq_id] = seq
+            if self._resume is not None:
+                self._call(self._resume, seq_id, seq)
+
+    def _call(self, hook: Callable[[int], Any], seq_id: int, seq: _Seq) -> bool:
+        """The handler's pause or resume; one that raises fails the sequence's join."""
+        try:
+            with torch.inference_mode():
+                hook(seq_id)
+        except Exception as exc:  # the model's code can raise anything
+            self._fail([seq.join], f"{hook.__name__}() failed: {type(exc).__name__}: {exc}")
+            return False
+        return True
 
     def _admit(self) -> None:
         capacity = self.loaded.config.max_sequences
@@ -195,6 +256,7 @@ class SequenceTable:
     # -- leaving ------------------------------------------------------------------
     def _retire(self, seq_id: int) -> None:
         self._running.pop(seq_id, None)
+        self._paused.pop(seq_id, None)
         if self._leave is not None:
             try:
                 self._leave(seq_id)
@@ -214,9 +276,10 @@ class SequenceTable:
         """Each of ``joins`` fails whole: its RESULT carries the error, its sequences
         leave, running or waiting."""
         doomed = {id(j) for j in joins}
-        for seq_id, seq in list(self._running.items()):
-            if id(seq.join) in doomed:
-                self._retire(seq_id)
+        for table in (self._running, self._paused):
+            for seq_id, seq in list(table.items()):
+                if id(seq.join) in doomed:
+                    self._retire(seq_id)
         self._waiting = collections.deque((j, it) for j, it in self._waiting
                                           if id(j) not in doomed)
         for join in joins:

@@ -108,7 +108,8 @@ class Worker:
         self.loader = Loader(self.models, self.device, r, stopping=self._stopping,
                              forget=self.compute.forget,
                              memory_tolerance_bytes=memory_tolerance_bytes,
-                             host_cache_bytes=host_cache_bytes, models_client=self.models_client)
+                             host_cache_bytes=host_cache_bytes, models_client=self.models_client,
+                             context=self.report.context)
 
     # -- sockets ------------------------------------------------------------
     def _connect(self) -> None:
@@ -249,6 +250,8 @@ class Worker:
                 self.compute.queue(header, bufs, self._last_heard)
             elif kind is p.Kind.STOP:
                 self.compute.stop(p.decode(p.Stop, header))
+            elif kind is p.Kind.PAUSE:
+                self.compute.pause(p.decode(p.Pause, header))
             elif kind is p.Kind.HEARTBEAT:
                 self._on_heartbeat(p.decode(p.BrokerHeartbeat, header))
             elif kind is p.Kind.DISCONNECT:

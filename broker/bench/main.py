@@ -55,6 +55,12 @@ def _list(kind: type, text: str, flag: str) -> list[Any]:
     return values
 
 
+def register(sub: Any) -> None:
+    """``zeroserve bench``, added by the CLI (bin/zeroserve) to the subparsers of
+    options.parser: the components' processes parse their options without the bench."""
+    add_arguments(sub.add_parser("bench", help=HELP, description=HELP))
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("-m", "--model", required=True, help="the model to load")
     ap.add_argument("--model-version", type=int, default=None, help="pin a version")

@@ -1,176 +1,36 @@
-r"""Encoders and decoders of every message kind: headers of named fields, each field's
-type checked on the way in (a decoder never ``assert``\ s), tensors as frames of their own.
-
-A received header is a map (:func:`.envelope.unpack` checks the envelope and the
-receiver's limits first); its decoder converts it to the kind's wire shape, a
-``msgspec.Struct`` whose fields msgspec checks in C (types, bounds, enums), then pairs
-its tensors' metadata with their frames. A field of the wrong type is a
-:class:`ProtocolError` naming the field, never another exception.
-"""
+r"""Encoders and decoders of the inference messages, those that carry tensors: headers
+of named fields (a field at its default left off), each tensor's bytes a frame of its
+own. A decoder converts the received map to the kind's wire shape (:mod:`.typed`),
+checked in C, then pairs its tensors' metadata with their frames."""
 
 from __future__ import annotations
 
-import functools
-import re
-import types
-import typing
-from typing import Annotated, Any, Sequence, TypeVar
+from typing import Annotated, Any, Sequence
 
 import msgspec
 
-from zeroserve.broker.protocol.envelope import bundle, enc_hook, pack, unbundle
+from zeroserve.broker.protocol.envelope import bundle, pack, unbundle
 from zeroserve.broker.protocol.messages import (MAX_BUNDLE, Batch, BatchItem, BatchResult,
                                                 BatchTrace, Caller, ErrorCode, ErrorReply,
-                                                InferReply, InferRequest, Kind,
-                                                Message, Partial, PartialItem, StreamPart)
-from zeroserve.broker.tensors import DTYPES, ITEM_BYTES, Buffer, ProtocolError, Tensor, TensorMeta
+                                                InferReply, InferRequest, Kind, Partial,
+                                                PartialItem, StreamPart)
+from zeroserve.broker.protocol.typed import Wire, convert, tensors_of
+from zeroserve.broker.tensors import Buffer, ProtocolError, Tensor, TensorMeta
 
-S = TypeVar("S")
-_ID = {"request_id": "id", "batch_id": "id"}
 NonNegative = Annotated[float, msgspec.Meta(ge=0.0, le=1.7976931348623157e308)]
-
-
-# ---------------------------------------------------------------------------
-# typed decoding: a header map to its wire shape, checked in C
-
-def convert(header: Any, shape: type[S], what: str) -> S:
-    """``header`` as ``shape``, every field checked, or ProtocolError naming the field."""
-    try:
-        return msgspec.convert(header, shape)
-    except msgspec.ValidationError as exc:
-        raise ProtocolError(f"{what}: {_reason(shape, exc)}"[:300]) from None
-
-
-def _reason(shape: type, exc: msgspec.ValidationError) -> str:
-    """msgspec's reason, its ``$.tensors[0][2]`` path named as ``tensors[0].shape``, a
-    bound on a float said as the finite range it is."""
-    whole = str(exc)
-    text, sep, path = whole.rpartition(" - at `$")
-    if not sep:
-        return whole[:1].lower() + whole[1:]
-    try:
-        name, typ = _path(shape, path.rstrip("`"))
-    except (ValueError, TypeError, NameError, AttributeError):   # a path it cannot walk
-        name, typ = path.rstrip("`").lstrip("."), Any
-    bounds = [m for m in typing.get_args(typ)[1:] if isinstance(m, msgspec.Meta)]
-    if bounds and text.startswith("Expected `float` ") and ", got" not in text:
-        low, high = bounds[0].ge, bounds[0].le
-        return f"field {name!r} must be a finite number " + (
-            f">= {low:g}" if high is None or high > 1e300 else f"in [{low:g}, {high:g}]")
-    return f"field {name!r}: {text[:1].lower()}{text[1:]}"
-
-
-_TOKENS = re.compile(r"\[(?:\d+|\.\.\.)\]|(?<=\.)\w+")   # [0], [...] (a map's value), .name
-
-
-def _path(shape: Any, path: str) -> tuple[str, Any]:
-    """A msgspec error path as the fields it names, and the type found there."""
-    out = ""
-    for token in _TOKENS.findall(path):
-        shape = _unwrap(shape)
-        if token.startswith("["):
-            fields = getattr(shape, "__struct_fields__", None)
-            if fields is not None and shape.__struct_config__.array_like \
-                    and int(token[1:-1]) < len(fields):
-                name = fields[int(token[1:-1])]
-                out += f".{name}" if out else name
-                shape = _hints(shape).get(name, Any)
-            else:   # an item of a list, or a map's value ([...])
-                out += token
-                args = typing.get_args(shape)   # list[X], tuple[X, ...], dict[K, X]
-                shape = (args[0] if typing.get_origin(shape) is tuple else args[-1]) \
-                    if args else Any
-        else:
-            names = getattr(shape, "__struct_encode_fields__", ())
-            name = shape.__struct_fields__[names.index(token)] if token in names else token
-            out += f".{token}" if out else token
-            shape = _hints(shape).get(name, Any) if names else Any
-    return out, shape
-
-
-def _unwrap(shape: Any) -> Any:
-    """The type inside ``Annotated[...]`` and ``X | None``."""
-    while True:
-        if typing.get_origin(shape) is Annotated:
-            shape = typing.get_args(shape)[0]
-            continue
-        args = [a for a in typing.get_args(shape) if a is not type(None)]
-        if typing.get_origin(shape) in (typing.Union, types.UnionType) and len(args) == 1:
-            shape = args[0]
-            continue
-        return shape
-
-
-@functools.lru_cache(maxsize=None)
-def _hints(shape: type) -> dict[str, Any]:
-    return typing.get_type_hints(shape, include_extras=True)
-
-
-# ---------------------------------------------------------------------------
-# messages without tensors: the message type is its own wire shape
-
-def encode(msg: Message) -> list[Buffer]:
-    """Frames of a message without tensors (everything but the inference messages)."""
-    header = msgspec.to_builtins(msg, builtin_types=(bytes, bytearray, memoryview),
-                                 enc_hook=enc_hook)
-    return pack(msg.KIND, header)
-
-
-def decode(cls: type[S], header: dict[str, Any]) -> S:
-    """A message without tensors from its header; ProtocolError names a bad field."""
-    return convert(header, cls, cls.__name__)
-
-
-# ---------------------------------------------------------------------------
-# tensors: metadata in the header, each tensor's bytes a frame of its own
-
-def _encode_tensors(tensors: Sequence[Tensor]) -> tuple[list[TensorMeta], list[Buffer]]:
-    return [t.meta for t in tensors], [t.data for t in tensors]
-
-
-def _tensors(metas: Sequence[TensorMeta], frames: Sequence[Buffer]) -> list[Tensor]:
-    """Each tensor's metadata (already checked in C) with its frame, whose size its
-    datatype and shape fix (BYTES excepted)."""
-    if len(metas) != len(frames):
-        raise ProtocolError(f"{len(metas)} tensors declared but {len(frames)} frames sent")
-    tensors = []
-    for meta, frame in zip(metas, frames):
-        # a zmq.Frame (what a socket gives) has its buffer; bytes and views are their own
-        buf = memoryview(frame) if type(frame) in _PLAIN else frame.buffer \
-            if hasattr(frame, "buffer") else memoryview(frame)
-        expected = ITEM_BYTES.get(meta.datatype)   # None: BYTES, whose length varies
-        if expected is not None:
-            for d in meta.shape:
-                expected *= d
-            if buf.nbytes != expected:
-                raise ProtocolError(
-                    f"tensor {meta.name!r}: {buf.nbytes} bytes for shape {list(meta.shape)} "
-                    f"{meta.datatype} (expected {expected})")
-        elif meta.datatype not in DTYPES:
-            raise ProtocolError(f"tensor {meta.name!r}: unknown datatype "
-                                f"{meta.datatype!r}"[:200])
-        tensors.append(Tensor(meta, buf))
-    return tensors
-
-
-_PLAIN = (bytes, memoryview, bytearray)
 
 
 # ---------------------------------------------------------------------------
 # client <-> broker
 
-class _Wire(msgspec.Struct, frozen=True, rename=_ID):
-    """A header's shape as it arrives: the fields a decoder checks."""
-
-
-class TraceContext(_Wire, frozen=True):
+class TraceContext(Wire, frozen=True):
     """A traced request's W3C context (broker/tracing.py)."""
 
     traceparent: str
     tracestate: str = ""
 
 
-class RequestHeader(_Wire, frozen=True):
+class RequestHeader(Wire, frozen=True):
     request_id: str
     model: str
     tensors: list[TensorMeta]
@@ -194,7 +54,7 @@ def encode_request(req: InferRequest) -> list[Buffer]:
 def decode_request(header: dict[str, Any], frames: Sequence[Buffer]) -> InferRequest:
     h = convert(header, RequestHeader, "request")
     trace = None if h.trace is None else _context(h.trace)
-    return InferRequest(h.request_id, h.model, _tensors(h.tensors, frames), h.version,
+    return InferRequest(h.request_id, h.model, tensors_of(h.tensors, frames), h.version,
                         h.priority, h.timeout_ms, h.tenant, h.outputs, h.api_key, h.stream,
                         trace, h.routing_key, h.row)
 
@@ -213,7 +73,7 @@ def encode_requests(reqs: Sequence[InferRequest]) -> list[Buffer]:
 def request_header(req: InferRequest) -> tuple[dict[str, Any], list[Buffer]]:
     """A request's header (without ``v``) and its tensor frames, to bundle. A field at
     its default stays off the wire: every peer's decoder defaults an absent one."""
-    metas, bufs = _encode_tensors(req.tensors)
+    metas, bufs = [t.meta for t in req.tensors], [t.data for t in req.tensors]
     header: dict[str, Any] = {"id": req.request_id, "model": req.model, "tensors": metas}
     if req.version is not None:
         header["version"] = req.version
@@ -238,7 +98,7 @@ def request_header(req: InferRequest) -> tuple[dict[str, Any], list[Buffer]]:
     return header, bufs
 
 
-class ReplyHeader(_Wire, frozen=True):
+class ReplyHeader(Wire, frozen=True):
     request_id: str
     model: str
     version: int
@@ -291,11 +151,11 @@ def decode_replies(header: dict[str, Any], frames: Sequence[Buffer]) -> list[Inf
 
 def decode_reply(header: dict[str, Any], frames: Sequence[Buffer]) -> InferReply:
     h = convert(header, ReplyHeader, "reply")
-    return InferReply(h.request_id, h.model, h.version, _tensors(h.tensors, frames), h.stats,
+    return InferReply(h.request_id, h.model, h.version, tensors_of(h.tensors, frames), h.stats,
                       h.trace, h.build)
 
 
-class ErrorHeader(_Wire, frozen=True):
+class ErrorHeader(Wire, frozen=True):
     request_id: str
     code: str
     message: str
@@ -351,7 +211,7 @@ class BatchTraceWire(msgspec.Struct, frozen=True):
     items: list[TracedItem]
 
 
-class BatchHeader(_Wire, frozen=True):
+class BatchHeader(Wire, frozen=True):
     batch_id: int
     model: str
     version: int
@@ -386,7 +246,7 @@ def decode_batch(header: dict[str, Any], frames: Sequence[Buffer]) -> Batch:
     items, pos = [], 0
     for raw in h.items:
         n = len(raw.tensors)
-        items.append(BatchItem(raw.request_id, _tensors(raw.tensors, frames[pos:pos + n]),
+        items.append(BatchItem(raw.request_id, tensors_of(raw.tensors, frames[pos:pos + n]),
                                raw.outputs))
         pos += n
     if pos != len(frames):
@@ -418,7 +278,7 @@ class ResultReply(msgspec.Struct, frozen=True, array_like=True):
     tensors: list[TensorMeta]
 
 
-class ResultHeader(_Wire, frozen=True):
+class ResultHeader(Wire, frozen=True):
     batch_id: int
     replies: list[ResultReply]
     compute_ms: Duration = 0.0
@@ -458,7 +318,7 @@ def decode_result(header: dict[str, Any], frames: Sequence[Buffer],
     for raw in h.replies:
         n = len(raw.tensors)
         replies.append(InferReply(raw.request_id, model, version,
-                                  _tensors(raw.tensors, frames[pos:pos + n])))
+                                  tensors_of(raw.tensors, frames[pos:pos + n])))
         pos += n
     if pos != len(frames):
         raise ProtocolError(f"result declares {pos} tensors but carries {len(frames)} frames")
@@ -477,7 +337,7 @@ def result_batch_id(header: dict[str, Any]) -> int:
 # ---------------------------------------------------------------------------
 # streams (decoupled models)
 
-class PartHeader(_Wire, frozen=True):
+class PartHeader(Wire, frozen=True):
     request_id: str
     model: str
     version: int
@@ -507,7 +367,7 @@ def encode_parts(parts: Sequence[StreamPart]) -> list[Buffer]:
 def decode_part(header: dict[str, Any], frames: Sequence[Buffer]) -> StreamPart:
     h = convert(header, PartHeader, "response")
     return StreamPart(h.request_id, h.model, h.version, h.index, h.final,
-                      _tensors(h.tensors, frames), h.stats, h.build)
+                      tensors_of(h.tensors, frames), h.stats, h.build)
 
 
 def decode_parts(header: dict[str, Any], frames: Sequence[Buffer]) -> list[StreamPart]:
@@ -525,7 +385,7 @@ class PartialWire(msgspec.Struct, frozen=True, array_like=True):
 Parts = Annotated[list[PartialWire], msgspec.Meta(max_length=MAX_BUNDLE)]
 
 
-class PartialHeader(_Wire, frozen=True):
+class PartialHeader(Wire, frozen=True):
     batch_id: int
     parts: Parts
 
@@ -537,7 +397,7 @@ class StepWire(msgspec.Struct, frozen=True, array_like=True):
     parts: Parts
 
 
-class StepsHeader(_Wire, frozen=True):
+class StepsHeader(Wire, frozen=True):
     batches: Annotated[list[StepWire], msgspec.Meta(max_length=MAX_BUNDLE)]
 
 
@@ -562,7 +422,7 @@ def _partial_items(raw: Sequence[PartialWire], frames: Sequence[Buffer]
     for part in raw:
         n = len(part.tensors)
         parts.append(PartialItem(part.item, part.final,
-                                 _tensors(part.tensors, frames[pos:pos + n])))
+                                 tensors_of(part.tensors, frames[pos:pos + n])))
         pos += n
     return parts, pos
 

@@ -11,8 +11,9 @@ from typing import Any, Callable, Sequence
 import msgpack
 import msgspec
 
-from zeroserve.broker.protocol.messages import (MAX_BUNDLE, STEPS_VERSION, SUPPORTED_VERSIONS,
-                                                WAITING_VERSION, ErrorCode, Kind)
+from zeroserve.broker.protocol.messages import (MAX_BUNDLE, PAUSE_VERSION, STEPS_VERSION,
+                                                SUPPORTED_VERSIONS, WAITING_VERSION,
+                                                ErrorCode, Kind)
 from zeroserve.broker.tensors import Buffer, ProtocolError
 
 
@@ -28,7 +29,7 @@ class VersionMismatch(ProtocolError):
 _KINDS = {k.value: k for k in Kind}
 # the version a kind first appeared in
 _SINCE = {Kind.REQUESTS: 2, Kind.REPLIES: 2, Kind.WAITING: WAITING_VERSION,
-          Kind.STEPS: STEPS_VERSION}
+          Kind.STEPS: STEPS_VERSION, Kind.PAUSE: PAUSE_VERSION}
 
 
 @dataclass(frozen=True)

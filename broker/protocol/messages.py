@@ -26,10 +26,14 @@ from zeroserve.broker.tensors import Tensor
 # Version 4 adds STEPS (one step's responses of an iterative model's several batches in
 # one message, workers/sequences.py), sent only to a broker whose LOAD listed version 4:
 # an older one gets a PARTIAL per batch.
-PROTOCOL_VERSION = 4
-SUPPORTED_VERSIONS = (1, 2, 3, 4)
+# Version 5 adds PAUSE (a running sequence sits out its steps for a request of a higher
+# priority, workers/sequences.py), sent only to a worker whose READY listed version 5: an
+# older one would drop it, so no sequence of its is preempted.
+PROTOCOL_VERSION = 5
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5)
 WAITING_VERSION = 3
 STEPS_VERSION = 4
+PAUSE_VERSION = 5
 
 
 class Kind(bytes, enum.Enum):
@@ -58,6 +62,7 @@ class Kind(bytes, enum.Enum):
     STOP = b"\x1b"         # broker -> worker: requests of a running stream to stop
     WAITING = b"\x1c"      # worker -> broker: a batch waits on models it called (BLS)
     STEPS = b"\x1d"        # version 4, worker -> broker: one step's PARTIALs of several batches
+    PAUSE = b"\x1e"        # version 5, broker -> worker: running sequences to pause
     # control (CLI, gateway metadata and metrics)
     CONTROL = b"\x20"
     CONTROL_REPLY = b"\x21"
@@ -268,6 +273,16 @@ class Stop(Message, frozen=True):
     items: Annotated[list[str], msgspec.Meta(max_length=MAX_BUNDLE)] = field(default_factory=list)
 
 
+class Pause(Message, frozen=True):
+    """broker -> worker: these items of an iterative model's batch pause (a request of a
+    higher priority takes their slot): they sit out the steps, their state kept, and
+    resume once a slot is free there."""
+
+    KIND: ClassVar[Kind] = Kind.PAUSE
+    batch_id: int
+    items: Annotated[list[str], msgspec.Meta(max_length=MAX_BUNDLE)] = field(default_factory=list)
+
+
 class Waiting(Message, frozen=True):
     """worker -> broker: this batch runs off the worker's compute thread and waits on
     models it called, so it holds none of the worker's credits until its result (no
@@ -417,4 +432,4 @@ class ControlReply(Message, frozen=True):
 
 MESSAGES = (Cancel, Ping, Pong, WorkerReady, WorkerHeartbeat, BrokerHeartbeat, LoadModel,
             ModelLoaded, UnloadModel, Disconnect, Leave, LogSettings, ControlRequest,
-            ControlReply, Stop, Waiting)
+            ControlReply, Stop, Waiting, Pause)

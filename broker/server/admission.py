@@ -31,6 +31,7 @@ from zeroserve.broker.server.tenancy import Grant, Refusal, Tenancy
 from zeroserve.models import ensemble as ens
 from zeroserve.models.repository import ModelConfig
 from zeroserve.models.shapes import ShapeError, rule as shape_rule
+from zeroserve.models.text import IDS
 
 
 class Payload:
@@ -102,7 +103,8 @@ class Admission:
             shape, scale, length = shape_class(model.config, req.tensors)
         except (RequestError, ShapeError) as exc:
             return Refusal(p.ErrorCode.BAD_INPUT, str(exc), "")
-        grant = self.tenancy.admit(who, key, req, samples, now, samples * length)
+        grant = self.tenancy.admit(who, key, req, samples, now,
+                                   samples * length or prompt_tokens(model.config, req.tensors))
         if isinstance(grant, Refusal):
             return grant
         digest = None
@@ -234,6 +236,14 @@ def shape_class(cfg: ModelConfig, tensors: Sequence[p.Tensor]
     if rule.fixed:
         return None, 1.0, 0
     return rule.measure({t.meta.name: t.meta.shape for t in tensors})
+
+
+def prompt_tokens(cfg: ModelConfig, tensors: Sequence[p.Tensor]) -> int:
+    """A generating text model's prompt: its ``input_ids`` (a padded model's tokens are
+    its rows' lengths, :func:`shape_class`); 0 for any other model."""
+    if cfg.text is None or cfg.text.task != "generate":
+        return 0
+    return sum(math.prod(t.meta.shape) for t in tensors if t.meta.name == IDS)
 
 
 def decoupled(catalog: Catalog, name: str) -> bool:

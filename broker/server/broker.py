@@ -36,6 +36,7 @@ from zeroserve.broker.server.loadretry import LoadRetries
 from zeroserve.broker.server.loads import WorkerLoads
 from zeroserve.broker.server.membership import Membership
 from zeroserve.broker.server.metrics import BreakerStates, BrokerMetrics, CacheSize, ModelStates
+from zeroserve.broker.server.memplan import MemoryPlan
 from zeroserve.broker.server.ondemand import OnDemand, OnDemandOptions
 from zeroserve.broker.server.pipeline import INTERNAL, OnWorkers, Pipelines
 from zeroserve.broker.server.placement import Placement
@@ -126,14 +127,14 @@ class Broker:
                                             reroute=answering.reroute,
                                             watch_s=breaker.watch_s)
         self.streaming = streaming = StreamPath(streams, batches, catalog, metrics, stats, ledger,
-                                                reply, answering)
+                                                reply, answering, tenancy.completion_tokens)
         # the model lifecycle's strategies; what they ask of the lifecycle is bound late
         # (it is built last, from them): KNOWN_LATE_BINDINGS in tests/test_layout.py
+        tenure = demand.tenure()   # load on demand writes it, placement reads it
+        self.plan = plan = MemoryPlan(catalog, pool, registry)
         self.placement = placement = Placement(
-            catalog, pool, registry, queued=scheduler.depth, last_used=usage.last_used,
-            wanted=lambda m: self.ondemand.wanted_level(m),
-            evictable=lambda w, m, k, h: self.ondemand.evictable(w, m, k, h),
-            evicted=lambda w, m, r: self.ondemand.on_evicted(w, m, r))
+            catalog, pool, plan, metrics, clock, queued=scheduler.depth,
+            last_used=usage.last_used, tenure=tenure)
         self.replicas = replicas = Replicas(   # autoscaled models: which workers hold them
             catalog, pool, scheduler, placement, metrics, predict=latency.predictor,
             swapping=lambda name: self.lifecycle.swapping(name),
@@ -142,7 +143,7 @@ class Broker:
         self.ondemand = ondemand = OnDemand(   # models loaded when asked for: where held
             catalog, pool, scheduler, placement, metrics, clock, demand,
             load_placed=lambda worker, name: self.loads.load_placed(worker, name),
-            fail=answering.fail_waiting, default=replicas.placed)
+            fail=answering.fail_waiting, default=replicas.placed, tenure=tenure)
         admission = Admission(catalog, scheduler, pool, latency, tenancy, stop, gate,
                               forecast, answers, ondemand)
         self.intake = Intake(catalog, scheduler, ledger, stop, breakers, admission, answers,
@@ -360,4 +361,4 @@ class Broker:
                 "streams": self.streams.sizes(), "tenants": self.tenancy.summary(),
                 "autoscaling": self.replicas.describe(),
                 "load_on_demand": self.ondemand.summary(self.clock()),
-                "memory_plan": self.placement.describe()}
+                "memory_plan": self.plan.describe()}

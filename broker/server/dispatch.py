@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Iterator
 
 
 from zeroserve.broker import protocol as p, tracing
+from zeroserve.broker.server import preemption
 from zeroserve.broker.server.answering import Answering
 from zeroserve.broker.server.catalog import Catalog, CatalogModel
 from zeroserve.broker.server.dispatchgate import DispatchGate
@@ -18,7 +20,7 @@ from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Batches, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.streampath import StreamPath
-from zeroserve.broker.server.streams import Streams
+from zeroserve.broker.server.streams import NOT_PAUSED, Streams
 from zeroserve.broker.server.tenancy import Tenancy
 
 
@@ -61,7 +63,10 @@ class Dispatch:
                 # an iterative model's requests join the sequences running on a worker at
                 # its next step: as many as it has free slots, whatever else it runs
                 worker, free = self.pool.sequence_holder(name, model.config.max_sequences)
-                if worker is None or not self._take(worker, model, now, now, free):
+                if worker is None:
+                    if not self._preempt(model, now):
+                        return
+                elif not self._take(worker, model, now, now, free):
                     return
                 continue
             worker = self.pool.free_holder(name)
@@ -78,6 +83,39 @@ class Dispatch:
                                    self.scheduler.queued_units(name) / max(queued, 1), predict)
             if not self._take(worker, model, now, self.forecast.busy_until(worker, now), half):
                 return
+
+    def _preempt(self, model: CatalogModel, now: float) -> bool:
+        """Every slot is held: the queue's head takes the slot of a running sequence of a
+        lower priority, which pauses (broker/server/preemption.py); False if none may."""
+        name = model.config.name
+        head = self.scheduler.head(name, now)
+        if head is None:
+            return False
+        version = head.version if head.version is not None else model.default_version
+        chosen = preemption.victim(head, self._running(name, version))
+        if chosen is None or not self.batches.stop(chosen.worker.identity, chosen.batch_id,
+                                                   [chosen.item], pause=True):
+            return False
+        self.streams.pause(chosen.entry.key, head.key)
+        # a paused join sends nothing for a while: its next response bounds it again
+        self.batches.progressed(chosen.batch_id, now, math.inf)
+        self.metrics.preempted(name, chosen.entry.tenant)
+        return self._take(chosen.worker, model, now, now, 1)
+
+    def _running(self, name: str, version: int) -> Iterator[preemption.Running]:
+        """The sequences of a model running (not paused) on the workers that may pause
+        them."""
+        for w in self.pool.holders(name, version):
+            if w.draining or w.stalled or not self.pool.speaks(w, p.PAUSE_VERSION):
+                continue
+            for b in w.sequences:
+                rec = self.batches.inflight[b]
+                if rec.model != name:
+                    continue
+                for item, entry in rec.entries.items():
+                    state = self.streams.get(entry.key)
+                    if state is not None and state.paused == NOT_PAUSED:
+                        yield preemption.Running(w, b, item, entry)
 
     def _take(self, worker: WorkerState, model: CatalogModel, now: float, start_s: float,
               max_samples: int | None) -> bool:

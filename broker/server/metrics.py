@@ -219,6 +219,10 @@ class BrokerMetrics:
                                       "generating model's inter-token gap)",
                                       ["model", "tenant"], namespace=ns, registry=r,
                                       buckets=GAP_BUCKETS)
+        self.preemptions = Counter("preemptions", "Running sequences of iterative models "
+                                   "paused for a request of a higher priority, by the "
+                                   "paused one's tenant", ["model", "tenant"], namespace=ns,
+                                   registry=r)
         self.restarts = Counter("worker_restarts", "Times a worker id registered again "
                                 "with this broker (each start after its first)", ["worker"],
                                 namespace=ns, registry=r)
@@ -260,6 +264,9 @@ class BrokerMetrics:
         last response."""
         metric = self.first_response if index == 0 else self.response_gap
         self._child(metric, model, tenant or ANONYMOUS).observe(gap_s)
+
+    def preempted(self, model: str, tenant: str) -> None:
+        self._child(self.preemptions, model, tenant or ANONYMOUS).inc()
 
     def stream_ended(self, model: str, status: str) -> None:
         self._child(self.streams, model, status).inc()

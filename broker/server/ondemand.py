@@ -2,8 +2,11 @@
 config served) without being loaded anywhere. A request for it queues in its model's
 queue as any other and asks for a load (:meth:`OnDemand.want`); the load goes to the
 worker where it fits now, after evicting the idle models there that are wanted least
-(placement.py owns eviction; a model with work queued or running is never idle; "wanted"
-is :class:`thrash.Demand`'s count of recent requests). Every request that comes while it
+(eviction.py decides, placement applies; a model with work queued or running is never
+idle; "wanted" is :class:`thrash.Demand`'s count of recent requests). What on-demand
+knows of its models (placed where, loading, waiting since, wanted, resident until) is
+its record, :class:`thrash.Tenure`: written here, read by placement, which records there
+what it evicted. Every request that comes while it
 loads shares that one load. Once the worker says LOADED the
 queue dispatches as usual; a load that fails, or a worker lost while loading, is tried
 on another worker, else every waiting request is answered once with why.
@@ -14,7 +17,7 @@ seconds spent loading in the last minute) a request is refused at once (503, Ret
 rather than queued to wait for a load that cannot start. A model loaded on demand stays
 at least ``residency_factor`` times its load time (``min_residency_s`` at least) before
 it may be evicted; and the models most wanted, as many as the worker holds beside two of
-the one asking for room (placement's TURNS), are evicted for a less wanted one only once
+the one asking for room (eviction.TURNS), are evicted for a less wanted one only once
 that one has waited its patience: the hot models stay while the cold ones take turns in
 the room left. A model is on demand when its config says ``"load_on_demand": true``, or
 says nothing and the broker runs with ``--load-on-demand``.
@@ -28,18 +31,16 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.catalog import Catalog, CatalogModel
 from zeroserve.broker.server.metrics import BrokerMetrics
-from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.swap import Placed, placed_on
-from zeroserve.broker.server.thrash import RESIDENCY_FACTOR, Demand, LoadTimes, ThrashGuard
+from zeroserve.broker.server.thrash import RESIDENCY_FACTOR, Load, Tenure, ThrashGuard
 from zeroserve.broker.server.types import Clock, ModelVersion
 from zeroserve.models.repository import ModelConfig
 
@@ -67,13 +68,26 @@ class OnDemandOptions:
     residency_factor: float = RESIDENCY_FACTOR   # x a model's load time it stays at least
     pending_s: float = 30.0          # a load that cannot start for this long gives up
 
+    def tenure(self) -> Tenure:
+        """The record load on demand writes and placement reads, with these bounds."""
+        return Tenure(ThrashGuard(self.min_residency_s, self.max_load_share,
+                                  self.residency_factor))
 
-@dataclass
-class Load:
-    worker: bytes
-    started_s: float
-    since_s: float          # when its first request began to wait
-    tried: set[bytes] = field(default_factory=set)
+
+class Room(Protocol):
+    """What load on demand asks of memory placement (placement.Placement): whether a
+    version fits a worker now (after evicting what may go), or could with nothing else
+    loaded; what the worker has free and holds."""
+
+    def fits(self, worker: WorkerState, name: str, version: int) -> bool: ...
+
+    def too_big(self, worker: WorkerState, name: str, version: int) -> str | None: ...
+
+    def available(self, worker: WorkerState) -> int | None: ...
+
+    def used(self, worker: WorkerState) -> int: ...
+
+    def for_memory(self, error: str) -> bool: ...
 
 
 class Refused:
@@ -87,35 +101,30 @@ class Refused:
 
 
 class OnDemand:
-    """Reads the catalog, the pool, the scheduler's queues and placement's plan; asks
+    """Reads the catalog, the pool, the scheduler's queues and the ``room`` memory
+    placement sees; writes its record ``tenure`` (the one its options built); asks
     ``load_placed(worker, model)`` to load a model now placed on a worker, and ``fail(model,
     code, message, retry_after_s)`` to answer every request queued for a model."""
 
     def __init__(self, catalog: Catalog, pool: WorkerPool, scheduler: Scheduler,
-                 placement: Placement, metrics: BrokerMetrics, clock: Clock,
-                 options: OnDemandOptions, *,
-                 load_placed: Callable[[WorkerState, str], None],
-                 fail: Fail, default: Placed = placed_on) -> None:
+                 room: Room, metrics: BrokerMetrics, clock: Clock, options: OnDemandOptions,
+                 *, load_placed: Callable[[WorkerState, str], None], fail: Fail,
+                 default: Placed = placed_on, tenure: Tenure) -> None:
         self.catalog = catalog
         self.pool = pool
         self.scheduler = scheduler
-        self.placement = placement
+        self.room = room
         self.metrics = metrics
         self.clock = clock
         self.opts = options
         self._load_placed = load_placed
         self._fail = fail
         self._default = default
-        self.times = LoadTimes()   # a request's wait for a load, for admission
-        self.costs = LoadTimes()   # the worker's time loading, for the thrash bounds
-        self.demand = Demand()     # requests per model, recent ones weighing most
-        self.guard = ThrashGuard(options.min_residency_s, options.max_load_share,
-                                 options.residency_factor)
-        self.assigned: dict[str, set[bytes]] = {}     # on-demand models: placed where
-        self.loads: dict[str, Load] = {}              # loading now
-        self.wanted: dict[str, float] = {}            # waiting for a load to start, since
-        self.evicted: dict[str, str] = {}             # model -> why (until loaded again)
-        self._last_start_s = -math.inf                # when a load last started
+        self.tenure = tenure
+        # the record's tables, written here (placement reads them through the record)
+        self.times, self.costs, self.demand = tenure.times, tenure.costs, tenure.demand
+        self.guard, self.assigned = tenure.guard, tenure.assigned
+        self.loads, self.wanted, self.evicted = tenure.loads, tenure.wanted, tenure.evicted
         # the waiting models are tried again when the pool changed since (room may have
         # opened) or at this time (a residency, a patience or the load share ends)
         self._tried_at_changes = -1
@@ -135,44 +144,9 @@ class OnDemand:
         """A request for ``name`` came (any model of the catalog: eviction weighs them all)."""
         self.demand.asked(name, now)
 
-    def wanted_level(self, name: str) -> float:
-        """How much ``name`` is wanted now: placement evicts the lowest first."""
-        return self.demand.count(name, self.clock())
-
-    def evictable(self, worker: WorkerState, model: str, keep: str, hot: bool) -> bool:
-        """Whether idle ``model`` may leave ``worker`` to make room for ``keep``: past its
-        residency; and when it is one of the ``hot`` (the most wanted that fit beside
-        placement's TURNS of ``keep``) and wanted more than ``keep``, only once ``keep``'s
-        requests have waited its patience and no load has started for as long (a hot
-        model yields to a colder one's starving requests, never to its first one, nor
-        while the room past the hot ones still turns over: there a colder model's wait
-        is its place in line, and a hot model evicted costs its many requests a load)."""
-        now = self.clock()
-        if not self.guard.may_evict(worker.worker_id, model, now):
-            return False
-        since = self._waiting_since(keep)
-        if not hot or since is None:   # since None: not a load on demand (a new version)
-            return True
-        return self.demand.count(model, now) <= self.demand.count(keep, now) \
-            or now - max(since, self._last_start_s) >= self._patience_s(keep)
-
     def loading(self, name: str) -> bool:
         """Whether a load on demand of ``name`` runs now."""
         return name in self.loads
-
-    def _waiting_since(self, name: str) -> float | None:
-        load = self.loads.get(name)
-        return load.since_s if load is not None else self.wanted.get(name)
-
-    def on_evicted(self, worker: WorkerState, model: str, reason: str) -> None:
-        """Placement evicted ``model`` from ``worker``: it is not placed there any more."""
-        self.assigned.get(model, set()).discard(worker.identity)
-        self.guard.gone(worker.worker_id, model)
-        self.metrics.evictions.inc((model, reason))
-        self.evicted[model] = (f"evicted from worker {worker.worker_id} at "
-                               f"{time.strftime('%H:%M:%S')}: least wanted idle model, "
-                               "to make room" if reason == "room" else
-                               f"evicted from worker {worker.worker_id}: {reason}")
 
     # -- admission ----------------------------------------------------------------------
     def admit(self, model: CatalogModel, now: float) -> float | Refused:
@@ -226,7 +200,7 @@ class OnDemand:
         for w in self._candidates(name):
             fits = True
             for v in model.versions if model is not None else ():
-                why = self.placement.too_big(w, name, v)
+                why = self.room.too_big(w, name, v)
                 if why is not None:
                     whys.append(why)
                     fits = False
@@ -245,10 +219,10 @@ class OnDemand:
         for w in self._candidates(name):
             if w.identity in tried:
                 continue
-            if all(self.placement.fits(w, name, v) for v in model.versions):
-                free = self.placement.available(w)
+            if all(self.room.fits(w, name, v) for v in model.versions):
+                free = self.room.available(w)
                 fits.append((free is not None and free < 0, len(w.inflight),
-                             self.placement.used(w), w.worker_id, w))
+                             self.room.used(w), w.worker_id, w))
         return min(fits)[-1] if fits else None
 
     def _start(self, name: str, now: float, tried: set[bytes] | None = None) -> bool:
@@ -270,7 +244,7 @@ class OnDemand:
         logger.debug("model %s: loading on demand on worker %s (%d request(s) waiting)",
                     name, worker.worker_id, self.scheduler.depth(name))
         self._load_placed(worker, name)
-        self._last_start_s = now   # after: its own eviction counts the turns before it
+        self.tenure.last_start_s = now   # after: its own eviction counts the turns before it
         for key in (ModelVersion(name, v) for v in model.versions):
             if key in worker.loading:   # sent: an earlier failure is not this load's
                 self.pool.begin_load(worker, key)
@@ -293,7 +267,7 @@ class OnDemand:
             elif not any((name, v) in worker.loading for v in model.versions):
                 error = next((e for k, e in worker.load_errors.items() if k.name == name),
                              "it was not loaded")
-                if self.placement.for_memory(error) and self.scheduler.depth(name):
+                if self.room.for_memory(error) and self.scheduler.depth(name):
                     self._wait_for_room(name, load, worker, error)
                     continue
                 self._failed(name, load, now, f"loading model {name!r} on demand on worker "
@@ -394,7 +368,7 @@ class OnDemand:
         else:   # room may open when a residency or a waiting model's patience ends (a
             # queue that empties comes with a message, and every message ticks)
             ends = [t for t in (self.guard.next_evictable(now),
-                                *(max(s, self._last_start_s) + self._patience_s(n)
+                                *(max(s, self.tenure.last_start_s) + self.tenure.patience_s(n)
                                   for n, s in self.wanted.items()))
                     if t is not None and t > now]
             start = min(ends, default=now + PENDING_POLL_S)
@@ -402,14 +376,6 @@ class OnDemand:
 
     def _residency_s(self, name: str) -> float:
         return self.guard.residency_s(self.costs.latest(name))
-
-    def _patience_s(self, name: str) -> float:
-        """How long ``name``'s requests wait before a hot model yields its room: the
-        residency rule applied to what its load takes from a request's view (the round
-        trips and the batches ahead, not only the worker's time). The room past the hot
-        models turns over within a few loads, so a colder model waits its turn there
-        and takes a hot model's room only when that turn is long overdue."""
-        return self.guard.residency_s(self.times.predict(name))
 
     # -- telling ------------------------------------------------------------------------
     def state(self, name: str) -> tuple[str, str] | None:

@@ -269,9 +269,9 @@ class Batches:
             rec.exec_deadline_s = now + exec_s
         return rec
 
-    def stop(self, identity: bytes, batch_id: int, items: list[str]) -> None:
-        """Tell a worker that these items of a running stream batch are answered."""
-        self._send(identity, p.encode(p.Stop(batch_id, items)))
+    def stop(self, identity: bytes, batch_id: int, items: list[str], pause: bool = False) -> bool:
+        """Tell a worker that these items of a running stream batch are answered (or pause)."""
+        return self._send(identity, p.encode((p.Pause if pause else p.Stop)(batch_id, items)))
 
     def stalled(self, now: float, limit_s: Callable[[WorkerState, Inflight], float]
                 ) -> list[tuple[WorkerState, list[Inflight]]]:

@@ -331,6 +331,13 @@ class Scheduler:
         q = self._queues.get(model)
         return [e for e in q.fifo if e.state == QUEUED] if q else []
 
+    def head(self, model: str, now: float) -> Entry | None:
+        """The live entry a free slot would take first (dispatch order), or None."""
+        q = self._queues.get(model)
+        if q is None or not q.count:
+            return None
+        return next((e for e in q.ordered(now) if e.deadline_s > now), None)
+
     def oldest_arrival(self, model: str) -> float | None:
         """When the longest-queued live entry arrived (the autoscaler's queue time)."""
         q = self._queues.get(model)

@@ -51,7 +51,8 @@ class BatchAnswers(Protocol):
 class StreamPath:
     def __init__(self, streams: Streams, batches: Batches, catalog: Catalog,
                  metrics: BrokerMetrics, stats: ModelStatistics, ledger: AnswerLedger,
-                 reply: Callable[[bytes, list[Any]], bool], answers: BatchAnswers) -> None:
+                 reply: Callable[[bytes, list[Any]], bool], answers: BatchAnswers,
+                 completion_tokens: Callable[[str, int, float], None] | None = None) -> None:
         self.streams = streams
         self.batches = batches
         self.catalog = catalog
@@ -60,6 +61,8 @@ class StreamPath:
         self.ledger = ledger
         self._reply = reply
         self._answers = answers
+        # a generating model's tokens, charged to its tenant's tokens per minute
+        self._completion_tokens = completion_tokens
 
     # -- dispatch -------------------------------------------------------------
     def streams_started(self, rec: Inflight) -> None:
@@ -107,6 +110,12 @@ class StreamPath:
             return None
         return rec
 
+    def _generates(self, model: str) -> bool:
+        """A text model of task ``generate``: each response is one token."""
+        found = self.catalog.get(model)
+        text = found.config.text if found is not None else None
+        return text is not None and text.task == "generate"
+
     def _malformed(self, rec: Inflight, exc: p.ProtocolError) -> None:
         items = list(rec.entries)
         self._answers.fail_batch(rec, p.ErrorCode.INTERNAL,
@@ -151,6 +160,8 @@ class StreamPath:
         if state is None or state.batch_id != rec.batch_id:
             return
         index, gap_s = self.streams.responded(state, entry.key, now)
+        if tensors and self._completion_tokens is not None and self._generates(rec.model):
+            self._completion_tokens(entry.tenant, 1, now)   # a response is a token
         self.metrics.stream_response(rec.model, entry.tenant, index, gap_s)
         pl = entry.payload
         stats: dict[str, float] = {}

@@ -17,11 +17,15 @@ import math
 from zeroserve.broker.server.types import RequestKey
 
 Key = RequestKey
+# a stream told to pause (an iterative model's sequence, broker/server/preemption.py):
+# PAUSING until its preemptor's first response says the pause took effect (a response of
+# its own before that was made before it), PAUSED until its next response (it resumed)
+NOT_PAUSED, PAUSING, PAUSED = 0, 1, 2
 
 
 class StreamState:
     __slots__ = ("batch_id", "item", "worker", "deadline_s", "parts", "model", "arrival_s",
-                 "last_s")
+                 "last_s", "paused")
 
     def __init__(self, batch_id: int, item: str, worker: bytes, deadline_s: float,
                  model: str, arrival_s: float) -> None:
@@ -33,6 +37,7 @@ class StreamState:
         self.model = model
         self.arrival_s = arrival_s
         self.last_s = arrival_s   # when its last response went out (its arrival: none yet)
+        self.paused = NOT_PAUSED
 
 
 class Streams:
@@ -41,6 +46,7 @@ class Streams:
         # running, no response yet, with a deadline: it bounds the first response. Few
         # (the items of the stream batches in flight), so a scan finds the soonest.
         self._awaiting: dict[Key, float] = {}
+        self._pausing: dict[Key, Key] = {}   # a preemptor -> the stream it paused
 
     def __len__(self) -> int:
         return len(self._running)
@@ -60,6 +66,12 @@ class Streams:
         since the stream's last response (for the first, since its arrival)."""
         index = state.parts
         state.parts += 1
+        paused = self._pausing.pop(key, None) if self._pausing else None
+        victim = self._running.get(paused) if paused is not None else None
+        if victim is not None and victim.paused == PAUSING:
+            victim.paused = PAUSED
+        if state.paused == PAUSED:
+            state.paused = NOT_PAUSED
         if index == 0:
             self._awaiting.pop(key, None)
         gap_s, state.last_s = now - state.last_s, now
@@ -69,8 +81,20 @@ class Streams:
         state = self._running.get(key)
         return state is not None and state.parts > 0
 
+    def pause(self, key: Key, by: Key) -> None:
+        """The stream ``key`` pauses, its slot the request ``by``'s."""
+        state = self._running.get(key)
+        if state is not None:
+            state.paused = PAUSING
+            self._pausing[by] = key
+
+    def paused(self) -> list[Key]:
+        """The streams told to pause that have not resumed."""
+        return [key for key, state in self._running.items() if state.paused]
+
     def forget(self, key: Key) -> StreamState | None:
         self._awaiting.pop(key, None)
+        self._pausing.pop(key, None)
         return self._running.pop(key, None)
 
     def next_deadline(self) -> float | None:

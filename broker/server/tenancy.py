@@ -189,7 +189,8 @@ class Tenancy:
             if math.isinf(wait):
                 return self._refuse(t.name, p.ErrorCode.QUOTA, f"a request of {n} {what} "
                                     f"is more than tenant {t.name!r}'s burst", None)
-            per = "tokens per minute" if what == "tokens" else f"{what} rate"
+            per = "tokens per minute (prompt and completion tokens)" if what == "tokens" \
+                else f"{what} rate"
             return self._refuse(t.name, p.ErrorCode.QUOTA, f"tenant {t.name!r} is over its "
                                 f"{per}", wait)
         for _, b, n in spend:
@@ -210,6 +211,14 @@ class Tenancy:
             self.m_requests.inc((t.name,))
         return Grant(msgspec.structs.replace(req, priority=priority, timeout_ms=timeout_ms),
                      t.name, t.weight, t.qos.rank, notes)
+
+    def completion_tokens(self, tenant: str, n: int, now: float) -> None:
+        """Tokens a generating model made for one of the tenant's requests, charged to its
+        ``tokens_per_minute`` as they come (the prompt's were at admission): past its
+        quota a stream runs on, and the tenant's next requests wait for the refill."""
+        st = self._state.get(tenant)
+        if st is not None and st.tokens is not None:
+            st.tokens.spend(n, now)
 
     def open_count(self) -> int:
         """Requests holding an in-flight place (the census: 0 once all are answered)."""

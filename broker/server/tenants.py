@@ -371,6 +371,12 @@ class TokenBucket:
         self.tokens -= n
         return True
 
+    def spend(self, n: float, now: float) -> None:
+        """Take ``n`` whatever is there: use already made (a generated token) is paid,
+        below empty if need be, and the next take waits for the refill."""
+        self._refill(now)
+        self.tokens -= n
+
     def retry_after(self, n: float, now: float) -> float:
         """Seconds until ``n`` tokens are there (inf if more than the bucket holds)."""
         missing = n - self.available(now)

@@ -2,7 +2,9 @@
 takes to load (learned per model), whether a loaded model has stayed long enough to be
 evicted (a minimum residency that scales with its load time), and whether another load
 may start now (the seconds spent loading in a minute bounded to a share of it).
-Nothing here reads the broker's objects: :mod:`ondemand` asks and applies.
+Nothing here reads the broker's objects: :mod:`ondemand` asks and applies, and
+:class:`Tenure` is the record it writes and placement reads to choose what to evict
+(eviction.py).
 
 Both bounds scale with what a load costs because a load is not one price: a move back
 from the worker's host-memory tier takes milliseconds and a cold load from disk of a
@@ -15,7 +17,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass, field
 from statistics import median
+
+from zeroserve.broker.server.eviction import Wait
 
 DEFAULT_LOAD_S = 1.0     # a model's load time before any load was seen
 WINDOW_S = 60.0          # the load-share bound sums the loads started in this window
@@ -192,3 +197,64 @@ class ThrashGuard:
 
     def may_evict(self, worker_id: str, model: str, now: float) -> bool:
         return now >= self.evictable_at(worker_id, model)
+
+
+@dataclass
+class Load:
+    """A load on demand in progress."""
+
+    worker: bytes
+    started_s: float
+    since_s: float          # when its first request began to wait
+    tried: set[bytes] = field(default_factory=set)
+
+
+class Tenure:
+    """Load on demand's record of its models: where each is placed, which load now and
+    which wait for room (since when), how wanted each model is, how long each must stay,
+    and why one was evicted. :class:`ondemand.OnDemand` writes it as requests come and
+    loads start and end; placement reads it to choose what to evict (an
+    :class:`eviction.Snapshot`) and records here what it evicted, before its next
+    decision: neither asks the other. Worker identities and ids only."""
+
+    def __init__(self, guard: ThrashGuard | None = None) -> None:
+        self.guard = guard or ThrashGuard(0.0, 0.0)
+        self.times = LoadTimes()   # a request's wait for a load, for admission
+        self.costs = LoadTimes()   # the worker's time loading, for the thrash bounds
+        self.demand = Demand()     # requests per model, recent ones weighing most
+        self.assigned: dict[str, set[bytes]] = {}     # on-demand models: placed where
+        self.loads: dict[str, Load] = {}              # loading now
+        self.wanted: dict[str, float] = {}            # waiting for a load to start, since
+        self.evicted: dict[str, str] = {}             # model -> why (until loaded again)
+        self.last_start_s = -math.inf                 # when a load last started
+
+    def wanted_level(self, name: str, now: float) -> float:
+        """How much ``name`` is wanted at ``now``: eviction takes the lowest first."""
+        return self.demand.count(name, now)
+
+    def resident_until(self, worker_id: str, model: str) -> float:
+        """When ``model`` may leave the worker (-inf: any time)."""
+        return self.guard.evictable_at(worker_id, model)
+
+    def waiting_since(self, name: str) -> float | None:
+        load = self.loads.get(name)
+        return load.since_s if load is not None else self.wanted.get(name)
+
+    def patience_s(self, name: str) -> float:
+        """How long ``name``'s requests wait before a hot model yields its room: the
+        residency rule applied to what its load takes from a request's view (the round
+        trips and the batches ahead, not only the worker's time). The room past the hot
+        models turns over within a few loads, so a colder model waits its turn there
+        and takes a hot model's room only when that turn is long overdue."""
+        return self.guard.residency_s(self.times.predict(name))
+
+    def wait(self, name: str) -> Wait | None:
+        """``name``'s wait for a load on demand (None: it waits for none)."""
+        since = self.waiting_since(name)
+        return None if since is None else Wait(since, self.last_start_s, self.patience_s(name))
+
+    def record_eviction(self, identity: bytes, worker_id: str, model: str, why: str) -> None:
+        """``model`` left the worker: it is not placed there any more."""
+        self.assigned.get(model, set()).discard(identity)
+        self.guard.gone(worker_id, model)
+        self.evicted[model] = why

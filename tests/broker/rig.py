@@ -58,6 +58,10 @@ class BrokerRig:
     def placement(self) -> Any:
         return self.b.placement
 
+    @property
+    def plan(self) -> Any:
+        return self.b.plan
+
     @staticmethod
     def _out(box: Outbox) -> Callable[[bytes, list[Any]], bool]:
         def send(identity: bytes, frames: list[Any]) -> bool:

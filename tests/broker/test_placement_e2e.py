@@ -17,7 +17,9 @@ from tests.conftest import ZEROSERVE, Server, http, linear_config, short_tmpdir,
     write_model
 from zeroserve.broker.client import Client
 from zeroserve.broker.runtime import hostname
+from zeroserve.models.archives import graph_bytes
 from zeroserve.models.footprint import ACTIVATION_FACTOR
+from zeroserve.models.formats import TORCHSCRIPT_GRAPH_FACTOR
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,15 +53,17 @@ def test_a_load_past_the_headroom_is_refused_before_loading_and_named(
     assert why.startswith(f"cpu on worker {wid} (memory budget 60.0 MB, "
                           f"{context / 1e6:.1f} MB context) has "), why
     assert ("free after 30.0 MB headroom; big/1 needs 35.7 MB (predicted: 33.6 MB weights + "
-            "2.1 MB activations at batch 8 (a first guess from the inputs); overhead not "
-            "learned yet)") in why, why
+            "0.1 MB overhead + "
+            "2.1 MB activations at batch 8 (first guesses from the files and inputs)") in why, why
     assert "loaded big/1" not in srv.log(), "a refused version is never sent to the worker"
     wait_for(lambda: control(srv, "models")["models"]["small"]["ready"] == [1], 30, "small")
     entry = wait_for(lambda: control(srv, "status")["memory_plan"][wid]["models"]
                      .get("small/1", {}).get("measured_bytes"), 10, "small measured")
     small = control(srv, "status")["memory_plan"][wid]["models"]["small/1"]
     assert small["weights_bytes"] == (64 * 64 + 64) * 4
-    assert small["predicted_bytes"] == small["weights_bytes"] + ACTIVATION_FACTOR * 64 * 4 * 8
+    overhead = TORCHSCRIPT_GRAPH_FACTOR * (graph_bytes(repo / "small" / "1" / "model.pt") or 0)
+    assert small["predicted_bytes"] == small["weights_bytes"] + overhead \
+        + ACTIVATION_FACTOR * 64 * 4 * 8
     assert small["measured_bytes"] == entry and "error_pct" in small
     out = subprocess.run([*ZEROSERVE, "status", "--runtime-dir", str(srv.runtime)],
                          capture_output=True, text=True, timeout=30)

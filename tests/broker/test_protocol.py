@@ -147,9 +147,9 @@ def test_a_datatype_of_the_wrong_type_is_a_protocol_error(datatype):
 def test_another_protocol_version_names_the_versions_spoken():
     frames = p.encode_request(p.InferRequest("r1", "m", []))
     header = msgpack.unpackb(frames[1])
-    header["v"] = 5
+    header["v"] = 6
     with pytest.raises(p.VersionMismatch,
-                       match=r"version 5 is not supported .*speaks 1, 2, 3, 4") as err:
+                       match=r"version 6 is not supported .*speaks 1, 2, 3, 4, 5") as err:
         p.unpack([frames[0], msgpack.packb(header)])
     assert p.request_id_of(err.value.header) == "r1"
 
@@ -231,7 +231,7 @@ def test_bundles_round_trip_and_need_version_2():
 def test_version_1_kinds_stay_stamped_1_and_pong_lists_the_versions():
     assert msgpack.unpackb(p.encode_request(p.InferRequest("r", "m", []))[1])["v"] == 1
     kind, header, _ = p.unpack(p.encode(p.Pong()))
-    assert header["v"] == 1 and p.decode(p.Pong, header).versions == [1, 2, 3, 4]
+    assert header["v"] == 1 and p.decode(p.Pong, header).versions == [1, 2, 3, 4, 5]
     # the trace settings' version (broker/tracesettings.py); an older broker's has none
     assert p.decode(p.Pong, p.unpack(p.encode(p.Pong(settings=7)))[1]).settings == 7
     assert p.decode(p.Pong, {"v": 1, "versions": [1]}).settings == 0
@@ -309,6 +309,17 @@ def test_steps_is_version_4_and_carries_several_batches_partials() -> None:
     assert [(m.batch_id, [(i.item, i.final, len(i.tensors)) for i in m.parts]) for m in got] \
         == [(3, [("0", False, 1)]), (5, [("1", True, 0), ("2", False, 1)])]
     assert p.steps_batch_ids(header) == [3, 5]
+
+
+def test_pause_is_version_5_and_an_older_peer_cannot_read_it() -> None:
+    kind, header, _ = p.unpack(p.encode(p.Pause(7, ["2"])))
+    assert kind is p.Kind.PAUSE and header["v"] == p.PAUSE_VERSION == 5
+    assert p.decode(p.Pause, header) == p.Pause(7, ["2"])
+    frames = p.encode(p.Pause(7, ["2"]))
+    stale = msgpack.unpackb(frames[1])
+    stale["v"] = 4
+    with pytest.raises(p.ProtocolError, match="PAUSE needs protocol version 5"):
+        p.unpack([frames[0], msgpack.packb(stale)])
 
 
 @pytest.mark.parametrize("header, frames, match", [

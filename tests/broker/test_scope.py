@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker import wording
-from zeroserve.broker.client import _control_result
+from zeroserve.broker.clientbase import control_result
 from zeroserve.broker.server.control import ControlTable
 from zeroserve.broker.server.scope import TenantScope
 from zeroserve.broker.server.tenancy import Refusal, Tenancy
@@ -55,7 +55,7 @@ def table(tmp_path: Path | None, token: str = TOKEN) -> tuple[ControlTable, dict
 def call(c: ControlTable, verb: str, frontend: bool = True, token: str = "",
          **args: Any) -> Any:
     _, header, _ = p.unpack(c.handle(p.ControlRequest("1", verb, args, token), frontend))
-    return _control_result(header)
+    return control_result(header)
 
 
 def refusal(c: ControlTable, verb: str, **kw: Any) -> tuple[p.ErrorCode, str]:

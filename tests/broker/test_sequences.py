@@ -161,3 +161,113 @@ def test_a_malformed_step_fails_the_joins_it_names() -> None:
     assert h.stops() == [p.Stop(batch.batch_id, ["0"])]
     h.end(w, batch)
     assert h.empty()
+
+
+# -- VIP first: preemption ----------------------------------------------------------
+
+def vip_harness(most: int = 2, versions: tuple[int, ...] = tuple(p.SUPPORTED_VERSIONS)
+                ) -> Harness:
+    h = Harness(sequences={"max": most},
+                dynamic_batching={"priority_levels": 2, "default_priority": 2})
+    h.worker("w", versions)
+    return h
+
+
+def pauses(h: Harness) -> list[p.Pause]:
+    return [p.decode(p.Pause, header) for _, header, _ in h.sent(p.Kind.PAUSE)]
+
+
+def paused(h: Harness) -> list[str]:
+    """The requests whose streams the broker holds paused (told to pause, not resumed)."""
+    return sorted(key[1] for key in h.path.streams.paused())
+
+
+def test_a_higher_priority_request_pauses_the_lowest_and_takes_its_slot() -> None:
+    h = vip_harness(most=2)
+    h.request("a")              # priority 0: the default level, 2
+    h.now = 1.0
+    h.request("b")
+    h.path.dispatch(h.now)
+    [(w, low)] = h.batches()
+    h.request("c")              # the same priority: waits for a slot
+    h.path.dispatch(h.now)
+    assert h.batches() == [] and pauses(h) == []
+    h.request("vip", priority=1)
+    h.path.dispatch(h.now)
+    # the youngest of the lowest priority pauses; the VIP goes to the same worker at once
+    assert pauses(h) == [p.Pause(low.batch_id, ["1"])]
+    [(w2, vip)] = h.batches()
+    assert w2 == w and ids(vip) == ["0"] and len(vip.items) == 1
+    assert paused(h) == ["b"]
+    assert h.metrics.preemptions.labels("s", "anonymous")._value.get() == 1
+    h.partial(w, low, [("0", False), ("1", False)])   # a step made before it paused
+    assert paused(h) == ["b"]
+    h.path.dispatch(h.now)
+    assert h.batches() == []    # c waits: the paused one resumes first
+    h.partial(w, vip, [("0", False)])   # the pause took effect: the VIP runs
+    h.partial(w, low, [("0", False)])
+    assert paused(h) == ["b"]
+    h.partial(w, vip, [("0", True)])
+    h.end(w, vip)
+    h.path.dispatch(h.now)
+    assert h.batches() == []    # the VIP's slot is the paused one's again
+    h.partial(w, low, [("1", False)])   # resumed: it answers again
+    assert paused(h) == []
+    h.partial(w, low, [("0", True), ("1", True)])
+    h.path.dispatch(h.now)
+    [(_, last)] = h.batches()
+    assert len(last.items) == 1
+    h.end(w, low)
+    h.partial(w, last, [("0", True)])
+    h.end(w, last)
+    assert h.finals() == {"a": 1, "b": 1, "c": 1, "vip": 1} and h.empty()
+
+
+def test_no_preemption_of_an_equal_priority_or_on_a_worker_that_cannot_pause() -> None:
+    h = vip_harness(most=1, versions=(1, 2, 3, 4))   # an older worker: no PAUSE
+    h.request("a")
+    h.path.dispatch(h.now)
+    h.batches()
+    h.request("vip", priority=1)
+    h.path.dispatch(h.now)
+    assert h.batches() == [] and pauses(h) == []
+
+
+def test_the_victim_is_the_lowest_priority_then_the_latest_deadline_then_arrival() -> None:
+    from zeroserve.broker.server.preemption import Running, victim
+    from zeroserve.broker.server.scheduler import Entry
+
+    def running(name: str, priority: int, deadline_s: float = float("inf"),
+                arrival_s: float = 0.0) -> Running:
+        return Running("w", 1, name, Entry(name, "s", priority, arrival_s, deadline_s))
+    crowd = [running("p2-soon", 2, 5.0), running("p2-never", 2), running("p3-old", 3),
+             running("p3-new", 3, arrival_s=1.0), running("p1", 1)]
+    assert victim(Entry("v", "s", 1, 2.0), crowd).item == "p3-new"
+    assert victim(Entry("v", "s", 3, 2.0), crowd) is None        # nothing lower
+    # the same priority takes no slot, whatever its deadline
+    assert victim(Entry("v", "s", 2, 2.0, 2.1), crowd[:2]) is None
+    assert victim(Entry("v", "s", 1, 2.0), crowd[:2]).item == "p2-never"
+
+
+def test_a_paused_join_is_not_taken_for_hung() -> None:
+    h = Harness(exec_ms=100.0, sequences={"max": 1},
+                dynamic_batching={"priority_levels": 2, "default_priority": 2})
+    h.worker("w", tuple(p.SUPPORTED_VERSIONS))
+    h.request("low")
+    h.path.dispatch(h.now)
+    [(w, low)] = h.batches()
+    h.request("vip", priority=1)
+    h.path.dispatch(h.now)
+    [(_, vip)] = h.batches()
+    h.partial(w, vip, [("0", False)])   # the pause took effect
+    h.now = 0.09
+    h.partial(w, vip, [("0", False)])
+    h.now = 0.5                         # the low one sat out past max_execution_ms
+    assert [r.batch_id for r in h.pool.batches.overdue(h.now)] == [vip.batch_id]
+    h.partial(w, vip, [("0", True)])
+    h.end(w, vip)
+    assert h.pool.batches.overdue(h.now) == []
+    assert h.pool.batches.next_exec_deadline() == float("inf")   # the paused one's: none
+    h.partial(w, low, [("0", True)])    # resumed, and ends
+    h.end(w, low)
+    assert h.finals() == {"low": 1, "vip": 1} and h.empty()

@@ -129,8 +129,8 @@ class Harness:
         self.to_workers: list[tuple[bytes, list[Any]]] = []
         self.to_clients: list[tuple[bytes, list[Any]]] = []
         self.catalog = Catalog(Path("/nonexistent"))
-        cfg = parse_config(decoupled_config(dynamic_batching={"max_execution_ms": exec_ms},
-                                            **config), "test")
+        batching = {"max_execution_ms": exec_ms, **config.pop("dynamic_batching", {})}
+        cfg = parse_config(decoupled_config(dynamic_batching=batching, **config), "test")
         model = CatalogModel(cfg, Path("/nonexistent/s"), (1,), {1})
         self.catalog.models["s"] = model
         self.scheduler = Scheduler()
@@ -148,9 +148,9 @@ class Harness:
         self.to_clients.append((identity, frames))
         return True
 
-    def worker(self, name: str) -> None:
-        self.pool.register(name.encode(), p.WorkerReady(name, credits=2, models=[["s", 1]]),
-                           self.now)
+    def worker(self, name: str, versions: tuple[int, ...] = (1,)) -> None:
+        self.pool.register(name.encode(), p.WorkerReady(name, credits=2, models=[["s", 1]],
+                                                        versions=list(versions)), self.now)
 
     def request(self, rid: str, stream: bool = True, timeout_ms: float = 0.0,
                 priority: int = 0) -> None:

@@ -126,6 +126,20 @@ def test_tokens_per_minute_refuse_with_the_quota_named(tmp_path: Path) -> None:
     assert t.describe()["tenants"]["a"]["tokens_per_minute_limit"] == 600
 
 
+def test_completion_tokens_are_charged_as_they_come_below_empty(tmp_path: Path) -> None:
+    t, key, _, clock = setup(tmp_path, "tokens_per_minute = 600\n")
+    who = t.identify(req(key))
+    assert isinstance(who, Tenant)
+    assert isinstance(t.admit(who, ("c", "1"), req(key, "1"), 1, 0.0, tokens=100), Grant)
+    t.completion_tokens("a", 550, 0.0)   # the stream runs on past the quota: 50 over
+    t.completion_tokens("nobody", 5, 0.0)   # a tenant not counted: nothing to charge
+    r = t.admit(who, ("c", "2"), req(key, "2"), 1, 0.0, tokens=10)
+    assert isinstance(r, Refusal) and "prompt and completion tokens" in r.message
+    assert r.retry_after_s == pytest.approx(6.0)   # 60 tokens at 10 a second
+    clock.now = 6.0
+    assert isinstance(t.admit(who, ("c", "3"), req(key, "3"), 1, 6.0, tokens=10), Grant)
+
+
 def test_the_inputs_of_one_request_count_once_against_its_rate_and_places(tmp_path: Path
                                                                            ) -> None:
     t, key, _, _ = setup(tmp_path, "rate = 1\nburst = 1\nmax_inflight = 1\n")

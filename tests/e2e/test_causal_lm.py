@@ -1,5 +1,6 @@
 """A save_pretrained GPT-2 served as it is (platform transformers with sequences): 24
-concurrent streams of mixed prompt lengths (4-200 tokens) and max_tokens (1-48) through
+concurrent streams of mixed prompt lengths (4-200 tokens) and max_tokens (1-48), and 64
+of max_tokens 1-128 (slow), through
 ``zeroserve serve`` and the direct client, each stream's tokens equal to
 ``model.generate(do_sample=False)`` in-process (a flip where the in-process top two logits
 lie within 1e-4 is allowed and named), and nothing of any request left after."""
@@ -32,11 +33,17 @@ def served() -> Iterator[tuple[Server, Any, Any]]:
     shutil.rmtree(repo, ignore_errors=True)
 
 
+@pytest.mark.parametrize("streams, most_tokens", [
+    (24, 48), pytest.param(64, 128, marks=[pytest.mark.slow, pytest.mark.timeout(900)])],
+    ids=["24x48", "64x128"])
 def test_concurrent_streams_of_mixed_lengths_equal_generate(
-        served: tuple[Server, Any, Any]) -> None:
+        served: tuple[Server, Any, Any], streams: int, most_tokens: int) -> None:
+    """24 streams of up to 48 tokens in the e2e layer; the issue's 64 of up to 128 in the
+    slow one (270 s on two cores shared with other work, load average 9, of which 130 s
+    of CPU: the server's steps and 64 in-process generate() calls)."""
     srv, folder, tokenizer = served
     rng = random.Random(43)
-    plan = [(rng.randint(4, 200), rng.randint(1, 48)) for _ in range(24)]
+    plan = [(rng.randint(4, 200), rng.randint(1, most_tokens)) for _ in range(streams)]
     prompts = [prompt_ids(tokenizer, i, n) for i, (n, _) in enumerate(plan)]
 
     async def run() -> list[list[int]]:

@@ -1,5 +1,6 @@
-"""OpenAI's embeddings with tenants and the response cache: a tenant's tokens per
-minute answered 429 of type ``tokens`` with Retry-After, a request of many texts counted
+"""OpenAI's embeddings and completions with tenants and the response cache: a tenant's
+tokens per minute answered 429 of type ``tokens`` with Retry-After, counting a
+completion's generated tokens as well as its prompt's; a request of many texts counted
 once against its request rate, and repeated texts computed once."""
 
 from __future__ import annotations
@@ -20,21 +21,25 @@ openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def world() -> Iterator[tuple[Server, str]]:
+def world() -> Iterator[tuple[Server, str, str]]:
     repo = short_tmpdir("zsoaiq")
     folder = tx.write_embedder(repo)
+    tx.write_generator(repo, "gen")
     cfg = (repo / "emb" / "config.json")
     cfg.write_text(cfg.read_text()[:-1] + ', "response_cache": {"enable": true}}')
     key, hashed = new_key()
+    gen_key, gen_hashed = new_key()
     tenants = Path(str(repo) + "-tenants.toml")
     # 2 requests a second (3 at once), so that one request of many texts is visibly counted once;
     # 300 tokens a minute, so that a few texts use it up
     tenants.write_text(f'[tenants.t]\nkeys = ["{hashed}"]\nrate = 2\nburst = 3\n'
-                       f'tokens_per_minute = 300\n')
+                       f'tokens_per_minute = 300\n'
+                       # half a token a second: one completion of 60 spends more than all
+                       f'[tenants.g]\nkeys = ["{gen_hashed}"]\ntokens_per_minute = 30\n')
     assert folder.exists()
     srv = Server(repo, extra=["--tenants", str(tenants), "--response-cache-bytes",
                               str(1 << 20)]).wait_ready()
-    yield srv, key
+    yield srv, key, gen_key
     srv.stop()
     shutil.rmtree(repo, ignore_errors=True)
     tenants.unlink()
@@ -47,8 +52,9 @@ def hits(srv: Server) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_tokens_per_minute_and_one_request_of_many_texts(world: tuple[Server, str]) -> None:
-    srv, key = world
+def test_tokens_per_minute_and_one_request_of_many_texts(world: tuple[Server, str, str]
+                                                          ) -> None:
+    srv, key, _ = world
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
     request = client.embeddings.create
     with client:
@@ -74,8 +80,23 @@ def check_quotas(srv: Server, create: Any) -> None:
     assert int(err.value.response.headers["retry-after"]) >= 1
 
 
-def test_no_key_is_401_in_openais_shape(world: tuple[Server, str]) -> None:
-    srv, _ = world
+def test_a_completions_generated_tokens_count_against_tokens_per_minute(
+        world: tuple[Server, str, str]) -> None:
+    srv, _, key = world
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0) as client:
+        done = client.completions.create(model="gen", prompt="w1", max_tokens=60)
+        assert done.usage.prompt_tokens == 1 and done.usage.completion_tokens == 60
+        # the prompt's one token was charged at admission, the 60 as they came: 31 over
+        # the 30 a minute, so even a prompt of one token waits about a minute
+        with pytest.raises(openai.RateLimitError) as err:
+            client.completions.create(model="gen", prompt="w1", max_tokens=1)
+    body = err.value.body
+    assert body["type"] == "tokens" and "prompt and completion tokens" in body["message"]
+    assert int(err.value.response.headers["retry-after"]) >= 30
+
+
+def test_no_key_is_401_in_openais_shape(world: tuple[Server, str, str]) -> None:
+    srv, _, _ = world
     with openai.OpenAI(base_url=srv.url + "/v1", api_key="not-a-key", max_retries=0) as c, \
             pytest.raises(openai.AuthenticationError) as err:
         c.embeddings.create(model="emb", input="w1")

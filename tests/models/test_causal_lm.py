@@ -45,8 +45,9 @@ class Drive:
         self.tokens: dict[str, list[int]] = {}
         self.errors: list[str] = []
         self.batch_ids = itertools.count(1)
+        self.pauses: dict[int, set[str]] = {}
         self.table = SequenceTable(loaded, self._emit, self._finish, lambda b: frozenset(),
-                                   itertools.count(1))
+                                   itertools.count(1), lambda b: self.pauses.pop(b, set()))
 
     def _emit(self, step: list[p.Partial]) -> None:
         for x in (x for part in step for x in part.parts):
@@ -58,10 +59,12 @@ class Drive:
         if result.error:
             self.errors.append(result.error)
 
-    def join(self, rid: str, ids: list[int], max_tokens: int) -> None:
+    def join(self, rid: str, ids: list[int], max_tokens: int) -> int:
         item = p.BatchItem(rid, [p.from_numpy("input_ids", np.array([ids], np.int64)),
                                  p.from_numpy("max_tokens", np.array([[max_tokens]], np.int32))])
-        self.table.join(p.Batch(next(self.batch_ids), "lm", 1, [item]), 0)
+        batch_id = next(self.batch_ids)
+        self.table.join(p.Batch(batch_id, "lm", 1, [item]), 0)
+        return batch_id
 
 
 def same_as_generate(folder: Path, ids: list[int], max_tokens: int, got: list[int]) -> str:
@@ -98,6 +101,43 @@ def test_greedy_tokens_equal_generate_as_requests_join_and_leave(lm: tuple[Path,
     assert len(notes) <= 1, notes   # a flip is rare; one is allowed, and named
     for rid, (_, m) in requests.items():
         assert 1 <= len(drive.tokens[rid]) <= m
+
+
+@pytest.mark.parametrize("keep_bytes", [None, 0], ids=["kept", "recomputed"])
+def test_paused_sequences_finish_with_the_tokens_they_had_unpaused(
+        lm: tuple[Path, Any], keep_bytes: int | None) -> None:
+    """Six sequences fill the slots; newcomers pause two of them at a time, mid-stream,
+    and join at the next step; the paused ones resume (their caches kept, or dropped and
+    prefilled again) and end with generate()'s tokens."""
+    folder, tokenizer = lm
+    loaded = loaded_lm(folder)
+    loaded.handler.keep_bytes = keep_bytes
+    drive = Drive(loaded)
+    plan = [(7, 40), (51, 36), (13, 44), (90, 30), (4, 38), (33, 42)]
+    requests = {f"low{i}": (prompt_ids(tokenizer, i, n), m) for i, (n, m) in enumerate(plan)}
+    batch_of = {rid: drive.join(rid, ids, m) for rid, (ids, m) in requests.items()}
+    for rid in ("vip0", "vip1", "vip2", "vip3"):
+        requests[rid] = (prompt_ids(tokenizer, 10 + len(requests), 20), 6)
+    step, firsts = 0, {}
+    while drive.table.busy or step < 12:
+        if step in (3, 9):   # two newcomers take two slots, the sequences in them pause
+            for k in (0, 1):
+                vip = f"vip{k + (step == 9) * 2}"
+                victim = f"low{k * 2 + (step == 9)}"
+                drive.pauses[batch_of[victim]] = {victim}
+                drive.join(vip, *requests[vip])
+                firsts[vip] = step
+        drive.table.step()
+        for vip, at in firsts.items():
+            if step == at:   # joined at the boundary after it arrived: a token at once
+                assert len(drive.tokens.get(vip, [])) == 1, vip
+        step += 1
+    assert not drive.errors
+    notes = [note for rid, (ids, m) in requests.items()
+             if (note := same_as_generate(folder, ids, m, drive.tokens[rid]))]
+    assert len(notes) <= 1, notes
+    if keep_bytes is None:
+        assert loaded.handler._kept == 0   # every kept cache given back
 
 
 def test_zero_max_tokens_is_an_empty_final_answer(lm: tuple[Path, Any]) -> None:

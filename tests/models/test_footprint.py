@@ -7,13 +7,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import linear_config, write_model
-from zeroserve.models.footprint import ACTIVATION_FACTOR, GUESS_LENGTH, ActivationTerm, \
-    Learned, archive_tensor_bytes, files_of, first_guess, fit_activation, predict, size_text
+from zeroserve.models.footprint import ACTIVATION_FACTOR, GUESS_LENGTH, RUNTIME_GUESS_BYTES, \
+    ActivationTerm, \
+    Learned, archive_tensor_bytes, facts, files_of, first_guess, fit_activation, predict, \
+    runtime_charge, size_text
+from zeroserve.models import archives
+from zeroserve.models.formats import TORCHSCRIPT_GRAPH_FACTOR
 from zeroserve.models.repository import parse_config
 
 FACTORIES = {
@@ -80,8 +85,10 @@ def test_prediction_adds_the_learned_terms_at_the_largest_batch(tmp_path: Path) 
     weights = module_bytes(tmp_path / "m" / "1" / "model.pt")
     cold = predict(cfg, tmp_path / "m" / "1")
     # before any warm-up: the first guess, 32 x one sample's input bytes per sample
-    assert cold.total_bytes == weights + ACTIVATION_FACTOR * 64 * 4 * 32
-    assert "(a first guess from the inputs); overhead not learned yet" in cold.describe()
+    graph = archives.graph_bytes(tmp_path / "m" / "1" / "model.pt")
+    assert graph and cold.overhead_bytes == TORCHSCRIPT_GRAPH_FACTOR * graph
+    assert cold.total_bytes == weights + cold.overhead_bytes + ACTIVATION_FACTOR * 64 * 4 * 32
+    assert "(first guesses from the files and inputs)" in cold.describe()
     learned = Learned(ActivationTerm(1000, 500), overhead_bytes=20_000)
     warm = predict(cfg, tmp_path / "m" / "1", learned)
     assert warm.total_bytes == weights + 20_000 + 500 + 1000 * 32
@@ -134,3 +141,35 @@ def test_every_format_reads_its_weights_and_is_named(tmp_path: Path) -> None:
     ex = parse_config({**linear_config("ex", 64, 10), "platform": "pytorch_export"}, "t")
     assert files_of(ts, tmp_path / "ts" / "1") == (params, "TorchScript")
     assert files_of(ex, tmp_path / "ex" / "1") == (params, "exported program")
+
+
+def test_a_package_maps_its_so_beside_its_constants_and_needs_the_export_runtime(
+        tmp_path: Path) -> None:
+    """An AOTInductor package's ``.so`` holds its constants again and is mapped beside
+    the copies a load makes: its size is the overhead's first guess, in host memory."""
+    (tmp_path / "1").mkdir()
+    with zipfile.ZipFile(tmp_path / "1" / "model.pt2", "w") as package:
+        package.writestr("model/data/aotinductor/model/m_wrapper.cpp",
+                         "constants_info_[0].data_size = 4000;\n")
+        package.writestr("model/data/aotinductor/model/m_wrapper.so", b"x" * 5000)
+    cfg = parse_config({**linear_config("m", 10, 10, mbs=1), "platform": "pytorch_export"},
+                       "m")
+    got = facts(cfg, tmp_path / "1")
+    assert (got.weights_bytes, got.overhead_bytes, got.runtime) == (4000, 5000, "torch.export")
+    guess = first_guess(cfg).at(1)
+    assert predict(cfg, tmp_path / "1").total_bytes == 4000 + 5000 + guess
+    assert predict(cfg, tmp_path / "1", host=False).total_bytes == 4000 + guess
+    learned = predict(cfg, tmp_path / "1", Learned(None, 7000))
+    assert learned.overhead_bytes == 7000, "a measured overhead replaces the guess"
+    charged = predict(cfg, tmp_path / "1", runtime_bytes=100)
+    assert charged.total_bytes == 4000 + 5000 + guess + 100
+    assert "for the torch.export runtime" in charged.describe()
+
+
+def test_a_runtime_is_charged_until_the_worker_has_it() -> None:
+    assert runtime_charge("", {}, {}, True) == 0, "a format with no runtime of its own"
+    assert runtime_charge("torch.export", {}, {}, True) == RUNTIME_GUESS_BYTES["torch.export"]
+    assert runtime_charge("torch.export", {}, {}, False) == 0, "host memory: not a GPU's"
+    assert runtime_charge("torch.export", {}, {"torch.export": 97}, True) == 97
+    assert runtime_charge("torch.export", {"torch.export": 97}, {"torch.export": 97},
+                          True) == 0

@@ -71,9 +71,10 @@ class Rig:
         self.messages: list[int] = []   # each step's batches
         self.results: list[p.BatchResult] = []
         self.stops: dict[int, set[str]] = {}
+        self.pauses: dict[int, set[str]] = {}
         self.table = SequenceTable(loaded, self._emit, self._finish,
                                    lambda b: frozenset(self.stops.get(b, ())),
-                                   itertools.count(1))
+                                   itertools.count(1), lambda b: self.pauses.pop(b, set()))
         self._ids = itertools.count(1)
 
     def _emit(self, step: list[p.Partial]) -> None:
@@ -148,6 +149,55 @@ def test_a_stopped_request_that_never_joined_never_runs() -> None:
     rig.table.step()
     assert [r.batch_id for r in rig.results] == [waiting]
     assert rig.handler.joined == [1]
+
+
+class Pausing(Counter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def pause(self, seq_id: int) -> None:
+        self.calls.append(("pause", seq_id))
+
+    def resume(self, seq_id: int) -> None:
+        self.calls.append(("resume", seq_id))
+
+
+def test_a_paused_sequence_sits_out_while_the_newcomer_runs_then_resumes() -> None:
+    rig = Rig(most=2, handler=Pausing())
+    low = rig.join(4, 4)
+    rig.table.step()
+    vip = rig.join(2)
+    rig.pauses[low] = {f"r{low}.1"}
+    rig.table.step()   # r.1 pauses, the newcomer joins: its first response at once
+    assert rig.table.paused == 1 and rig.table.running == 2
+    assert rig.of(f"r{vip}.0") == [(False, [1.0, 2.0, 2.0])]
+    rig.table.step()   # the newcomer ends here; r.1 resumes at the next boundary
+    assert rig.of(f"r{low}.1") == [(False, [1.0, 1.0, 2.0])]
+    while rig.table.busy:
+        rig.table.step()
+    # the paused one counted on from where it stopped: 2, 3, 4, none lost or repeated
+    assert [v[0] for _, v in rig.of(f"r{low}.1")] == [1.0, 2.0, 3.0, 4.0]
+    assert [v[1] for _, v in rig.of(f"r{low}.1")] == [1.0, 4.0, 5.0, 6.0]
+    assert rig.handler.calls == [("pause", 2), ("resume", 2)]
+    assert [r.batch_id for r in rig.results] == [vip, low]
+
+
+def test_a_paused_sequence_that_is_stopped_leaves_and_one_not_joined_goes_behind() -> None:
+    rig = Rig(most=1)
+    running = rig.join(9)
+    queued = rig.join(9)    # waits for the slot
+    rig.table.step()
+    vip = rig.join(1)
+    rig.pauses[running] = {f"r{running}.0"}
+    rig.pauses[queued] = {f"r{queued}.0"}   # the broker thought it ran: it goes behind
+    rig.table.step()
+    assert rig.of(f"r{vip}.0") == [(True, [1.0, 2.0, 1.0])]
+    rig.stops[running] = {f"r{running}.0"}
+    rig.table.step()   # the paused one leaves; the one behind joins
+    assert [r.batch_id for r in rig.results] == [vip, running]
+    assert rig.of(f"r{queued}.0") == [(False, [1.0, 3.0, 1.0])]
+    assert rig.handler.left == [2, 1] and rig.table.paused == 0   # the newcomer was 2
 
 
 def test_a_zero_count_is_one_empty_final_response() -> None:

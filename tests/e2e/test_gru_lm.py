@@ -60,7 +60,9 @@ def test_concurrent_completions_equal_the_gru_alone(
         served: tuple[Server, Path, Any, Path]) -> None:
     srv, folder, tokenizer, trace = served
     rng = random.Random(11)
-    plan = [(rng.randint(4, 200), rng.randint(1, 48)) for _ in range(16)]
+    # a GRU forgets: only a short prompt's answer shows its first tokens were read
+    plan = [(rng.randint(4, 8) if k < 4 else rng.randint(4, 200), rng.randint(1, 48))
+            for k in range(16)]
     prompts = [prompt_ids(tokenizer, i, n) for i, (n, _) in enumerate(plan)]
     trace.write_text("")
 

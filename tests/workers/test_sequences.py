@@ -278,3 +278,72 @@ def test_an_iterative_model_is_decoupled_and_says_so_in_its_json() -> None:
     assert "sequences" not in parse_config(linear_config("x"), "x").to_json()
     lm = parse_config(lm_config(), "lm")   # what the broker sends its workers reads back
     assert parse_config(lm.to_json(), "again") == lm and lm.decoupled
+
+
+class GruLM:
+    """A small recurrent LM (a GRU over token embeddings, random weights): the second kind
+    of state, a hidden vector a sequence, stepped in one batch. Greedy; answers
+    ``output`` [token, 0, 0] a step, the input's first value tokens."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(3)
+        self.embed = torch.nn.Embedding(32, 16)
+        self.cell = torch.nn.GRUCell(16, 24)
+        self.head = torch.nn.Linear(24, 32)
+
+    def join(self, seq_id: int, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+        x = inputs["input"][0]
+        h = torch.zeros(1, 24)
+        for tok in x[1:].long().tolist():   # the prompt: the other three values
+            h = self.cell(self.embed(torch.tensor([tok])), h)
+        return {"h": h, "next": int(self.head(h).argmax()), "left": int(x[0]), "sent": 0}
+
+    def step(self, states: dict[int, dict[str, Any]]) -> dict[int, Any]:
+        out, going = {}, []
+        for seq_id, st in states.items():
+            st["sent"] += 1
+            final = st["sent"] >= st["left"]
+            out[seq_id] = ({"output": torch.tensor([[float(st["next"]), 0.0, 0.0]])}, final)
+            if not final:
+                going.append(st)
+        if going:   # one batched step of every sequence that goes on
+            h = self.cell(self.embed(torch.tensor([st["next"] for st in going])),
+                          torch.cat([st["h"] for st in going]))
+            for row, st in enumerate(going):
+                st["h"], st["next"] = h[row:row + 1], int(self.head(h[row]).argmax())
+        return out
+
+
+def test_a_recurrent_lm_batched_and_paused_makes_the_tokens_it_makes_alone() -> None:
+    """The GRU's hidden states stepped together, joining at different steps and one
+    paused for a while, give each sequence the tokens it gets run alone."""
+    prompts = [[12, 3, 7, 1], [9, 5, 5, 2], [15, 8, 1, 4], [6, 2, 9, 9]]
+
+    def tokens(rig: Rig) -> dict[str, list[float]]:
+        return {item: [v[0] for _, v in rig.of(item)] for _, item, _, _ in rig.parts}
+    alone = Rig(most=3, handler=GruLM())
+    for prompt in prompts:
+        _join_row(alone, prompt)
+        while alone.table.busy:
+            alone.table.step()
+    rig = Rig(most=3, handler=GruLM())
+    first = _join_row(rig, prompts[0])
+    rig.table.step()
+    _join_row(rig, prompts[1])
+    rig.table.step()
+    rig.pauses[first] = {f"r{first}.0"}
+    _join_row(rig, prompts[2])
+    _join_row(rig, prompts[3])
+    rig.table.step()
+    assert rig.table.paused == 1 and rig.table.running == 3
+    while rig.table.busy:
+        rig.table.step()
+    assert tokens(rig) == tokens(alone)
+    assert [len(v) for v in tokens(alone).values()] == [12, 9, 15, 6]
+
+
+def _join_row(rig: Rig, row: list[float]) -> int:
+    batch_id = next(rig._ids)
+    item = p.BatchItem(f"r{batch_id}.0", [p.from_numpy("input", np.array([row], np.float32))])
+    rig.table.join(p.Batch(batch_id, "c", 1, [item]), 0)
+    return batch_id

@@ -371,7 +371,7 @@ def human(verb: str, result: Any) -> str:
         for name, t in result.get("tenants", {}).items():
             rejected = sum(t["rejected"].values())
             lines.append(f"tenant {name}: {t['rate']:.2f} req/s, {t['inflight']} in flight, "
-                         f"{rejected} rejected")
+                         f"{rejected} rejected, {t.get('compute_s', 0.0):.1f} s of compute")
         return "\n".join(lines)
     if verb == "models":
         lines = [f"{'MODEL':<20} {'VERSIONS':<12} {'READY':<12} {'STATE':<10} WORKERS"]

@@ -30,17 +30,12 @@ def lm_config(name: str = "lm", most: int = 16) -> dict[str, Any]:
             "sequences": {"max": most}, "warmup": {"batch_sizes": [1]}}
 
 
-def write_lm(repo: Path, name: str = "lm", most: int = 16, hidden: int = 64,
-             layers: int = 2, **config: Any) -> tuple[Path, Any]:
-    """``repo/name/1`` holds the model and its tokenizer; returns the folder and the
-    tokenizer (a ``PreTrainedTokenizerFast``). ``config``: fields of the model's config
-    over :func:`lm_config`'s."""
-    import torch
+def write_tokenizer(out: Path) -> Any:
+    """A byte-level BPE tokenizer trained on ``corpus()`` (end token ``<|endoftext|>``),
+    saved with ``save_pretrained`` in ``out``; returns it (a ``PreTrainedTokenizerFast``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    out = repo / name / "1"
-    out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -51,6 +46,20 @@ def write_lm(repo: Path, name: str = "lm", most: int = 16, hidden: int = 64,
                                  eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                  model_max_length=512)
     hf.save_pretrained(str(out))
+    return hf
+
+
+def write_lm(repo: Path, name: str = "lm", most: int = 16, hidden: int = 64,
+             layers: int = 2, **config: Any) -> tuple[Path, Any]:
+    """``repo/name/1`` holds the model and its tokenizer; returns the folder and the
+    tokenizer (a ``PreTrainedTokenizerFast``). ``config``: fields of the model's config
+    over :func:`lm_config`'s."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    out = repo / name / "1"
+    out.mkdir(parents=True, exist_ok=True)
+    hf = write_tokenizer(out)
     torch.manual_seed(0)
     # wider random weights than the default 0.02: the next token then depends on the
     # context (positions, the whole prompt), rather than one token repeated for ever
@@ -90,6 +99,22 @@ def greedy(folder: Path, ids: list[int], max_tokens: int) -> tuple[list[int], li
                              pad_token_id=model.generation_config.eos_token_id)
     gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
     return out.sequences[0, len(ids):].tolist(), gaps
+
+
+def differs(tokenizer: Any, want: list[int], gaps: list[float], text: str) -> str:
+    """'' where ``text`` is the decoded ``want``; else the first token whose text it
+    leaves, which must be a near-tie (its top two logits within 1e-4 in-process)."""
+    expected = tokenizer.decode(want, skip_special_tokens=True)
+    if text == expected:
+        return ""
+    prefixes = [tokenizer.decode(want[:k + 1], skip_special_tokens=True)
+                for k in range(len(want))]
+    # a prefix that ends in part of a character (U+FFFD) is not the text's yet
+    at = next((k for k, p in enumerate(prefixes)
+               if not p.endswith("\ufffd") and not text.startswith(p)), len(want) - 1)
+    assert gaps[at] < 1e-4, (f"{text!r} where the reference says {expected!r}: token {at} "
+                             f"differs, its top two logits {gaps[at]:.2e} apart")
+    return f"a near-tie flipped at token {at} (top two logits {gaps[at]:.1e} apart)"
 
 
 _models: dict[Path, Any] = {}

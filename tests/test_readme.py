@@ -74,7 +74,7 @@ def inline_code(text: str) -> list[str]:
 
 def zeroserve_argv(command: str) -> list[list[str]]:
     """The argument lists after each ``zeroserve`` (a path to it, or ``sudo`` before it)
-    in one shell line, split at ``&&``, ``;``, ``|`` and ``&``."""
+    in one shell line, split at ``&&``, ``;``, ``|`` and ``&``, up to a redirection."""
     out = []
     for part in re.split(r"&&|;|\|\||\||&", command):
         try:
@@ -83,6 +83,9 @@ def zeroserve_argv(command: str) -> list[list[str]]:
             continue
         while words and (words[0] == "sudo" or "=" in words[0]):
             words = words[1:]
+        # a redirection (`> key`, `2>&1`) is the shell's, not an argument
+        cut = next((i for i, w in enumerate(words) if re.match(r"\d*[<>]", w)), len(words))
+        words = words[:cut]
         if words and Path(words[0]).name == "zeroserve":
             out.append(words[1:])
     return out
@@ -320,3 +323,9 @@ def test_perf_report_writes_into_the_performance_page():
     text = perf_report.PAGE.read_text()
     assert text.count(perf_report.BEGIN) == 1 and text.count(perf_report.END) == 1
     assert (perf_report.IMAGES / "request-path.png").is_file()
+
+
+def test_a_redirection_is_no_argument_of_the_command() -> None:
+    assert zeroserve_argv("zeroserve tenants add-key a --tenants f.toml > a.key 2>&1") == [
+        ["tenants", "add-key", "a", "--tenants", "f.toml"]]
+    assert zeroserve_argv("zeroserve models >out.txt") == [["models"]]

@@ -149,9 +149,13 @@ def _first_ops(device: str) -> None:
         # 7-9 MB, which the first convolutional model loaded was charged (the bundled cnn
         # measured 17.7 MB of overhead loaded first, 5.9 MB after another)
         image = (16, 3, 64, 64) if device == "cpu" else (1, 3, 8, 8)
-        torch.nn.functional.conv2d(torch.ones(*image, device=device),
-                                   torch.ones(32 if device == "cpu" else 4, 3, 3, 3,
-                                              device=device), padding=1)
+        features = torch.nn.functional.conv2d(
+            torch.ones(*image, device=device),
+            torch.ones(32 if device == "cpu" else 4, 3, 3, 3, device=device), padding=1)
+        if device == "cpu":   # and the first batch norm and pooling (about 2 MB more)
+            channels = torch.ones(features.shape[1])
+            torch.nn.functional.adaptive_avg_pool2d(torch.nn.functional.batch_norm(
+                features, channels, channels), 1)
 
 
 # The threads of a worker that run models: the main thread, the loader's (warm-ups) and

@@ -124,6 +124,7 @@ class Admission:
         if demand is not None:
             demand.want(req.model, now)
         entry.tenant, entry.weight, entry.shed_rank = grant.tenant, grant.weight, grant.shed_rank
+        entry.by_time = grant.by_time
         entry.payload.notes = grant.notes
         entry.payload.digest = digest
         return entry
@@ -218,7 +219,7 @@ class Admission:
                 return Refusal(p.ErrorCode.DEADLINE,
                                f"deadline of {timeout_ms:g} ms cannot be met: {loading}the "
                                f"queue ahead needs about {wait_s * 1000:.1f} ms", grant.tenant)
-        self.gate.note(req.model, priority, now)
+        self.gate.note(req.model, priority, now, grant.tenant)
         version = req.version
         if version is None and model.routed:
             version = model.route(req.routing_key or req.api_key or client.hex())

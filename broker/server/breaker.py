@@ -3,7 +3,9 @@ raised; not the caller's input, not a deadline, not a lost worker), a model's re
 answered at once with 503 and Retry-After instead of queueing for a batch that will fail;
 after ``open_s`` a few probe requests go through (half-open); they close it, or one
 failing opens it again for twice as long (up to ``max_open_s``). A new build of the model
-committed closes it: the fix is what an operator does.
+committed closes it: the fix is what an operator does. While it is open, a request the
+model still holds another ready version for (one that did not trip it) is routed there
+instead of refused (:meth:`Breakers.route`).
 
 Pure: the counts and the clock come in (:meth:`Breakers.answered`, :meth:`failed`,
 :meth:`admit`), the state goes out; the request path's results (results.py) feed it and
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
 # a batch fails whole, so one input the model chokes on fails every request batched with
@@ -50,6 +52,7 @@ class _Model:
     passed: int = 0                # half-open: probes answered well
     trips: int = 0
     reason: str = ""
+    version: int | None = None     # the version whose failure opened it last
 
 
 def refusal(model: str, wait_s: float) -> str:
@@ -105,12 +108,28 @@ class Breakers:
             return
         self._add(m, now, requests, 0)
 
-    def failed(self, model: str, requests: int, now: float, why: str) -> bool:
-        """Requests the model failed by itself; whether this opened the breaker."""
+    def route(self, model: str, asked: int | None, held: Iterable[int]) -> int | None:
+        """Where a request the breaker holds back may go instead: the version it names
+        if that is not the one that failed, else the newest of ``held`` (versions ready
+        on some worker) that is not; None: nowhere, refuse it."""
+        m = self._models.get(model)
+        bad = m.version if m is not None else None
+        if bad is None:
+            return None
+        if asked is not None:
+            return asked if asked != bad else None
+        return max((v for v in held if v != bad), default=None)
+
+    def failed(self, model: str, requests: int, now: float, why: str,
+               version: int | None = None) -> bool:
+        """Requests the model failed by itself (on ``version``); whether this opened the
+        breaker."""
         if not self.enabled:
             return False
         m = self._models.setdefault(model, _Model())
         if m.state == HALF_OPEN:
+            if version is not None and version != m.version:
+                return False   # a request routed to another version: not a probe
             self._open(m, now, min(self.opts.max_open_s, 2 * m.open_s),
                        f"a probe failed: {why}")
             return True
@@ -119,6 +138,7 @@ class Breakers:
         self._add(m, now, requests, requests)
         if m.failures >= self.opts.min_failures and m.failed_batches >= MIN_FAILED_BATCHES \
                 and m.failures >= self.opts.error_rate * m.requests:
+            m.version = version
             self._open(m, now, self.opts.open_s,
                        f"{m.failures} of {m.requests} requests failed in "
                        f"{self.opts.window_s:g} s: {why}")
@@ -155,6 +175,8 @@ class Breakers:
         if m is None or (m.state == CLOSED and not m.trips):
             return {}
         out: dict[str, Any] = {"state": m.state, "trips": m.trips, "reason": m.reason}
+        if m.version is not None and m.state != CLOSED:
+            out["version"] = m.version
         if m.state == OPEN:
             out["probe_in_s"] = round(max(0.0, m.until_s - now), 3)
         return {"breaker": out}

@@ -149,7 +149,8 @@ class Broker:
         self.intake = Intake(catalog, scheduler, ledger, stop, breakers, admission, answers,
                              pipelines, streams, streaming, answering, tenancy, reply, clock)
         self.results = Results(catalog, pool, batches, ledger, answering, streaming, answers,
-                               latency, forecast, breakers, releases, stats, metrics, reply)
+                               latency, forecast, breakers, releases, stats, metrics, reply,
+                               scheduler=scheduler, tenancy=tenancy)
         self.dispatch = Dispatch(catalog, scheduler, pool, batches, latency, gate, forecast, usage,
                                  answering, streams, streaming, tenancy, metrics)
         self.ledger = ledger
@@ -167,7 +168,7 @@ class Broker:
                                          turn=ondemand.loading)
         self.lifecycle = Lifecycle(catalog, scheduler, pool, answering, answers, breakers,
                                    releases, metrics, clock, ctx, placement, registrar, loads,
-                                   retries, options=opts,
+                                   retries, stats=stats, options=opts,
                                    sources=(repository.source, releases.unretired))
         registry.register(ModelStates(catalog, ondemand.on))
         registry.register(CacheSize(cache.describe))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 import itertools
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 if TYPE_CHECKING:
     from zeroserve.broker.server.scheduler import Entry
@@ -29,7 +29,7 @@ class FairLevel:
     neither. Cost: a heap over the tenants that have work at this level.
     """
 
-    __slots__ = ("heaps", "vt", "clock", "samples", "weights")
+    __slots__ = ("heaps", "vt", "clock", "samples", "weights", "per_unit")
 
     def __init__(self) -> None:
         self.heaps: dict[str, list[tuple[float, int, Entry]]] = {}
@@ -37,6 +37,9 @@ class FairLevel:
         self.clock = 0.0
         self.samples: dict[str, int] = {}     # queued, per tenant with work here
         self.weights: dict[str, float] = {}
+        # seconds a unit of work took, last seen: what a row shared by compute time is
+        # reckoned to cost before it is taken (ordering only; the charge is its own)
+        self.per_unit = 0.0
 
     def _live(self, tenant: str) -> list[tuple[float, int, Entry]]:
         heap = self.heaps.get(tenant)
@@ -73,11 +76,37 @@ class FairLevel:
         return mine + sum(min(n, math.ceil(span * self.weights[u]))
                           for u, n in self.samples.items() if u != tenant)
 
+    def cost(self, e: Entry) -> float:
+        """The work ``e`` will be charged: its rows, or (shares by compute time) the
+        seconds its units are reckoned to take."""
+        if not e.by_time:
+            return e.samples
+        return e.units * (self.per_unit or 1.0)
+
     def charge(self, e: Entry) -> None:
-        """``e`` was taken: its tenant has been served its work."""
+        """``e`` was taken: its tenant has been served its work (by compute time: the
+        seconds the scheduler put on it, ``charged_s``)."""
         v = self.vt.get(e.tenant, self.clock)
         self.clock = max(self.clock, v)
-        self.vt[e.tenant] = v + e.samples / e.weight
+        if e.by_time:
+            if e.charged_s > 0 and e.units > 0:
+                self.per_unit = e.charged_s / e.units
+            work = e.charged_s
+        else:
+            work = e.samples
+        self.vt[e.tenant] = v + work / e.weight
+
+    def adjust(self, tenant: str, weight: float, delta_s: float, units: float = 0.0,
+               seconds: float = 0.0) -> None:
+        """A batch came back: a tenant's charge corrected by what its rows really took
+        (``delta_s``, measured less predicted); ``units``/``seconds`` the measured rate.
+        A tenant with no virtual time here (the level emptied since) has nothing to
+        correct: idleness restarts it at the clock either way."""
+        if units > 0 and seconds > 0:
+            self.per_unit = seconds / units
+        v = self.vt.get(tenant)
+        if v is not None:
+            self.vt[tenant] = max(0.0, v + delta_s / weight)
 
     def clear(self) -> None:
         """The level emptied: every tenant is idle, so all restart level (virtual times
@@ -124,7 +153,7 @@ class FairLevel:
             for _, _, e in it:
                 if e.state == QUEUED:
                     yield e
-                    v += e.samples / e.weight
+                    v += self.cost(e) / e.weight
                     break
             nxt = next(it, None)
             if nxt is not None:
@@ -148,3 +177,37 @@ def in_order(heap: list[tuple[float, int, Entry]]) -> Iterator[tuple[float, int,
             heapq.heappush(frontier, (heap[child], child))
             if child + 1 < n:
                 heapq.heappush(frontier, (heap[child + 1], child + 1))
+
+
+def split_by_units(entries: list[Entry], seconds: float) -> list[tuple[str, float]]:
+    """A batch's time over its rows, in proportion to each row's units (rows x scale,
+    what the latency model prices): (tenant, seconds) a row."""
+    total = sum(e.units for e in entries)
+    if total <= 0:
+        return [(e.tenant, seconds / len(entries)) for e in entries]
+    return [(e.tenant, seconds * e.units / total) for e in entries]
+
+
+def reckon(batch: list[Entry], predict: Callable[[float], float]) -> None:
+    """The seconds each row of a batch is charged when taken, shares by compute time:
+    the batch's predicted time (every row at its longest scale) split by units;
+    corrected by :func:`measured` once it is measured."""
+    if not any(e.by_time for e in batch):
+        return
+    rows = sum(e.samples for e in batch)
+    predicted = predict(rows * max(e.scale for e in batch))
+    for e, (_, share) in zip(batch, split_by_units(batch, predicted)):
+        e.charged_s = share
+
+
+def measured(rows: list[Entry], seconds: float, levels: Mapping[int, FairLevel]
+             ) -> list[tuple[str, float]]:
+    """A batch of ``rows`` ran ``seconds``: each row's share (tenant, seconds); a tenant
+    whose share counts compute time has its charge in its level corrected to it."""
+    out = split_by_units(rows, seconds)
+    total = sum(e.units for e in rows)
+    for e, (_, share) in zip(rows, out):
+        level = levels.get(e.priority) if e.by_time else None
+        if level is not None:
+            level.adjust(e.tenant, e.weight, share - e.charged_s, total, seconds)
+    return out

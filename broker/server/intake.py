@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import msgspec
+
 from zeroserve.broker import protocol as p, tracing
 from zeroserve.broker.server.admission import Admission, Cached
 from zeroserve.broker.server.answering import Answering
@@ -91,9 +93,13 @@ class Intake:
             return
         wait_s = self.breakers.admit(req.model, now)
         if wait_s is not None:
-            self.refuse(client, req.request_id, p.ErrorCode.UNAVAILABLE,
-                        refusal(req.model, wait_s), req.model, wait_s)
-            return
+            held = [] if model is None else [v for v in model.ready if v not in model.failed]
+            version = self.breakers.route(req.model, req.version, held)
+            if version is None:
+                self.refuse(client, req.request_id, p.ErrorCode.UNAVAILABLE,
+                            refusal(req.model, wait_s), req.model, wait_s)
+                return
+            req = msgspec.structs.replace(req, version=version)   # a healthy one it holds
         entry = self.admission.admit(client, req, now)
         if isinstance(entry, Refusal):
             self.refuse(client, req.request_id, entry.code, entry.message, req.model,

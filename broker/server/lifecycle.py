@@ -34,6 +34,7 @@ from zeroserve.broker.server.pool import WorkerPool, WorkerState
 from zeroserve.broker.server.registration import Registrar
 from zeroserve.broker.server.releases import Releases
 from zeroserve.broker.server.scheduler import Scheduler
+from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.swap import Swap, Swaps
 from zeroserve.broker.server.types import ModelVersion
 from zeroserve.models.repository import ConfigError, RepoModel, load_config, scan, \
@@ -68,7 +69,7 @@ class Lifecycle:
                  answering: Answering, answers: CachedAnswers, breakers: Breakers,
                  releases: Releases, metrics: BrokerMetrics, clock: Callable[[], float],
                  ctx: zmq.Context[Any], placement: Placement, registrar: Registrar,
-                 loads: WorkerLoads, retries: LoadRetries, *,
+                 loads: WorkerLoads, retries: LoadRetries, *, stats: ModelStatistics,
                  options: LifecycleOptions | None = None, sources: Sequence[Source] = ()
                  ) -> None:
         self.catalog = catalog
@@ -79,6 +80,7 @@ class Lifecycle:
         self.breakers = breakers     # a new build starts with a closed breaker
         self.releases = releases     # a new build may start a rollout
         self.metrics = metrics
+        self.stats = stats           # a retired version's figures go
         self.clock = clock
         self.ctx = ctx
         self.opts = options or LifecycleOptions()
@@ -319,6 +321,9 @@ class Lifecycle:
         self.scheduler.set_policy(name, model.policy())
         self.answering.reroute(name, gone)
         self.answers.retain(name)   # a retired version's answers hold no memory
+        self.stats.retain(name, model.versions)     # nor its figures, nor its series
+        self.metrics.retain_versions(name, model.versions)
+        self.placement.retain(name, model.path, self.catalog.shas.get(name, {}).values())
         if swap.changed:   # a new build: what the old one failed is moot
             self.breakers.reset(name)
         self.releases.committed(name, swap.changed)   # a new build may start a rollout

@@ -22,8 +22,9 @@ reported by its worker):
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -196,6 +197,22 @@ class MemoryPlan:
     def refused(self, worker: WorkerState, model: str) -> None:
         label = (model, str(worker.info.get("device") or "cpu"))
         self.refusals[label] = self.refusals.get(label, 0) + 1
+
+    def retain(self, model: str, folder: Path, shas: Iterable[str]) -> None:
+        """Only the builds ``shas`` of the model (in ``folder``) are served now: what was
+        learned of the others' contents and files goes (their folders are deleted; a
+        version every 30 s once left an entry each for good)."""
+        keep = set(shas)
+        for key in [k for k in self.by_content if k[0] == model and k[1] not in keep]:
+            del self.by_content[key]
+        prefix = f"{folder}/"
+        try:
+            live = set(os.listdir(folder))
+        except OSError:
+            live = set()
+        for path in [k for k in self._weights if k[0].startswith(prefix)
+                     and k[0][len(prefix):].split("/", 1)[0] not in live]:
+            del self._weights[path]
 
     def forget(self, key: Key) -> None:
         self.footprints.pop(key, None)

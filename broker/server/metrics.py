@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, cast
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -103,6 +103,11 @@ class LoopHistogram:
         self.bounds = tuple(float(b) for b in buckets if b != math.inf)
         self.series: dict[tuple[str, ...], HistogramSeries] = {}
         registry.register(self)
+
+    def remove_where(self, keep: Callable[[tuple[str, ...]], bool]) -> None:
+        """Series whose label values ``keep`` refuses go (a retired version's)."""
+        for values in [v for v in self.series if not keep(v)]:
+            del self.series[values]
 
     def labels(self, *values: str) -> HistogramSeries:
         series = self.series.get(values)
@@ -239,6 +244,12 @@ class BrokerMetrics:
 
     def breaker_tripped(self, model: str) -> None:
         self.breaker_trips.labels(model).inc()
+
+    def retain_versions(self, model: str, versions: Iterable[int]) -> None:
+        """Only ``versions`` of the model are served now: the latency series of the
+        others go (a label value a version, unbounded under a version every 30 s)."""
+        keep = {str(v) for v in versions}
+        self.latency.remove_where(lambda lv: lv[0] != model or lv[1] in keep)
 
     def requests_done(self, model: str, version: int, totals_s: Sequence[float]) -> None:
         """A batch's requests answered ok, each with its arrival-to-reply time."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import msgspec
 
@@ -72,6 +72,9 @@ class Placement:
 
     def forget(self, key: tuple[bytes, str, int]) -> None:
         self.plan.forget(key)
+
+    def retain(self, model: str, folder: Path, shas: Iterable[str]) -> None:
+        self.plan.retain(model, folder, shas)
 
     def describe_model(self, name: str) -> dict[str, Any]:
         return self.plan.describe_model(name)

@@ -21,8 +21,10 @@ from zeroserve.broker.server.ledger import AnswerLedger
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.pool import Batches, Inflight, WorkerPool, WorkerState
 from zeroserve.broker.server.releases import Releases
+from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.streampath import StreamPath
+from zeroserve.broker.server.tenancy import Tenancy
 from zeroserve.broker.server.types import Send
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ class Results:
                  answering: Answering, streaming: StreamPath, answers: CachedAnswers,
                  latency: LatencyBook, forecast: Forecast, breakers: Breakers,
                  releases: Releases | None, stats: ModelStatistics, metrics: BrokerMetrics,
-                 reply: Send) -> None:
+                 reply: Send, *, scheduler: Scheduler, tenancy: Tenancy) -> None:
         self.catalog = catalog
         self.pool = pool
         self.batches = batches
@@ -47,6 +49,8 @@ class Results:
         self.breakers = breakers
         self.releases = releases   # rollouts: told what versions answer
         self.stats = stats
+        self.scheduler = scheduler   # a batch's measured time: its tenants' fair shares
+        self.tenancy = tenancy       # and compute quotas
         self.metrics = metrics
         self._reply = reply
 
@@ -87,6 +91,7 @@ class Results:
             return
         compute_s = result.compute_ms / 1000.0
         self.latency.observe(rec.model, worker.worker_id, rec.units, compute_s)
+        self.tenancy.used(self.scheduler.used(rec.model, rec.entries.values(), compute_s), now)
         self.metrics.batch_done(rec.model, rec.samples, compute_s, result.phases_ms)
         self.stats.batch_done(rec.model, rec.version, rec.samples, result.phases_ms,
                               result.compute_ms)
@@ -146,10 +151,11 @@ class Results:
         rollout compares the versions and rolls back the bad one instead)."""
         if self._rolling_out(rec.model):
             return
-        if self.breakers.failed(rec.model, len(rec.entries), now, error[:200]):
+        if self.breakers.failed(rec.model, len(rec.entries), now, error[:200], rec.version):
             self.metrics.breaker_tripped(rec.model)
-            logger.error("model %s: circuit breaker open, its requests answered 503 until "
-                         "probes pass: %s", rec.model, error[:200])
+            logger.error("model %s: circuit breaker open, its requests answered 503 (or "
+                         "routed to another version it holds) until probes pass: %s",
+                         rec.model, error[:200])
 
     def _canary_failed(self, rec: Inflight, result: p.BatchResult, now: float) -> None:
         """A failed batch of a model in a rollout: counted against its version; when that

@@ -32,10 +32,11 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
-from zeroserve.broker.server.fairqueue import GONE, QUEUED, TAKEN, FairLevel as _Level
+from zeroserve.broker.server.fairqueue import GONE, QUEUED, TAKEN, FairLevel as _Level, \
+    measured, reckon
 
 __all__ = ["GONE", "QUEUED", "TAKEN"]
 
@@ -61,19 +62,17 @@ class Entry:
     shape: Hashable = None    # shape key: only equal keys share a batch
     scale: float = 1.0        # a row's cost in units of the declared shape's
     length: int = 0           # tokens a row: its length along the padded dimension
+    by_time: bool = False     # its tenant's share counts compute time, not rows
+    charged_s: float = 0.0    # by time: the seconds its tenant was charged when taken
 
     @property
     def units(self) -> float:
         return self.samples * self.scale
 
     def again(self) -> "Entry":
-        """A fresh entry for the same request, to queue it again (a retry): the old one
-        may still sit in the queue's heaps, and one object in two places would be taken
-        twice."""
-        return Entry(self.key, self.model, self.priority, self.arrival_s, self.deadline_s,
-                     self.samples, self.version, self.payload, tenant=self.tenant,
-                     weight=self.weight, shed_rank=self.shed_rank, shape=self.shape,
-                     scale=self.scale, length=self.length)
+        """A fresh entry for the same request, to queue it again (a retry): the old one may
+        still sit in the queue's heaps; one object in two places would be taken twice."""
+        return replace(self, seq=0, state=QUEUED, charged_s=0.0)
 
 
 @dataclass(frozen=True)
@@ -219,10 +218,13 @@ class _Queue:
         """Live entries in dispatch order; lazily, so taking a few costs little."""
         self.oldest()  # drop answered entries from the front, so the scan below stays short
         aged_ids = set()
+        # aging lifts over higher priorities; among the top level's tenants shares decide
+        top = min((lvl for lvl, n in self.level_samples.items() if n > 0), default=0)
+        shared = top in self.levels and len(self.levels[top].samples) > 1
         for e in self.fifo:
             if e.arrival_s + self.policy.aging_s > now:
                 break
-            if e.state == QUEUED:
+            if e.state == QUEUED and not (shared and e.priority == top):
                 aged_ids.add(id(e))
                 yield e
         for level in sorted(self.levels):
@@ -407,7 +409,7 @@ class Scheduler:
         start = now if start_s is None else max(now, start_s)
         if pol.max_batch_tokens:
             batch, doomed = self._by_tokens(q, now, start, cap, predict, resolve)
-            return self._taken(q, batch, doomed, reason)
+            return self._taken(q, batch, doomed, reason, predict)
         batch = []
         doomed = []
         total, tightest, version, scale = 0, math.inf, None, 0.0
@@ -431,11 +433,12 @@ class Scheduler:
                 break
         for e in batch:
             e.version = version
-        return self._taken(q, batch, doomed, reason)
+        return self._taken(q, batch, doomed, reason, predict)
 
     def _taken(self, q: _Queue, batch: list[Entry], doomed: list[Entry],
-               reason: str) -> Decision:
+               reason: str, predict: Predict) -> Decision:
         """The batch leaves the queue (charged to its tenants), the doomed with it."""
+        reckon(batch, predict)
         for e in batch:
             e.state = TAKEN
             q.levels[e.priority].charge(e)
@@ -558,6 +561,11 @@ class Scheduler:
         if now + predict(min(q.samples, pol.cap) * q.scale()) >= tightest:
             return DEADLINE
         return None
+
+    def used(self, model: str, entries: Iterable[Entry], seconds: float) -> list[Any]:
+        """A batch ran ``seconds``: (tenant, seconds) a row (:func:`fairqueue.measured`)."""
+        q = self._queues.get(model)
+        return measured(list(entries), seconds, q.levels if q is not None else {})
 
     # -- internals ----------------------------------------------------------
     def _remove(self, e: Entry) -> None:

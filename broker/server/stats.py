@@ -137,6 +137,14 @@ class ModelStatistics:
             if keep is None or key[1] in keep:
                 del self._by[key]
 
+    def retain(self, model: str, versions: Iterable[int]) -> None:
+        """Only ``versions`` of the model are served now: the others' figures go (a
+        version published and one deleted every 30 s once left a row each for good)."""
+        keep = set(versions)
+        for key in [k for k in self._by if k[0] == model and k[1] is not None
+                    and k[1] not in keep]:
+            del self._by[key]
+
     # -- rendering (the ``stats`` verb) --------------------------------------
     def render(self, model: str, versions: Iterable[int], default: int | None,
                memory: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:

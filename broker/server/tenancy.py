@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 _ANON = Tenant(ANONYMOUS, DEFAULT_QOS["guaranteed"])
 RATE_TAU_S = 10.0   # the observed rate shown by `zeroserve tenants` is averaged over ~this
+_PER = {"tokens": "tokens per minute (prompt and completion tokens)",
+        "compute": "compute time per minute"}
 _BUCKETS = (.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30)
 
 
@@ -50,13 +52,14 @@ class Grant(NamedTuple):
     weight: float
     shed_rank: int
     notes: dict[str, float]        # for the reply's stats (what was clamped)
+    by_time: bool = False          # its fair share counts compute time (share = "compute")
 
 
 class _State:
     """What the broker counts per tenant; survives reloads by name."""
 
     __slots__ = ("bucket", "samples", "tokens", "inflight", "admitted", "rejected", "rate",
-                 "stamp")
+                 "stamp", "compute", "compute_s")
 
     def __init__(self) -> None:
         self.bucket: TokenBucket | None = None
@@ -67,6 +70,8 @@ class _State:
         self.rejected: dict[str, int] = {}
         self.rate = 0.0   # exponentially decayed requests/s
         self.stamp = 0.0
+        self.compute: TokenBucket | None = None   # worker seconds, spent once measured
+        self.compute_s = 0.0                       # worker seconds its rows used
 
     def observed_rate(self, now: float) -> float:
         return self.rate * math.exp(-max(0.0, now - self.stamp) / RATE_TAU_S)
@@ -99,6 +104,9 @@ class Tenancy:
                                   registry=registry)
         self.m_queue = LoopHistogram("tenant_queue_seconds", "Time queued before dispatch, "
                                      "by tenant", ["tenant"], registry, _BUCKETS)
+        self.m_compute = Counter("tenant_compute_seconds", "Worker seconds used, by "
+                                 "tenant (each batch's time split over its rows by units)",
+                                 ["tenant"], namespace=ns, registry=registry)
         self._child = Children()
         if path is not None:
             self._install(load(path))   # a bad file at startup: TenantsError to the caller
@@ -133,6 +141,7 @@ class Tenancy:
             st.bucket = _bucket(st.bucket, t.rate, t.burst, now)
             st.samples = _bucket(st.samples, t.samples_rate, t.samples_burst, now)
             st.tokens = _bucket(st.tokens, t.tokens_per_minute / 60.0, t.tokens_burst, now)
+            st.compute = _bucket(st.compute, t.compute_per_minute / 60.0, t.compute_burst, now)
         # tenants that left keep their state only while requests of theirs are open
         for name in list(self._state):
             if name not in tset.tenants and not self._state[name].inflight:
@@ -185,12 +194,14 @@ class Tenancy:
             ("tokens", st.tokens, tokens)) if b is not None and n]
         wait, what, n = max(((b.retry_after(n, now), what, n) for what, b, n in spend),
                             default=(0.0, "", 0))
+        if st.compute is not None:   # spent after the fact: admitted while not in debt
+            wait, what, n = max((wait, what, n), (st.compute.retry_after(0.0, now), "compute",
+                                                  0))
         if wait > 0:
             if math.isinf(wait):
                 return self._refuse(t.name, p.ErrorCode.QUOTA, f"a request of {n} {what} "
                                     f"is more than tenant {t.name!r}'s burst", None)
-            per = "tokens per minute (prompt and completion tokens)" if what == "tokens" \
-                else f"{what} rate"
+            per = _PER.get(what, f"{what} rate")
             return self._refuse(t.name, p.ErrorCode.QUOTA, f"tenant {t.name!r} is over its "
                                 f"{per}", wait)
         for _, b, n in spend:
@@ -210,7 +221,7 @@ class Tenancy:
             self._open[key] = t.name
             self.m_requests.inc((t.name,))
         return Grant(msgspec.structs.replace(req, priority=priority, timeout_ms=timeout_ms),
-                     t.name, t.weight, t.qos.rank, notes)
+                     t.name, t.weight, t.qos.rank, notes, self.set.share == "compute")
 
     def completion_tokens(self, tenant: str, n: int, now: float) -> None:
         """Tokens a generating model made for one of the tenant's requests, charged to its
@@ -232,6 +243,19 @@ class Tenancy:
             st.inflight -= 1
             if st.inflight == 0 and name not in self.set.tenants:
                 del self._state[name]
+
+    # -- compute time ------------------------------------------------------------
+    def used(self, shares: Sequence[tuple[str, float]], now: float) -> None:
+        """A batch's measured time, split over its rows: (tenant, seconds) each; spent
+        from the tenant's compute quota and counted."""
+        for name, seconds in shares:
+            st = self._state.get(name)
+            if st is None:
+                continue
+            st.compute_s += seconds
+            self._child(self.m_compute, self._label(name)).inc(seconds)
+            if st.compute is not None:
+                st.compute.spend(seconds, now)
 
     # -- counting --------------------------------------------------------------
     def _refuse(self, tenant: str, code: p.ErrorCode, message: str,
@@ -270,18 +294,22 @@ class Tenancy:
                 "burst": t.burst, "tokens": st.bucket.available(now) if st.bucket else None,
                 "samples_rate_limit": t.samples_rate,
                 "tokens_per_minute_limit": t.tokens_per_minute,
+                "compute_per_minute_limit": t.compute_per_minute,
+                "compute_s": round(st.compute_s, 6),
+                "compute_available_s": st.compute.available(now) if st.compute else None,
                 "rate": round(st.observed_rate(now), 3), "inflight": st.inflight,
                 "max_inflight": t.max_inflight, "admitted": st.admitted,
                 "rejected": dict(st.rejected),
                 "models": sorted(t.models) if t.models is not None else "*",
                 "max_timeout_ms": t.max_timeout_ms, "keys": len(t.keys)}
         return {"enabled": self.enabled, "file": str(self.path) if self.path else None,
-                "tenants": out}
+                "share": self.set.share, "tenants": out}
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """For ``status``: per tenant its observed rate, in-flight and rejections."""
         full = self.describe()["tenants"]
-        return {n: {k: t[k] for k in ("rate", "inflight", "rejected")} for n, t in full.items()}
+        return {n: {k: t[k] for k in ("rate", "inflight", "rejected", "compute_s")}
+                for n, t in full.items()}
 
     def reload_verb(self, _: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -16,6 +16,8 @@ The file (TOML)::
     samples_rate = 0                # samples/s (0: no limit); samples_burst likewise
     tokens_per_minute = 0           # text models' tokens (0: no limit); tokens_burst
                                     # (default: a minute's worth)
+    compute_per_minute = 0          # seconds of worker time a minute (0: no limit);
+                                    # compute_burst (default: a minute's worth)
     max_inflight = 64               # admitted, not yet answered (0: no limit)
     models = ["mlp"]                # or "*" (the default): every model
     max_timeout_ms = 1000           # longer timeouts are clamped (0: no limit)
@@ -80,6 +82,8 @@ class Tenant:
     samples_burst: float = 1.0
     tokens_per_minute: float = 0.0
     tokens_burst: float = 1.0
+    compute_per_minute: float = 0.0   # worker seconds its rows may use a minute
+    compute_burst: float = 1.0
     max_inflight: int = 0
     models: frozenset[str] | None = None        # None: every model
     max_timeout_ms: float = 0.0
@@ -113,6 +117,7 @@ class TenantSet:
     tenants: dict[str, Tenant] = field(default_factory=dict)
     # salt -> digest -> tenant name: one hash per presented key
     index: dict[str, dict[str, str]] = field(default_factory=dict)
+    share: str = "requests"     # what fair shares count: "requests" or "compute"
 
     def identify(self, key: str) -> str | None:
         """The tenant a key belongs to, or None."""
@@ -214,7 +219,9 @@ def _qos_classes(w: _Where, doc: Any) -> dict[str, QosClass]:
 
 
 _FIELDS = {"keys", "qos", "rate", "burst", "samples_rate", "samples_burst", "max_inflight",
-           "models", "max_timeout_ms", "weight", "tokens_per_minute", "tokens_burst"}
+           "models", "max_timeout_ms", "weight", "tokens_per_minute", "tokens_burst",
+           "compute_per_minute", "compute_burst"}
+SHARES = ("requests", "compute")
 
 
 def _tenant(w: _Where, name: str, body: Any, classes: dict[str, QosClass]) -> Tenant:
@@ -245,6 +252,7 @@ def _tenant(w: _Where, name: str, body: Any, classes: dict[str, QosClass]) -> Te
     rate = _number(w, table, body, "rate", 0.0, 0.0)
     srate = _number(w, table, body, "samples_rate", 0.0, 0.0)
     tpm = _number(w, table, body, "tokens_per_minute", 0.0, 0.0)
+    cpm = _number(w, table, body, "compute_per_minute", 0.0, 0.0)
     return Tenant(
         name=name, qos=classes[qos], keys=tuple(keys), rate=rate,
         burst=_number(w, table, body, "burst", max(rate, 1.0), 1.0),
@@ -252,6 +260,9 @@ def _tenant(w: _Where, name: str, body: Any, classes: dict[str, QosClass]) -> Te
         samples_burst=_number(w, table, body, "samples_burst", max(srate, 1.0), 1.0),
         tokens_per_minute=tpm,
         tokens_burst=_number(w, table, body, "tokens_burst", max(tpm, 1.0), 1.0),
+        compute_per_minute=cpm,
+        compute_burst=_number(w, table, body, "compute_burst", max(cpm, 0.001), 0.0,
+                              strict=True),
         max_inflight=inflight,
         models=None if models == "*" else frozenset(models),
         max_timeout_ms=_number(w, table, body, "max_timeout_ms", 0.0, 0.0),
@@ -265,9 +276,13 @@ def parse(text: str, path: str = "<tenants>") -> TenantSet:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise TenantsError(f"tenants file {path}: {exc}") from None
-    extra = set(doc) - {"tenants", "qos"}
+    extra = set(doc) - {"tenants", "qos", "share"}
     if extra:
-        raise w.error(sorted(extra)[0], None, "unknown table (known: tenants, qos)")
+        raise w.error(sorted(extra)[0], None, "unknown table (known: tenants, qos, share)")
+    share = doc.get("share", "requests")
+    if share not in SHARES:
+        raise TenantsError(f"tenants file {path}: share must be one of "
+                           f"{', '.join(map(repr, SHARES))}, got {share!r}")
     classes = _qos_classes(w, doc.get("qos", {}))
     raw = doc.get("tenants", {})
     if not isinstance(raw, dict):
@@ -284,7 +299,7 @@ def parse(text: str, path: str = "<tenants>") -> TenantSet:
                 raise w.error(f"tenants.{name}", "keys", f"a key hash is also tenant "
                               f"{owner!r}'s: a key belongs to one tenant")
         tenants[name] = t
-    return TenantSet(tenants, index)
+    return TenantSet(tenants, index, share)
 
 
 def load(path: Path) -> TenantSet:
@@ -343,7 +358,8 @@ def write_atomically(path: Path, text: str) -> None:
 
 class TokenBucket:
     """``rate`` tokens a second up to ``burst``; starts full. Over any window of t
-    seconds at most burst + rate*t tokens are taken."""
+    seconds at most burst + rate*t tokens are taken (and :meth:`spend`: what is used
+    after the fact, compute time, can go below zero and is paid back before more)."""
 
     __slots__ = ("rate", "burst", "tokens", "stamp")
 

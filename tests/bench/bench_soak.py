@@ -4,10 +4,12 @@
 
 `zeroserve serve --workers 2` on a copy of the bundled mlp; a paced load (half over HTTP
 v2 JSON, half through the asyncio client) at ``--rate`` requests/s; a new mlp version
-published every ``--swap-s`` (a perturbed copy, by atomic rename: the watcher's path) and a
-worker SIGKILLed every ``--kill-s``. Every ``--sample-s`` the resident memory of the
+published every ``--swap-s`` (a perturbed copy, by atomic rename: the watcher's path), the
+version before the previous deleted then (``--keep-all`` keeps them), and a worker
+SIGKILLed every ``--kill-s`` (0: never). Every ``--sample-s`` the resident memory of the
 broker, the gateway and each worker is read from /proc. At the end it prints the memory
-of each role at the first sample after warm-up, at the end and at its peak, beside the
+of each role at the first sample after warm-up (``--settle-min``), at the end and at its
+peak, the broker's growth in each quarter after it, beside the
 requests answered, their outcomes, and the broker's census (every structure that holds a
 request: all 0 once the load stopped). The broker's pid must never change.
 
@@ -22,6 +24,7 @@ import asyncio
 import http.client
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -134,6 +137,11 @@ def main() -> None:
     ap.add_argument("--swap-s", type=float, default=30.0)
     ap.add_argument("--kill-s", type=float, default=60.0)
     ap.add_argument("--sample-s", type=float, default=10.0)
+    ap.add_argument("--settle-min", type=float, default=3.0,
+                    help="minutes before the RSS is expected flat (the first samples warm up)")
+    ap.add_argument("--keep-all", action="store_true",
+                    help="never delete a published version (the default deletes the one "
+                    "before the previous, as issue 48's soak did)")
     ap.add_argument("--plot", default="", help="write the memory plot to this PNG")
     args = ap.parse_args()
 
@@ -173,7 +181,9 @@ def main() -> None:
                 version += 1
                 publish(repo, version)
                 swaps += 1
-            if now >= next_kill:
+                if not args.keep_all and version > 3:
+                    shutil.rmtree(repo / "mlp" / str(version - 2), ignore_errors=True)
+            if args.kill_s > 0 and now >= next_kill:
                 next_kill += args.kill_s
                 pids = srv.pids("worker")
                 if pids:
@@ -195,17 +205,24 @@ def main() -> None:
 def report(samples: list[tuple[float, dict[str, list[float]]]], outcomes: Counter[str],
            census: dict[str, int], swaps: int, kills: int, served: list[int],
            broker_same: bool, args: Any) -> None:
-    warm = next((i for i, (t, _) in enumerate(samples) if t >= 60), 0)
+    warm = next((i for i, (t, _) in enumerate(samples) if t >= args.settle_min * 60), 0)
     print(f"\nrequests answered: {sum(outcomes.values())} ({dict(outcomes)})")
     print(f"swaps published: {swaps} (serving version {served} at the end), "
           f"workers killed: {kills}, broker pid unchanged: {broker_same}")
     print(f"broker census after the load: {census}")
-    print(f"\n{'resident MB':<12} {'at 1 min':>9} {'at the end':>11} {'peak':>8} {'growth':>8}")
+    print(f"\n{'resident MB':<12} {f'at {args.settle_min:g} min':>9} {'at the end':>11} "
+          f"{'peak':>8} {'growth':>8}")
     for role in ROLES:
         series = [sum(m[role]) / max(len(m[role]), 1) for _, m in samples]
         first, last = series[warm], series[-1]
         print(f"{role + (' (each)' if role == 'worker' else ''):<12} {first:>9.1f} "
               f"{last:>11.1f} {max(series[warm:]):>8.1f} {last - first:>+8.1f}")
+    broker = [(t, sum(m["broker"])) for t, m in samples[warm:]]
+    if len(broker) >= 5:   # where it grew: a creep shows in every quarter, a step in one
+        q = len(broker) // 4
+        marks = [broker[0], broker[q], broker[2 * q], broker[3 * q], broker[-1]]
+        print("broker RSS by quarter after settling: " + ", ".join(
+            f"{t / 60:.1f} min {mb:.2f} MB" for t, mb in marks))
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

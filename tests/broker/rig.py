@@ -194,7 +194,7 @@ class RequestPath:
                              pipelines.reply, clock)
         self.results = Results(catalog, pool, batches, ledger, answering, self.streaming, answers,
                                latency, forecast, breakers, None, stats, metrics,
-                               pipelines.reply)
+                               pipelines.reply, scheduler=scheduler, tenancy=tenancy)
         self.dispatcher = Dispatch(catalog, scheduler, pool, batches, latency, gate, forecast,
                                    Usage(), answering, streams, self.streaming, tenancy, metrics)
         self.on_request = self.intake.on_request

@@ -203,3 +203,35 @@ def test_zeroserve_models_names_an_open_breaker() -> None:
                             **b.describe("m", 1.0)}}, "errors": {}}
     assert "m: circuit breaker open: 6 of 6 requests failed in 2 s: RuntimeError: the " \
            "model broke" in human("models", doc)
+
+
+def test_an_open_breaker_routes_to_another_healthy_version_it_holds(tmp_path: Path) -> None:
+    rig = _rig(tmp_path / "repo", {"latest": 2}, (1, 2))
+    for _ in range(2):     # version 2 (the default) fails two batches whole
+        for _ in range(3):
+            rig.request()
+        rig.tick()
+        (_, _, batch), = rig.sent(p.Kind.BATCH)[-1:]
+        assert batch.version == 2
+        rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0,
+                                            error="RuntimeError: the model broke"))
+    assert rig.b.breakers.state("m") == OPEN
+    assert rig.b.breakers.describe("m", rig.now)["breaker"]["version"] == 2
+    for _ in range(3):
+        rig.request()
+    rig.tick()
+    (_, _, batch), = rig.sent(p.Kind.BATCH)[-1:]
+    assert batch.version == 1 and len(batch.items) == 3    # routed, not refused
+    rig.run_batches("w1")
+    assert rig.answers()[-3:] == ["ok"] * 3
+    # a request naming the failing version is refused; one naming the healthy one runs
+    b = rig.b.breakers
+    assert b.route("m", 2, [1, 2]) is None and b.route("m", 1, [1, 2]) == 1
+    assert b.route("m", None, [2]) is None        # nothing else held: 503 as before
+    # past open_s the probes go to version 2 again: the fix is seen there
+    sent = len(rig.sent(p.Kind.BATCH))
+    rig.live("w1", 6)
+    rig.request()
+    rig.tick()
+    (_, _, probe), = rig.sent(p.Kind.BATCH)[sent:]
+    assert probe.version == 2

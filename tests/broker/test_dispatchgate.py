@@ -42,6 +42,18 @@ def test_mixed_priorities_hold_a_long_batch_back_for_a_while() -> None:
     assert not g.mixed("m", later) and g.may_send("m", later, True, False, work, 64, 64)
 
 
+def test_mixed_tenants_hold_a_long_batch_back_as_priorities_do() -> None:
+    """Fair shares pick a tenant when a batch is taken: one queued at the worker has
+    picked already, so a second tenant at the same priority holds it back too."""
+    g = DispatchGate()
+    g.note("m", 1, 0.0, "long")
+    g.note("m", 1, 0.5, "long")
+    assert not g.mixed("m", 0.5)
+    g.note("m", 1, 1.0, "short")
+    assert g.mixed("m", 1.0)
+    assert not g.may_send("m", 1.0, True, False, lambda: PREFETCH_S * 4, 64, 64)
+
+
 def test_an_idle_worker_with_two_credits_gets_half_where_batching_gains_little() -> None:
     g = DispatchGate()
     cnn_like = linear(0.004)            # time grows with the batch: halves cost the same

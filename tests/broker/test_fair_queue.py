@@ -159,3 +159,15 @@ def test_a_heap_is_read_in_order_lazily_and_left_as_it_was() -> None:
         assert heap == before
         got = in_order(heap)   # type: ignore[arg-type]
         assert [next(got) for _ in range(min(n, 3))] == sorted(heap)[:3]
+
+
+def test_aging_does_not_lift_a_flooding_tenant_over_a_polite_one_at_its_own_level() -> None:
+    """Aging bounds a wait behind higher priorities; at one level, among tenants, the
+    shares decide, or a tenant held back by its share would jump back by age."""
+    s = Scheduler()
+    s.set_policy("m", Policy(max_batch_size=0, max_queue_size=1000, aging_s=1.0))
+    for i in range(20):
+        s.add(entry(("flood", i), "flood"))
+    s.add(entry(("polite", 0), "polite", t=5.0))
+    order = [e.key for e in serve(s, 3, now=5.0)]
+    assert ("polite", 0) in order[:2]

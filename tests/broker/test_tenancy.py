@@ -153,3 +153,37 @@ def test_the_inputs_of_one_request_count_once_against_its_rate_and_places(tmp_pa
     for i in range(5):
         t.release(("c", f"r{i}"))
     assert t.open_count() == 0
+
+
+def test_compute_time_quota_is_spent_once_measured_and_refuses_while_in_debt(
+        tmp_path: Path) -> None:
+    t, key, _, clock = setup(tmp_path, "compute_per_minute = 6\ncompute_burst = 1\n")
+    assert isinstance(admit(t, key, "1"), Grant)
+    t.used([("a", 1.5)], 0.0)            # the batch ran longer than the whole burst
+    r = admit(t, key, "2")
+    assert isinstance(r, Refusal) and r.code is p.ErrorCode.QUOTA
+    assert "compute time per minute" in r.message
+    assert r.retry_after_s == pytest.approx(5.0)    # 0.5 s of debt at 0.1 s a second
+    clock.now = 5.0
+    assert isinstance(admit(t, key, "3", 5.0), Grant)
+    a = t.describe()["tenants"]["a"]
+    assert a["compute_s"] == pytest.approx(1.5) and a["compute_per_minute_limit"] == 6
+    assert t.describe()["share"] == "requests"
+
+
+def test_share_by_compute_marks_every_grant_and_a_bad_share_is_refused(tmp_path: Path
+                                                                       ) -> None:
+    key, hashed = new_key()
+    path = tmp_path / "t.toml"
+    path.write_text(f'share = "compute"\n[tenants.a]\nkeys = ["{hashed}"]\n')
+    reg = CollectorRegistry()
+    t = Tenancy(path, reg, Clock())
+    g = admit(t, key, "1")
+    assert isinstance(g, Grant) and g.by_time
+    path.write_text(f'share = "cpu"\n[tenants.a]\nkeys = ["{hashed}"]\n')
+    with pytest.raises(TenantsError, match="share must be one of"):
+        t.reload()
+    t.used([("a", 0.25), ("a", 0.25), ("gone", 1.0)], 0.0)
+    assert t.describe()["tenants"]["a"]["compute_s"] == pytest.approx(0.5)
+    assert 'zeroserve_tenant_compute_seconds_total{tenant="a"} 0.5' in \
+        generate_latest(reg).decode()

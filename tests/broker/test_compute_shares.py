@@ -1,0 +1,115 @@
+"""Fair shares by compute time (issue 48): the pure scheduler on a fake clock, a worker
+simulated by a cost function. Each batch is charged its predicted time when taken and
+corrected to its measured time when it comes back (``Scheduler.used``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.conftest import examples
+from zeroserve.broker.server.fairqueue import split_by_units
+from zeroserve.broker.server.scheduler import Entry, Policy, Scheduler
+
+SHORT, LONG = 16, 512     # tokens a row: a row's scale is its length
+
+
+def predict(units: float) -> float:
+    """A BERT-like batch: a little fixed cost, then linear in tokens."""
+    return 0.0005 + 2e-6 * units
+
+
+def entry(key: object, tenant: str, scale: float, by_time: bool, weight: float = 1.0,
+          t: float = 0.0) -> Entry:
+    return Entry(key=key, model="m", priority=1, arrival_s=t, samples=1, tenant=tenant,
+                 weight=weight, scale=scale, shape=scale, by_time=by_time)
+
+
+def run(by_time: bool, seconds: float = 60.0, true_cost: Callable[[float], float] = predict,
+        tenants: dict[str, tuple[float, float]] | None = None,
+        batch: int = 8) -> dict[str, float]:
+    """Every tenant backlogged (topped up to four batches queued), one worker, for
+    ``seconds`` of fake time: the worker seconds each tenant's rows used, measured by
+    ``true_cost`` and split by units as the broker splits them."""
+    tenants = tenants or {"short": (SHORT, 1.0), "long": (LONG, 1.0)}
+    s = Scheduler()
+    s.set_policy("m", Policy(max_batch_size=batch, max_queue_size=100_000, aging_s=1e9))
+    queued = {t: 0 for t in tenants}
+    used = {t: 0.0 for t in tenants}
+    now, n = 0.0, 0
+    while now < seconds:
+        for t, (scale, weight) in tenants.items():
+            while queued[t] < 4 * batch:
+                n += 1
+                s.add(entry((t, n), t, scale, by_time, weight, now))
+                queued[t] += 1
+        d = s.take("m", now, predict)
+        assert d is not None and d.entries
+        units = len(d.entries) * max(e.scale for e in d.entries)
+        took = true_cost(units)
+        now += took
+        for t, share in s.used("m", d.entries, took):
+            used[t] += share
+        for e in d.entries:
+            queued[e.tenant] -= 1
+    return used
+
+
+def test_by_compute_time_two_tenants_of_equal_shares_each_get_half_the_worker() -> None:
+    used = run(by_time=True)
+    total = sum(used.values())
+    for t, got in used.items():
+        assert abs(got / total - 0.5) < 0.05, (t, used)
+
+
+def test_by_requests_the_long_texts_take_the_worker() -> None:
+    """The baseline: shares by rows give each tenant as many rows, so the tenant of
+    512-token texts gets nearly all the time (the test is only meaningful beside it)."""
+    used = run(by_time=False)
+    assert used["long"] / sum(used.values()) > 0.9, used
+
+
+def test_a_latency_model_that_misprices_one_tenant_is_corrected_by_the_measured_time() -> None:
+    def true_cost(units: float) -> float:   # long rows really take 3x what is predicted
+        return predict(units) * (3.0 if units >= LONG else 1.0)
+    used = run(by_time=True, true_cost=true_cost)
+    total = sum(used.values())
+    assert abs(used["long"] / total - 0.5) < 0.05, used
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(scales=st.lists(st.sampled_from([1.0, 16.0, 128.0, 512.0]), min_size=2, max_size=4),
+       weights=st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=4, max_size=4),
+       skew=st.floats(0.5, 2.0))
+def test_backlogged_tenants_share_time_in_proportion_to_weight(
+        scales: list[float], weights: list[float], skew: float) -> None:
+    """Whatever their row sizes and weights, and however wrong the prediction, each
+    backlogged tenant's time is its weight's share, within a few batches' work."""
+    tenants = {f"t{i}": (sc, weights[i]) for i, sc in enumerate(scales)}
+    used = run(by_time=True, seconds=30.0, true_cost=lambda u: predict(u) * skew,
+               tenants=tenants)
+    total, wsum = sum(used.values()), sum(w for _, w in tenants.values())
+    worst_batch = predict(8 * max(scales)) * skew
+    for t, (_, w) in tenants.items():
+        assert abs(used[t] - total * w / wsum) <= 4 * worst_batch + 0.02 * total, \
+            (t, used, tenants)
+
+
+def test_split_by_units_gives_each_row_its_part() -> None:
+    rows = [entry(1, "a", 16.0, True), entry(2, "b", 48.0, True)]
+    assert split_by_units(rows, 1.0) == [("a", 0.25), ("b", 0.75)]
+    assert split_by_units([], 1.0) == []
+    assert math.fsum(s for _, s in split_by_units(rows * 3, 2.0)) == pytest.approx(2.0)
+
+
+def test_a_row_is_charged_its_predicted_share_when_taken() -> None:
+    s = Scheduler()
+    s.set_policy("m", Policy(max_batch_size=4, max_queue_size=100, aging_s=1e9))
+    for i in range(4):
+        s.add(entry(i, "a", 16.0, True))
+    d = s.take("m", 0.0, predict)
+    assert d is not None and len(d.entries) == 4
+    assert sum(e.charged_s for e in d.entries) == pytest.approx(predict(64.0))

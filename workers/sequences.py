@@ -237,14 +237,14 @@ class SequenceTable:
         for _, join in ended:
             self._left(join)
         if self._advance is not None and self._running:
-            self._advance_running()
+            self._advance_running(self._advance)
 
-    def _advance_running(self) -> None:
+    def _advance_running(self, advance: Callable[[dict[int, Any]], Any]) -> None:
         """The handler computes the next step's responses, after this step's are sent."""
         states = {seq_id: seq.state for seq_id, seq in self._running.items()}
         try:
             with torch.inference_mode():
-                self._advance(states)
+                advance(states)
         except Exception as exc:  # the model's code can raise anything
             self._fail(list({id(s.join): s.join for s in self._running.values()}.values()),
                        f"advance() failed: {type(exc).__name__}: {exc}")

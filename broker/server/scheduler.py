@@ -37,6 +37,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 
 from zeroserve.broker.server.fairqueue import GONE, QUEUED, TAKEN, FairLevel as _Level, \
     measured, reckon
+from zeroserve.broker.server.tokenfill import Predict, fill
 
 __all__ = ["GONE", "QUEUED", "TAKEN"]
 
@@ -114,9 +115,6 @@ class Decision:
 # how far past the head of the queue a token-budget batch looks for rows of a similar
 # length (the in-process baseline sorts a window of the same size)
 TOKEN_WINDOW = 256
-
-
-Predict = Callable[[float], float]   # units (rows x scale) -> seconds
 
 
 def _no_latency(_: float) -> float:
@@ -477,11 +475,8 @@ class Scheduler:
                    resolve: Callable[[Entry], int | None]
                    ) -> tuple[list[Entry], list[Entry]]:
         """A batch under the token budget: the head of the dispatch order, then rows of
-        a length near its own from the next :data:`TOKEN_WINDOW` entries, so little of
-        the batch is padding. Order still comes first: rows that have aged, or whose
-        deadline is near, before the rest, and a higher priority before a lower one; by
-        length only within the same rank."""
-        pol = q.policy
+        a length near its own from the next :data:`TOKEN_WINDOW` entries of its version
+        and shape, as :func:`tokenfill.fill` chooses them."""
         doomed: list[Entry] = []
         window: list[Entry] = []
         for e, v in self._runnable(q, now, start, predict, resolve, doomed):
@@ -494,41 +489,9 @@ class Scheduler:
                 break
         if not window:
             return [], doomed
-        head, rest = window[0], window[1:]
-        # a batch runs about its budget's worth: a row whose deadline falls within twice
-        # that is urgent, and ranks with the aged ones
-        soon = start + 2 * predict(float(pol.max_batch_tokens))
-
-        def rank(e: Entry) -> tuple[int, int, int]:
-            urgent = e.arrival_s + pol.aging_s <= now or e.deadline_s <= soon
-            return (0 if urgent else 1 + e.priority, abs(e.length - head.length), e.seq)
-
-        batch = [head]
-        rows, longest, total = head.samples, head.length, head.samples * head.length
-        tightest = head.deadline_s
-        per_token = head.scale / max(head.length, 1)   # the latency model's units a token
-        for e in sorted(rest, key=rank):
-            if rows + e.samples > cap:
-                continue
-            wide = max(longest, e.length)
-            cost = pol.tokens(rows + e.samples, wide, total + e.samples * e.length)
-            if cost > pol.max_batch_tokens:
-                continue
-            tight = min(tightest, e.deadline_s)
-            joined = predict(cost * per_token)
-            if start + joined > tight:
-                continue
-            # as in a padded batch without a budget: a row of another length joins only
-            # where running it padded costs no more than running it apart
-            if not pol.packed and e.length != longest and joined > \
-                    predict(rows * longest * per_token) + predict(e.units):
-                continue
-            e.version = head.version
-            batch.append(e)
-            rows, longest, total, tightest = rows + e.samples, wide, \
-                total + e.samples * e.length, tight
-            if rows >= cap:
-                break
+        batch = fill(window[0], window[1:], q.policy, now, start, cap, predict)
+        for e in batch:
+            e.version = window[0].version
         return batch, doomed
 
     def next_due(self, model: str, now: float, predict: Predict = _no_latency) -> float | None:

@@ -28,7 +28,7 @@ def entry(key: object, tenant: str, scale: float, by_time: bool, weight: float =
                  weight=weight, scale=scale, shape=scale, by_time=by_time)
 
 
-def run(by_time: bool, seconds: float = 60.0, true_cost: Callable[[float], float] = predict,
+def run(by_time: bool, seconds: float = 10.0, true_cost: Callable[[float], float] = predict,
         tenants: dict[str, tuple[float, float]] | None = None,
         batch: int = 8) -> dict[str, float]:
     """Every tenant backlogged (topped up to four batches queued), one worker, for
@@ -89,10 +89,12 @@ def test_backlogged_tenants_share_time_in_proportion_to_weight(
     """Whatever their row sizes and weights, and however wrong the prediction, each
     backlogged tenant's time is its weight's share, within a few batches' work."""
     tenants = {f"t{i}": (sc, weights[i]) for i, sc in enumerate(scales)}
-    used = run(by_time=True, seconds=30.0, true_cost=lambda u: predict(u) * skew,
-               tenants=tenants)
-    total, wsum = sum(used.values()), sum(w for _, w in tenants.values())
     worst_batch = predict(8 * max(scales)) * skew
+    # about 400 of the longest batches: enough for the shares to settle, and a
+    # bounded number of batches whatever the sizes drawn (CI tries every example)
+    used = run(by_time=True, seconds=400 * worst_batch,
+               true_cost=lambda u: predict(u) * skew, tenants=tenants)
+    total, wsum = sum(used.values()), sum(w for _, w in tenants.values())
     for t, (_, w) in tenants.items():
         assert abs(used[t] - total * w / wsum) <= 4 * worst_batch + 0.02 * total, \
             (t, used, tenants)

@@ -2,11 +2,13 @@
 holds, lengths group, and order (aging, deadlines, priority) still comes first."""
 
 import math
+from dataclasses import dataclass
 
 from hypothesis import given, settings, strategies as st
 
 from tests.conftest import examples
 from zeroserve.broker.server.scheduler import FULL, Entry, Policy, Scheduler
+from zeroserve.broker.server.tokenfill import fill
 
 
 def make(budget=64, mbs=32, packed=False, aging=1.0):
@@ -134,3 +136,30 @@ def test_properties(texts, budget, mbs, packed):
         taken += keys(d)
     assert sorted(taken) == list(range(len(texts)))
     assert s.census()["scheduler.by_key"] == 0
+
+
+def test_the_fill_is_pure_on_plain_rows():
+    """tokenfill.fill reads only a row's fields: frozen rows, no queue, no scheduler."""
+    @dataclass(frozen=True)
+    class Row:
+        length: int
+        seq: int
+        deadline_s: float = math.inf
+        samples: int = 1
+        priority: int = 1
+        arrival_s: float = 0.0
+
+        @property
+        def scale(self) -> float:
+            return float(self.length)
+
+        @property
+        def units(self) -> float:
+            return self.samples * self.scale
+
+    pol = Policy(max_batch_size=8, max_batch_tokens=64)
+    rest = [Row(n, i + 1) for i, n in enumerate([40, 16, 15, 17, 16])] + [Row(16, 9, 0.5)]
+    got = fill(Row(16, 0), rest, pol, now=0.0, start=1.0, cap=8, predict=lambda u: 0.0)
+    # nearest lengths first, 4 x 16 = the budget; the row due before the start never joins
+    assert [(r.length, r.seq) for r in got] == [(16, 0), (16, 2), (16, 5), (15, 3)]
+    assert fill(Row(16, 0), rest, pol, 0.0, 1.0, 2, lambda u: 0.0) == [Row(16, 0), Row(16, 2)]

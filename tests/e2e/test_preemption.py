@@ -48,7 +48,10 @@ def metric(text: str, name: str, **labels: str) -> float:
 def test_a_vip_takes_a_slot_within_two_steps_and_the_paused_stream_ends_the_same(
         served: tuple[Server, Any, Any]) -> None:
     srv, folder, tokenizer = served
-    lows = [(prompt_ids(tokenizer, i, 8 + 9 * i), 48) for i in range(SLOTS)]
+    # the lows outlast the VIP, so the paused one waits for the VIP's end (100 steps):
+    # a pause of a few heartbeats (0.5 s), which the worker's gauge must show; with
+    # shorter lows a slot freed after ~44 steps and the pause could fall between two
+    lows = [(prompt_ids(tokenizer, i, 8 + 9 * i), 160) for i in range(SLOTS)]
     vip_ids = prompt_ids(tokenizer, 40, 12)
     log: list[tuple[str, int]] = []   # every token as the client got it, in order
     scraped: dict[str, str] = {}

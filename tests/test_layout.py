@@ -318,8 +318,6 @@ OVERSIZED = {
                                             "formation in one pure class, split when it grows",
     "broker/client.py": "wire: the client's room, with the import rooms",
     "broker/protocol/codec.py": "wire: the msgspec codec landed beside the old one",
-    "broker/server/pool.py:WorkerPool": "compose: the batches in flight (sending, stacking, "
-                                        "stalls) are the next room out of the pool",
 }
 
 

@@ -20,7 +20,7 @@ from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.ledger import AnswerLedger
 from zeroserve.broker.server.metrics import BrokerMetrics
-from zeroserve.broker.server.pool import Inflight, Loss, WorkerPool
+from zeroserve.broker.server.pool import Batches, Inflight, Loss, WorkerPool
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.streams import Streams
@@ -34,12 +34,13 @@ class Answering:
     (the pipelines' in front of the socket)."""
 
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
-                 latency: LatencyBook, ledger: AnswerLedger, streams: Streams,
+                 batches: Batches, latency: LatencyBook, ledger: AnswerLedger, streams: Streams,
                  tenancy: Tenancy, stats: ModelStatistics, metrics: BrokerMetrics,
                  reply: Send, clock: Callable[[], float]) -> None:
         self.catalog = catalog
         self.scheduler = scheduler
         self.pool = pool
+        self.batches = batches
         self.latency = latency
         self.ledger = ledger
         self.streams = streams
@@ -100,8 +101,8 @@ class Answering:
     def fail_everything(self, code: p.ErrorCode, message: str) -> None:
         for name in list(self.scheduler.models_waiting()):
             self.fail_queued(name, code, message)
-        for batch_id in list(self.pool.inflight):
-            rec = self.pool.finish(batch_id)
+        for batch_id in list(self.batches.inflight):
+            rec = self.batches.finish(batch_id)
             if rec is not None:
                 self.fail_batch(rec, code, message)
 

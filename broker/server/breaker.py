@@ -6,9 +6,10 @@ failing opens it again for twice as long (up to ``max_open_s``). A new build of 
 committed closes it: the fix is what an operator does.
 
 Pure: the counts and the clock come in (:meth:`Breakers.answered`, :meth:`failed`,
-:meth:`admit`), the state goes out; the request path (requests.py) feeds it and answers
-its refusals. A swap's first minutes are watched by a rollout instead (releases.py): the
-request path feeds the breaker only for models with no rollout running.
+:meth:`admit`), the state goes out; the request path's results (results.py) feed it and
+its intake (intake.py) answers its refusals. A swap's first minutes are watched by a
+rollout instead (releases.py): the results feed the breaker only for models with no
+rollout running.
 """
 
 from __future__ import annotations

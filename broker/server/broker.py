@@ -39,7 +39,7 @@ from zeroserve.broker.server.metrics import BreakerStates, BrokerMetrics, CacheS
 from zeroserve.broker.server.ondemand import OnDemand, OnDemandOptions
 from zeroserve.broker.server.pipeline import INTERNAL, OnWorkers, Pipelines
 from zeroserve.broker.server.placement import Placement
-from zeroserve.broker.server.pool import WorkerPool
+from zeroserve.broker.server.pool import Batches, WorkerPool
 from zeroserve.broker.server.breaker import BreakerOptions, Breakers
 from zeroserve.broker.server.readverbs import ReadVerbs
 from zeroserve.broker.server.registration import Registrar
@@ -97,8 +97,9 @@ class Broker:
         registry = metrics.registry
         self.catalog = catalog = Catalog(model_dir)
         self.scheduler = scheduler = Scheduler()
+        batches = Batches(to_worker, clock)     # the batches in flight on the workers
         self.pool = pool = WorkerPool(to_worker, clock, heartbeat_s=heartbeat_s,
-                                      expiry_s=worker_expiry_s)
+                                      expiry_s=worker_expiry_s, batches=batches)
         self.tenancy = tenancy = Tenancy(tenants_path, registry, clock)  # TenantsError
         self.stop = stop = StopState()
         # a stopping broker that drains what it accepted runs the pipelines' next steps
@@ -107,7 +108,7 @@ class Broker:
         self.stats = stats = ModelStatistics()         # the statistics extension's figures
         self.streams = streams = Streams()             # decoupled models' running requests
         latency = LatencyBook(enabled=latency_model)
-        self.forecast = forecast = Forecast(pool, latency)
+        self.forecast = forecast = Forecast(pool, batches, latency)
         self.usage = usage = Usage()
         gate = DispatchGate()                          # when a worker may take a batch
         self.breakers = breakers = Breakers(breaker)
@@ -118,12 +119,13 @@ class Broker:
         self.pipelines = pipelines = Pipelines(catalog, ledger, stats, metrics, to_client,
                                                clock)
         reply = pipelines.reply
-        self.answering = answering = Answering(catalog, scheduler, pool, latency, ledger,
-                                               streams, tenancy, stats, metrics, reply, clock)
+        self.answering = answering = Answering(catalog, scheduler, pool, batches, latency,
+                                               ledger, streams, tenancy, stats, metrics,
+                                               reply, clock)
         self.releases = releases = Releases(catalog, pool, clock, registry,
                                             reroute=answering.reroute,
                                             watch_s=breaker.watch_s)
-        self.streaming = streaming = StreamPath(streams, pool, catalog, metrics, stats, ledger,
+        self.streaming = streaming = StreamPath(streams, batches, catalog, metrics, stats, ledger,
                                                 reply, answering)
         # the model lifecycle's strategies; what they ask of the lifecycle is bound late
         # (it is built last, from them): KNOWN_LATE_BINDINGS in tests/test_layout.py
@@ -145,9 +147,9 @@ class Broker:
                               forecast, answers, ondemand)
         self.intake = Intake(catalog, scheduler, ledger, stop, breakers, admission, answers,
                              pipelines, streams, streaming, answering, tenancy, reply, clock)
-        self.results = Results(catalog, pool, ledger, answering, streaming, answers, latency,
-                               forecast, breakers, releases, stats, metrics, reply)
-        self.dispatch = Dispatch(catalog, scheduler, pool, latency, gate, forecast, usage,
+        self.results = Results(catalog, pool, batches, ledger, answering, streaming, answers,
+                               latency, forecast, breakers, releases, stats, metrics, reply)
+        self.dispatch = Dispatch(catalog, scheduler, pool, batches, latency, gate, forecast, usage,
                                  answering, streams, streaming, tenancy, metrics)
         self.ledger = ledger
         self.repository = repository = RepositoryControl(
@@ -175,9 +177,9 @@ class Broker:
         # what a message may hold, per socket: clients' requests are small headers and
         # tensors; control calls carry configs; workers' heartbeats carry metrics text
         self.membership = Membership(
-            pool, p.Limits(header_bytes=32 << 20, message_bytes=max_message_bytes), self.results,
-            streaming, self.lifecycle, loads, ondemand, replicas, answering, forecast, ledger,
-            stop, metrics, clock)
+            pool, batches, p.Limits(header_bytes=32 << 20, message_bytes=max_message_bytes),
+            self.results, streaming, self.lifecycle, loads, ondemand, replicas, answering,
+            forecast, ledger, stop, metrics, clock)
         self.control = control = ControlTable(admin_token, TenantScope(tenancy, admin_token))
         self._add_verbs()
         repository.add_verbs(control)

@@ -1,8 +1,8 @@
 """The request path's use of the response cache (cache.py): which requests may use it,
 the key of each, and the counting of hits and misses in the statistics extension and
-the metrics. :class:`RequestPath` asks :meth:`CachedAnswers.lookup` at admission, once
-the tenant gate has admitted the request, and gives a miss's answer to
-:meth:`CachedAnswers.keep` when it arrives.
+the metrics. Admission asks :meth:`CachedAnswers.lookup` once the tenant gate has
+admitted the request, and the results give a miss's answer to :meth:`CachedAnswers.keep`
+when it arrives.
 
 Identical requests that miss together are each computed (nothing waits for another's
 answer); the last answer to arrive is the one kept. A request the cache cannot serve:

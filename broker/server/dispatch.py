@@ -15,7 +15,7 @@ from zeroserve.broker.server.dispatchgate import DispatchGate
 from zeroserve.broker.server.forecast import Forecast, Usage
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.metrics import BrokerMetrics
-from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.pool import Batches, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import Streams
@@ -24,12 +24,13 @@ from zeroserve.broker.server.tenancy import Tenancy
 
 class Dispatch:
     def __init__(self, catalog: Catalog, scheduler: Scheduler, pool: WorkerPool,
-                 latency: LatencyBook, gate: DispatchGate, forecast: Forecast, usage: Usage,
-                 answering: Answering, streams: Streams, streaming: StreamPath,
-                 tenancy: Tenancy, metrics: BrokerMetrics) -> None:
+                 batches: Batches, latency: LatencyBook, gate: DispatchGate,
+                 forecast: Forecast, usage: Usage, answering: Answering, streams: Streams,
+                 streaming: StreamPath, tenancy: Tenancy, metrics: BrokerMetrics) -> None:
         self.catalog = catalog
         self.scheduler = scheduler
         self.pool = pool
+        self.batches = batches
         self.latency = latency
         self.gate = gate
         self.forecast = forecast
@@ -111,7 +112,7 @@ class Dispatch:
         items = [p.BatchItem(str(i), e.payload.request.tensors, e.payload.request.outputs)
                  for i, e in enumerate(entries)]  # open entries: their requests are held
         exec_s = model.config.dynamic_batching.max_execution_ms / 1000.0
-        rec = self.pool.send_batch(worker, model.config.name, version, entries, items, reason,
+        rec = self.batches.send_batch(worker, model.config.name, version, entries, items, reason,
                                    now, exec_s, model.config.decoupled,
                                    _batch_trace(entries, now),
                                    _callers(entries, now) if model.config.platform == "python"
@@ -129,9 +130,9 @@ class Dispatch:
         self.tenancy.queued([(e.tenant, now - e.arrival_s) for e in entries])
 
     def next_due(self, now: float) -> float | None:
-        due = [d for d in (self.scheduler.next_deadline(), self.pool.next_exec_deadline(),
+        due = [d for d in (self.scheduler.next_deadline(), self.batches.next_exec_deadline(),
                            self.streams.next_deadline() if self.streams else None,
-                           self.pool.next_stall(self.forecast.stall_limit_s)) if d is not None]
+                           self.batches.next_stall(self.forecast.stall_limit_s)) if d is not None]
         for name in self.scheduler.models_waiting():
             d = self.scheduler.next_due(name, now, self.latency.predictor(name))
             if d is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from zeroserve.broker.server.latency import LatencyBook
-from zeroserve.broker.server.pool import Inflight, WorkerPool, WorkerState
+from zeroserve.broker.server.pool import Batches, Inflight, WorkerPool, WorkerState
 
 # A running batch counts as hung, and the batches queued behind it on its worker move to
 # others, once it has run this many times its predicted time, and at least STALL_MIN_S
@@ -18,8 +18,9 @@ STALL_MIN_S = 1.0
 
 
 class Forecast:
-    def __init__(self, pool: WorkerPool, latency: LatencyBook) -> None:
+    def __init__(self, pool: WorkerPool, batches: Batches, latency: LatencyBook) -> None:
         self.pool = pool
+        self.batches = batches
         self.latency = latency
 
     def soonest_free(self, workers: list[WorkerState], now: float) -> float:
@@ -35,7 +36,7 @@ class Forecast:
         """When a worker is predicted to finish the batches it has (they run in order)."""
         cursor = now
         for i, batch_id in enumerate(worker.inflight):
-            rec = self.pool.inflight[batch_id]
+            rec = self.batches.inflight[batch_id]
             run_s = self.latency.predictor(rec.model, worker.worker_id)(rec.units)
             cursor = max(cursor, rec.sent_s + run_s) if i == 0 else cursor + run_s
         return cursor
@@ -44,7 +45,7 @@ class Forecast:
         """The predicted run time of every batch the worker holds, elapsed or not."""
         work = 0.0
         for batch_id in worker.inflight:
-            rec = self.pool.inflight[batch_id]
+            rec = self.batches.inflight[batch_id]
             work += self.latency.predictor(rec.model, worker.worker_id)(rec.units)
         return work
 

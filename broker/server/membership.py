@@ -17,7 +17,7 @@ from zeroserve.broker.server.lifecycle import Lifecycle
 from zeroserve.broker.server.loads import WorkerLoads
 from zeroserve.broker.server.metrics import BrokerMetrics
 from zeroserve.broker.server.ondemand import OnDemand
-from zeroserve.broker.server.pool import Loss, WorkerPool, WorkerState
+from zeroserve.broker.server.pool import Batches, Loss, WorkerPool, WorkerState
 from zeroserve.broker.server.replicas import Replicas
 from zeroserve.broker.server.results import Results
 from zeroserve.broker.server.stopping import StopState
@@ -27,13 +27,14 @@ logger = logging.getLogger(__name__)
 
 
 class Membership:
-    def __init__(self, pool: WorkerPool, limits: p.Limits, results: Results,
+    def __init__(self, pool: WorkerPool, batches: Batches, limits: p.Limits, results: Results,
                  streaming: StreamPath, lifecycle: Lifecycle, loads: WorkerLoads,
                  ondemand: OnDemand,
                  replicas: Replicas, answering: Answering, forecast: Forecast,
                  ledger: AnswerLedger, stop: StopState, metrics: BrokerMetrics,
                  clock: Callable[[], float]) -> None:
         self.pool = pool
+        self.batches = batches
         self.limits = limits
         self.results = results
         self.streaming = streaming
@@ -77,7 +78,7 @@ class Membership:
         elif kind is p.Kind.LEAVE:
             self._on_leave(worker, p.decode(p.Leave, header))
         elif kind is p.Kind.WAITING:   # its freed credit is used by this round's dispatch
-            self.pool.waits(worker, p.decode(p.Waiting, header).batch_id)
+            self.batches.waits(worker, p.decode(p.Waiting, header).batch_id)
         else:
             raise p.ProtocolError(f"unexpected kind {kind.name} on the backend")
 

@@ -1,8 +1,9 @@
-"""The worker pool: membership, credits, heartbeats, the batches in flight on each
-worker, what each worker loads, holds and retires, and the one place that sends
-anything to a worker. It is the one writer of :class:`WorkerState`: the lifecycle,
-swaps, placement and the control verbs read a worker and ask the pool's verbs
-(``begin_load``, ``loaded``, ``failed``, ``retire``, ``heard``, ``beat``, ``keep``...).
+"""The worker pool: membership, credits, heartbeats, what each worker loads, holds and
+retires, and the one place that sends anything to a worker; beside it, the batches in
+flight on each worker (:class:`Batches`). The two are the one writer of
+:class:`WorkerState`: the lifecycle, swaps, placement and the control verbs read a worker
+and ask their verbs (``begin_load``, ``loaded``, ``failed``, ``retire``, ``heard``,
+``beat``, ``keep``, ``send_batch``, ``finish``...).
 
 It decides nothing about requests: when a worker is lost it hands back that
 worker's in-flight batches, and the request path decides what each request gets.
@@ -159,171 +160,37 @@ class WorkerState:
         }
 
 
-class WorkerPool:
-    def __init__(self, send: Send, clock: Clock, *, heartbeat_s: float = 0.5,
-                 expiry_s: float = 2.0) -> None:
+class Batches:
+    """The batches in flight: sent, answered, waiting on the models their handler called,
+    queued behind a running one on their worker, stalled. The one writer of a worker's
+    batch fields (its queue, its waiting and running sequences, stalled); ``changes``
+    counts what may have freed room (a batch answered)."""
+
+    def __init__(self, send: Send, clock: Clock) -> None:
         self._send = send
         self._clock = clock
-        self.heartbeat_s = heartbeat_s
-        self.expiry_s = expiry_s
-        self.workers: dict[bytes, WorkerState] = {}
         self.inflight: dict[int, Inflight] = {}
-        # what the request path asks every tick or every request, kept so that its cost
-        # does not grow with the workers: holders by model (dropped whenever a worker
-        # joins, leaves, loads or unloads), workers with a batch queued behind another,
-        # and workers leaving
-        self._holders: dict[tuple[str, int | None], list[WorkerState]] = {}
+        self._owners: dict[int, WorkerState] = {}
+        # workers with a batch queued behind another, kept so that what the request path
+        # asks every tick does not grow with the workers
         self._stacked: dict[bytes, WorkerState] = {}
-        self._leaving: dict[bytes, WorkerState] = {}
         self._batch_ids = itertools.count(1)
-        # bumped whenever what a worker holds, runs or reports may have freed room (a
-        # batch answered, a load ended, a model dropped, a memory report, a worker come,
-        # gone or drained): load on demand retries the models that wait for room only
-        # then or when a time it knows comes, not on every request of every tick
         self.changes = 0
-        self._retiring: list[tuple[bytes, ModelVersion]] = []   # out of routing, unloaded idle
-        self.log_settings: dict[str, Any] = {}   # what /v2/logging changed, for joiners too
 
-    # -- membership ---------------------------------------------------------
-    def register(self, identity: bytes, ready: p.WorkerReady, now: float) -> WorkerState:
-        self._holders.clear()
-        self.changes += 1
-        worker = WorkerState(identity, ready.worker_id or identity.decode(errors="replace"),
-                             max(1, min(ready.credits, 64)), now,
-                             {"pid": ready.pid, "host": ready.host, "device": ready.device,
-                              "memory_budget_bytes": ready.memory_budget_bytes,
-                              "protocol_versions": sorted(set(ready.versions))})
-        for m, v in ready.models:
-            self._hold(worker, ModelVersion(str(m), int(v)))
-        worker._memory = dict(ready.memory)   # the memory planner's inputs until a heartbeat
-        self.workers[identity] = worker
-        if self.log_settings:  # a worker that joins later logs as the others do
-            self._send(identity, p.encode(p.LogSettings(dict(self.log_settings))))
-        logger.info("worker %s ready (pid %s, %s, %d credits)", worker.worker_id, ready.pid,
-                    ready.device, worker.credits)
-        return worker
+    def _pop(self, batch_id: int) -> Inflight:
+        self._owners.pop(batch_id, None)
+        return self.inflight.pop(batch_id)
 
-    @staticmethod
-    def speaks(worker: WorkerState, version: int) -> bool:
-        """Whether a worker reads messages of protocol ``version`` (its READY said so): a
-        kind newer than version 1 goes only to a worker that does."""
-        return version in worker.info.get("protocol_versions", (1,))
-
-    def get(self, identity: bytes) -> WorkerState | None:
-        return self.workers.get(identity)
-
-    def by_id(self, worker_id: str) -> WorkerState | None:
-        return next((w for w in self.workers.values() if w.worker_id == worker_id), None)
-
-    def census(self) -> dict[str, int]:
-        return {"pool.inflight": len(self.inflight),
-                "pool.worker_batches": sum(len(w.inflight) for w in self.workers.values()),
-                "pool.worker_sequences": sum(len(w.sequences) for w in self.workers.values())}
-
-    def holders(self, model: str, version: int | None = None) -> list[WorkerState]:
-        """The workers that hold the model (that version); the caller must not change
-        the list."""
-        key = (model, version)
-        got = self._holders.get(key)
-        if got is None:
-            got = self._holders[key] = [w for w in self.workers.values()
-                                        if w.holds(model, version)]
-        return got
-
-    def free_holder(self, model: str) -> WorkerState | None:
-        """The least busy worker with a free credit that holds the model; the first idle
-        one at once (none can be less busy)."""
-        best = None
-        for w in self.holders(model):
-            if w.free > 0:
-                if not w._inflight:
-                    return w
-                if best is None or len(w._inflight) < len(best._inflight):
-                    best = w
-        return best
-
-    def running_sequences(self, worker: WorkerState, model: str) -> int:
-        """The requests of ``model`` running as sequences on ``worker`` (open ones: a
-        final part or a stop frees the slot)."""
-        return sum(len(rec.entries) for b in worker.sequences
-                   if (rec := self.inflight[b]).model == model)
-
-    def sequence_holder(self, model: str, most: int) -> tuple[WorkerState | None, int]:
-        """The worker holding an iterative ``model`` with the most free sequence slots of
-        ``most``, and how many; (None, 0) when every slot is taken."""
-        best, free = None, 0
-        for w in self.holders(model):
-            if w.draining or w.stalled:
-                continue
-            left = most - self.running_sequences(w, model)
-            if left > free:
-                best, free = w, left
-        return best, free
-
-    def named(self, worker_id: str) -> WorkerState:
-        worker = self.by_id(worker_id)
-        if worker is None:
-            known = ", ".join(sorted(w.worker_id for w in self.workers.values()))
-            raise LookupError(f"unknown worker {worker_id!r} (known: {known or 'none'})")
-        return worker
-
-    def set_draining(self, worker_id: str, draining: bool) -> WorkerState:
-        """Stop (or resume) sending new batches to a worker; its in-flight ones finish."""
-        worker = self.named(worker_id)
-        if not draining and worker.exiting:
-            raise LookupError(f"worker {worker_id!r} is leaving and cannot be undrained")
-        worker._draining = draining
-        self.changes += 1
-        logger.info("worker %s %s", worker_id, "drained" if draining else "undrained")
-        return worker
-
-    def leave(self, worker: WorkerState, recycle: bool = False) -> None:
-        """The worker drains, then exits once nothing of ours runs on it (see drained)."""
-        worker._draining = worker._exiting = True
-        self.changes += 1
-        worker._recycle = worker._recycle or recycle
-        self._leaving[worker.identity] = worker
-
-    def keep(self, worker: WorkerState) -> None:
-        """A leaving worker takes batches again until the broker's queue is done (the
-        whole server stops, and it was signalled with the broker)."""
-        worker._draining = False
-        self.changes += 1
-
-    def drain_leavers(self) -> None:
-        """The workers kept by :meth:`keep` drain again (``undrain --all``)."""
-        for worker in self.workers.values():
-            worker._draining = worker._draining or worker._exiting
-        self.changes += 1
-
-    def heard(self, worker: WorkerState, now: float) -> None:
-        """Any message from the worker: it is alive now."""
-        worker._last_seen_s = now
-
-    def beat(self, worker: WorkerState, beat: p.WorkerHeartbeat) -> None:
-        """A heartbeat's report: its metrics text and its memory."""
-        worker._metrics_text, worker._memory = beat.metrics, beat.memory
-        self.changes += 1
-
-    def remove(self, worker: WorkerState, loss: Loss, quiet: bool = False) -> list[Inflight]:
-        """Forget a worker; returns its in-flight batches, oldest first."""
-        if self.workers.pop(worker.identity, None) is None:
-            return []
-        self._holders.clear()
+    def take(self, worker: WorkerState) -> list[Inflight]:
+        """A worker removed: its in-flight batches, oldest first, no longer ours."""
         self._stacked.pop(worker.identity, None)
-        self._leaving.pop(worker.identity, None)
-        self.changes += 1
-        if not quiet:
-            logger.warning("worker %s removed: %s", worker.worker_id, loss.value)
-        lost = [self.inflight.pop(b) for b in (*worker.inflight, *worker.waiting,
-                                               *sorted(worker.sequences))
-                if b in self.inflight]
+        lost = [self._pop(b) for b in (*worker.inflight, *worker.waiting,
+                                       *sorted(worker.sequences)) if b in self.inflight]
         worker._inflight = []
         worker._waiting = set()
         worker._sequences = set()
         return lost
 
-    # -- batches ------------------------------------------------------------
     def send_batch(self, worker: WorkerState, model: str, version: int,
                    entries: list[Entry], items: list[p.BatchItem], reason: str, now: float,
                    exec_s: float, stream: bool = False,
@@ -347,6 +214,7 @@ class WorkerPool:
         if not self._send(worker.identity, frames):
             return None
         self.inflight[batch_id] = rec
+        self._owners[batch_id] = worker
         if sequences:
             worker._sequences.add(batch_id)
             return rec
@@ -360,7 +228,7 @@ class WorkerPool:
         (its worker was lost, or it timed out): a late answer is then dropped."""
         rec = self.inflight.pop(batch_id, None)
         if rec is not None:
-            worker = self.workers.get(rec.worker)
+            worker = self._owners.pop(batch_id, None)
             if worker is not None:
                 worker._waiting.discard(batch_id)
                 if batch_id in worker.sequences:
@@ -418,7 +286,7 @@ class WorkerPool:
             head = self.inflight[w.inflight[0]]
             if now - head.started_s > limit_s(w, head):
                 w._stalled = True
-                behind = [self.inflight.pop(b) for b in w.inflight[1:]]
+                behind = [self._pop(b) for b in w.inflight[1:]]
                 del w._inflight[1:]
                 del self._stacked[w.identity]
                 out.append((w, behind))
@@ -440,6 +308,179 @@ class WorkerPool:
 
     def busy_models(self, worker: WorkerState) -> set[str]:
         return {self.inflight[b].model for b in worker.inflight if b in self.inflight}
+
+    def running_sequences(self, worker: WorkerState, model: str) -> int:
+        """The requests of ``model`` running as sequences on ``worker`` (open ones: a
+        final part or a stop frees the slot)."""
+        return sum(len(rec.entries) for b in worker.sequences
+                   if (rec := self.inflight[b]).model == model)
+
+
+class WorkerPool:
+    def __init__(self, send: Send, clock: Clock, *, heartbeat_s: float = 0.5,
+                 expiry_s: float = 2.0, batches: Batches | None = None) -> None:
+        self._send = send
+        self._clock = clock
+        self.heartbeat_s = heartbeat_s
+        self.expiry_s = expiry_s
+        self.workers: dict[bytes, WorkerState] = {}
+        # the batches in flight: a test's pool makes its own, the broker's is handed in
+        self._batches = batches if batches is not None else Batches(send, clock)
+        # what the request path asks every tick or every request, kept so that its cost
+        # does not grow with the workers: holders by model (dropped whenever a worker
+        # joins, leaves, loads or unloads), and workers leaving
+        self._holders: dict[tuple[str, int | None], list[WorkerState]] = {}
+        self._leaving: dict[bytes, WorkerState] = {}
+        self._changes = 0   # see :attr:`changes`
+        self._retiring: list[tuple[bytes, ModelVersion]] = []   # out of routing, unloaded idle
+        self.log_settings: dict[str, Any] = {}   # what /v2/logging changed, for joiners too
+
+    # -- membership ---------------------------------------------------------
+    def register(self, identity: bytes, ready: p.WorkerReady, now: float) -> WorkerState:
+        self._holders.clear()
+        self._changes += 1
+        worker = WorkerState(identity, ready.worker_id or identity.decode(errors="replace"),
+                             max(1, min(ready.credits, 64)), now,
+                             {"pid": ready.pid, "host": ready.host, "device": ready.device,
+                              "memory_budget_bytes": ready.memory_budget_bytes,
+                              "protocol_versions": sorted(set(ready.versions))})
+        for m, v in ready.models:
+            self._hold(worker, ModelVersion(str(m), int(v)))
+        worker._memory = dict(ready.memory)   # the memory planner's inputs until a heartbeat
+        self.workers[identity] = worker
+        if self.log_settings:  # a worker that joins later logs as the others do
+            self._send(identity, p.encode(p.LogSettings(dict(self.log_settings))))
+        logger.info("worker %s ready (pid %s, %s, %d credits)", worker.worker_id, ready.pid,
+                    ready.device, worker.credits)
+        return worker
+
+    @staticmethod
+    def speaks(worker: WorkerState, version: int) -> bool:
+        """Whether a worker reads messages of protocol ``version`` (its READY said so): a
+        kind newer than version 1 goes only to a worker that does."""
+        return version in worker.info.get("protocol_versions", (1,))
+
+    def get(self, identity: bytes) -> WorkerState | None:
+        return self.workers.get(identity)
+
+    def by_id(self, worker_id: str) -> WorkerState | None:
+        return next((w for w in self.workers.values() if w.worker_id == worker_id), None)
+
+    @property
+    def changes(self) -> int:
+        """Bumped whenever what a worker holds, runs or reports may have freed room (a
+        batch answered, a load ended, a model dropped, a memory report, a worker come,
+        gone or drained): load on demand retries the models that wait for room only then
+        or when a time it knows comes, not on every request of every tick."""
+        return self._changes + self._batches.changes
+
+    @property
+    def batches(self) -> Batches:
+        """The batches in flight on these workers (a test's harness hands them on)."""
+        return self._batches
+
+    @property
+    def inflight(self) -> Mapping[int, Inflight]:
+        """Every batch in flight, by id (read-only: :class:`Batches` writes it)."""
+        return self._batches.inflight
+
+    def busy_models(self, worker: WorkerState) -> set[str]:
+        return self._batches.busy_models(worker)
+
+    def census(self) -> dict[str, int]:
+        return {"pool.inflight": len(self._batches.inflight),
+                "pool.worker_batches": sum(len(w.inflight) for w in self.workers.values()),
+                "pool.worker_sequences": sum(len(w.sequences) for w in self.workers.values())}
+
+    def holders(self, model: str, version: int | None = None) -> list[WorkerState]:
+        """The workers that hold the model (that version); the caller must not change
+        the list."""
+        key = (model, version)
+        got = self._holders.get(key)
+        if got is None:
+            got = self._holders[key] = [w for w in self.workers.values()
+                                        if w.holds(model, version)]
+        return got
+
+    def free_holder(self, model: str) -> WorkerState | None:
+        """The least busy worker with a free credit that holds the model; the first idle
+        one at once (none can be less busy)."""
+        best = None
+        for w in self.holders(model):
+            if w.free > 0:
+                if not w._inflight:
+                    return w
+                if best is None or len(w._inflight) < len(best._inflight):
+                    best = w
+        return best
+
+    def sequence_holder(self, model: str, most: int) -> tuple[WorkerState | None, int]:
+        """The worker holding an iterative ``model`` with the most free sequence slots of
+        ``most``, and how many; (None, 0) when every slot is taken."""
+        best, free = None, 0
+        for w in self.holders(model):
+            if w.draining or w.stalled:
+                continue
+            left = most - self._batches.running_sequences(w, model)
+            if left > free:
+                best, free = w, left
+        return best, free
+
+    def named(self, worker_id: str) -> WorkerState:
+        worker = self.by_id(worker_id)
+        if worker is None:
+            known = ", ".join(sorted(w.worker_id for w in self.workers.values()))
+            raise LookupError(f"unknown worker {worker_id!r} (known: {known or 'none'})")
+        return worker
+
+    def set_draining(self, worker_id: str, draining: bool) -> WorkerState:
+        """Stop (or resume) sending new batches to a worker; its in-flight ones finish."""
+        worker = self.named(worker_id)
+        if not draining and worker.exiting:
+            raise LookupError(f"worker {worker_id!r} is leaving and cannot be undrained")
+        worker._draining = draining
+        self._changes += 1
+        logger.info("worker %s %s", worker_id, "drained" if draining else "undrained")
+        return worker
+
+    def leave(self, worker: WorkerState, recycle: bool = False) -> None:
+        """The worker drains, then exits once nothing of ours runs on it (see drained)."""
+        worker._draining = worker._exiting = True
+        self._changes += 1
+        worker._recycle = worker._recycle or recycle
+        self._leaving[worker.identity] = worker
+
+    def keep(self, worker: WorkerState) -> None:
+        """A leaving worker takes batches again until the broker's queue is done (the
+        whole server stops, and it was signalled with the broker)."""
+        worker._draining = False
+        self._changes += 1
+
+    def drain_leavers(self) -> None:
+        """The workers kept by :meth:`keep` drain again (``undrain --all``)."""
+        for worker in self.workers.values():
+            worker._draining = worker._draining or worker._exiting
+        self._changes += 1
+
+    def heard(self, worker: WorkerState, now: float) -> None:
+        """Any message from the worker: it is alive now."""
+        worker._last_seen_s = now
+
+    def beat(self, worker: WorkerState, beat: p.WorkerHeartbeat) -> None:
+        """A heartbeat's report: its metrics text and its memory."""
+        worker._metrics_text, worker._memory = beat.metrics, beat.memory
+        self._changes += 1
+
+    def remove(self, worker: WorkerState, loss: Loss, quiet: bool = False) -> list[Inflight]:
+        """Forget a worker; returns its in-flight batches, oldest first."""
+        if self.workers.pop(worker.identity, None) is None:
+            return []
+        self._holders.clear()
+        self._leaving.pop(worker.identity, None)
+        self._changes += 1
+        if not quiet:
+            logger.warning("worker %s removed: %s", worker.worker_id, loss.value)
+        return self._batches.take(worker)
 
     # -- messages to workers ----------------------------------------------------
     def load(self, worker: WorkerState, msg: p.LoadModel) -> None:
@@ -463,7 +504,7 @@ class WorkerPool:
         """No longer loading, and nothing learned: a trial load's answer, or a reload
         given up before its LOAD was sent."""
         worker._loading.discard(key)
-        self.changes += 1
+        self._changes += 1
 
     def loaded(self, worker: WorkerState, key: ModelVersion, load_s: float = 0.0) -> None:
         """The worker loaded it (in ``load_s``, by its clock): it holds it (routable
@@ -477,7 +518,7 @@ class WorkerPool:
         """The worker did not load it (or loaded other files): why, for status."""
         worker._loading.discard(key)
         worker._load_errors[key] = error
-        self.changes += 1
+        self._changes += 1
 
     def retire(self, worker: WorkerState, key: ModelVersion) -> None:
         """No new batches to it on this worker; unloaded once idle (:meth:`take_idle`)."""
@@ -498,7 +539,7 @@ class WorkerPool:
     def take_idle(self) -> list[tuple[WorkerState, ModelVersion]]:
         """The retiring versions with nothing in flight, no longer retiring, on the
         workers still here."""
-        busy = self.busy()
+        busy = self._batches.busy()
         idle = [(i, k) for i, k in self._retiring if (i, k.name, k.version) not in busy]
         self._retiring = [(i, k) for i, k in self._retiring
                           if (i, k.name, k.version) in busy]
@@ -508,7 +549,7 @@ class WorkerPool:
         worker._loaded.add(key)
         worker._versions.setdefault(key.name, set()).add(key.version)
         self._holders.clear()
-        self.changes += 1
+        self._changes += 1
 
     def _drop(self, worker: WorkerState, key: ModelVersion) -> None:
         worker._loaded.discard(key)
@@ -519,7 +560,7 @@ class WorkerPool:
             if not versions:
                 del worker._versions[key.name]
         self._holders.clear()
-        self.changes += 1
+        self._changes += 1
 
     def set_log_settings(self, update: dict[str, Any]) -> None:
         """The logging extension's changes, to every worker now and to later joiners."""

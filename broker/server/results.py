@@ -19,7 +19,7 @@ from zeroserve.broker.server.forecast import Forecast
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.ledger import AnswerLedger
 from zeroserve.broker.server.metrics import BrokerMetrics
-from zeroserve.broker.server.pool import Inflight, WorkerPool, WorkerState
+from zeroserve.broker.server.pool import Batches, Inflight, WorkerPool, WorkerState
 from zeroserve.broker.server.releases import Releases
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.streampath import StreamPath
@@ -29,13 +29,15 @@ logger = logging.getLogger(__name__)
 
 
 class Results:
-    def __init__(self, catalog: Catalog, pool: WorkerPool, ledger: AnswerLedger,
+    def __init__(self, catalog: Catalog, pool: WorkerPool, batches: Batches,
+                 ledger: AnswerLedger,
                  answering: Answering, streaming: StreamPath, answers: CachedAnswers,
                  latency: LatencyBook, forecast: Forecast, breakers: Breakers,
                  releases: Releases | None, stats: ModelStatistics, metrics: BrokerMetrics,
                  reply: Send) -> None:
         self.catalog = catalog
         self.pool = pool
+        self.batches = batches
         self.ledger = ledger
         self.answering = answering
         self.streaming = streaming
@@ -50,7 +52,7 @@ class Results:
 
     def on_result(self, worker: WorkerState, header: dict[str, Any], bufs: Sequence[Any],
                   now: float) -> None:
-        rec = self.pool.finish(p.result_batch_id(header))
+        rec = self.batches.finish(p.result_batch_id(header))
         if rec is None:
             return  # already answered or retried (its worker was lost, or it timed out)
         try:
@@ -179,12 +181,12 @@ class Results:
         """Batches past max_execution_ms fail (504, never retried elsewhere); returns the
         identities of their workers, which are hung and must go."""
         hung = []
-        for rec in self.pool.overdue(now):
+        for rec in self.batches.overdue(now):
             worker = self.pool.get(rec.worker)
             # one that waits on the models its handler called is off the worker's compute
             # thread: it fails alone, the worker is not hung (workers/bls.py)
             waiting = worker is not None and rec.batch_id in worker.waiting
-            self.pool.finish(rec.batch_id)
+            self.batches.finish(rec.batch_id)
             self.answering.fail_batch(rec, p.ErrorCode.DEADLINE,
                             f"batch ran past max_execution_ms of model {rec.model!r}"
                             + (" waiting on the models it called" if waiting else ""))
@@ -195,7 +197,7 @@ class Results:
     def move_stalled(self, now: float) -> None:
         """Batches queued behind a hung one go back to the queue; they never ran, so this
         spends none of their one retry."""
-        for worker, behind in self.pool.stalled(now, self.forecast.stall_limit_s):
+        for worker, behind in self.batches.stalled(now, self.forecast.stall_limit_s):
             logger.warning("worker %s: its running batch overran its prediction; %d batch(es) "
                            "queued behind it move to other workers", worker.worker_id,
                            len(behind))

@@ -15,9 +15,9 @@ the worker closes the generator at its next yield once no item of the batch is l
 which frees its slot. The deadline bounds the first response only, and
 ``max_execution_ms`` the time between two responses (a generation may run long).
 
-The request path owns it and gives it the one answer ledger, so the books are the same
-as for unary requests; what is retried or failed whole goes back through the request
-path's public verbs (:class:`BatchAnswers`).
+The composition root gives it the one answer ledger, so the books are the same as for
+unary requests; what is retried or failed whole goes back through the request path's
+answering (:class:`BatchAnswers`, implemented by answering.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.ledger import AnswerLedger, Key
 from zeroserve.broker.server.metrics import BrokerMetrics
-from zeroserve.broker.server.pool import Inflight, WorkerPool, WorkerState
+from zeroserve.broker.server.pool import Batches, Inflight, WorkerState
 from zeroserve.broker.server.scheduler import Entry
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.streams import StreamState, Streams
@@ -49,11 +49,11 @@ class BatchAnswers(Protocol):
 
 
 class StreamPath:
-    def __init__(self, streams: Streams, pool: WorkerPool, catalog: Catalog,
+    def __init__(self, streams: Streams, batches: Batches, catalog: Catalog,
                  metrics: BrokerMetrics, stats: ModelStatistics, ledger: AnswerLedger,
                  reply: Callable[[bytes, list[Any]], bool], answers: BatchAnswers) -> None:
         self.streams = streams
-        self.pool = pool
+        self.batches = batches
         self.catalog = catalog
         self.metrics = metrics
         self.stats = stats
@@ -102,7 +102,7 @@ class StreamPath:
         self._send_parts(out)
 
     def _running(self, worker: WorkerState, batch_id: int) -> Inflight | None:
-        rec = self.pool.inflight.get(batch_id)
+        rec = self.batches.inflight.get(batch_id)
         if rec is None or not rec.stream or rec.worker != worker.identity:
             return None
         return rec
@@ -111,12 +111,12 @@ class StreamPath:
         items = list(rec.entries)
         self._answers.fail_batch(rec, p.ErrorCode.INTERNAL,
                                  f"worker sent a malformed response: {exc}")
-        self.pool.stop(rec.worker, rec.batch_id, items)
+        self.batches.stop(rec.worker, rec.batch_id, items)
 
     def _forward(self, rec: Inflight, msg: p.Partial, now: float, out: Parts) -> None:
         model = self.catalog.get(rec.model)
         exec_ms = model.config.dynamic_batching.max_execution_ms if model is not None else 0
-        self.pool.progressed(rec.batch_id, now, exec_ms / 1000.0)
+        self.batches.progressed(rec.batch_id, now, exec_ms / 1000.0)
         for part in msg.parts:
             entry = rec.entries.get(part.item)
             if entry is None:
@@ -185,13 +185,13 @@ class StreamPath:
         state = self.streams.get(key)
         if state is None:
             return False
-        rec = self.pool.inflight.get(state.batch_id)
+        rec = self.batches.inflight.get(state.batch_id)
         entry = rec.entries.pop(state.item, None) if rec is not None else None
         if entry is None:
             self.streams.forget(key)
             return False
         self._answers.answer_error(entry, code, message)
-        self.pool.stop(state.worker, state.batch_id, [state.item])
+        self.batches.stop(state.worker, state.batch_id, [state.item])
         return True
 
     def expire_streams(self, now: float) -> None:

@@ -166,32 +166,33 @@ class RequestPath:
         self.metrics = metrics
         self.scheduler = scheduler
         self.pool = pool
+        batches = pool.batches   # the test's pool made its own
         self.tenancy = tenancy = Tenancy(None, metrics.registry, lambda: 0.0)
         stop = StopState()
         stop.client_draining(INTERNAL)
         stats = ModelStatistics()
         self.streams = streams = Streams()
-        forecast = Forecast(pool, latency)
+        forecast = Forecast(pool, batches, latency)
         gate = DispatchGate()
         breakers = Breakers(BreakerOptions(error_rate=0.0))
         answers = CachedAnswers(ResponseCache(0), catalog, stats, metrics)
         self.ledger = ledger = AnswerLedger((streams.forget, tenancy.release))
         self.pipelines = pipelines = Pipelines(catalog, ledger, stats, metrics, reply, clock)
-        self.answering = answering = Answering(catalog, scheduler, pool, latency, ledger,
-                                               streams, tenancy, stats, metrics,
+        self.answering = answering = Answering(catalog, scheduler, pool, batches, latency,
+                                               ledger, streams, tenancy, stats, metrics,
                                                pipelines.reply, clock)
-        self.streaming = StreamPath(streams, pool, catalog, metrics, stats, ledger,
+        self.streaming = StreamPath(streams, batches, catalog, metrics, stats, ledger,
                                     pipelines.reply, answering)
         admission = Admission(catalog, scheduler, pool, latency, tenancy, stop, gate,
                               forecast, answers)
         self.intake = Intake(catalog, scheduler, ledger, stop, breakers, admission, answers,
                              pipelines, streams, self.streaming, answering, tenancy,
                              pipelines.reply, clock)
-        self.results = Results(catalog, pool, ledger, answering, self.streaming, answers,
+        self.results = Results(catalog, pool, batches, ledger, answering, self.streaming, answers,
                                latency, forecast, breakers, None, stats, metrics,
                                pipelines.reply)
-        self.dispatcher = Dispatch(catalog, scheduler, pool, latency, gate, forecast, Usage(),
-                                   answering, streams, self.streaming, tenancy, metrics)
+        self.dispatcher = Dispatch(catalog, scheduler, pool, batches, latency, gate, forecast,
+                                   Usage(), answering, streams, self.streaming, tenancy, metrics)
         self.on_request = self.intake.on_request
         self.on_cancel = self.intake.on_cancel
         self.client_gone = self.intake.client_gone

@@ -39,7 +39,7 @@ def test_a_worker_takes_requests_up_to_its_free_sequence_slots() -> None:
     assert len(second.items) == 2  # two slots freed by two final parts
     worker = h.pool.get(w)
     assert worker is not None and worker.inflight == [] and len(worker.sequences) == 2
-    assert h.pool.running_sequences(worker, "s") == 3
+    assert h.pool.batches.running_sequences(worker, "s") == 3
 
 
 def test_a_freed_slot_goes_to_the_highest_priority_waiting() -> None:

@@ -19,7 +19,7 @@ def test_a_waiting_batch_frees_its_credit_and_is_still_answered() -> None:
     assert len(first) == 2            # two credits
     w0 = h.pool.get(b"w0")
     assert w0 is not None and w0.free == 0
-    h.pool.waits(w0, first[0][1].batch_id)
+    h.pool.batches.waits(w0, first[0][1].batch_id)
     assert w0.free == 1 and w0.waiting == {first[0][1].batch_id}
     h.path.dispatch(h.now)
     third = h.batches()
@@ -40,13 +40,13 @@ def test_waits_for_a_batch_not_on_that_worker_changes_nothing() -> None:
     (identity, batch), = h.batches()
     other = h.pool.get(b"w1" if identity == b"w0" else b"w0")
     assert other is not None
-    h.pool.waits(other, batch.batch_id)
-    h.pool.waits(other, 12345)
+    h.pool.batches.waits(other, batch.batch_id)
+    h.pool.batches.waits(other, 12345)
     assert not other.waiting and other.free == 2
     h.answer(identity, batch)
     owner = h.pool.get(identity)
     assert owner is not None
-    h.pool.waits(owner, batch.batch_id)   # answered already
+    h.pool.batches.waits(owner, batch.batch_id)   # answered already
     assert not owner.waiting and owner.free == 2
 
 
@@ -58,7 +58,7 @@ def test_a_lost_workers_waiting_batch_is_answered_once() -> None:
     (_, batch), = h.batches()
     w0 = h.pool.get(b"w0")
     assert w0 is not None
-    h.pool.waits(w0, batch.batch_id)
+    h.pool.batches.waits(w0, batch.batch_id)
     h.lose("w0", Loss.CRASHED)
     h.worker("w1")
     h.path.dispatch(h.now)
@@ -76,7 +76,7 @@ def test_a_leaving_worker_is_not_drained_while_a_batch_waits() -> None:
     (identity, batch), = h.batches()
     w0 = h.pool.get(identity)
     assert w0 is not None
-    h.pool.waits(w0, batch.batch_id)
+    h.pool.batches.waits(w0, batch.batch_id)
     h.pool.leave(w0)
     assert list(h.pool.drained()) == []
     h.answer(identity, batch)
@@ -94,7 +94,7 @@ def test_a_waiting_batch_past_max_execution_fails_alone() -> None:
     (ia, waiting), (ib, running) = h.batches()
     w0 = h.pool.get(ia)
     assert w0 is not None
-    h.pool.waits(w0, waiting.batch_id)
+    h.pool.batches.waits(w0, waiting.batch_id)
     h.now += 31.0   # past the default max_execution_ms (30 s)
     assert h.path.overdue(h.now) == [ib]     # only the one on the compute thread hangs it
     assert h.codes() == {"a": "deadline", "b": "deadline"}

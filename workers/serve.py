@@ -60,9 +60,11 @@ def _base(args: argparse.Namespace, command: str) -> list[str]:
 
 
 CORES_PER_GATEWAY = 2
-# The broker is one thread: bundled (a turn's requests in one message) it spends about
-# 35-50 us a request, unbundled 150 (bench_broker_cpu), against about 200 us of a
-# gateway's (bench_path), so past about four gateways the broker would be the wall.
+# The broker is one thread. Measured on a 2-core host (bench_gateways, workers that
+# answer at once): a gateway spends about 180 us a request, about 5,500 req/s on its
+# core, and the broker about 85 us with its sockets (its Python alone: 35-50 us
+# bundled, 150 not, bench_broker_cpu), about 12,000 req/s: on paper the broker is the
+# wall from 2-3 gateways on, and more than 4 would only add processes that wait for it.
 MAX_GATEWAYS = 4
 
 

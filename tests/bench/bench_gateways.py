@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,9 @@ def ready(port: int) -> bool:
 class Gateways:
     def __init__(self, setup: Setup, n: int) -> None:
         self.port = free_port()
-        prom = setup.rt / f"prometheus-{n}"
-        prom.mkdir()
+        prom = Path(tempfile.mkdtemp(prefix="prometheus-", dir=setup.rt))
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(prom)}
-        self.log = open(setup.rt / f"gateways-{n}.log", "wb")
+        self.log = open(prom / "gateways.log", "wb")
         self.procs = [subprocess.Popen(
             [sys.executable, str(ROOT / "bin" / "zeroserve"), "gateway", "--runtime-dir",
              str(setup.rt), "--http-port", str(self.port), "--grpc-port", "0",

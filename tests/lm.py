@@ -118,3 +118,33 @@ def differs(tokenizer: Any, want: list[int], gaps: list[float], text: str) -> st
 
 
 _models: dict[Path, Any] = {}
+
+
+def complete_all(url: str, model: str, prompts: list[list[int]], most: list[int]
+                 ) -> list[tuple[str, str | None]]:
+    """Every prompt completed at once through the `openai` client, half of them streamed:
+    (text, finish_reason) each, in order. Each answer's usage is checked against its
+    prompt and ``max_tokens``."""
+    import asyncio
+
+    import openai
+
+    async def run() -> list[tuple[str, str | None]]:
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        try:
+            async def one(k: int, ids: list[int], m: int) -> tuple[str, str | None]:
+                if k % 2:   # half streamed
+                    stream = await c.completions.create(model=model, prompt=ids,
+                                                        max_tokens=m, stream=True)
+                    chunks = [ch async for ch in stream]
+                    return "".join(ch.choices[0].text for ch in chunks), \
+                        chunks[-1].choices[0].finish_reason
+                got = await c.completions.create(model=model, prompt=ids, max_tokens=m)
+                assert got.usage is not None and got.usage.prompt_tokens == len(ids)
+                assert got.usage.completion_tokens <= m
+                return got.choices[0].text, got.choices[0].finish_reason
+            return list(await asyncio.gather(*(one(k, ids, m) for k, (ids, m)
+                                               in enumerate(zip(prompts, most)))))
+        finally:
+            await c.close()
+    return asyncio.run(run())

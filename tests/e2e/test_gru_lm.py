@@ -8,7 +8,6 @@ leaves frees its slot at the next step."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import shutil
@@ -20,7 +19,7 @@ import pytest
 
 from tests.conftest import Server, short_tmpdir, wait_for
 from tests.gru import TEMPLATE, greedy, write_gru
-from tests.lm import differs, prompt_ids
+from tests.lm import complete_all, differs, prompt_ids
 from zeroserve.broker.client import Client
 
 openai = pytest.importorskip("openai")
@@ -66,24 +65,7 @@ def test_concurrent_completions_equal_the_gru_alone(
     prompts = [prompt_ids(tokenizer, i, n) for i, (n, _) in enumerate(plan)]
     trace.write_text("")
 
-    async def run() -> list[tuple[str, Any]]:
-        c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        try:
-            async def one(k: int, ids: list[int], m: int) -> tuple[str, Any]:
-                if k % 2:   # half streamed
-                    stream = await c.completions.create(model="gru", prompt=ids, max_tokens=m,
-                                                        stream=True)
-                    chunks = [ch async for ch in stream]
-                    return "".join(ch.choices[0].text for ch in chunks), \
-                        chunks[-1].choices[0].finish_reason
-                got = await c.completions.create(model="gru", prompt=ids, max_tokens=m)
-                assert got.usage.prompt_tokens == len(ids)
-                return got.choices[0].text, got.choices[0].finish_reason
-            return list(await asyncio.gather(*(one(k, ids, m) for k, (ids, (_, m))
-                                               in enumerate(zip(prompts, plan)))))
-        finally:
-            await c.close()
-    got = asyncio.run(run())
+    got = complete_all(srv.url, "gru", prompts, [m for _, m in plan])
     notes: list[str] = []
     for ids, (_, m), (text, finish) in zip(prompts, plan, got):
         check(folder, tokenizer, ids, m, text, notes)

@@ -6,7 +6,6 @@ within 1e-4, may flip a token, and is named)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import shutil
@@ -15,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 
 from tests.conftest import Server, short_tmpdir
-from tests.lm import differs, greedy, prompt_ids, write_lm
+from tests.lm import complete_all, differs, greedy, prompt_ids, write_lm
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
@@ -60,25 +59,9 @@ def test_concurrent_completions_equal_generate(served: tuple[Server, Any, Any]) 
     plan = [(rng.randint(4, 200), rng.randint(1, 40)) for _ in range(16)]
     prompts = [prompt_ids(tokenizer, i, n) for i, (n, _) in enumerate(plan)]
 
-    async def run() -> list[tuple[str, Any]]:
-        c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        try:
-            async def one(k: int, ids: list[int], m: int) -> tuple[str, Any]:
-                if k % 2:   # half streamed
-                    stream = await c.completions.create(model="lm", prompt=ids, max_tokens=m,
-                                                        stream=True)
-                    chunks = [ch async for ch in stream]
-                    return "".join(ch.choices[0].text for ch in chunks), \
-                        chunks[-1].choices[0].finish_reason
-                got = await c.completions.create(model="lm", prompt=ids, max_tokens=m)
-                assert got.usage.prompt_tokens == len(ids)
-                return got.choices[0].text, got.choices[0].finish_reason
-            return list(await asyncio.gather(*(one(k, ids, m) for k, (ids, (_, m))
-                                               in enumerate(zip(prompts, plan)))))
-        finally:
-            await c.close()
     notes: list[str] = []
-    for ids, (_, m), (text, finish) in zip(prompts, plan, asyncio.run(run())):
+    got = complete_all(srv.url, "lm", prompts, [m for _, m in plan])
+    for ids, (_, m), (text, finish) in zip(prompts, plan, got):
         check(folder, tokenizer, ids, m, text, notes)
         assert finish in ("length", "stop")
     assert len(notes) <= 2, notes
@@ -97,23 +80,8 @@ def test_64_concurrent_greedy_completions_equal_generate(
     rng.shuffle(most)
     prompts = [prompt_ids(tokenizer, i, n) for i, n in enumerate(lengths)]
 
-    async def run() -> list[str]:
-        c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        try:
-            async def one(k: int, ids: list[int], m: int) -> str:
-                if k % 2:
-                    stream = await c.completions.create(model="lm", prompt=ids, max_tokens=m,
-                                                        stream=True)
-                    return "".join([ch.choices[0].text async for ch in stream])
-                got = await c.completions.create(model="lm", prompt=ids, max_tokens=m)
-                assert got.usage.completion_tokens <= m
-                return str(got.choices[0].text)
-            return list(await asyncio.gather(*(one(k, ids, m) for k, (ids, m)
-                                               in enumerate(zip(prompts, most)))))
-        finally:
-            await c.close()
     notes: list[str] = []
-    for ids, m, text in zip(prompts, most, asyncio.run(run())):
+    for ids, m, (text, _) in zip(prompts, most, complete_all(srv.url, "lm", prompts, most)):
         check(folder, tokenizer, ids, m, text, notes)
     assert len(notes) <= 4, notes
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SYLLABLES = ["ka", "to", "ri", "ne", "mu", "sa", "lo", "pe", "di", "fu", "ge", "ho", "ji",
              "wa", "zo", "be", "chi", "ru", "ta", "mi", "an", "el", "or", "us"]
@@ -119,6 +119,17 @@ def differs(tokenizer: Any, want: list[int], gaps: list[float], text: str) -> st
 
 _models: dict[Path, Any] = {}
 
+
+
+def check(folder: Path, tokenizer: Any, ids: list[int], m: int, text: str, notes: list[str],
+          reference: Callable[[Path, list[int], int], tuple[list[int], list[float]]] = greedy
+          ) -> None:
+    """A served text against ``reference``'s greedy tokens (the GPT-2's ``generate`` by
+    default): equal, or a near-tie named in ``notes`` and printed; else it fails."""
+    want, gaps = reference(folder, ids, m)
+    if note := differs(tokenizer, want, gaps, text):
+        notes.append(f"prompt of {len(ids)} tokens: {note}")
+        print(notes[-1])   # said where it happens (pytest -rP shows it)
 
 def complete_all(url: str, model: str, prompts: list[list[int]], most: list[int]
                  ) -> list[tuple[str, str | None]]:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import Server, short_tmpdir, wait_for
 from tests.gru import TEMPLATE, greedy, write_gru
-from tests.lm import complete_all, differs, prompt_ids
+from tests.lm import check, complete_all, prompt_ids
 from zeroserve.broker.client import Client
 
 openai = pytest.importorskip("openai")
@@ -41,14 +41,6 @@ def served() -> Iterator[tuple[Server, Path, Any, Path]]:
     shutil.rmtree(repo, ignore_errors=True)
 
 
-def check(folder: Path, tokenizer: Any, ids: list[int], m: int, text: str,
-          notes: list[str]) -> None:
-    want, gaps = greedy(folder, ids, m)
-    if note := differs(tokenizer, want, gaps, text):
-        notes.append(f"prompt of {len(ids)} tokens: {note}")
-        print(notes[-1])   # said where it happens (pytest -rP shows it)
-
-
 def empty(srv: Server) -> bool:
     with Client(srv.control, timeout_s=10) as c:
         census = c.control("census")
@@ -68,7 +60,7 @@ def test_concurrent_completions_equal_the_gru_alone(
     got = complete_all(srv.url, "gru", prompts, [m for _, m in plan])
     notes: list[str] = []
     for ids, (_, m), (text, finish) in zip(prompts, plan, got):
-        check(folder, tokenizer, ids, m, text, notes)
+        check(folder, tokenizer, ids, m, text, notes, greedy)
         assert finish in ("length", "stop")
     assert len(notes) <= 2, notes
     assert len({text for text, _ in got}) > 8   # the prompts steer it: not one answer
@@ -96,7 +88,7 @@ def test_chat_streamed_is_the_template_and_the_gru_alone(
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert chunks[-1].usage.prompt_tokens == len(ids)
     notes: list[str] = []
-    check(folder, tokenizer, ids, 24, text, notes)
+    check(folder, tokenizer, ids, 24, text, notes, greedy)
     assert len(notes) <= 1, notes
 
 

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 
 from tests.conftest import Server, short_tmpdir
-from tests.lm import complete_all, differs, greedy, prompt_ids, write_lm
+from tests.lm import check, complete_all, prompt_ids, write_lm
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
@@ -43,14 +43,6 @@ def served() -> Iterator[tuple[Server, Any, Any]]:
     yield srv, folder, tokenizer
     srv.stop()
     shutil.rmtree(repo, ignore_errors=True)
-
-
-def check(folder: Any, tokenizer: Any, ids: list[int], m: int, text: str,
-          notes: list[str]) -> None:
-    want, gaps = greedy(folder, ids, m)
-    if note := differs(tokenizer, want, gaps, text):
-        notes.append(f"prompt of {len(ids)} tokens: {note}")
-        print(notes[-1])   # said where it happens (pytest -rP shows it)
 
 
 def test_concurrent_completions_equal_generate(served: tuple[Server, Any, Any]) -> None:

@@ -7,7 +7,9 @@ here. The state they change is the catalog's (catalog.py), changed only by its v
 what each worker should hold, and its loads, are the worker loads' (loads.py, which a
 worker joining asks directly), and what a rescan sees of the
 repository is what each of ``sources`` lets through in turn (explicit model control
-filters it, a rollout's retired versions leave it).
+filters it, a rollout's retired versions leave it). A folder the broker publishes
+itself (a registration, a config written over the API) comes through the outbox
+:class:`Rescans` when no watcher sees it.
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ class LifecycleOptions:
 class Rescans:
     """The folders the broker itself published into the repository or removed from it (a
     registration, an unregister, a configure), for the lifecycle to look at again: an
-    outbox, written by parts built before the lifecycle (repoctl.ModelControl, for the
-    registrar, which the lifecycle drives), drained at the end of the lifecycle's tick,
-    in the same turn of the loop as the write. A watched repository needs none: the
-    watcher sees the rename."""
+    outbox, written by a part built before the lifecycle (repoctl.ModelControl, for the
+    registrar, which the lifecycle drives), drained at the end of the lifecycle's tick.
+    Every write comes in a turn of the loop that ends with that tick (a verb, a LOADED,
+    the registrar's own tick), so nothing waits for a later turn and it adds no due
+    time. A watched repository needs none: the watcher sees the rename."""
 
     def __init__(self) -> None:
         self._names: set[str] = set()
@@ -172,8 +175,8 @@ class Lifecycle:
         dues = [self.watcher.next_due() if self.watcher is not None else None,
                 self.swaps.next_due(), self.registrar.next_due(self.clock()),
                 self.retries.next_due()]
-        if self.placement.refused or self.rescans:  # refused loads, published folders:
-            dues.append(self.clock())              # seen to on the next tick
+        if self.placement.refused:  # loads refused for memory: answered on the next tick
+            dues.append(self.clock())
         return min((d for d in dues if d is not None), default=None)
 
     def tick(self, now: float) -> None:

@@ -128,7 +128,7 @@ class RepositoryControl:
 
     def __init__(self, models: ModelControl, catalog: Catalog, pool: WorkerPool,
                  stats: ModelStatistics, changes: Changes,
-                 demand: Callable[[str], tuple[str, str] | None] = lambda name: None) -> None:
+                 demand: Callable[[str], tuple[str, str] | None]) -> None:
         self.models = models
         self.catalog = catalog
         self.pool = pool

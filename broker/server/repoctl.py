@@ -87,7 +87,8 @@ class ModelControl:
             self.catalog.restrict(self.wanted, "--load-model {name}: no such model folder")
 
     def published(self, name: str) -> None:
-        """Registration published (or removed) a folder: registering asks for the model."""
+        """Registration published (or removed) a folder, or ``configure`` wrote its
+        config: the lifecycle looks at it again; registering asks for the model."""
         if self.mode == "explicit":
             if (self.root / name).is_dir():
                 self.wanted.add(name)
@@ -104,6 +105,7 @@ class ModelControl:
             self.overrides.pop(name, None)
 
     def drop(self, name: str) -> None:
+        """An unload, or a folder removed: ``name`` is no longer asked for."""
         self.wanted.discard(name)
         self.overrides.pop(name, None)
 

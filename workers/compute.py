@@ -271,7 +271,8 @@ class Compute:
         if table is None:
             table = self._tables[id(loaded)] = SequenceTable(
                 loaded, functools.partial(self._send_step, loaded), self._finish,
-                self._stopped, self._seq_ids, self._take_pauses)
+                self._stopped, self._seq_ids, self._take_pauses,
+                self._sequence_spans if self.spans is not None else None)
         return table
 
     def _send_step(self, loaded: LoadedModel, parts: list[p.Partial]) -> None:
@@ -336,6 +337,13 @@ class Compute:
             self.spans.emit(batch, result, taken_ns, done_ns)
         except Exception as exc:  # tracing must never stop the compute thread
             self._bad_log.log(logging.WARNING, "batch %d's spans not emitted: %s",
+                              batch.batch_id, exc)
+
+    def _sequence_spans(self, batch: p.Batch, timelines: Any) -> None:
+        try:
+            self.spans.sequences(batch, timelines)
+        except Exception as exc:  # tracing must never stop the compute thread
+            self._bad_log.log(logging.WARNING, "batch %d's sequence spans not emitted: %s",
                               batch.batch_id, exc)
 
     def _long(self, batch: p.Batch, units: float) -> bool:

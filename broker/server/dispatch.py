@@ -58,7 +58,9 @@ class Dispatch:
 
     def _dispatch_model(self, model: CatalogModel, now: float) -> None:
         name = model.config.name
-        while True:
+        # after a take the queue is often empty (one request a message): nothing to ask
+        # the workers, the gate or the latency model for
+        while self.scheduler.depth(name):
             if model.config.max_sequences:
                 # an iterative model's requests join the sequences running on a worker at
                 # its next step: as many as it has free slots, whatever else it runs

@@ -62,13 +62,14 @@ class _Join:
     """One batch of the broker's: its requests join as sequences, its RESULT goes once
     every one has left."""
 
-    __slots__ = ("batch", "left", "start_s", "taken_ns", "timelines")
+    __slots__ = ("batch", "left", "start_s", "taken_ns", "received_ns", "timelines")
 
-    def __init__(self, batch: p.Batch, taken_ns: int) -> None:
+    def __init__(self, batch: p.Batch, taken_ns: int, received_ns: int) -> None:
         self.batch = batch
         self.left = len(batch.items)   # requests that have not left yet
         self.start_s = time.perf_counter()
         self.taken_ns = taken_ns
+        self.received_ns = received_ns
         # a traced join's sequences that left, by request id: their spans' times
         self.timelines: dict[str, Timeline] = {}
 
@@ -121,9 +122,10 @@ class SequenceTable:
     def paused(self) -> int:
         return len(self._paused)
 
-    def join(self, batch: p.Batch, taken_ns: int) -> None:
-        """A batch's requests wait to join at the next step boundary."""
-        join = _Join(batch, taken_ns)
+    def join(self, batch: p.Batch, taken_ns: int, received_ns: int = 0) -> None:
+        """A batch's requests wait to join at the next step boundary; ``received_ns``:
+        when the worker read it (monotonic), the start of its sequences' spans."""
+        join = _Join(batch, taken_ns, received_ns or taken_ns)
         self._waiting.extend((join, item) for item in batch.items)
 
     def step(self) -> bool:
@@ -212,7 +214,7 @@ class SequenceTable:
         while self._waiting and len(self._running) < capacity:
             join, item = self._waiting.popleft()
             seq_id = next(self._ids)
-            timeline = Timeline(join.taken_ns, time.monotonic_ns())
+            timeline = Timeline(join.received_ns, time.monotonic_ns())
             try:
                 inputs, _ = assemble(self.loaded, [item],
                                      pin=self.loaded.device.startswith("cuda"))

@@ -13,8 +13,8 @@ unsampled gets no span, and a batch none of whose requests is sampled gets none.
 
 A request of an iterative model (workers/sequences.py) is a sequence, whose time the
 queue span does not tell: its trace gets a ``sequence`` span beside its queue span, from
-the worker's taking up of its join to the step it left at, with three children: ``wait``
-(for a step boundary and a free slot), ``prefill`` (the handler's ``join``) and
+the worker's receipt of its join to the step it left at, with three children: ``wait``
+(for the step running to end, and for a free slot), ``prefill`` (the handler's ``join``) and
 ``steps`` (its first response to its last; the steps it answered and the times it was
 paused as attributes, not a span a token).
 """
@@ -31,7 +31,7 @@ from zeroserve.broker import otel, protocol as p, tracing
 class Timeline:
     """One sequence's moments, on this host's monotonic clock (ns)."""
 
-    taken_ns: int          # the worker took up its join
+    received_ns: int       # the worker read its join
     prefill_ns: int        # its join() began
     prefilled_ns: int = 0  # and returned
     first_ns: int = 0      # its first response was sent
@@ -104,18 +104,18 @@ class BatchSpans:
             attrs: dict[str, Any] = {
                 "zeroserve.model": batch.model, "zeroserve.model.version": batch.version,
                 "zeroserve.batch.id": batch.batch_id,
-                "zeroserve.sequence.wait_ms": (t.prefill_ns - t.taken_ns) * ms,
+                "zeroserve.sequence.wait_ms": (t.prefill_ns - t.received_ns) * ms,
                 "zeroserve.sequence.prefill_ms": (prefilled - t.prefill_ns) * ms,
-                "zeroserve.sequence.first_response_ms": (first - t.taken_ns) * ms,
+                "zeroserve.sequence.first_response_ms": (first - t.received_ns) * ms,
                 "zeroserve.sequence.steps": t.steps,
                 "zeroserve.sequence.paused": t.paused}
-            span = self.exporter.start("sequence", context, t.taken_ns + offset,
+            span = self.exporter.start("sequence", context, t.received_ns + offset,
                                        attributes=attrs)
             if not span.is_recording():
                 continue
             parent = otel.wire_context(span)
             for name, start, end, more in (
-                    ("wait", t.taken_ns, t.prefill_ns, {}),
+                    ("wait", t.received_ns, t.prefill_ns, {}),
                     ("prefill", t.prefill_ns, prefilled, {}),
                     ("steps", first, t.end_ns, {"zeroserve.sequence.steps": t.steps,
                                                 "zeroserve.sequence.paused": t.paused})):

@@ -338,6 +338,19 @@ class Scheduler:
             return None
         return next((e for e in q.ordered(now) if e.deadline_s > now), None)
 
+    def strongest(self, model: str, now: float) -> Entry | None:
+        """The live entry of the highest priority, first of its level: the one whose
+        claim on a running sequence's slot preemption weighs (aging orders the free
+        slots, not that)."""
+        q = self._queues.get(model)
+        if q is None or not q.count:
+            return None
+        for level in sorted(q.levels):
+            live = next((e for e in q.levels[level].ordered() if e.deadline_s > now), None)
+            if live is not None:
+                return live
+        return None
+
     def oldest_arrival(self, model: str) -> float | None:
         """When the longest-queued live entry arrived (the autoscaler's queue time)."""
         q = self._queues.get(model)

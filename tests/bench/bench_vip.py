@@ -3,7 +3,7 @@ random weights) served as an iterative model: the time to its first token, in ms
 steps, beside the same arrivals at the default priority (the baseline, same run).
 
     .venv/bin/python -m tests.bench.bench_vip [--slots 8] [--arrivals 100]
-        [--vip-tokens 16]
+        [--vip-tokens 16] [--before <commit> [--rounds 1]]
 
 Every one of ``--slots`` sequence slots is held by a stream of the default priority (the
 direct client, each slot sending its next request when one ends: prompts of 16-128
@@ -14,7 +14,8 @@ of each. Its time to the first token is measured by the client from its send, an
 in steps: the most tokens any slot's stream got between the send and that first token
 (one a step; what the e2e test tests/e2e/test_preemption.py bounds at 2). The step's
 time is the slots' gap between two tokens (p50), measured in the same run. The client
-shares the host's cores with the server.
+shares the host's cores with the server. ``--before``: that commit's server and this
+one's in turns, as tests/bench/bench_openai_sse.py does.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import os
 import random
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tests.bench.bench_openai_sse import pct
+from tests.bench.bench_openai_sse import pct, tree_of
 from tests.conftest import Server, short_tmpdir
 from tests.lm import prompt_ids, write_lm
 from zeroserve.broker.client import AsyncClient
@@ -82,18 +84,12 @@ async def arrive(c: AsyncClient, load: Load, ids: list[int], m: int, priority: i
     return first
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--arrivals", type=int, default=100, help="of each priority")
-    ap.add_argument("--vip-tokens", type=int, default=16, help="max_tokens of an arrival")
-    args = ap.parse_args()
-
-    repo = short_tmpdir("zsvipb")
-    # priorities 1 (the VIP) and 2, the default (what priority 0 on the wire means)
-    _, tokenizer = write_lm(repo, "lm", most=args.slots, hidden=256, layers=4,
-                            dynamic_batching={"priority_levels": 2, "default_priority": 2})
-    srv = Server(repo, extra=["--log-level", "warning"]).wait_ready(180)
+def measure(repo: Path, tokenizer: Any, args: argparse.Namespace,
+            env: dict[str, str] | None) -> tuple[dict[int, list[tuple[float, int]]], Load,
+                                                 float]:
+    """One server's run: each priority's arrivals (time to first token, steps counted),
+    the slots' load, the wall time."""
+    srv = Server(repo, extra=["--log-level", "warning"], env=env).wait_ready(180)
     rng = random.Random(7)
     results: dict[int, list[tuple[float, int]]] = {1: [], 0: []}
     load = Load(args.slots)
@@ -121,19 +117,51 @@ def main() -> None:
         wall = asyncio.run(run())
     finally:
         srv.stop()
+    return results, load, wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--arrivals", type=int, default=100, help="of each priority")
+    ap.add_argument("--vip-tokens", type=int, default=16, help="max_tokens of an arrival")
+    ap.add_argument("--before", help="a commit whose server is measured in turns with this one")
+    ap.add_argument("--rounds", type=int, default=1, help="turns of each, with --before")
+    args = ap.parse_args()
+
+    repo = short_tmpdir("zsvipb")
+    # priorities 1 (the VIP) and 2, the default (what priority 0 on the wire means)
+    _, tokenizer = write_lm(repo, "lm", most=args.slots, hidden=256, layers=4,
+                            dynamic_batching={"priority_levels": 2, "default_priority": 2})
+    runs: list[tuple[str, dict[str, str] | None]] = [("this tree", None)]
+    before = short_tmpdir("zsvipbefore")
+    if args.before:
+        runs = [(f"before {args.before}", tree_of(args.before, before)),
+                ("this tree", None)] * args.rounds
+    try:
+        for label, env in runs:
+            results, load, wall = measure(repo, tokenizer, args, env)
+            report(label, args, results, load, wall)
+    finally:
         shutil.rmtree(repo, ignore_errors=True)
+        shutil.rmtree(before, ignore_errors=True)
+
+
+def report(label: str, args: argparse.Namespace, results: dict[int, list[tuple[float, int]]],
+           load: Load, wall: float) -> None:
     step = pct(load.gaps, .5)
-    print(f"{args.slots} slots held at the default priority, {args.arrivals} arrivals of "
-          f"each priority in turns, {wall:.0f} s; a step (the slots' gap p50) "
+    print(f"{label}: {args.slots} slots held at the default priority, {args.arrivals} "
+          f"arrivals of each priority in turns, {wall:.0f} s; a step (the slots' gap p50) "
           f"{step * 1000:.1f} ms, p99 {pct(load.gaps, .99) * 1000:.1f} ms; load average "
-          f"{os.getloadavg()[0]:.1f}")
-    for priority, label in ((1, "VIP (priority 1)"), (0, "default priority (baseline)")):
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    for priority, name in ((1, "VIP (priority 1)"), (0, "default priority (baseline)")):
         ttft = [t for t, _ in results[priority]]
         steps = [float(n) for _, n in results[priority]]
-        print(f"{label}: time to first token p50 {pct(ttft, .5) * 1000:.1f} ms, p99 "
+        print(f"  {name}: time to first token p50 {pct(ttft, .5) * 1000:.1f} ms, p99 "
               f"{pct(ttft, .99) * 1000:.1f} ms ({pct(ttft, .5) / step:.1f} and "
               f"{pct(ttft, .99) / step:.1f} steps of {step * 1000:.1f} ms); steps counted "
-              f"p50 {pct(steps, .5):.0f}, p99 {pct(steps, .99):.0f}, max {max(steps):.0f}")
+              f"p50 {pct(steps, .5):.0f}, p99 {pct(steps, .99):.0f}, max {max(steps):.0f}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """A stream of an iterative model, traced (opentelemetry mode, a real OTLP/HTTP receiver
 in the test): its trace shows where its time went, a span each, never a span a token.
-Beside its queue span (the broker's wait) a ``sequence`` span, from the worker's taking
-up of the request to its last step, holds ``wait`` (for a step boundary and a slot),
-``prefill`` (the handler's join) and ``steps`` (its first response to its last), with the
+Beside its queue span (the broker's wait) a ``sequence`` span, from the worker's receipt
+of the request to its last step, holds ``wait`` (for the step running to end, and a
+slot), ``prefill`` (the handler's join) and ``steps`` (its first response to its last), with the
 steps it answered and the times it was paused. Over OpenAI's completions route, the
 gateway's span is their parent; with one slot, a VIP pauses a traced stream, and its
 span says so."""

@@ -135,7 +135,8 @@ class Dispatch:
             return v if v in held else None
 
         decision = self.scheduler.take(name, now, self.latency.predictor(name, worker.worker_id),
-                                       resolve, start_s=start_s, max_samples=max_samples)
+                                       resolve, start_s=start_s, max_samples=max_samples,
+                                       mixed=self.gate.mixed(name, now))
         if decision is None:
             return False
         for entry in decision.doomed:

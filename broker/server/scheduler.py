@@ -350,6 +350,8 @@ class Scheduler:
         made, the first model (the busiest, usually) took every credit a result freed,
         and a model asked for now and then waited behind all of it: 80 ms for the tenth
         of twelve models under Zipf(1.1), against 5 ms for the first."""
+        if not self._by_key:   # nothing queued: asked several times a turn
+            return []
         return [m for _, _, m in sorted((min((lvl for lvl, n in q.level_samples.items() if n),
                                              default=0),
                                          q.oldest().arrival_s, m)   # type: ignore[union-attr]

@@ -91,7 +91,9 @@ class Results:
             return
         compute_s = result.compute_ms / 1000.0
         self.latency.observe(rec.model, worker.worker_id, rec.units, compute_s)
-        self.tenancy.used(self.scheduler.used(rec.model, rec.entries.values(), compute_s), now)
+        if self.tenancy.enabled:   # without tenants no share is kept, and nothing is spent
+            self.tenancy.used(self.scheduler.used(rec.model, rec.entries.values(), compute_s),
+                              now)
         self.metrics.batch_done(rec.model, rec.samples, compute_s, result.phases_ms)
         self.stats.batch_done(rec.model, rec.version, rec.samples, result.phases_ms,
                               result.compute_ms)

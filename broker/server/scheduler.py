@@ -214,6 +214,11 @@ class _Queue:
 
     def ordered(self, now: float) -> Iterator[Entry]:
         """Live entries in dispatch order; lazily, so taking a few costs little."""
+        if self.count == 1:   # one request at a time: its order is itself, nothing to weigh
+            only = self.oldest()
+            assert only is not None   # every live entry is in the fifo
+            yield only
+            return
         self.oldest()  # drop answered entries from the front, so the scan below stays short
         aged_ids = set()
         # aging lifts over higher priorities; among the top level's tenants shares decide

@@ -172,8 +172,10 @@ class Lifecycle:
                 self._on_hashed(result)
 
     def next_due(self) -> float | None:
+        # asked every turn: the registrar (and its clock) only while it has jobs
         dues = [self.watcher.next_due() if self.watcher is not None else None,
-                self.swaps.next_due(), self.registrar.next_due(self.clock()),
+                self.swaps.next_due(),
+                self.registrar.next_due(self.clock()) if self.registrar.jobs else None,
                 self.retries.next_due()]
         if self.placement.refused:  # loads refused for memory: answered on the next tick
             dues.append(self.clock())

@@ -241,6 +241,9 @@ class BrokerMetrics:
                                      "a probe failed)", ["model"], namespace=ns, registry=r)
         self._seen_workers: set[str] = set()
         self._child = Children()
+        # the queue-time series by (model, priority) as ints: its labels are strings, made
+        # and looked up again for every batch otherwise
+        self._queue_of: dict[tuple[str, int], Callable[[float], None]] = {}
 
     def breaker_tripped(self, model: str) -> None:
         self.breaker_trips.labels(model).inc()
@@ -287,7 +290,10 @@ class BrokerMetrics:
         last, observe = None, None
         for priority, queue_s in waits:
             if priority != last or observe is None:
-                last, observe = priority, self.queue.labels(model, str(priority)).observe
+                last, observe = priority, self._queue_of.get((model, priority))
+                if observe is None:
+                    observe = self._queue_of[(model, priority)] = \
+                        self.queue.labels(model, str(priority)).observe
             observe(queue_s)
 
     def batch_sent(self, model: str, reason: str, samples: int, tokens: int = 0,

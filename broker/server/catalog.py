@@ -55,6 +55,9 @@ class CatalogModel:
     def default_version(self) -> int:
         """Where a request without a version goes when the split names none: the
         heaviest of the split, else the newest ready version not rolled back."""
+        if not self.failed and self.weights is None and not self.config.traffic:
+            # no split and nothing rolled back, the common case: asked on every dispatch
+            return max(self.ready) if self.ready else max(self.versions)
         weights = self.split()
         if weights:
             return max(weights, key=lambda v: (weights[v], v))
@@ -91,7 +94,8 @@ class CatalogModel:
                       max_queue_size=db.max_queue_size,
                       aging_s=db.aging_ms / 1000.0,
                       max_batch_tokens=db.max_batch_tokens,
-                      packed=db.token_cost == "packed")
+                      packed=db.token_cost == "packed",
+                      mixed_batch_s=db.mixed_batch_ms / 1000.0)
 
     def metadata(self) -> dict[str, Any]:
         cfg = self.config

@@ -87,6 +87,10 @@ class Policy:
     aging_s: float = 1.0
     max_batch_tokens: int = 0          # 0: batches bounded by rows alone
     packed: bool = False               # tokens counted as the sum of lengths, not padded
+    # while the model's requests mix tenants or priorities: a batch's predicted run time
+    # at most this (one request always goes), so that a request of another tenant waits
+    # for one short batch, not one long one (0: no cap)
+    mixed_batch_s: float = 0.0
 
     @property
     def cap(self) -> int:
@@ -338,6 +342,19 @@ class Scheduler:
             return None
         return next((e for e in q.ordered(now) if e.deadline_s > now), None)
 
+    def strongest(self, model: str, now: float) -> Entry | None:
+        """The live entry of the highest priority, first of its level: the one whose
+        claim on a running sequence's slot preemption weighs (aging orders the free
+        slots, not that)."""
+        q = self._queues.get(model)
+        if q is None or not q.count:
+            return None
+        for level in sorted(q.levels):
+            live = next((e for e in q.levels[level].ordered() if e.deadline_s > now), None)
+            if live is not None:
+                return live
+        return None
+
     def oldest_arrival(self, model: str) -> float | None:
         """When the longest-queued live entry arrived (the autoscaler's queue time)."""
         q = self._queues.get(model)
@@ -377,8 +394,8 @@ class Scheduler:
     # -- batch formation ----------------------------------------------------
     def take(self, model: str, now: float, predict: Predict = _no_latency,
              resolve: Callable[[Entry], int | None] = lambda e: e.version or 0,
-             start_s: float | None = None, max_samples: int | None = None
-             ) -> Decision | None:
+             start_s: float | None = None, max_samples: int | None = None,
+             mixed: bool = False) -> Decision | None:
         """Form a batch for a worker with a free credit, or None if it should wait.
 
         The batch is the longest prefix of the dispatch order that fits the
@@ -387,7 +404,9 @@ class Scheduler:
         or None if it cannot run there; entries of another version than the first
         are skipped. ``start_s`` is when the worker is predicted to start the batch
         (after what it already has in flight); ``max_samples`` caps the batch below the
-        model's own cap. An entry that could not finish by its
+        model's own cap; ``mixed``: the model's recent requests mix tenants or
+        priorities, so the policy's ``mixed_batch_s`` bounds the batch's predicted time.
+        An entry that could not finish by its
         deadline even alone is taken out as ``doomed``, to be refused at once rather
         than run late or left to expire (deadline-aware shedding).
         ``next_due`` says when to ask again after a None.
@@ -405,8 +424,9 @@ class Scheduler:
             if fitting:
                 cap = fitting[-1]
         start = now if start_s is None else max(now, start_s)
+        limit = pol.mixed_batch_s if mixed and pol.mixed_batch_s > 0 else math.inf
         if pol.max_batch_tokens:
-            batch, doomed = self._by_tokens(q, now, start, cap, predict, resolve)
+            batch, doomed = self._by_tokens(q, now, start, cap, predict, resolve, limit)
             return self._taken(q, batch, doomed, reason, predict)
         batch = []
         doomed = []
@@ -419,7 +439,7 @@ class Scheduler:
             tight = min(tightest, e.deadline_s)
             # a padded batch runs every row at its longest row's scale
             joined = predict((total + e.samples) * max(scale, e.scale)) if batch else 0.0
-            if batch and start + joined > tight:
+            if batch and (start + joined > tight or joined > limit):
                 break
             if batch and e.scale != scale and \
                     joined > predict(total * scale) + predict(e.units):
@@ -472,7 +492,7 @@ class Scheduler:
                 yield e, v
 
     def _by_tokens(self, q: _Queue, now: float, start: float, cap: int, predict: Predict,
-                   resolve: Callable[[Entry], int | None]
+                   resolve: Callable[[Entry], int | None], limit: float
                    ) -> tuple[list[Entry], list[Entry]]:
         """A batch under the token budget: the head of the dispatch order, then rows of
         a length near its own from the next :data:`TOKEN_WINDOW` entries of its version
@@ -489,7 +509,7 @@ class Scheduler:
                 break
         if not window:
             return [], doomed
-        batch = fill(window[0], window[1:], q.policy, now, start, cap, predict)
+        batch = fill(window[0], window[1:], q.policy, now, start, cap, predict, limit)
         for e in batch:
             e.version = window[0].version
         return batch, doomed

@@ -376,10 +376,11 @@ class Lifecycle:
             return
         self.loads.loaded(worker, msg)
 
-    def worker_removed(self, worker_id: str) -> None:
+    def worker_removed(self, worker_id: str, identity: bytes) -> None:
         """A worker left: versions no live worker holds are no longer routable; loads it
-        would retry go to the next worker."""
+        would retry go to the next worker; its memory plan goes."""
         self.loads.worker_left(worker_id)
+        self.placement.worker_gone(identity)
 
     def remove_model(self, name: str, why: str) -> None:
         # a folder that never loaded has no catalog entry, but its failure must go too

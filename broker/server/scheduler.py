@@ -372,9 +372,8 @@ class Scheduler:
         made, the first model (the busiest, usually) took every credit a result freed,
         and a model asked for now and then waited behind all of it: 80 ms for the tenth
         of twelve models under Zipf(1.1), against 5 ms for the first."""
-        # asked several times a turn: nothing queued, or one model's, is the common case
         waiting = [(m, q) for m, q in self._queues.items() if q.count] if self._by_key else []
-        if len(waiting) < 2:
+        if len(waiting) < 2:   # nothing queued, or one model's: asked several times a turn
             return [m for m, _ in waiting]
         return [m for _, _, m in sorted((min((lvl for lvl, n in q.level_samples.items() if n),
                                              default=0),
@@ -474,9 +473,10 @@ class Scheduler:
         for e in doomed:
             self._remove(e)
         self._settle()
-        rows = sum(e.samples for e in batch)
-        longest = max((e.length for e in batch), default=0)
-        tokens = sum(e.samples * e.length for e in batch)
+        rows = longest = tokens = 0
+        for e in batch:   # one pass: sum and max over generators cost us each, every batch
+            rows, tokens = rows + e.samples, tokens + e.samples * e.length
+            longest = e.length if e.length > longest else longest
         if reason == IDLE and (rows >= q.policy.cap or q.policy.max_batch_tokens and
                                q.policy.tokens(rows, longest, tokens)
                                >= q.policy.max_batch_tokens):

@@ -182,8 +182,9 @@ class Lifecycle:
         return earliest(dues)
 
     def tick(self, now: float) -> None:
-        for worker, refused in self.placement.take_refused():
-            self.on_loaded(worker, refused)
+        if self.placement.refused:   # every turn, almost always none
+            for worker, refused in self.placement.take_refused():
+                self.on_loaded(worker, refused)
         if self.watcher is not None:
             dirty = self.watcher.take_due()
             if dirty:

@@ -171,7 +171,9 @@ def unpack(frames: Sequence[Buffer], limits: Limits = TRUSTED
     if type(header) is not dict:
         raise ProtocolError("header is not a map")
     if len(frames) > 2:
-        total = sum(map(_nbytes, frames[2:]))
+        total = 0   # a loop: sum over map of a Python function costs more, every message
+        for frame in frames[2:]:
+            total += frame.nbytes if type(frame) is memoryview else len(frame)
         if total > limits.message_bytes:
             raise Refused(ids_of(header), ErrorCode.TOO_LARGE, f"a message of {total} bytes "
                           f"of tensors is over the limit of {limits.message_bytes}")

@@ -56,7 +56,7 @@ from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import Streams
 from zeroserve.broker.server.tenancy import Tenancy
-from zeroserve.broker.server.types import Clock, Send
+from zeroserve.broker.server.types import Clock, Send, earliest
 from zeroserve.broker.tracesettings import TraceState
 from zeroserve.models.repository import RepoModel
 
@@ -290,13 +290,10 @@ class Broker:
             trim_memory()
 
     def next_due(self, now: float) -> float:
-        due = [self._next_heartbeat]
-        for d in (self.dispatch.next_due(now), self.lifecycle.next_due(),
-                  self.replicas.next_due(), self.releases.next_due(),
-                  self.ondemand.next_due(now), self.shutdown.next_due()):
-            if d is not None:
-                due.append(d)
-        return min(due)
+        due = earliest((self.dispatch.next_due(now), self.lifecycle.next_due(),
+                        self.replicas.next_due(), self.releases.next_due(),
+                        self.ondemand.next_due(now), self.shutdown.next_due()))
+        return self._next_heartbeat if due is None or due > self._next_heartbeat else due
 
     def _reload_repository(self) -> None:
         """SIGHUP: the watcher's path for the whole repository (hashed off the loop,

@@ -23,6 +23,7 @@ from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import NOT_PAUSED, Streams
 from zeroserve.broker.server.tenancy import Tenancy
 from zeroserve.broker.server.tokenfill import Predict
+from zeroserve.broker.server.types import earliest
 
 
 class Dispatch:
@@ -179,14 +180,12 @@ class Dispatch:
         self.tenancy.queued([(e.tenant, now - e.arrival_s) for e in entries])
 
     def next_due(self, now: float) -> float | None:
-        due = [d for d in (self.scheduler.next_deadline(), self.batches.next_exec_deadline(),
-                           self.streams.next_deadline() if self.streams else None,
-                           self.batches.next_stall(self.forecast.stall_limit_s)) if d is not None]
+        due = [self.scheduler.next_deadline(), self.batches.next_exec_deadline(),
+               self.streams.next_deadline() if self.streams else None,
+               self.batches.next_stall(self.forecast.stall_limit_s)]
         for name in self.scheduler.models_waiting():
-            d = self.scheduler.next_due(name, now, self.latency.predictor(name))
-            if d is not None:
-                due.append(d)
-        return min(due, default=None)
+            due.append(self.scheduler.next_due(name, now, self.latency.predictor(name)))
+        return earliest(due)
 
 
 def _callers(entries: list[Entry], now: float) -> list[p.Caller]:

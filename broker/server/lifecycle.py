@@ -38,7 +38,7 @@ from zeroserve.broker.server.releases import Releases
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.swap import Swap, Swaps
-from zeroserve.broker.server.types import ModelVersion
+from zeroserve.broker.server.types import ModelVersion, earliest
 from zeroserve.models.repository import ConfigError, RepoModel, load_config, scan, \
     version_sha256
 from zeroserve.models.watcher import ALL, RepoWatcher
@@ -179,11 +179,12 @@ class Lifecycle:
                 self.retries.next_due()]
         if self.placement.refused:  # loads refused for memory: answered on the next tick
             dues.append(self.clock())
-        return min((d for d in dues if d is not None), default=None)
+        return earliest(dues)
 
     def tick(self, now: float) -> None:
-        for worker, refused in self.placement.take_refused():
-            self.on_loaded(worker, refused)
+        if self.placement.refused:   # every turn, almost always none
+            for worker, refused in self.placement.take_refused():
+                self.on_loaded(worker, refused)
         if self.watcher is not None:
             dirty = self.watcher.take_due()
             if dirty:

@@ -102,7 +102,9 @@ class Results:
         totals_s: list[float] = []   # the metrics and statistics take the batch's at once
         queued_s = 0.0
         # a model with a free length: the tokens its batch computed, padding included
-        longest = max((e.length for e in rec.entries.values()), default=0)
+        longest = 0   # a loop: max over a generator with a default costs us, every batch
+        for e in rec.entries.values():
+            longest = e.length if e.length > longest else longest
         # the stats every reply of the batch carries, made once a batch
         shared: dict[str, float] = {"compute_ms": result.compute_ms, "batch_size": rec.samples}
         if longest:

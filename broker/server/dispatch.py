@@ -22,6 +22,7 @@ from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import NOT_PAUSED, Streams
 from zeroserve.broker.server.tenancy import Tenancy
+from zeroserve.broker.server.tokenfill import Predict
 
 
 class Dispatch:
@@ -83,7 +84,8 @@ class Dispatch:
                 return  # its result frees it
             half = self.gate.split(name, now, busy, worker.free, queued,
                                    self.scheduler.queued_units(name) / max(queued, 1), predict)
-            if not self._take(worker, model, now, self.forecast.busy_until(worker, now), half):
+            if not self._take(worker, model, now, self.forecast.busy_until(worker, now), half,
+                              predict=predict):
                 return
 
     def _preempt(self, model: CatalogModel, now: float) -> bool:
@@ -122,9 +124,11 @@ class Dispatch:
                         yield preemption.Running(w, b, item, entry)
 
     def _take(self, worker: WorkerState, model: CatalogModel, now: float, start_s: float,
-              max_samples: int | None, only: Entry | None = None) -> bool:
+              max_samples: int | None, only: Entry | None = None,
+              predict: Predict | None = None) -> bool:
         """A batch for ``worker`` taken from the queue (``only``: of that entry) and sent;
-        False when the queue has none for it now."""
+        False when the queue has none for it now. ``predict``: the worker's latency model,
+        when already looked up."""
         name = model.config.name
         held, default = worker.versions_of(name), model.default_version
 
@@ -134,9 +138,9 @@ class Dispatch:
             v = e.version if e.version is not None else default
             return v if v in held else None
 
-        decision = self.scheduler.take(name, now, self.latency.predictor(name, worker.worker_id),
-                                       resolve, start_s=start_s, max_samples=max_samples,
-                                       mixed=self.gate.mixed(name, now))
+        decision = self.scheduler.take(name, now, predict or self.latency.predictor(
+            name, worker.worker_id), resolve, start_s=start_s, max_samples=max_samples,
+            mixed=self.gate.mixed(name, now))
         if decision is None:
             return False
         for entry in decision.doomed:

@@ -172,8 +172,10 @@ class Lifecycle:
                 self._on_hashed(result)
 
     def next_due(self) -> float | None:
+        # asked every turn: the registrar (and its clock) only while it has jobs
         dues = [self.watcher.next_due() if self.watcher is not None else None,
-                self.swaps.next_due(), self.registrar.next_due(self.clock()),
+                self.swaps.next_due(),
+                self.registrar.next_due(self.clock()) if self.registrar.jobs else None,
                 self.retries.next_due()]
         if self.placement.refused:  # loads refused for memory: answered on the next tick
             dues.append(self.clock())
@@ -374,10 +376,11 @@ class Lifecycle:
             return
         self.loads.loaded(worker, msg)
 
-    def worker_removed(self, worker_id: str) -> None:
+    def worker_removed(self, worker_id: str, identity: bytes) -> None:
         """A worker left: versions no live worker holds are no longer routable; loads it
-        would retry go to the next worker."""
+        would retry go to the next worker; its memory plan goes."""
         self.loads.worker_left(worker_id)
+        self.placement.worker_gone(identity)
 
     def remove_model(self, name: str, why: str) -> None:
         # a folder that never loaded has no catalog entry, but its failure must go too

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 # A batch that may run this long has the main thread read the broker's socket meanwhile;
 # shorter ones (mlp's, about 0.1-0.5 ms at batch 1) keep the wake-up it costs off them.
 TAKEOVER_S = 0.05
-Job = tuple[p.Batch, float]   # a batch and the deadline by which it must start
+# a batch, the deadline by which it must start, and when it was read (monotonic ns)
+Job = tuple[p.Batch, float, int]
 
 
 def _is_batch(frames: list[Any]) -> bool:
@@ -221,10 +222,10 @@ class Compute:
         if loaded is not None and loaded.config.decoupled:
             with self._stops_lock:
                 self._stops[batch.batch_id] = set()
-        return batch, start_by
+        return batch, start_by, int(received_s * 1e9)
 
     def _run(self, job: Job) -> None:
-        batch, start_by = job
+        batch, start_by, received_ns = job
         taken_ns = time.monotonic_ns()
         self._busy_since = time.monotonic()
         loaded = self.models.get((batch.model, batch.version))
@@ -237,7 +238,7 @@ class Compute:
                 f"model {batch.model}/{batch.version} is not loaded on "
                 f"worker {self.worker_id}"))
         elif loaded.config.max_sequences:
-            self._table(loaded).join(batch, taken_ns)   # at the next step boundary
+            self._table(loaded).join(batch, taken_ns, received_ns)   # at the next step boundary
             self._handed = True   # the main thread reads meanwhile (STOPs, joins)
             self._channel.wake_main()
             return
@@ -271,7 +272,8 @@ class Compute:
         if table is None:
             table = self._tables[id(loaded)] = SequenceTable(
                 loaded, functools.partial(self._send_step, loaded), self._finish,
-                self._stopped, self._seq_ids, self._take_pauses)
+                self._stopped, self._seq_ids, self._take_pauses,
+                self._sequence_spans if self.spans is not None else None)
         return table
 
     def _send_step(self, loaded: LoadedModel, parts: list[p.Partial]) -> None:
@@ -336,6 +338,13 @@ class Compute:
             self.spans.emit(batch, result, taken_ns, done_ns)
         except Exception as exc:  # tracing must never stop the compute thread
             self._bad_log.log(logging.WARNING, "batch %d's spans not emitted: %s",
+                              batch.batch_id, exc)
+
+    def _sequence_spans(self, batch: p.Batch, timelines: Any) -> None:
+        try:
+            self.spans.sequences(batch, timelines)
+        except Exception as exc:  # tracing must never stop the compute thread
+            self._bad_log.log(logging.WARNING, "batch %d's sequence spans not emitted: %s",
                               batch.batch_id, exc)
 
     def _long(self, batch: p.Batch, units: float) -> bool:

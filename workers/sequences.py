@@ -52,6 +52,7 @@ import torch
 from zeroserve.broker import protocol as p
 from zeroserve.models.loader import LoadedModel
 from zeroserve.workers.batching import BatchError, assemble, rows
+from zeroserve.workers.spans import Timeline
 from zeroserve.workers.streaming import response_tensors
 
 logger = logging.getLogger(__name__)
@@ -61,20 +62,25 @@ class _Join:
     """One batch of the broker's: its requests join as sequences, its RESULT goes once
     every one has left."""
 
-    __slots__ = ("batch", "left", "start_s", "taken_ns")
+    __slots__ = ("batch", "left", "start_s", "taken_ns", "received_ns", "timelines")
 
-    def __init__(self, batch: p.Batch, taken_ns: int) -> None:
+    def __init__(self, batch: p.Batch, taken_ns: int, received_ns: int) -> None:
         self.batch = batch
         self.left = len(batch.items)   # requests that have not left yet
         self.start_s = time.perf_counter()
         self.taken_ns = taken_ns
+        self.received_ns = received_ns
+        # a traced join's sequences that left, by request id: their spans' times
+        self.timelines: dict[str, Timeline] = {}
 
 
 class _Seq:
-    __slots__ = ("join", "item", "rows", "state")
+    __slots__ = ("join", "item", "rows", "state", "timeline")
 
-    def __init__(self, join: _Join, item: p.BatchItem, rows: int, state: Any) -> None:
+    def __init__(self, join: _Join, item: p.BatchItem, rows: int, state: Any,
+                 timeline: Timeline) -> None:
         self.join, self.item, self.rows, self.state = join, item, rows, state
+        self.timeline = timeline
 
 
 class SequenceTable:
@@ -84,13 +90,16 @@ class SequenceTable:
                  finish: Callable[[p.Batch, p.BatchResult, int], None],
                  stopped: Callable[[int], AbstractSet[str]],
                  ids: itertools.count[int],
-                 pauses: Callable[[int], AbstractSet[str]] = lambda _: frozenset()) -> None:
+                 pauses: Callable[[int], AbstractSet[str]] = lambda _: frozenset(),
+                 traced: Callable[[p.Batch, Mapping[str, Timeline]], None] | None = None
+                 ) -> None:
         self.loaded = loaded
         self._emit = emit            # a step's responses, a PARTIAL per join, sent at once
         self._finish = finish        # a join's RESULT (and when it was taken, for spans)
         self._stopped = stopped      # a join's items the broker has answered already
         self._ids = ids
         self._pauses = pauses        # a join's items the broker paused since last asked
+        self._traced = traced        # a traced join's sequences' times, once it is done
         self._handler = loaded.handler
         self._leave = getattr(loaded.handler, "leave", None)
         self._pause = getattr(loaded.handler, "pause", None)
@@ -113,9 +122,10 @@ class SequenceTable:
     def paused(self) -> int:
         return len(self._paused)
 
-    def join(self, batch: p.Batch, taken_ns: int) -> None:
-        """A batch's requests wait to join at the next step boundary."""
-        join = _Join(batch, taken_ns)
+    def join(self, batch: p.Batch, taken_ns: int, received_ns: int = 0) -> None:
+        """A batch's requests wait to join at the next step boundary; ``received_ns``:
+        when the worker read it (monotonic), the start of its sequences' spans."""
+        join = _Join(batch, taken_ns, received_ns or taken_ns)
         self._waiting.extend((join, item) for item in batch.items)
 
     def step(self) -> bool:
@@ -169,6 +179,7 @@ class SequenceTable:
             if seq.item.request_id in asked.get(seq.join.batch.batch_id, ()):
                 del self._running[seq_id]
                 self._paused[seq_id] = seq
+                seq.timeline.paused += 1
                 if self._pause is not None:
                     self._call(self._pause, seq_id, seq)
         later = [(j, it) for j, it in self._waiting
@@ -203,6 +214,7 @@ class SequenceTable:
         while self._waiting and len(self._running) < capacity:
             join, item = self._waiting.popleft()
             seq_id = next(self._ids)
+            timeline = Timeline(join.received_ns, time.monotonic_ns())
             try:
                 inputs, _ = assemble(self.loaded, [item],
                                      pin=self.loaded.device.startswith("cuda"))
@@ -212,7 +224,9 @@ class SequenceTable:
             except Exception as exc:  # the model's code can raise anything
                 self._fail([join], f"join() failed: {type(exc).__name__}: {exc}")
                 continue
-            self._running[seq_id] = _Seq(join, item, rows(self.loaded, [item]), state)
+            timeline.prefilled_ns = time.monotonic_ns()
+            self._running[seq_id] = _Seq(join, item, rows(self.loaded, [item]), state,
+                                         timeline)
 
     def _run_step(self) -> None:
         states = {seq_id: seq.state for seq_id, seq in self._running.items()}
@@ -225,8 +239,10 @@ class SequenceTable:
                        f"{type(exc).__name__}: {exc}")
             return
         by_join: dict[int, tuple[_Join, list[p.PartialItem]]] = {}
+        now_ns = time.monotonic_ns()
         for seq_id, part in parts:
             seq = self._running[seq_id]
+            seq.timeline.step(now_ns)
             by_join.setdefault(seq.join.batch.batch_id, (seq.join, []))[1].append(part)
         ended = [(seq_id, self._running[seq_id].join) for seq_id, part in parts if part.final]
         for seq_id, _ in ended:
@@ -276,8 +292,10 @@ class SequenceTable:
 
     # -- leaving ------------------------------------------------------------------
     def _retire(self, seq_id: int) -> None:
-        self._running.pop(seq_id, None)
-        self._paused.pop(seq_id, None)
+        seq = self._running.pop(seq_id, None) or self._paused.pop(seq_id, None)
+        if seq is not None and seq.join.batch.trace is not None:
+            seq.timeline.end_ns = time.monotonic_ns()
+            seq.join.timelines[seq.item.request_id] = seq.timeline
         if self._leave is not None:
             try:
                 self._leave(seq_id)
@@ -292,6 +310,7 @@ class SequenceTable:
             self._finish(join.batch, p.BatchResult(join.batch.batch_id, [], elapsed_ms,
                                                    phases_ms={"infer": elapsed_ms}),
                          join.taken_ns)
+            self._trace(join)
 
     def _fail(self, joins: list[_Join], error: str) -> None:
         """Each of ``joins`` fails whole: its RESULT carries the error, its sequences
@@ -309,3 +328,9 @@ class SequenceTable:
                 elapsed_ms = (time.perf_counter() - join.start_s) * 1000.0
                 self._finish(join.batch, p.BatchResult(join.batch.batch_id, [], elapsed_ms,
                                                        error=error), join.taken_ns)
+                self._trace(join)
+
+    def _trace(self, join: _Join) -> None:
+        """A traced join's sequences' spans, after its RESULT (workers/spans.py)."""
+        if self._traced is not None and join.batch.trace is not None and join.timelines:
+            self._traced(join.batch, join.timelines)

@@ -10,13 +10,39 @@ onto this one when the broker runs on another host: the batch left when it was t
 up here). The batch span is a root of its own trace, as a batch serves several, with a
 link to each queue span. The callers decided the sampling: a request whose context is
 unsampled gets no span, and a batch none of whose requests is sampled gets none.
+
+A request of an iterative model (workers/sequences.py) is a sequence, whose time the
+queue span does not tell: its trace gets a ``sequence`` span beside its queue span, from
+the worker's receipt of its join to the step it left at, with three children: ``wait``
+(for the step running to end, and for a free slot), ``prefill`` (the handler's ``join``) and
+``steps`` (its first response to its last; the steps it answered and the times it was
+paused as attributes, not a span a token).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 from zeroserve.broker import otel, protocol as p, tracing
+
+
+@dataclass
+class Timeline:
+    """One sequence's moments, on this host's monotonic clock (ns)."""
+
+    received_ns: int       # the worker read its join
+    prefill_ns: int        # its join() began
+    prefilled_ns: int = 0  # and returned
+    first_ns: int = 0      # its first response was sent
+    end_ns: int = 0        # it left (its last response, a stop, a failure)
+    steps: int = 0         # responses it was sent, a step each
+    paused: int = 0        # times it was paused for a request of a higher priority
+
+    def step(self, now_ns: int) -> None:
+        if not self.steps:
+            self.first_ns = now_ns
+        self.steps += 1
 
 
 class BatchSpans:
@@ -59,6 +85,43 @@ class BatchSpans:
         if result.error is not None:
             span.set_status(otel.Status(otel.StatusCode.ERROR, result.error))
         span.end(end_time=stamps.get("COMPUTE_END", end_ns) + offset)
+
+    def sequences(self, batch: p.Batch, timelines: Mapping[str, Timeline]) -> None:
+        """Each traced sequence's spans of an iterative join (this host's clock): a
+        ``sequence`` span under the request's context, its ``wait``, ``prefill`` and
+        ``steps`` under it."""
+        bt = batch.trace
+        if bt is None:
+            return
+        offset = otel.epoch_offset_ns()
+        for index, context, _ in bt.items:
+            t = timelines.get(batch.items[index].request_id)
+            if t is None:
+                continue
+            prefilled = t.prefilled_ns or t.end_ns   # a join that raised never returned
+            first = t.first_ns or t.end_ns
+            ms = 1e-6
+            attrs: dict[str, Any] = {
+                "zeroserve.model": batch.model, "zeroserve.model.version": batch.version,
+                "zeroserve.batch.id": batch.batch_id,
+                "zeroserve.sequence.wait_ms": (t.prefill_ns - t.received_ns) * ms,
+                "zeroserve.sequence.prefill_ms": (prefilled - t.prefill_ns) * ms,
+                "zeroserve.sequence.first_response_ms": (first - t.received_ns) * ms,
+                "zeroserve.sequence.steps": t.steps,
+                "zeroserve.sequence.paused": t.paused}
+            span = self.exporter.start("sequence", context, t.received_ns + offset,
+                                       attributes=attrs)
+            if not span.is_recording():
+                continue
+            parent = otel.wire_context(span)
+            for name, start, end, more in (
+                    ("wait", t.received_ns, t.prefill_ns, {}),
+                    ("prefill", t.prefill_ns, prefilled, {}),
+                    ("steps", first, t.end_ns, {"zeroserve.sequence.steps": t.steps,
+                                                "zeroserve.sequence.paused": t.paused})):
+                self.exporter.start(name, parent, start + offset,
+                                    attributes=more).end(end_time=end + offset)
+            span.end(end_time=t.end_ns + offset)
 
     def close(self) -> None:
         self.exporter.close()

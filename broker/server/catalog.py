@@ -55,6 +55,9 @@ class CatalogModel:
     def default_version(self) -> int:
         """Where a request without a version goes when the split names none: the
         heaviest of the split, else the newest ready version not rolled back."""
+        if not self.failed and self.weights is None and not self.config.traffic:
+            # no split and nothing rolled back, the common case: asked on every dispatch
+            return max(self.ready) if self.ready else max(self.versions)
         weights = self.split()
         if weights:
             return max(weights, key=lambda v: (weights[v], v))

@@ -22,6 +22,7 @@ from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import NOT_PAUSED, Streams
 from zeroserve.broker.server.tenancy import Tenancy
+from zeroserve.broker.server.tokenfill import Predict
 
 
 class Dispatch:
@@ -58,7 +59,9 @@ class Dispatch:
 
     def _dispatch_model(self, model: CatalogModel, now: float) -> None:
         name = model.config.name
-        while True:
+        # after a take the queue is often empty (one request a message): nothing to ask
+        # the workers, the gate or the latency model for
+        while self.scheduler.depth(name):
             if model.config.max_sequences:
                 # an iterative model's requests join the sequences running on a worker at
                 # its next step: as many as it has free slots, whatever else it runs
@@ -81,14 +84,17 @@ class Dispatch:
                 return  # its result frees it
             half = self.gate.split(name, now, busy, worker.free, queued,
                                    self.scheduler.queued_units(name) / max(queued, 1), predict)
-            if not self._take(worker, model, now, self.forecast.busy_until(worker, now), half):
+            if not self._take(worker, model, now, self.forecast.busy_until(worker, now), half,
+                              predict=predict):
                 return
 
     def _preempt(self, model: CatalogModel, now: float) -> bool:
-        """Every slot is held: the queue's head takes the slot of a running sequence of a
-        lower priority, which pauses (broker/server/preemption.py); False if none may."""
+        """Every slot is held: the highest priority waiting takes the slot of a running
+        sequence of a lower one, which pauses (broker/server/preemption.py); False if
+        none may. Not the dispatch order's head, which may be a request that aging lifted
+        over it: that one waits for a free slot, and took a VIP's preemption with it."""
         name = model.config.name
-        head = self.scheduler.head(name, now)
+        head = self.scheduler.strongest(name, now)
         if head is None:
             return False
         version = head.version if head.version is not None else model.default_version
@@ -100,7 +106,7 @@ class Dispatch:
         # a paused join sends nothing for a while: its next response bounds it again
         self.batches.progressed(chosen.batch_id, now, math.inf)
         self.metrics.preempted(name, chosen.entry.tenant)
-        return self._take(chosen.worker, model, now, now, 1)
+        return self._take(chosen.worker, model, now, now, 1, only=head)
 
     def _running(self, name: str, version: int) -> Iterator[preemption.Running]:
         """The sequences of a model running (not paused) on the workers that may pause
@@ -118,19 +124,23 @@ class Dispatch:
                         yield preemption.Running(w, b, item, entry)
 
     def _take(self, worker: WorkerState, model: CatalogModel, now: float, start_s: float,
-              max_samples: int | None) -> bool:
-        """A batch for ``worker`` taken from the queue and sent; False when the queue has
-        none for it now."""
+              max_samples: int | None, only: Entry | None = None,
+              predict: Predict | None = None) -> bool:
+        """A batch for ``worker`` taken from the queue (``only``: of that entry) and sent;
+        False when the queue has none for it now. ``predict``: the worker's latency model,
+        when already looked up."""
         name = model.config.name
         held, default = worker.versions_of(name), model.default_version
 
         def resolve(e: Entry, held: set[int] = held, default: int = default) -> int | None:
+            if only is not None and e is not only:
+                return None
             v = e.version if e.version is not None else default
             return v if v in held else None
 
-        decision = self.scheduler.take(name, now, self.latency.predictor(name, worker.worker_id),
-                                       resolve, start_s=start_s, max_samples=max_samples,
-                                       mixed=self.gate.mixed(name, now))
+        decision = self.scheduler.take(name, now, predict or self.latency.predictor(
+            name, worker.worker_id), resolve, start_s=start_s, max_samples=max_samples,
+            mixed=self.gate.mixed(name, now))
         if decision is None:
             return False
         for entry in decision.doomed:

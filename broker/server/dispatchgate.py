@@ -79,11 +79,11 @@ class DispatchGate:
         """Half the queue, for an idle worker that can take two batches, when batching
         gains little and a queued batch reorders nothing; else None (the model's cap).
         ``scale``: the queue's mean units a sample."""
-        if busy or free < 2 or self.mixed(model, now):
+        if busy or free < 2 or queued < 2 or self.mixed(model, now):
             return None
         half = (queued + 1) // 2
         whole = predict(queued * scale)
-        if queued < 2 or whole <= PREFETCH_S or \
+        if whole <= PREFETCH_S or \
                 2 * predict(half * scale) > SPLIT_COST * whole:
             return None
         return half

@@ -249,6 +249,9 @@ class BrokerMetrics:
         # the oldest go past this many, which outnumbers any pool's live workers
         self._seen_workers: dict[str, None] = {}
         self._child = Children()
+        # the queue-time series by (model, priority) as ints: its labels are strings, made
+        # and looked up again for every batch otherwise
+        self._queue_of: dict[tuple[str, int], Callable[[float], None]] = {}
 
     def breaker_tripped(self, model: str) -> None:
         self.breaker_trips.labels(model).inc()
@@ -295,7 +298,10 @@ class BrokerMetrics:
         last, observe = None, None
         for priority, queue_s in waits:
             if priority != last or observe is None:
-                last, observe = priority, self.queue.labels(model, str(priority)).observe
+                last, observe = priority, self._queue_of.get((model, priority))
+                if observe is None:
+                    observe = self._queue_of[(model, priority)] = \
+                        self.queue.labels(model, str(priority)).observe
             observe(queue_s)
 
     def batch_sent(self, model: str, reason: str, samples: int, tokens: int = 0,

@@ -293,9 +293,9 @@ class Batches:
         return out
 
     def next_stall(self, limit_s: Callable[[WorkerState, Inflight], float]) -> float | None:
-        due = [head.started_s + limit_s(w, head) for w in self._stacked.values()
-               if not w.stalled and (head := self.inflight[w.inflight[0]]).started_s < math.inf]
-        return min(due, default=None)
+        return min((head.started_s + limit_s(w, head) for w in self._stacked.values() if not
+                    w.stalled and (head := self.inflight[w.inflight[0]]).started_s < math.inf),
+                   default=None) if self._stacked else None   # asked every turn, mostly empty
 
     def overdue(self, now: float) -> list[Inflight]:
         return [r for r in self.inflight.values() if r.exec_deadline_s <= now]

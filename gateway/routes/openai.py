@@ -175,25 +175,37 @@ class OpenAIRoutes:
                 f"the prompt has {len(prompt)} and {max_tokens} more were asked for",
                 "max_tokens" if room >= 1 else "messages" if is_chat else "prompt",
                 "context_length_exceeded")
+        # opentelemetry mode: the gateway's span, parent of the stream's queue and
+        # sequence spans (workers/spans.py), ends with its last event
+        trace = inference.trace_stream(req.model, request.headers, "HTTP_RECV_START")
         stream = inference.stream(
             req.model, _generation_inputs(model, req, prompt, max_tokens),
             priority=call.priority, timeout_ms=call.budget_ms(inference),
-            api_key=key, routing_key=routing_key(request.headers, {"routing_key": req.user},
-                                                 key, peer_host(request.scope.get("client"))))
+            api_key=key, trace=trace.context if trace is not None else None,
+            routing_key=routing_key(request.headers, {"routing_key": req.user},
+                                    key, peer_host(request.scope.get("client"))))
         answer = Answer(req, model, len(prompt), max_tokens, call.deadline_s())
         if not req.stream:
-            async with stream:
-                while not answer.ended:
-                    answer.add(await answer.next(stream))
+            error = ""
+            try:
+                async with stream:
+                    while not answer.ended:
+                        answer.add(await answer.next(stream))
+            except BaseException as exc:
+                error = str(exc)
+                raise
+            finally:
+                inference.finish_stream(trace, error)
             return json_response(answer.whole(), headers=build_headers(answer.version,
                                                                         answer.build))
         try:
             first = await answer.next(stream)   # an error now is a plain JSON answer
-        except BaseException:
+        except BaseException as exc:
             stream.close()
+            inference.finish_stream(trace, str(exc))
             raise
-        return Events(answer.events(stream, first), stream, inference,
-                      build_headers(first.version, first.build))
+        return Events(answer.events(stream, first, partial(inference.finish_stream, trace)),
+                      stream, inference, build_headers(first.version, first.build))
 
 
 @dataclass(frozen=True)
@@ -274,32 +286,40 @@ class Answer:
         return chat.completion(self.ids, self.req.model, "".join(self.text), self.finish,
                                self.counts())
 
-    async def events(self, stream: AsyncStream, first: StreamResponse
+    async def events(self, stream: AsyncStream, first: StreamResponse,
+                     done: Callable[[str], None] = lambda error: None
                      ) -> AsyncIterator[bytes]:
         """Server-sent events: the role (chat), the text as it comes, the finish, the
         usage when asked, ``[DONE]``. An error after the first is an error event that
         ends the stream (the openai client raises it); a stop string, or the client
-        going away, withdraws the sequence (Events closes the stream)."""
+        going away, withdraws the sequence (Events closes the stream). ``done`` is
+        told how it ended ('' when whole) once the last event is sent."""
         model = self.req.model
-        if self.req.chat:
-            yield _sse(chat.chunk(self.ids, model, None, None, first=True))
-        response: StreamResponse | None = first
+        error = "the client went away"   # unless the stream ends otherwise
         try:
-            while response is not None:
-                piece = self.add(response)
-                if piece:
-                    yield _sse(chat.chunk(self.ids, model, piece, None))
-                response = None if self.ended or response.final else \
-                    await self.next(stream)
-        except InferError as exc:
-            got = openai.error_of(exc)
-            assert got is not None
-            yield _sse(got[1])
-            return
-        yield _sse(chat.chunk(self.ids, model, None, self.finish or "length"))
-        if self.req.include_usage:
-            yield _sse(chat.usage_chunk(self.ids, model, self.counts()))
-        yield b"data: [DONE]\n\n"
+            if self.req.chat:
+                yield _sse(chat.chunk(self.ids, model, None, None, first=True))
+            response: StreamResponse | None = first
+            try:
+                while response is not None:
+                    piece = self.add(response)
+                    if piece:
+                        yield _sse(chat.chunk(self.ids, model, piece, None))
+                    response = None if self.ended or response.final else \
+                        await self.next(stream)
+            except InferError as exc:
+                error = exc.message
+                got = openai.error_of(exc)
+                assert got is not None
+                yield _sse(got[1])
+                return
+            yield _sse(chat.chunk(self.ids, model, None, self.finish or "length"))
+            if self.req.include_usage:
+                yield _sse(chat.usage_chunk(self.ids, model, self.counts()))
+            yield b"data: [DONE]\n\n"
+            error = ""
+        finally:
+            done(error)
 
 
 def _sse(doc: dict[str, Any]) -> bytes:

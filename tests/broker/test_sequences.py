@@ -223,6 +223,25 @@ def test_a_higher_priority_request_pauses_the_lowest_and_takes_its_slot() -> Non
     assert h.finals() == {"a": 1, "b": 1, "c": 1, "vip": 1} and h.empty()
 
 
+def test_a_vip_pauses_a_running_stream_though_an_aged_request_heads_the_queue() -> None:
+    """Aging lifts a request that waited over higher priorities for a free slot; it takes
+    no running one's, nor the slot a VIP's pause frees: the VIP joins at once."""
+    h = vip_harness(most=1)
+    h.request("running")
+    h.path.dispatch(h.now)
+    [(w, low)] = h.batches()
+    h.request("aged")      # the same priority: it waits for the slot, and ages
+    h.now += 2.0           # past aging_s (1 s): the head of the dispatch order
+    h.request("vip", priority=1)
+    h.path.dispatch(h.now)
+    assert pauses(h) == [p.Pause(low.batch_id, ["0"])]
+    [(w2, vip)] = h.batches()
+    assert w2 == w
+    h.partial(w, vip, [("0", False)])
+    assert h.answers()["vip"] == [("part", (0, False))]
+    assert "aged" not in h.answers()
+
+
 def test_no_preemption_of_an_equal_priority_or_on_a_worker_that_cannot_pause() -> None:
     h = vip_harness(most=1, versions=(1, 2, 3, 4))   # an older worker: no PAUSE
     h.request("a")

@@ -239,7 +239,7 @@ def main() -> None:
     ap.add_argument("--variants", default="tok512,tok4096,tok4096cap")
     ap.add_argument("--modes", default="requests,compute")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
-    ap.add_argument("--backlog-rows", type=int, default=32,
+    ap.add_argument("--backlog-rows", type=int, default=cs.BACKLOG_ROWS,
                     help="texts a request of the short-text tenant while backlogged")
     args = ap.parse_args()
     variants, modes = args.variants.split(","), args.modes.split(",")

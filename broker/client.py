@@ -25,7 +25,7 @@ import collections
 import itertools
 import time
 from functools import partial
-from typing import Any, Callable, Mapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import zmq
@@ -34,8 +34,8 @@ from zmq.utils.monitor import parse_monitor_message
 from zeroserve.broker import curve, protocol as p, tracing
 from zeroserve.broker.clientbase import (LOST, InferError, InferResult, RowError,
                                          control_result, decode_answers, fd_of, keyed,
-                                         new_socket, tensors_of, to_result, unreachable,
-                                         unwatch, watch)
+                                         new_socket, readable, receive, send_now, tensors_of,
+                                         to_result, unreachable, unwatch, watch)
 from zeroserve.broker.runtime import Endpoints
 from zeroserve.broker.streamclient import AsyncStream, Stream, StreamResponse
 
@@ -475,12 +475,12 @@ class AsyncClient:
     def _send(self, frames: list[Any]) -> bool:
         assert self._sock is not None and self._loop is not None
         try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            send_now(self._sock, frames)
         except zmq.ZMQError:  # Again: not connected (IMMEDIATE queues nothing)
             return False
         # ZeroMQ's descriptor is edge-triggered and a send can consume the edge:
         # look for answers that arrived meanwhile, or the reader may never wake.
-        if cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if readable(self._sock):
             self._loop.call_soon(self._drain)
         return True
 
@@ -488,8 +488,8 @@ class AsyncClient:
         sock = self._sock
         if sock is None:
             return
-        while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        while readable(sock):
+            frames = receive(sock)
             self._last_heard = time.monotonic()
             try:
                 answers = decode_answers(frames)

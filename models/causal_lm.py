@@ -12,11 +12,12 @@ or at the model's end token (which is sent, as ``generate`` returns it).
 - ``step`` answers each sequence's token; ``advance``, which the sequence table calls once
   the step's tokens are sent, runs one batched decode of every sequence that goes on (a
   caller that never calls ``advance`` gets that decode at the start of the next ``step``).
-  Their caches are packed into one batch, left-padded to the longest, with
-  an attention mask over each one's own positions and its own position ids; the pack is
-  kept while the same sequences step on (a column more per step) and rebuilt from each
-  sequence's own cache when one joins or leaves.
-- ``pause`` takes a sequence out of the pack: its cache is copied out and kept while the
+  Their caches are the rows of one slab (models/kv_slab.py): buffers allocated once, a
+  row per sequence, each decode writing every row's new key and value in place at its
+  own length, with an attention mask over each one's own positions and its own
+  position ids. A sequence's cache moves into a row at its first decode and out when it
+  leaves or pauses (one row's copy); nothing else is copied.
+- ``pause`` takes a sequence out of the slab: its cache is copied out and kept while the
   paused caches fit ``keep_bytes`` (on a GPU, by default, what its free memory allows),
   else dropped, and ``resume`` rebuilds it with one prefill of its prompt and the tokens
   it generated. Either way it goes on with the token it had chosen.
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from zeroserve.models.kv_slab import Layers, Slab
 from zeroserve.models.loader import LoadError, Opened, Source
 from zeroserve.models.text import IDS
 
@@ -46,7 +48,6 @@ TOKEN = "token_id"          # INT64 [1]: each step's token
 SAMPLING = {"temperature": ("FP32", (1,)),   # 0: greedy; above: softmax(logits / t)
             "top_p": ("FP32", (1,)),         # the smallest set of tokens of that mass
             "seed": ("INT64", (1,))}         # the sequence's own generator; none: random
-Layers = list[tuple[torch.Tensor, torch.Tensor]]   # a cache: (keys, values) per layer
 
 
 def check_signature(src: Source) -> None:
@@ -84,7 +85,7 @@ class _Seq:
     length: int              # tokens in its cache
     next_token: int          # the greedy token its last forward chose
     left: int                # tokens it may still answer
-    layers: Layers | None    # its own cache; None while it lives in the pack (or dropped)
+    layers: Layers | None    # its own cache; None while it has a row of the slab (or dropped)
     tokens: list[int]        # its prompt and what it sent: a dropped cache's prefill
     sent: int = 0
     chosen: bool = True      # next_token is not sent yet (False: the decode is due)
@@ -92,16 +93,6 @@ class _Seq:
     temperature: float = 0.0
     top_p: float = 1.0
     generator: torch.Generator | None = None   # a sampled sequence's own
-
-
-@dataclass
-class _Pack:
-    """The caches of the sequences that stepped together last, one batch."""
-
-    rows: list[int | None]                   # each row's sequence; None: a row let go
-    cache: Any
-    mask: torch.Tensor                       # [batch, positions]: 1 where a token is
-    width: int                               # positions, padding included
 
 
 class CausalLMSteps:
@@ -115,7 +106,12 @@ class CausalLMSteps:
         params = inspect.signature(model.forward).parameters
         # transformers 5 renamed past_key_values to cache
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._pack: _Pack | None = None
+        # the running sequences' caches; None while none is in it (its memory given back)
+        self._slab: Slab | None = None
+        # a prefill computes the logits of the prompt's last position only, where the
+        # model's forward can (transformers 4.45 named it num_logits_to_keep)
+        keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        self._last_only = {keep: 1} if keep else {}
         self._states: dict[int, _Seq] = {}
         # bytes of paused caches kept at most (None: on a GPU half its free memory, on a
         # CPU no bound); one over it is dropped and prefilled again on resume
@@ -130,7 +126,7 @@ class CausalLMSteps:
         seq = _Seq(ids.shape[1], 0, int(inputs[MAX_TOKENS].reshape(-1)[0]), None,
                    ids[0].tolist())
         self._sampling(seq, inputs)
-        out = self.model(input_ids=ids, use_cache=True)
+        out = self.model(input_ids=ids, use_cache=True, **self._last_only)
         seq.layers = _layers(self._cache_of(out))
         seq.next_token = self._choose(seq, out.logits[0, -1])
         self._states[seq_id] = seq
@@ -175,28 +171,30 @@ class CausalLMSteps:
                 self._kept -= _nbytes(seq.layers)
         self._let_go(seq_id)
 
-    def _let_go(self, seq_id: int) -> None:
-        pack = self._pack
-        if pack is not None and seq_id in pack.rows:   # its row is let go, its id free
-            pack.rows[pack.rows.index(seq_id)] = None
+    def _let_go(self, seq_id: int, keep: bool = False) -> Layers | None:
+        """Its row of the slab given up (its cache copied out where ``keep``); the slab
+        itself once empty."""
+        slab = self._slab
+        if slab is None or seq_id not in slab.ids:
+            return None
+        own = slab.take(seq_id, keep)
+        if not slab.ids:
+            self._slab = None
+        return own
 
     def pause(self, seq_id: int) -> None:
-        """It sits out the steps: its cache out of the pack, kept if it fits, else
+        """It sits out the steps: its cache out of the slab, kept if it fits, else
         dropped (resume prefills it again)."""
         seq = self._states[seq_id]
-        pack = self._pack
-        if seq.layers is None and pack is not None and seq_id in pack.rows:
-            row, start = pack.rows.index(seq_id), pack.width - seq.length
-            own = [(k[row:row + 1, :, start:], v[row:row + 1, :, start:])
-                   for k, v in _layers(pack.cache)]
-            size = _nbytes(own)
-            if self._may_keep(size):
-                # a copy: the pack's row is written over by the next sequence that joins
-                seq.layers = [(k.clone(), v.clone()) for k, v in own]
+        slab = self._slab
+        if seq.layers is None and slab is not None and seq_id in slab.ids:
+            size = slab.nbytes_of(seq_id)
+            keep = self._may_keep(size)
+            seq.layers = self._let_go(seq_id, keep)
+            if keep:
                 self._kept += size
             else:
                 seq.dropped = True
-            self._let_go(seq_id)
         elif seq.layers is not None:
             self._kept += _nbytes(seq.layers)   # joined, never stepped: its own already
         self._paused.add(seq_id)
@@ -215,7 +213,8 @@ class CausalLMSteps:
         if seq.dropped:
             # its prompt and the tokens it sent but the last (which the next decode feeds)
             ids = torch.tensor([seq.tokens[:seq.length]], device=self.device)
-            seq.layers = _layers(self._cache_of(self.model(input_ids=ids, use_cache=True)))
+            seq.layers = _layers(self._cache_of(self.model(input_ids=ids, use_cache=True,
+                                                           **self._last_only)))
             seq.dropped = False
         elif seq.layers is not None:
             self._kept -= _nbytes(seq.layers)
@@ -244,101 +243,39 @@ class CausalLMSteps:
             self._decode(due, states)
 
     def _decode(self, ids: list[int], states: dict[int, _Seq]) -> None:
-        pack = self._fit(ids, states)
-        rows = pack.rows
-        # a row let go still runs (its output unread) until a repack drops it: cheaper
-        # than copying every cache each time a sequence leaves
-        tokens = torch.tensor([[states[i].next_token if i is not None else 0] for i in rows],
+        slab = self._slab
+        for seq_id in ids:   # newcomers (joined, resumed) move into rows of the slab
+            seq = states[seq_id]
+            if seq.layers is not None:
+                if slab is None:
+                    length = max(states[i].length for i in ids)
+                    # room for most of the sequences' growth before the first doubling
+                    slab = self._slab = Slab(seq.layers, len(ids), 2 * length + 64)
+                slab.add(seq_id, seq.layers)
+                seq.layers = None
+        assert slab is not None, "a decode of sequences that have caches"
+        # a row whose sequence is not due (answered final, not left yet) runs too, its
+        # output unread and its length kept: its write lands past its own tokens
+        due = set(ids)
+        tokens = torch.tensor([[states[i].next_token if i in due else 0] for i in slab.ids],
                               device=self.device)
-        positions = torch.tensor([[states[i].length if i is not None else 0] for i in rows],
-                                 device=self.device)
-        mask = torch.cat([pack.mask, torch.ones(len(rows), 1, dtype=pack.mask.dtype,
-                                                device=self.device)], dim=1)
+        mask, positions = slab.begin()
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                         use_cache=True, **{self._cache_arg: pack.cache})
+                         use_cache=True, **{self._cache_arg: slab.cache})
         logits = out.logits[:, -1]
         greedy = logits.argmax(dim=-1).tolist()
-        for row, seq_id in enumerate(rows):
-            if seq_id is None:
+        for row, seq_id in enumerate(slab.ids):
+            if seq_id not in due:
                 continue
             seq = states[seq_id]
             seq.length += 1
+            slab.lengths[row] += 1
             seq.chosen = True
             seq.next_token = greedy[row] if seq.generator is None else \
                 self._choose(seq, logits[row])
-        self._pack = _Pack(rows, self._cache_of(out), mask, pack.width + 1)
-
-    def _fit(self, ids: list[int], states: dict[int, _Seq]) -> _Pack:
-        """The pack whose live rows are ``ids``: the last one, its rows of sequences gone
-        let go and newcomers written into such rows where they fit (one row's copy);
-        else a new one, as one is once half its rows are let go or its width (which grows
-        a position a step) is over twice its longest sequence."""
-        pack = self._pack
-        if pack is None:
-            return self._repack(ids, states)
-        going = set(ids)
-        rows = [i if i in going else None for i in pack.rows]
-        placed = set(rows)
-        new = [i for i in ids if i not in placed]
-        free = [r for r, i in enumerate(rows) if i is None]
-        longest = max(states[i].length for i in ids)
-        if len(new) > len(free) or (len(free) - len(new)) * 2 > len(rows) or \
-                longest > pack.width or pack.width > 2 * longest:
-            return self._repack(ids, states)   # no room, half idle, or mostly padding
-        layers = _layers(pack.cache)
-        for seq_id, row in zip(new, free):
-            seq = states[seq_id]
-            start = pack.width - seq.length
-            for (k, v), (own_k, own_v) in zip(layers, _own(seq)):
-                k[row].zero_()
-                v[row].zero_()
-                k[row, :, start:] = own_k[0]
-                v[row, :, start:] = own_v[0]
-            pack.mask[row].zero_()
-            pack.mask[row, start:] = 1
-            rows[row] = seq_id
-            seq.layers = None   # it lives in the pack from now on
-        pack.rows = rows
-        return pack
-
-    def _repack(self, ids: list[int], states: dict[int, _Seq]) -> _Pack:
-        """The sequences' own caches, left-padded into one batch; those of the old pack
-        taken out of it first (a sequence that left is dropped with it)."""
-        old = self._pack
-        if old is not None:
-            layers = _layers(old.cache)
-            for row, seq_id in enumerate(old.rows):
-                seq = self._states.get(seq_id) if seq_id is not None else None
-                if seq is not None and seq.layers is None:
-                    start = old.width - seq.length
-                    seq.layers = [(k[row:row + 1, :, start:], v[row:row + 1, :, start:])
-                                  for k, v in layers]
-        width = max(states[i].length for i in ids)
-        mask = torch.zeros(len(ids), width, dtype=torch.long, device=self.device)
-        packed: Layers = []
-        for layer in range(len(_own(states[ids[0]]))):
-            keys, values = [], []
-            for seq_id in ids:
-                k, v = _own(states[seq_id])[layer]
-                pad = width - k.shape[2]
-                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
-                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-            packed.append((torch.cat(keys), torch.cat(values)))
-        for row, seq_id in enumerate(ids):
-            seq = states[seq_id]
-            mask[row, width - seq.length:] = 1
-            seq.layers = None   # it lives in the pack from now on
-        from transformers import DynamicCache
-        rows: list[int | None] = list(ids)
-        return _Pack(rows, DynamicCache(ddp_cache_data=packed), mask, width)
 
     def _cache_of(self, out: Any) -> Any:
         return getattr(out, self._cache_arg)
-
-
-def _own(seq: _Seq) -> Layers:
-    assert seq.layers is not None, "a sequence outside the pack has its own cache"
-    return seq.layers
 
 
 def _nbytes(layers: Layers) -> int:

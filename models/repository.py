@@ -101,6 +101,9 @@ class DynamicBatching:
     # lengths, for a handler that takes ragged rows); needs a padded input to count by
     max_batch_tokens: int = 0
     token_cost: str = "padded"
+    # while the model's recent requests come from more than one tenant or priority, a
+    # batch is cut where its predicted run time would pass this (0: never cut)
+    mixed_batch_ms: float = 0.0
 
 
 @dataclass(frozen=True)

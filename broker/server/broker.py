@@ -31,13 +31,13 @@ from zeroserve.broker.server.frontdoor import FrontDoor
 from zeroserve.broker.server.intake import Intake
 from zeroserve.broker.server.latency import LatencyBook
 from zeroserve.broker.server.ledger import AnswerLedger
-from zeroserve.broker.server.lifecycle import Lifecycle, LifecycleOptions
+from zeroserve.broker.server.lifecycle import Lifecycle, LifecycleOptions, Rescans
 from zeroserve.broker.server.loadretry import LoadRetries
 from zeroserve.broker.server.loads import WorkerLoads
 from zeroserve.broker.server.membership import Membership
 from zeroserve.broker.server.metrics import BreakerStates, BrokerMetrics, CacheSize, ModelStates
 from zeroserve.broker.server.memplan import MemoryPlan
-from zeroserve.broker.server.ondemand import OnDemand, OnDemandOptions
+from zeroserve.broker.server.ondemand import OnDemand, OnDemandOptions, OnDemandSets
 from zeroserve.broker.server.pipeline import INTERNAL, OnWorkers, Pipelines
 from zeroserve.broker.server.placement import Placement
 from zeroserve.broker.server.pool import Batches, WorkerPool
@@ -45,8 +45,8 @@ from zeroserve.broker.server.breaker import BreakerOptions, Breakers
 from zeroserve.broker.server.readverbs import ReadVerbs
 from zeroserve.broker.server.registration import Registrar
 from zeroserve.broker.server.releases import Releases
-from zeroserve.broker.server.replicas import Replicas
-from zeroserve.broker.server.repoctl import RepositoryControl
+from zeroserve.broker.server.replicas import ReplicaSets, Replicas
+from zeroserve.broker.server.repoctl import ModelControl, RepositoryControl
 from zeroserve.broker.server.results import Results
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.scope import TenantScope
@@ -56,7 +56,7 @@ from zeroserve.broker.server.stopping import StopState
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import Streams
 from zeroserve.broker.server.tenancy import Tenancy
-from zeroserve.broker.server.types import Clock, Send
+from zeroserve.broker.server.types import Clock, Send, earliest
 from zeroserve.broker.tracesettings import TraceState
 from zeroserve.models.repository import RepoModel
 
@@ -128,22 +128,37 @@ class Broker:
                                             watch_s=breaker.watch_s)
         self.streaming = streaming = StreamPath(streams, batches, catalog, metrics, stats, ledger,
                                                 reply, answering, tenancy.completion_tokens)
-        # the model lifecycle's strategies; what they ask of the lifecycle is bound late
-        # (it is built last, from them): KNOWN_LATE_BINDINGS in tests/test_layout.py
+        # the model lifecycle, built before the strategies that ask it to load: what they
+        # decide (which workers hold a model) is kept in tables the worker loads read
         tenure = demand.tenure()   # load on demand writes it, placement reads it
         self.plan = plan = MemoryPlan(catalog, pool, registry)
         self.placement = placement = Placement(
             catalog, pool, plan, metrics, clock, queued=scheduler.depth,
             last_used=usage.last_used, tenure=tenure)
-        self.replicas = replicas = Replicas(   # autoscaled models: which workers hold them
-            catalog, pool, scheduler, placement, metrics, predict=latency.predictor,
-            swapping=lambda name: self.lifecycle.swapping(name),
-            sync_worker=lambda worker: self.loads.sync_worker(worker),
-            failing=breakers.failing)
+        replica_sets = ReplicaSets()   # autoscaled models: which workers hold them
+        demand_sets = OnDemandSets(demand.enabled, tenure, default=replica_sets.placed)
+        retries = LoadRetries(opts.load_retry)
+        self.loads = loads = WorkerLoads(catalog, pool, placement, retries, metrics, clock,
+                                         placed=OnWorkers(demand_sets.placed),
+                                         turn=tenure.loading)
+        # folders the broker publishes itself, which the lifecycle drains (the registrar
+        # tells them, and the lifecycle drives the registrar)
+        rescans = Rescans()
+        model_control = ModelControl(opts.control_mode, opts.load_models, catalog, rescans)
+        self.registrar = registrar = Registrar(catalog, pool, opts.import_roots,
+                                               published=model_control.published)
+        self.config_writer = ConfigWriter(catalog, model_control.published)
+        self.lifecycle = lifecycle = Lifecycle(
+            catalog, scheduler, pool, answering, answers, breakers, releases, metrics, clock,
+            ctx, placement, registrar, loads, retries, stats=stats, rescans=rescans,
+            options=opts, sources=(model_control.source, releases.unretired))
+        self.replicas = replicas = Replicas(   # autoscaled models: the scaling decisions
+            catalog, pool, scheduler, placement, metrics, replica_sets,
+            predict=latency.predictor, swapping=lifecycle.swapping,
+            sync_worker=loads.sync_worker, failing=breakers.failing)
         self.ondemand = ondemand = OnDemand(   # models loaded when asked for: where held
-            catalog, pool, scheduler, placement, metrics, clock, demand,
-            load_placed=lambda worker, name: self.loads.load_placed(worker, name),
-            fail=answering.fail_waiting, default=replicas.placed, tenure=tenure)
+            catalog, pool, scheduler, placement, metrics, clock, demand, demand_sets,
+            load_placed=loads.load_placed, fail=answering.fail_waiting, tenure=tenure)
         admission = Admission(catalog, scheduler, pool, latency, tenancy, stop, gate,
                               forecast, answers, ondemand)
         self.intake = Intake(catalog, scheduler, ledger, stop, breakers, admission, answers,
@@ -155,22 +170,8 @@ class Broker:
                                  answering, streams, streaming, tenancy, metrics)
         self.ledger = ledger
         self.repository = repository = RepositoryControl(
-            opts.control_mode, opts.load_models, catalog, pool, stats,
-            load_now=lambda rm, vs: self.lifecycle.load_now(rm, vs),
-            remove=lambda name, why: self.lifecycle.remove_model(name, why),
-            rescan=lambda name: self.lifecycle.rescan_one(name),
-            busy=lambda name: self.lifecycle.busy(name), demand=ondemand.state)
-        self.registrar = registrar = Registrar(catalog, pool, opts.import_roots,
-                                               published=repository.published)
-        retries = LoadRetries(opts.load_retry)
-        self.loads = loads = WorkerLoads(catalog, pool, placement, retries, metrics, clock,
-                                         placed=OnWorkers(ondemand.placed),
-                                         turn=ondemand.loading)
-        self.lifecycle = Lifecycle(catalog, scheduler, pool, answering, answers, breakers,
-                                   releases, metrics, clock, ctx, placement, registrar, loads,
-                                   retries, stats=stats, options=opts,
-                                   sources=(repository.source, releases.unretired))
-        registry.register(ModelStates(catalog, ondemand.on))
+            model_control, catalog, pool, stats, lifecycle, demand=ondemand.state)
+        registry.register(ModelStates(catalog, demand_sets.on))
         registry.register(CacheSize(cache.describe))
         registry.register(BreakerStates(catalog, breakers.state))
         self.notifier = notifier = Notifier()
@@ -180,7 +181,7 @@ class Broker:
         # tensors; control calls carry configs; workers' heartbeats carry metrics text
         self.membership = Membership(
             pool, batches, p.Limits(header_bytes=32 << 20, message_bytes=max_message_bytes),
-            self.results, streaming, self.lifecycle, loads, ondemand, replicas, answering,
+            self.results, streaming, lifecycle, loads, ondemand, replicas, answering,
             forecast, ledger, stop, metrics, clock)
         self.control = control = ControlTable(admin_token, TenantScope(tenancy, admin_token))
         self._add_verbs()
@@ -289,13 +290,10 @@ class Broker:
             trim_memory()
 
     def next_due(self, now: float) -> float:
-        due = [self._next_heartbeat]
-        for d in (self.dispatch.next_due(now), self.lifecycle.next_due(),
-                  self.replicas.next_due(), self.releases.next_due(),
-                  self.ondemand.next_due(now), self.shutdown.next_due()):
-            if d is not None:
-                due.append(d)
-        return min(due)
+        due = earliest((self.dispatch.next_due(now), self.lifecycle.next_due(),
+                        self.replicas.next_due(), self.releases.next_due(),
+                        self.ondemand.next_due(now), self.shutdown.next_due()))
+        return self._next_heartbeat if due is None or due > self._next_heartbeat else due
 
     def _reload_repository(self) -> None:
         """SIGHUP: the watcher's path for the whole repository (hashed off the loop,
@@ -330,8 +328,7 @@ class Broker:
         c.add("register_status", self.registrar.status, mutates=True)
         c.add("unregister", self.registrar.unregister, mutates=True)
         c.add("push", self.registrar.push, mutates=True)
-        c.add("configure", ConfigWriter(self.catalog, self.repository.published).configure,
-              mutates=True)
+        c.add("configure", self.config_writer.configure, mutates=True)
         c.add("tenants", self.tenancy.describe)
         c.add("reload_tenants", self.tenancy.reload_verb, mutates=True)
 

@@ -94,7 +94,8 @@ class CatalogModel:
                       max_queue_size=db.max_queue_size,
                       aging_s=db.aging_ms / 1000.0,
                       max_batch_tokens=db.max_batch_tokens,
-                      packed=db.token_cost == "packed")
+                      packed=db.token_cost == "packed",
+                      mixed_batch_s=db.mixed_batch_ms / 1000.0)
 
     def metadata(self) -> dict[str, Any]:
         cfg = self.config

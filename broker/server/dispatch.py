@@ -22,6 +22,8 @@ from zeroserve.broker.server.scheduler import Entry, Scheduler
 from zeroserve.broker.server.streampath import StreamPath
 from zeroserve.broker.server.streams import NOT_PAUSED, Streams
 from zeroserve.broker.server.tenancy import Tenancy
+from zeroserve.broker.server.tokenfill import Predict
+from zeroserve.broker.server.types import earliest
 
 
 class Dispatch:
@@ -83,7 +85,8 @@ class Dispatch:
                 return  # its result frees it
             half = self.gate.split(name, now, busy, worker.free, queued,
                                    self.scheduler.queued_units(name) / max(queued, 1), predict)
-            if not self._take(worker, model, now, self.forecast.busy_until(worker, now), half):
+            if not self._take(worker, model, now, self.forecast.busy_until(worker, now), half,
+                              predict=predict):
                 return
 
     def _preempt(self, model: CatalogModel, now: float) -> bool:
@@ -122,9 +125,11 @@ class Dispatch:
                         yield preemption.Running(w, b, item, entry)
 
     def _take(self, worker: WorkerState, model: CatalogModel, now: float, start_s: float,
-              max_samples: int | None, only: Entry | None = None) -> bool:
+              max_samples: int | None, only: Entry | None = None,
+              predict: Predict | None = None) -> bool:
         """A batch for ``worker`` taken from the queue (``only``: of that entry) and sent;
-        False when the queue has none for it now."""
+        False when the queue has none for it now. ``predict``: the worker's latency model,
+        when already looked up."""
         name = model.config.name
         held, default = worker.versions_of(name), model.default_version
 
@@ -134,8 +139,9 @@ class Dispatch:
             v = e.version if e.version is not None else default
             return v if v in held else None
 
-        decision = self.scheduler.take(name, now, self.latency.predictor(name, worker.worker_id),
-                                       resolve, start_s=start_s, max_samples=max_samples)
+        decision = self.scheduler.take(name, now, predict or self.latency.predictor(
+            name, worker.worker_id), resolve, start_s=start_s, max_samples=max_samples,
+            mixed=self.gate.mixed(name, now))
         if decision is None:
             return False
         for entry in decision.doomed:
@@ -174,14 +180,12 @@ class Dispatch:
         self.tenancy.queued([(e.tenant, now - e.arrival_s) for e in entries])
 
     def next_due(self, now: float) -> float | None:
-        due = [d for d in (self.scheduler.next_deadline(), self.batches.next_exec_deadline(),
-                           self.streams.next_deadline() if self.streams else None,
-                           self.batches.next_stall(self.forecast.stall_limit_s)) if d is not None]
+        due = [self.scheduler.next_deadline(), self.batches.next_exec_deadline(),
+               self.streams.next_deadline() if self.streams else None,
+               self.batches.next_stall(self.forecast.stall_limit_s)]
         for name in self.scheduler.models_waiting():
-            d = self.scheduler.next_due(name, now, self.latency.predictor(name))
-            if d is not None:
-                due.append(d)
-        return min(due, default=None)
+            due.append(self.scheduler.next_due(name, now, self.latency.predictor(name)))
+        return earliest(due)
 
 
 def _callers(entries: list[Entry], now: float) -> list[p.Caller]:

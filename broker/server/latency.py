@@ -32,18 +32,22 @@ class LatencyModel:
         # stopped admission from ever refusing on a deadline again
         if not (batch_size > 0 and math.isfinite(seconds) and 0.0 <= seconds <= MAX_S):
             return
+        # the sums updated in line: observed for every batch, where two calls to a helper
+        # with a sign cost more than the arithmetic
         if len(self._samples) == self._samples.maxlen:
-            self._add(*self._samples[0], sign=-1)
+            b, t = self._samples[0]
+            self._n -= 1
+            self._sx -= b
+            self._sy -= t
+            self._sxx -= b * b
+            self._sxy -= b * t
         self._samples.append((batch_size, seconds))
-        self._add(batch_size, seconds, sign=1)
+        self._n += 1
+        self._sx += batch_size
+        self._sy += seconds
+        self._sxx += batch_size * batch_size
+        self._sxy += batch_size * seconds
         self._fit = None
-
-    def _add(self, b: float, t: float, sign: int) -> None:
-        self._n += sign
-        self._sx += sign * b
-        self._sy += sign * t
-        self._sxx += sign * b * b
-        self._sxy += sign * b * t
 
     def _solve(self) -> tuple[float, float]:
         n, sx, sy, sxx, sxy = self._n, self._sx, self._sy, self._sxx, self._sxy

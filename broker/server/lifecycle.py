@@ -7,7 +7,9 @@ here. The state they change is the catalog's (catalog.py), changed only by its v
 what each worker should hold, and its loads, are the worker loads' (loads.py, which a
 worker joining asks directly), and what a rescan sees of the
 repository is what each of ``sources`` lets through in turn (explicit model control
-filters it, a rollout's retired versions leave it).
+filters it, a rollout's retired versions leave it). A folder the broker publishes
+itself (a registration, a config written over the API) comes through the outbox
+:class:`Rescans` when no watcher sees it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from zeroserve.broker.server.releases import Releases
 from zeroserve.broker.server.scheduler import Scheduler
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.broker.server.swap import Swap, Swaps
-from zeroserve.broker.server.types import ModelVersion
+from zeroserve.broker.server.types import ModelVersion, earliest
 from zeroserve.models.repository import ConfigError, RepoModel, load_config, scan, \
     version_sha256
 from zeroserve.models.watcher import ALL, RepoWatcher
@@ -62,6 +64,29 @@ class LifecycleOptions:
     load_retry: RetryPolicy = RetryPolicy()   # loads that failed for a reason that may pass
 
 
+class Rescans:
+    """The folders the broker itself published into the repository or removed from it (a
+    registration, an unregister, a configure), for the lifecycle to look at again: an
+    outbox, written by a part built before the lifecycle (repoctl.ModelControl, for the
+    registrar, which the lifecycle drives), drained at the end of the lifecycle's tick.
+    Every write comes in a turn of the loop that ends with that tick (a verb, a LOADED,
+    the registrar's own tick), so nothing waits for a later turn and it adds no due
+    time. A watched repository needs none: the watcher sees the rename."""
+
+    def __init__(self) -> None:
+        self._names: set[str] = set()
+
+    def add(self, name: str) -> None:
+        self._names.add(name)
+
+    def take(self) -> set[str]:
+        names, self._names = self._names, set()
+        return names
+
+    def __bool__(self) -> bool:
+        return bool(self._names)
+
+
 class Lifecycle:
     """The coordinator: rescans, hashes and worker joins become swaps or sync loads."""
 
@@ -70,8 +95,8 @@ class Lifecycle:
                  releases: Releases, metrics: BrokerMetrics, clock: Callable[[], float],
                  ctx: zmq.Context[Any], placement: Placement, registrar: Registrar,
                  loads: WorkerLoads, retries: LoadRetries, *, stats: ModelStatistics,
-                 options: LifecycleOptions | None = None, sources: Sequence[Source] = ()
-                 ) -> None:
+                 rescans: Rescans, options: LifecycleOptions | None = None,
+                 sources: Sequence[Source] = ()) -> None:
         self.catalog = catalog
         self.scheduler = scheduler
         self.pool = pool
@@ -90,6 +115,7 @@ class Lifecycle:
         self.loads = loads       # what each worker should hold: loaded, retried
         self.retries = retries
         self.sources = tuple(sources)
+        self.rescans = rescans   # folders the broker published or removed
         self.watcher: RepoWatcher | None = None
         self.hasher: Hasher | None = None
         self.pending: dict[str, tuple[RepoModel, int]] = {}   # hashing
@@ -100,12 +126,6 @@ class Lifecycle:
                            committed=self._committed, ended=self._after_swap,
                            retry=self._retry, retries=self.retries,
                            timeout_s=self.opts.swap_timeout_s)
-
-    def rescan_one(self, name: str) -> None:
-        """A folder registration published or removed: the watcher sees the rename; with
-        the watcher off (model control none or explicit) this is called instead."""
-        if self.watcher is None:
-            self.rescan({name})
 
     def swapping(self, name: str) -> bool:
         """Whether a swap is placing ``name`` now (autoscaling waits for it)."""
@@ -152,16 +172,19 @@ class Lifecycle:
                 self._on_hashed(result)
 
     def next_due(self) -> float | None:
+        # asked every turn: the registrar (and its clock) only while it has jobs
         dues = [self.watcher.next_due() if self.watcher is not None else None,
-                self.swaps.next_due(), self.registrar.next_due(self.clock()),
+                self.swaps.next_due(),
+                self.registrar.next_due(self.clock()) if self.registrar.jobs else None,
                 self.retries.next_due()]
         if self.placement.refused:  # loads refused for memory: answered on the next tick
             dues.append(self.clock())
-        return min((d for d in dues if d is not None), default=None)
+        return earliest(dues)
 
     def tick(self, now: float) -> None:
-        for worker, refused in self.placement.take_refused():
-            self.on_loaded(worker, refused)
+        if self.placement.refused:   # every turn, almost always none
+            for worker, refused in self.placement.take_refused():
+                self.on_loaded(worker, refused)
         if self.watcher is not None:
             dirty = self.watcher.take_due()
             if dirty:
@@ -176,6 +199,10 @@ class Lifecycle:
         if self.registrar.jobs:
             self.registrar.tick()
             self.registrar.check_workers()
+        if self.rescans:   # last: what the registrar published just now is seen now
+            published = self.rescans.take()
+            if self.watcher is None:   # else the watcher sees the renames
+                self.rescan(published)
 
     # -- rescans ------------------------------------------------------------
     def rescan(self, dirty: set[str]) -> None:
@@ -350,10 +377,11 @@ class Lifecycle:
             return
         self.loads.loaded(worker, msg)
 
-    def worker_removed(self, worker_id: str) -> None:
+    def worker_removed(self, worker_id: str, identity: bytes) -> None:
         """A worker left: versions no live worker holds are no longer routable; loads it
-        would retry go to the next worker."""
+        would retry go to the next worker; its memory plan goes."""
         self.loads.worker_left(worker_id)
+        self.placement.worker_gone(identity)
 
     def remove_model(self, name: str, why: str) -> None:
         # a folder that never loaded has no catalog entry, but its failure must go too

@@ -137,8 +137,8 @@ class LoadRetries:
         return out
 
     def next_due(self) -> float | None:
-        return min((s.due_s for s in self._backoffs.values()
-                    if s.trying is None and s.parked), default=None)
+        return min((s.due_s for s in self._backoffs.values() if s.trying is None and s.parked),
+                   default=None) if self._backoffs else None   # asked every turn
 
     def worker_left(self, worker_id: str) -> None:
         """Its parked loads go (it loads again when it joins); a retry it ran gives the

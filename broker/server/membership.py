@@ -139,7 +139,7 @@ class Membership:
         self.metrics.worker_lost(worker.worker_id, loss.name.lower())
         self.answering.worker_lost(lost, loss, worker.worker_id, self.clock())
         self.forecast.worker_gone(worker.worker_id)
-        self.lifecycle.worker_removed(worker.worker_id)
+        self.lifecycle.worker_removed(worker.worker_id, worker.identity)
         self.ondemand.worker_lost(worker)
         self.metrics.workers_alive(len(self.pool.workers))
 
@@ -157,6 +157,7 @@ class Membership:
             self._left_s.pop(worker.identity, None)
             self.pool.release(worker)
             self.forecast.worker_gone(worker.worker_id)
+            self.lifecycle.worker_removed(worker.worker_id, worker.identity)
             self.metrics.workers_alive(len(self.pool.workers))
 
 

@@ -219,6 +219,14 @@ class MemoryPlan:
         self.measured.pop(key, None)
         self.predicted.pop(key, None)
 
+    def worker_gone(self, identity: bytes) -> None:
+        """A worker left (lost or drained): what was planned for its connection goes; a
+        restart reconnects as a new one and reports what it holds (a worker killed
+        every minute left two entries each for good)."""
+        for table in (self.footprints, self.measured, self.predicted):
+            for key in [k for k in table if k[0] == identity]:
+                del table[key]
+
     # -- status and metrics ------------------------------------------------------------
     def _entry(self, worker: WorkerState, name: str, version: int) -> dict[str, Any]:
         key = (worker.identity, name, version)

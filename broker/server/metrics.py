@@ -14,6 +14,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client import utils as prometheus_utils
 
 from zeroserve.broker.protocol import ErrorCode
+from zeroserve.broker.server.pool import Loss
 from zeroserve.broker.server.tenants import ANONYMOUS
 
 _REJECT_REASONS = {ErrorCode.DEADLINE: "deadline", ErrorCode.OVERLOADED: "shed",
@@ -43,6 +44,10 @@ class Children:
             child = self._children[key] = metric.labels(*labels)
         return child
 
+
+# worker ids whose restarts, losses and recycles keep their series (the oldest go)
+WORKER_SERIES = 256
+LOSS_REASONS = tuple(loss.name.lower() for loss in Loss)   # worker_lost's reasons
 
 # how prometheus_client writes a bucket's bound (untyped there)
 _go_float = cast(Callable[[float], str], prometheus_utils.floatToGoString)
@@ -239,8 +244,14 @@ class BrokerMetrics:
         self.breaker_trips = Counter("circuit_breaker_trips", "Times a model's circuit "
                                      "breaker opened (its own errors past the threshold, or "
                                      "a probe failed)", ["model"], namespace=ns, registry=r)
-        self._seen_workers: set[str] = set()
+        # worker ids with series, oldest first: pods name workers, so ids churn, and a
+        # series per id ever seen grew for good (three a worker killed every minute);
+        # the oldest go past this many, which outnumbers any pool's live workers
+        self._seen_workers: dict[str, None] = {}
         self._child = Children()
+        # the queue-time series by (model, priority) as ints: its labels are strings, made
+        # and looked up again for every batch otherwise
+        self._queue_of: dict[tuple[str, int], Callable[[float], None]] = {}
 
     def breaker_tripped(self, model: str) -> None:
         self.breaker_trips.labels(model).inc()
@@ -287,7 +298,10 @@ class BrokerMetrics:
         last, observe = None, None
         for priority, queue_s in waits:
             if priority != last or observe is None:
-                last, observe = priority, self.queue.labels(model, str(priority)).observe
+                last, observe = priority, self._queue_of.get((model, priority))
+                if observe is None:
+                    observe = self._queue_of[(model, priority)] = \
+                        self.queue.labels(model, str(priority)).observe
             observe(queue_s)
 
     def batch_sent(self, model: str, reason: str, samples: int, tokens: int = 0,
@@ -313,18 +327,29 @@ class BrokerMetrics:
         self.alive.set(n)
 
     def worker_registered(self, worker_id: str) -> None:
-        # the first registration creates the series at 0, so increase() sees the first restart
-        child = self._child(self.restarts, worker_id)
-        self._child(self.recycles, worker_id)
+        # the first registration creates the series at 0, so increase() sees the first
+        # restart; the series are not cached in Children: their ids are not bounded
+        child = self.restarts.labels(worker_id)
+        self.recycles.labels(worker_id)
         if worker_id in self._seen_workers:
             child.inc()
-        self._seen_workers.add(worker_id)
+            del self._seen_workers[worker_id]   # to the newest end
+        self._seen_workers[worker_id] = None
+        while len(self._seen_workers) > WORKER_SERIES:
+            self._drop_worker(next(iter(self._seen_workers)))
+
+    def _drop_worker(self, worker_id: str) -> None:
+        del self._seen_workers[worker_id]
+        self.restarts.remove(worker_id)
+        self.recycles.remove(worker_id)
+        for loss in LOSS_REASONS:
+            self.losses.remove(worker_id, loss)
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
-        self._child(self.losses, worker_id, reason).inc()
+        self.losses.labels(worker_id, reason).inc()
 
     def worker_recycled(self, worker_id: str) -> None:
-        self._child(self.recycles, worker_id).inc()
+        self.recycles.labels(worker_id).inc()
 
     def shutdown_failed(self, n: int) -> None:
         self.shutdown_cut.inc(n)

@@ -100,16 +100,38 @@ class Refused:
         self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
+class OnDemandSets:
+    """Which models load on demand (their config says so, or says nothing and the broker
+    loads on demand) and, of those, where each is placed (the record's ``assigned``, which
+    :class:`OnDemand` writes): a placement strategy (:meth:`placed`) the worker loads
+    read, built before the OnDemand that asks them to load."""
+
+    def __init__(self, enabled: bool, tenure: Tenure, default: Placed = placed_on) -> None:
+        self.enabled = enabled
+        self.default = default   # the workers an on-demand model may go to
+        self.assigned = tenure.assigned
+
+    def on(self, cfg: ModelConfig) -> bool:
+        return cfg.load_on_demand if cfg.load_on_demand is not None else self.enabled
+
+    def placed(self, cfg: ModelConfig, worker: WorkerState) -> bool:
+        """The placement strategy: an on-demand model is held only where it was asked."""
+        if not self.default(cfg, worker):
+            return False
+        return not self.on(cfg) or worker.identity in self.assigned.get(cfg.name, ())
+
+
 class OnDemand:
     """Reads the catalog, the pool, the scheduler's queues and the ``room`` memory
-    placement sees; writes its record ``tenure`` (the one its options built); asks
-    ``load_placed(worker, model)`` to load a model now placed on a worker, and ``fail(model,
-    code, message, retry_after_s)`` to answer every request queued for a model."""
+    placement sees; writes its record ``tenure`` (the one its options built, whose
+    placements ``sets`` reads); asks ``load_placed(worker, model)`` to load a model now
+    placed on a worker, and ``fail(model, code, message, retry_after_s)`` to answer every
+    request queued for a model."""
 
     def __init__(self, catalog: Catalog, pool: WorkerPool, scheduler: Scheduler,
                  room: Room, metrics: BrokerMetrics, clock: Clock, options: OnDemandOptions,
-                 *, load_placed: Callable[[WorkerState, str], None], fail: Fail,
-                 default: Placed = placed_on, tenure: Tenure) -> None:
+                 sets: OnDemandSets, *, load_placed: Callable[[WorkerState, str], None],
+                 fail: Fail, tenure: Tenure) -> None:
         self.catalog = catalog
         self.pool = pool
         self.scheduler = scheduler
@@ -117,9 +139,10 @@ class OnDemand:
         self.metrics = metrics
         self.clock = clock
         self.opts = options
+        self.sets = sets
         self._load_placed = load_placed
         self._fail = fail
-        self._default = default
+        self._default = sets.default
         self.tenure = tenure
         # the record's tables, written here (placement reads them through the record)
         self.times, self.costs, self.demand = tenure.times, tenure.costs, tenure.demand
@@ -130,23 +153,14 @@ class OnDemand:
         self._tried_at_changes = -1
         self._retry_at = math.inf
 
-    # -- strategies the broker hands out ----------------------------------------------
+    # -- the broker's calls -----------------------------------------------------------
     def on(self, cfg: ModelConfig) -> bool:
-        return cfg.load_on_demand if cfg.load_on_demand is not None else self.opts.enabled
-
-    def placed(self, cfg: ModelConfig, worker: WorkerState) -> bool:
-        """The placement strategy: an on-demand model is held only where it was asked."""
-        if not self._default(cfg, worker):
-            return False
-        return not self.on(cfg) or worker.identity in self.assigned.get(cfg.name, ())
+        """Whether ``cfg``'s model loads on demand (admission asks)."""
+        return self.sets.on(cfg)
 
     def asked(self, name: str, now: float) -> None:
         """A request for ``name`` came (any model of the catalog: eviction weighs them all)."""
         self.demand.asked(name, now)
-
-    def loading(self, name: str) -> bool:
-        """Whether a load on demand of ``name`` runs now."""
-        return name in self.loads
 
     # -- admission ----------------------------------------------------------------------
     def admit(self, model: CatalogModel, now: float) -> float | Refused:
@@ -272,7 +286,8 @@ class OnDemand:
                     continue
                 self._failed(name, load, now, f"loading model {name!r} on demand on worker "
                              f"{worker.worker_id} failed: {error}", p.ErrorCode.UNAVAILABLE)
-        for name in [n for n in self.assigned if n not in self.catalog.models]:
+        for name in [n for n in self.assigned if n not in self.catalog.models] \
+                if self.assigned else ():   # every turn: a comprehension costs ~1 us here
             del self.assigned[name]   # removed: if it comes back, it is asked for anew
             self.evicted.pop(name, None)
             self.times.forget(name)

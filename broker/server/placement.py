@@ -73,6 +73,9 @@ class Placement:
     def forget(self, key: tuple[bytes, str, int]) -> None:
         self.plan.forget(key)
 
+    def worker_gone(self, identity: bytes) -> None:
+        self.plan.worker_gone(identity)
+
     def retain(self, model: str, folder: Path, shas: Iterable[str]) -> None:
         self.plan.retain(model, folder, shas)
 

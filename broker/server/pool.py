@@ -22,7 +22,7 @@ from msgspec.structs import replace
 
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.scheduler import Entry
-from zeroserve.broker.server.types import Clock, ModelVersion, ReadOnly, Send
+from zeroserve.broker.server.types import Clock, ModelVersion, ReadOnly, Send, earliest
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +55,6 @@ class Inflight:
     started_s: float = math.inf   # when the worker is taken to have begun it (it runs its
                                   # batches in order: when the one before it returned)
     units: float = 0.0   # what the latency model prices it by: rows x the longest scale
-
-
-def rec_units(entries: list[Entry]) -> float:
-    """A batch's units: every row runs at the batch's longest scale (padding)."""
-    return sum(e.samples for e in entries) * max((e.scale for e in entries), default=1.0)
 
 
 class WorkerState:
@@ -201,13 +196,16 @@ class Batches:
         ``sequences``: an iterative model's, whose requests join the worker's running
         sequences: it holds their slots rather than a credit, and starts at once."""
         batch_id = next(self._batch_ids)
-        tightest = min(e.deadline_s for e in entries)
+        rows, scale, tightest = 0, -math.inf if entries else 1.0, math.inf
+        for e in entries:   # one pass: min, max and sum over generators cost us each here
+            rows += e.samples
+            scale = e.scale if e.scale > scale else scale
+            tightest = e.deadline_s if e.deadline_s < tightest else tightest
         rec = Inflight(batch_id, worker.identity, model, version,
-                       {it.request_id: e for it, e in zip(items, entries)},
-                       sum(e.samples for e in entries), reason, now,
+                       {it.request_id: e for it, e in zip(items, entries)}, rows, reason, now,
                        now + exec_s if exec_s > 0 else math.inf, stream,
                        math.inf if worker.inflight and not sequences else now,
-                       rec_units(entries))
+                       rows * scale)   # its units: every row at the longest scale (padding)
         frames = p.encode_batch(p.Batch(batch_id, model, version, items,
                                         (tightest - now) * 1000.0 if tightest < math.inf else 0,
                                         trace, callers))
@@ -293,15 +291,17 @@ class Batches:
         return out
 
     def next_stall(self, limit_s: Callable[[WorkerState, Inflight], float]) -> float | None:
-        due = [head.started_s + limit_s(w, head) for w in self._stacked.values()
-               if not w.stalled and (head := self.inflight[w.inflight[0]]).started_s < math.inf]
-        return min(due, default=None)
+        return min((head.started_s + limit_s(w, head) for w in self._stacked.values() if not
+                    w.stalled and (head := self.inflight[w.inflight[0]]).started_s < math.inf),
+                   default=None) if self._stacked else None   # asked every turn, mostly empty
 
     def overdue(self, now: float) -> list[Inflight]:
-        return [r for r in self.inflight.values() if r.exec_deadline_s <= now]
+        return [r for r in self.inflight.values() if r.exec_deadline_s <= now] \
+            if self.inflight else []   # every turn: a comprehension costs ~1 us here
 
     def next_exec_deadline(self) -> float | None:
-        return min((r.exec_deadline_s for r in self.inflight.values()), default=None)
+        return earliest([r.exec_deadline_s for r in self.inflight.values()]) \
+            if self.inflight else None
 
     def busy(self) -> set[tuple[bytes, str, int]]:
         return {(r.worker, r.model, r.version) for r in self.inflight.values()}
@@ -588,8 +588,8 @@ class WorkerPool:
 
     def drained(self) -> Iterable[WorkerState]:
         """Workers leaving with nothing of ours in flight: they may go now."""
-        return [w for w in self._leaving.values()
-                if not w.inflight and not w.waiting and not w.sequences]
+        return [w for w in self._leaving.values()   # asked every turn: mostly none leave
+                if not w.inflight and not w.waiting and not w.sequences] if self._leaving else []
 
     def release(self, worker: WorkerState) -> None:
         """A drained worker that is leaving: tell it to exit and forget it."""

@@ -140,7 +140,7 @@ class Releases:
 
     def next_due(self) -> float | None:
         return min((d for r in self.rollouts.values() if (d := r.next_due()) is not None),
-                   default=None)
+                   default=None) if self.rollouts else None   # asked every turn
 
     def _apply(self, name: str, rollout: Rollout, verdict: Verdict) -> None:
         if self.catalog.get(name) is None:

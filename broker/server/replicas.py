@@ -2,12 +2,12 @@
 applied to the pool, in the broker's tick.
 
 A model whose config gives ``instances.min``/``max`` (or ``count``) is held only by the
-workers chosen for it here (:meth:`Replicas.placed`, the placement strategy the
-broker gives the lifecycle); every other model stays on every eligible worker. Scaling
-up assigns one more worker, chosen among those that may hold the model and that
-placement says have memory for it, and loads it there through the lifecycle's load
-path (``sync_worker``: the LOADED answer makes it routable). Scaling down takes one
-replica out of routing at once and unloads it when its in-flight batches are done
+workers chosen for it here, its :class:`ReplicaSets` (whose ``placed`` is the placement
+strategy the worker loads and the swaps read); every other model stays on every
+eligible worker. Scaling up assigns one more worker, chosen among those that may hold
+the model and that placement says have memory for it, and loads it there through the
+worker loads (``sync_worker``: the LOADED answer makes it routable). Scaling down takes
+one replica out of routing at once and unloads it when its in-flight batches are done
 (``Catalog.evict``): nothing queued or running is lost, since the other replicas keep
 the model.
 """
@@ -49,17 +49,36 @@ def gpu_utilization(workers: list[WorkerState]) -> float | None:
     return sum(seen) / len(seen) if seen else None
 
 
+class ReplicaSets:
+    """Which workers hold each autoscaled model (its replicas, in the order added):
+    written by :class:`Replicas` as it scales, read as a placement strategy
+    (:meth:`placed`) by the worker loads, which are built before the Replicas that asks
+    them to load."""
+
+    def __init__(self, default: Placed = placed_on) -> None:
+        self.default = default   # the workers any model may go to: its pins
+        self.assigned: dict[str, list[bytes]] = {}
+
+    def placed(self, cfg: ModelConfig, worker: WorkerState) -> bool:
+        """The placement strategy: pinned workers, and of those, for an autoscaled model,
+        only its replicas."""
+        if not self.default(cfg, worker):
+            return False
+        return policy_of(cfg) is None or worker.identity in self.assigned.get(cfg.name, ())
+
+
 class Replicas:
     """Reads the catalog, the pool, the scheduler's queues and placement's memory plan;
-    asks ``predict(model)`` for a batch's run time (the latency model), ``swapping(model)``
-    whether a swap is placing it, ``failing(model)`` whether its circuit breaker is open
-    or probing, and ``sync_worker(worker)`` to (un)load what a worker should hold."""
+    writes its ``sets``; asks ``predict(model)`` for a batch's run time (the latency
+    model), ``swapping(model)`` whether a swap is placing it, ``failing(model)`` whether
+    its circuit breaker is open or probing, and ``sync_worker(worker)`` to (un)load what
+    a worker should hold."""
 
     def __init__(self, catalog: Catalog, pool: WorkerPool, scheduler: Scheduler,
-                 placement: Placement, metrics: BrokerMetrics, *,
+                 placement: Placement, metrics: BrokerMetrics, sets: ReplicaSets, *,
                  predict: Callable[[str], Callable[[float], float]],
                  swapping: Callable[[str], bool],
-                 sync_worker: Callable[[WorkerState], None], default: Placed = placed_on,
+                 sync_worker: Callable[[WorkerState], None],
                  failing: Callable[[str], bool] = lambda model: False,
                  sample_s: float = 0.05, step_s: float = 0.5) -> None:
         self.catalog = catalog
@@ -74,22 +93,15 @@ class Replicas:
         self.sample_s = sample_s
         self.step_s = step_s
         self.controller = Controller()
-        self.assigned: dict[str, list[bytes]] = {}   # per model, in the order added
+        self.assigned = sets.assigned   # per model, in the order added
         self.refused: dict[tuple[bytes, str], float] = {}
         self.last: dict[str, Decision] = {}
         self.history: dict[str, deque[dict[str, Any]]] = {}
         self._next_sample = 0.0
         self._next_step = 0.0
-        self._default_placed = default
+        self._default_placed = sets.default
 
-    # -- the lifecycle's and the broker's calls -------------------------------
-    def placed(self, cfg: ModelConfig, worker: WorkerState) -> bool:
-        """The placement strategy: pinned workers, and of those, for an autoscaled model,
-        only its replicas."""
-        if not self._default_placed(cfg, worker):
-            return False
-        return policy_of(cfg) is None or worker.identity in self.assigned.get(cfg.name, ())
-
+    # -- the broker's calls ---------------------------------------------------
     def adopt(self, worker: WorkerState) -> None:
         """A worker (re)joins holding autoscaled models (it outlived a broker restart):
         it keeps them as replicas while the model's max allows, instead of unloading.

@@ -26,10 +26,11 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from zeroserve.broker.server.catalog import Catalog
 from zeroserve.broker.server.control import ControlError, ControlTable
+from zeroserve.broker.server.lifecycle import Rescans
 from zeroserve.broker.server.pool import WorkerPool
 from zeroserve.broker.server.stats import ModelStatistics
 from zeroserve.models.repository import NAME_RE, ConfigError, RepoModel, list_versions, \
@@ -53,46 +54,25 @@ def _failed(name: str, why: str) -> ControlError:
     return ControlError("bad_input", f"failed to load '{name}': {why}")
 
 
-class RepositoryControl:
-    """Reads the catalog and the pool; asks the lifecycle, through the callbacks it is
-    given, to ``load_now`` a model, ``remove`` one, ``rescan(name)`` a folder, and
-    whether a change of a model is ``busy`` (on its way). Its :meth:`source` and
-    :meth:`published` are the strategies the broker gives the lifecycle and the
-    registrar: under explicit control a rescan sees only the models asked for."""
+class ModelControl:
+    """The model control mode and, under explicit control, the models asked for
+    (``--load-model``, a load, a registration) with their config overrides. The lifecycle
+    sees the repository through :meth:`source`: under explicit control a rescan sees only
+    the models asked for. The registrar and ``configure`` tell :meth:`published` when they
+    publish or remove a folder; it asks the lifecycle, through its outbox ``rescans``, to
+    look at that folder again. :class:`RepositoryControl`'s verbs ask for models here."""
 
     def __init__(self, mode: str, load_models: tuple[str, ...], catalog: Catalog,
-                 pool: WorkerPool, stats: ModelStatistics, *,
-                 load_now: Callable[[RepoModel, list[int]], object],
-                 remove: Callable[[str, str], None], rescan: Callable[[str], None],
-                 busy: Callable[[str], bool],
-                 demand: Callable[[str], tuple[str, str] | None] = lambda name: None) -> None:
+                 rescans: Rescans) -> None:
         if mode not in MODES:
             raise ValueError(f"model control mode must be one of {', '.join(MODES)}")
         self.mode = mode
         self.catalog = catalog
-        self.pool = pool
         self.root = catalog.root
-        self.stats = stats
-        self._load_now = load_now
-        self._remove = remove
-        self._rescan = rescan
-        self._busy = busy
-        self._demand = demand   # an on-demand model's state and reason (ondemand.py)
+        self.rescans = rescans
         self.wanted: set[str] = set(load_models)
         self.overrides: dict[str, RepoModel] = {}
-        self.unloaded: set[str] = set()
-        self.jobs: dict[str, LoadJob] = {}
-        self._ids = itertools.count(1)
-        # a load with files: the folder it replaced (None: there was none), until it ends
-        self._replaced: dict[str, Path | None] = {}
 
-    def add_verbs(self, control: ControlTable) -> None:
-        control.add("repository_index", self.index)
-        control.add("repository_load", self.load, mutates=True)
-        control.add("repository_load_status", self.load_status, mutates=True)
-        control.add("repository_unload", self.unload, mutates=True)
-
-    # -- what the lifecycle sees -------------------------------------------------
     def source(self, found: Found) -> Found:
         if self.mode != "explicit":
             return found
@@ -107,14 +87,71 @@ class RepositoryControl:
             self.catalog.restrict(self.wanted, "--load-model {name}: no such model folder")
 
     def published(self, name: str) -> None:
-        """Registration published (or removed) a folder: registering asks for the model."""
+        """Registration published (or removed) a folder, or ``configure`` wrote its
+        config: the lifecycle looks at it again; registering asks for the model."""
         if self.mode == "explicit":
             if (self.root / name).is_dir():
                 self.wanted.add(name)
             else:
-                self.wanted.discard(name)
-                self.overrides.pop(name, None)
-        self._rescan(name)
+                self.drop(name)
+        self.rescans.add(name)
+
+    def ask(self, name: str, override: RepoModel | None) -> None:
+        """A load asks for ``name``, with its config ``override`` (None: the repository's)."""
+        self.wanted.add(name)
+        if override is not None:
+            self.overrides[name] = override
+        else:
+            self.overrides.pop(name, None)
+
+    def drop(self, name: str) -> None:
+        """An unload, or a folder removed: ``name`` is no longer asked for."""
+        self.wanted.discard(name)
+        self.overrides.pop(name, None)
+
+
+class Changes(Protocol):
+    """What the repository extension asks of the model lifecycle (lifecycle.Lifecycle):
+    a fresh load of a model's versions, its removal, and whether a change of it is on its
+    way (hashing, swapping or deferred)."""
+
+    def load_now(self, rm: RepoModel, versions: list[int]) -> object: ...
+
+    def remove_model(self, name: str, why: str) -> None: ...
+
+    def busy(self, name: str) -> bool: ...
+
+
+class RepositoryControl:
+    """The repository extension's verbs. Reads the catalog and the pool; asks for models
+    in ``models`` (the model control mode); asks the lifecycle, its ``changes`` port, to
+    ``load_now`` a model, ``remove_model`` one, and whether a change of a model is
+    ``busy``; asks ``demand(name)`` an on-demand model's state and reason."""
+
+    def __init__(self, models: ModelControl, catalog: Catalog, pool: WorkerPool,
+                 stats: ModelStatistics, changes: Changes,
+                 demand: Callable[[str], tuple[str, str] | None]) -> None:
+        self.models = models
+        self.catalog = catalog
+        self.pool = pool
+        self.root = catalog.root
+        self.stats = stats
+        self.changes = changes
+        self._demand = demand   # an on-demand model's state and reason (ondemand.py)
+        self.unloaded: set[str] = set()
+        self.jobs: dict[str, LoadJob] = {}
+        self._ids = itertools.count(1)
+        # a load with files: the folder it replaced (None: there was none), until it ends
+        self._replaced: dict[str, Path | None] = {}
+
+    def add_verbs(self, control: ControlTable) -> None:
+        control.add("repository_index", self.index)
+        control.add("repository_load", self.load, mutates=True)
+        control.add("repository_load_status", self.load_status, mutates=True)
+        control.add("repository_unload", self.unload, mutates=True)
+
+    def prime(self) -> None:
+        self.models.prime()
 
     def close(self) -> None:
         for name in list(self._replaced):
@@ -122,32 +159,30 @@ class RepositoryControl:
 
     # -- verbs ----------------------------------------------------------------
     def _check_mode(self, verb: str) -> None:
-        if self.mode != "explicit":
+        if self.models.mode != "explicit":
             raise ControlError("bad_input", f"explicit model {verb} is not allowed with model "
-                               f"control mode '{self.mode}' (start the broker with "
+                               f"control mode '{self.models.mode}' (start the broker with "
                                "--model-control-mode explicit)")
 
     def load(self, args: dict[str, Any]) -> dict[str, Any]:
         name = _name(args)
         self._check_mode("load")
         if name in self._replaced:
-            if self._busy(name):
+            if self.changes.busy(name):
                 raise ControlError("conflict", f"a load of '{name}' with files is under way")
             self._settle(name, ok=True)   # its outcome was never asked for: it stays
         rm = self._repo_model(name, args.get("config"), args.get("files") or {})
-        self.wanted.add(name)
+        overridden = args.get("config") is not None and not args.get("files")
+        # else from the repository, where a load with files has just put them
+        self.models.ask(name, rm if overridden else None)
         self.unloaded.discard(name)
-        if args.get("config") is not None and not args.get("files"):
-            self.overrides[name] = rm
-        else:   # from the repository, where a load with files has just put them
-            self.overrides.pop(name, None)
         self.stats.forget(name)      # statistics count since load
         self.catalog.clear_error(name)
-        self._load_now(rm, list(rm.versions))
+        self.changes.load_now(rm, list(rm.versions))
         job = LoadJob(str(next(self._ids)), name, time.time())
         self.jobs[job.token] = job
         logger.info("model %s: load asked for (versions %s%s)", name, list(rm.versions),
-                    ", config overridden" if name in self.overrides else "")
+                    ", config overridden" if overridden else "")
         return {"token": job.token, "model": name}
 
     def _repo_model(self, name: str, config: Any, files: Any) -> RepoModel:
@@ -252,7 +287,7 @@ class RepositoryControl:
 
     def _outcome(self, job: LoadJob) -> tuple[str, str]:
         name = job.model
-        if self._busy(name):
+        if self.changes.busy(name):
             return "loading", ""
         failure = self.catalog.failures.get(name)
         if failure is not None and failure["time"] >= job.started:
@@ -274,10 +309,9 @@ class RepositoryControl:
     def unload(self, args: dict[str, Any]) -> dict[str, Any]:
         name = _name(args)
         self._check_mode("unload")
-        self.wanted.discard(name)
-        self.overrides.pop(name, None)
+        self.models.drop(name)
         was = name in self.catalog.models
-        self._remove(name, "unloaded by the operator")
+        self.changes.remove_model(name, "unloaded by the operator")
         self.stats.forget(name)
         self.unloaded.add(name)
         return {"model": name, "unloaded": was}
@@ -288,7 +322,7 @@ class RepositoryControl:
             found, errors = scan(self.root)
         except ConfigError:
             found, errors = {}, {}
-        names = set(found) | set(errors) | set(self.catalog.models) | set(self.overrides)
+        names = set(found) | set(errors) | set(self.catalog.models) | set(self.models.overrides)
         out: list[dict[str, Any]] = []
         for name in sorted(names):
             out += self._entries(name, found.get(name), errors.get(name))
@@ -297,7 +331,7 @@ class RepositoryControl:
     def _entries(self, name: str, rm: RepoModel | None, error: str | None
                  ) -> list[dict[str, Any]]:
         model = self.catalog.get(name)
-        busy = self._busy(name)
+        busy = self.changes.busy(name)
         workers = list(self.pool.workers.values())
         if model is None:
             failure = self.catalog.failures.get(name)

@@ -91,7 +91,9 @@ class Results:
             return
         compute_s = result.compute_ms / 1000.0
         self.latency.observe(rec.model, worker.worker_id, rec.units, compute_s)
-        self.tenancy.used(self.scheduler.used(rec.model, rec.entries.values(), compute_s), now)
+        if self.tenancy.enabled:   # without tenants no share is kept, and nothing is spent
+            self.tenancy.used(self.scheduler.used(rec.model, rec.entries.values(), compute_s),
+                              now)
         self.metrics.batch_done(rec.model, rec.samples, compute_s, result.phases_ms)
         self.stats.batch_done(rec.model, rec.version, rec.samples, result.phases_ms,
                               result.compute_ms)
@@ -100,8 +102,13 @@ class Results:
         totals_s: list[float] = []   # the metrics and statistics take the batch's at once
         queued_s = 0.0
         # a model with a free length: the tokens its batch computed, padding included
-        longest = max((e.length for e in rec.entries.values()), default=0)
-        shared: dict[str, float] = {"batch_tokens": rec.samples * longest} if longest else {}
+        longest = 0   # a loop: max over a generator with a default costs us, every batch
+        for e in rec.entries.values():
+            longest = e.length if e.length > longest else longest
+        # the stats every reply of the batch carries, made once a batch
+        shared: dict[str, float] = {"compute_ms": result.compute_ms, "batch_size": rec.samples}
+        if longest:
+            shared["batch_tokens"] = rec.samples * longest
         for rep in result.replies:
             entry = rec.entries.get(rep.request_id)
             if entry is None or not self.ledger.is_open(entry.key):
@@ -110,8 +117,7 @@ class Results:
             queue_s = rec.sent_s - entry.arrival_s
             totals_s.append(now - entry.arrival_s)
             queued_s += queue_s
-            stats = {"queue_ms": queue_s * 1000.0, "compute_ms": result.compute_ms,
-                     "batch_size": rec.samples, **shared, **pl.notes}
+            stats = {"queue_ms": queue_s * 1000.0, **shared, **pl.notes}
             trace = None
             if pl.request is not None and pl.request.trace is not None:
                 trace = tracing.broker_stamps(entry.arrival_s, rec.sent_s, now, result.trace)
@@ -141,7 +147,8 @@ class Results:
             self.metrics.requests_done(rec.model, rec.version, totals_s)
             self.stats.request_done(rec.model, rec.version, queued_s, sum(totals_s),
                                     result.phases_ms, result.compute_ms, len(totals_s))
-        self.answering.fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
+        if rec.entries:
+            self.answering.fail_batch(rec, p.ErrorCode.INTERNAL, "worker returned no output")
 
     def _rolling_out(self, model: str) -> bool:
         return self.releases is not None and model in self.releases.rollouts

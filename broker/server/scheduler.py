@@ -87,6 +87,10 @@ class Policy:
     aging_s: float = 1.0
     max_batch_tokens: int = 0          # 0: batches bounded by rows alone
     packed: bool = False               # tokens counted as the sum of lengths, not padded
+    # while the model's requests mix tenants or priorities: a batch's predicted run time
+    # at most this (one request always goes), so that a request of another tenant waits
+    # for one short batch, not one long one (0: no cap)
+    mixed_batch_s: float = 0.0
 
     @property
     def cap(self) -> int:
@@ -119,6 +123,15 @@ TOKEN_WINDOW = 256
 
 def _no_latency(_: float) -> float:
     return 0.0
+
+
+def _sizes(batch: list[Entry]) -> tuple[int, int, int]:
+    """A batch's rows, longest row's tokens and tokens: one pass, every batch (sum, max)."""
+    rows = longest = tokens = 0
+    for e in batch:
+        rows, tokens = rows + e.samples, tokens + e.samples * e.length
+        longest = e.length if e.length > longest else longest
+    return rows, longest, tokens
 
 
 @dataclass
@@ -214,6 +227,11 @@ class _Queue:
 
     def ordered(self, now: float) -> Iterator[Entry]:
         """Live entries in dispatch order; lazily, so taking a few costs little."""
+        if self.count == 1:   # one request at a time: its order is itself, nothing to weigh
+            only = self.oldest()
+            assert only is not None   # every live entry is in the fifo
+            yield only
+            return
         self.oldest()  # drop answered entries from the front, so the scan below stays short
         aged_ids = set()
         # aging lifts over higher priorities; among the top level's tenants shares decide
@@ -363,10 +381,15 @@ class Scheduler:
         made, the first model (the busiest, usually) took every credit a result freed,
         and a model asked for now and then waited behind all of it: 80 ms for the tenth
         of twelve models under Zipf(1.1), against 5 ms for the first."""
+        if not self._by_key:   # asked several times a turn, mostly with nothing queued
+            return []
+        waiting = [(m, q) for m, q in self._queues.items() if q.count]
+        if len(waiting) == 1:   # one model's: nothing to sort
+            return [waiting[0][0]]
         return [m for _, _, m in sorted((min((lvl for lvl, n in q.level_samples.items() if n),
                                              default=0),
                                          q.oldest().arrival_s, m)   # type: ignore[union-attr]
-                                        for m, q in self._queues.items() if q.count)]
+                                        for m, q in waiting)]
 
     def estimate_wait(self, model: str, priority: int, predict: Predict, workers: int,
                       tenant: str | None = None, weight: float = 1.0,
@@ -390,8 +413,8 @@ class Scheduler:
     # -- batch formation ----------------------------------------------------
     def take(self, model: str, now: float, predict: Predict = _no_latency,
              resolve: Callable[[Entry], int | None] = lambda e: e.version or 0,
-             start_s: float | None = None, max_samples: int | None = None
-             ) -> Decision | None:
+             start_s: float | None = None, max_samples: int | None = None,
+             mixed: bool = False) -> Decision | None:
         """Form a batch for a worker with a free credit, or None if it should wait.
 
         The batch is the longest prefix of the dispatch order that fits the
@@ -400,7 +423,9 @@ class Scheduler:
         or None if it cannot run there; entries of another version than the first
         are skipped. ``start_s`` is when the worker is predicted to start the batch
         (after what it already has in flight); ``max_samples`` caps the batch below the
-        model's own cap. An entry that could not finish by its
+        model's own cap; ``mixed``: the model's recent requests mix tenants or
+        priorities, so the policy's ``mixed_batch_s`` bounds the batch's predicted time.
+        An entry that could not finish by its
         deadline even alone is taken out as ``doomed``, to be refused at once rather
         than run late or left to expire (deadline-aware shedding).
         ``next_due`` says when to ask again after a None.
@@ -418,8 +443,9 @@ class Scheduler:
             if fitting:
                 cap = fitting[-1]
         start = now if start_s is None else max(now, start_s)
+        limit = pol.mixed_batch_s if mixed and pol.mixed_batch_s > 0 else math.inf
         if pol.max_batch_tokens:
-            batch, doomed = self._by_tokens(q, now, start, cap, predict, resolve)
+            batch, doomed = self._by_tokens(q, now, start, cap, predict, resolve, limit)
             return self._taken(q, batch, doomed, reason, predict)
         batch = []
         doomed = []
@@ -432,7 +458,7 @@ class Scheduler:
             tight = min(tightest, e.deadline_s)
             # a padded batch runs every row at its longest row's scale
             joined = predict((total + e.samples) * max(scale, e.scale)) if batch else 0.0
-            if batch and start + joined > tight:
+            if batch and (start + joined > tight or joined > limit):
                 break
             if batch and e.scale != scale and \
                     joined > predict(total * scale) + predict(e.units):
@@ -458,9 +484,7 @@ class Scheduler:
         for e in doomed:
             self._remove(e)
         self._settle()
-        rows = sum(e.samples for e in batch)
-        longest = max((e.length for e in batch), default=0)
-        tokens = sum(e.samples * e.length for e in batch)
+        rows, longest, tokens = _sizes(batch)
         if reason == IDLE and (rows >= q.policy.cap or q.policy.max_batch_tokens and
                                q.policy.tokens(rows, longest, tokens)
                                >= q.policy.max_batch_tokens):
@@ -485,7 +509,7 @@ class Scheduler:
                 yield e, v
 
     def _by_tokens(self, q: _Queue, now: float, start: float, cap: int, predict: Predict,
-                   resolve: Callable[[Entry], int | None]
+                   resolve: Callable[[Entry], int | None], limit: float
                    ) -> tuple[list[Entry], list[Entry]]:
         """A batch under the token budget: the head of the dispatch order, then rows of
         a length near its own from the next :data:`TOKEN_WINDOW` entries of its version
@@ -502,7 +526,7 @@ class Scheduler:
                 break
         if not window:
             return [], doomed
-        batch = fill(window[0], window[1:], q.policy, now, start, cap, predict)
+        batch = fill(window[0], window[1:], q.policy, now, start, cap, predict, limit)
         for e in batch:
             e.version = window[0].version
         return batch, doomed

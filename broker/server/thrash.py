@@ -228,6 +228,10 @@ class Tenure:
         self.evicted: dict[str, str] = {}             # model -> why (until loaded again)
         self.last_start_s = -math.inf                 # when a load last started
 
+    def loading(self, name: str) -> bool:
+        """Whether a load on demand of ``name`` runs now."""
+        return name in self.loads
+
     def wanted_level(self, name: str, now: float) -> float:
         """How much ``name`` is wanted at ``now``: eviction takes the lowest first."""
         return self.demand.count(name, now)

@@ -5,6 +5,7 @@ plain rows and a fake clock."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Protocol, Sequence, TypeVar
 
 Predict = Callable[[float], float]   # units (rows x scale) -> seconds
@@ -43,12 +44,13 @@ R = TypeVar("R", bound=Row)
 
 
 def fill(head: R, rest: Sequence[R], budget: Budget, now: float, start: float, cap: int,
-         predict: Predict) -> list[R]:
+         predict: Predict, limit: float = math.inf) -> list[R]:
     """The head, then rows of a length near its own, so little of the batch is padding.
     Order still comes first: rows that have aged, or whose deadline is near, before the
     rest, and a higher priority before a lower one; by length only within the same rank.
     A row joins only where the batch stays within ``cap`` rows and the budget, and the
-    batch, predicted from ``start``, still meets every deadline in it."""
+    batch, predicted from ``start``, still meets every deadline in it, and is predicted
+    to run ``limit`` seconds at most (the head goes whatever its own time)."""
     # a batch runs about its budget's worth: a row whose deadline falls within twice
     # that is urgent, and ranks with the aged ones
     soon = start + 2 * predict(float(budget.max_batch_tokens))
@@ -70,7 +72,7 @@ def fill(head: R, rest: Sequence[R], budget: Budget, now: float, start: float, c
             continue
         tight = min(tightest, e.deadline_s)
         joined = predict(cost * per_token)
-        if start + joined > tight:
+        if start + joined > tight or joined > limit:
             continue
         # as in a padded batch without a budget: a row of another length joins only
         # where running it padded costs no more than running it apart

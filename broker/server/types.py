@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Generic, NamedTuple, TypeVar, overload
+from typing import Any, Callable, Generic, Iterable, NamedTuple, TypeVar, overload
 
 # how the broker's objects send: (peer identity, frames) -> whether it left
 Send = Callable[[bytes, list[Any]], bool]
@@ -23,6 +23,17 @@ class ModelVersion(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.name}/{self.version}"
+
+
+def earliest(dues: Iterable[float | None]) -> float | None:
+    """The least of the times that are not None; None when none is. A loop: ``min`` over a
+    generator with ``default=`` costs the broker's loop about 2.5 us, several times a turn
+    (its keyword alone about 1 us)."""
+    best = None
+    for d in dues:
+        if d is not None and (best is None or d < best):
+            best = d
+    return best
 
 
 T = TypeVar("T")

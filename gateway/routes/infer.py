@@ -144,7 +144,10 @@ class InferEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, asgi_send: Send) -> None:
         inference = self.inference
-        send: To = scope.get(ONE_WRITE) or asgi_send
+        # taken out of the scope at once: scope -> OneWrite -> uvicorn's cycle -> scope is
+        # a reference cycle, which left each request's cycle, scope, headers and event
+        # (11 objects) to the cyclic collector: 11 us a request at C=64 (HTTP JSON, mlp)
+        send: To = scope.pop(ONE_WRITE, None) or asgi_send
         try:
             accepted = inference.enter()
         except InferError as exc:   # shed at the door
@@ -175,7 +178,7 @@ class InferEndpoint:
         try:
             version = parse_version(path.get("version"))
             body = await read_all(receive, headers.get("content-length"), limit,
-                                  scope.get(ONE_WRITE))
+                                  send if isinstance(send, OneWrite) else None)
             if trace is not None:
                 trace.stamp("HTTP_RECV_END")
             encoding = headers.get("content-encoding", "identity").strip().lower()

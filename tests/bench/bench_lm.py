@@ -12,11 +12,22 @@ three ways in one run:
 
     .venv/bin/python -m tests.bench.bench_lm [--concurrency 32] [--requests 64]
         [--prompt 16,128] [--max-tokens 16,256] [--hidden 256] [--layers 4]
+        [--before <commit> [--rounds 2]]
 
 One ``zeroserve serve`` with one worker; the direct client keeps C streams open, each
 slot sending its next request when one ends, until ``--requests`` have run. Prompts
 and ``max_tokens`` are drawn uniformly from the ranges, the same list for every way.
 Tokens/s counts the tokens each request asked for, over the wall time.
+
+Before the served ways, the step handler's decode in-process (one thread, as a worker
+runs it): the time of one step at batch 1, 8 and 32, its sequences 72 tokens long
+(the middle of the prompts) plus 64 generated; tokens/s at batch 32 over batch 1 is
+what batching can win at most on this device.
+
+With ``--before`` the server of that commit (its tree from ``git archive``, imported ahead
+of this one's) and this one's serve the same requests in turns, ``--rounds`` times each,
+the before first, and each round measures the in-process generate again: a baseline from
+the same run. The step times of the before are measured in a process of its own.
 """
 
 from __future__ import annotations
@@ -24,14 +35,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tests.bench.bench_openai_sse import tree_of
 from tests.conftest import Server, short_tmpdir
 from tests.lm import lm_config, prompt_ids, write_lm
 
@@ -136,6 +152,43 @@ def in_process(folder: Path, asks: list[tuple[list[int], int]], concurrency: int
     return useful / (time.perf_counter() - start), useful
 
 
+def step_times(folder: Path, batches: tuple[int, ...] = (1, 8, 32)) -> dict[int, float]:
+    """Seconds of one decode step of the step handler (``advance``) at each batch size,
+    the best of 20 steps, in this process on one thread."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from zeroserve.models.causal_lm import CausalLMSteps
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    out = {}
+    with torch.inference_mode():
+        for batch in batches:
+            steps = CausalLMSteps(model)
+            gen = torch.Generator().manual_seed(batch)
+            states = {i: steps.join(i, {"input_ids": torch.randint(1, 1000, (1, 72),
+                                                                   generator=gen),
+                                        "max_tokens": torch.tensor([[1000]])})
+                      for i in range(batch)}
+            times = []
+            for k in range(84):   # 64 to grow the caches, 20 timed
+                steps.step(states)
+                t0 = time.perf_counter()
+                steps.advance(states)
+                if k >= 64:
+                    times.append(time.perf_counter() - t0)
+            out[batch] = min(times)
+    return out
+
+
+def print_step_times(label: str, times: dict[int, float]) -> None:
+    print(f"{label}: decode step in-process (1 thread) " + ", ".join(
+        f"batch {b} {t * 1000:.1f} ms ({b / t:,.0f} tokens/s)" for b, t in times.items())
+        + f"; batch 32 over batch 1 {times[32] / times[1]:.1f}x the time, "
+        f"{32 * times[1] / times[32]:.1f}x the tokens/s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, default=32)
@@ -144,30 +197,61 @@ def main() -> None:
     ap.add_argument("--max-tokens", default="16,256", help="max_tokens, low,high")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--before", help="a commit whose server is measured in turns with this one")
+    ap.add_argument("--rounds", type=int, default=2, help="turns of each, with --before")
+    ap.add_argument("--step-times-of", help=argparse.SUPPRESS)   # a model folder: that only
     args = ap.parse_args()
+    if args.step_times_of:
+        print(json.dumps(step_times(Path(args.step_times_of))))
+        return
     lo, hi = (int(x) for x in args.prompt.split(","))
     mlo, mhi = (int(x) for x in args.max_tokens.split(","))
     repo = short_tmpdir("zslm")
+    before = short_tmpdir("zsbefore")
     folder, tokenizer = make_repo(repo, args.hidden, args.layers, args.concurrency)
     rng = random.Random(0)
     asks = [(prompt_ids(tokenizer, i, rng.randint(lo, hi)), rng.randint(mlo, mhi))
             for i in range(args.requests)]
-    srv = Server(repo, workers=1).wait_ready(300)
+    runs: list[tuple[str, dict[str, str] | None]] = [("this tree", None)]
+    if args.before:
+        runs = [(f"before {args.before}", tree_of(args.before, before)),
+                ("this tree", None)] * args.rounds
+    print(f"GPT-2 {args.layers} layers hidden {args.hidden}, C={args.concurrency}, "
+          f"{args.requests} requests, prompts {lo}-{hi} tokens, max_tokens {mlo}-{mhi} "
+          f"(asked {sum(m for _, m in asks)} tokens), 1 worker; load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
     try:
-        print(f"GPT-2 {args.layers} layers hidden {args.hidden}, C={args.concurrency}, "
-              f"{args.requests} requests, prompts {lo}-{hi} tokens, max_tokens {mlo}-{mhi} "
-              f"(asked {sum(m for _, m in asks)} tokens), 1 worker")
-        rate, useful = in_process(folder, asks, args.concurrency)
-        print(f"{'in-process generate, static batches':<38} {rate:>9,.0f} tokens/s", flush=True)
-        for name, model in (("iterative (continuous batching)", "lm"),
-                            ("request-level batches of streams", "lm_batches")):
-            served(srv, model, asks[:args.concurrency], args.concurrency)   # warm
-            rate, ttft, got = served(srv, model, asks, args.concurrency)
-            print(f"{name:<38} {rate:>9,.0f} tokens/s  TTFT p50 {ttft * 1000:,.1f} ms  "
-                  f"({got} tokens)", flush=True)
+        for label, env in runs[:2]:
+            got = subprocess.run([sys.executable, "-m", "tests.bench.bench_lm",
+                                  "--step-times-of", str(folder)], check=True, text=True,
+                                 capture_output=True, env={**os.environ, **(env or {})})
+            print_step_times(label, {int(b): t for b, t in
+                                     json.loads(got.stdout.splitlines()[-1]).items()})
+        rates: dict[str, list[float]] = {}
+        for round_, (label, env) in enumerate(runs):
+            if round_ % (2 if args.before else 1) == 0:
+                rate, _ = in_process(folder, asks, args.concurrency)
+                rates.setdefault("in-process", []).append(rate)
+                print(f"{'in-process generate, static batches':<38} {rate:>9,.0f} tokens/s",
+                      flush=True)
+            srv = Server(repo, workers=1, env=env).wait_ready(300)
+            try:
+                for name, model in (("iterative (continuous batching)", "lm"),
+                                    ("request-level batches of streams", "lm_batches")):
+                    served(srv, model, asks[:args.concurrency], args.concurrency)   # warm
+                    rate, ttft, got_ = served(srv, model, asks, args.concurrency)
+                    rates.setdefault(f"{label}: {name}", []).append(rate)
+                    print(f"{label}: {name:<34} {rate:>9,.0f} tokens/s  TTFT p50 "
+                          f"{ttft * 1000:,.1f} ms  ({got_} tokens; load average "
+                          f"{os.getloadavg()[0]:.1f})", flush=True)
+            finally:
+                srv.stop()
+        if len(runs) > 1:
+            print("medians: " + "; ".join(f"{k} {statistics.median(v):,.0f}"
+                                          for k, v in rates.items()))
     finally:
-        srv.stop()
         shutil.rmtree(repo, ignore_errors=True)
+        shutil.rmtree(before, ignore_errors=True)
 
 
 if __name__ == "__main__":

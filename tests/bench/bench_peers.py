@@ -9,7 +9,8 @@ Per model and concurrency: requests/s, p50 and p99 of
     JSON body, through tests/bench/torchserve_handler.py;
   * the ceiling (mlp only): tests/bench/ceiling_app.py, a Starlette endpoint that only
     parses the body;
-all loaded by ``zeroserve bench`` (http-json, http-raw for TorchServe) from this host,
+all loaded by ``zeroserve bench`` (http-json, http-raw for TorchServe), or with ``--wrk``
+by wrk (one thread, tests/bench/post.lua, the same bodies), from this host,
 plus CPU milliseconds per request of each server process over the counted window.
 TorchServe's venv: python3 -m venv V && V/bin/pip install -c constraints.txt torch
 torchserve==0.12.0 torch-model-archiver==0.12.0 pyyaml (and apt-get install openjdk-17-jre).
@@ -29,7 +30,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from tests.bench.harness import cpu_s, example_repo, sample, start
+from tests.bench.harness import cpu_s, example_repo, sample, start, v2_body_file, wrk_load
+from zeroserve.broker.bench.main import scrape
+from zeroserve.broker.bench.report import metrics_split
 from tests.conftest import free_port, wait_for
 from zeroserve.broker.runtime import cache_dir
 from zeroserve.workers.supervisor import ensure_examples
@@ -66,6 +69,27 @@ def bench_level(argv: list[str], concurrency: int, warmup_s: float, duration_s: 
     served = row["throughput_rps"] * (t2 - t1)
     row["cpu_ms_per_request"] = {r: 1000 * (c2[r] - c1[r]) / served if served else None
                                  for r in roles}
+    return row
+
+
+def wrk_level(url: str, body: Path, concurrency: int, warmup_s: float, duration_s: float,
+              roles: dict[str, Callable[[], list[int]]], model: str = "") -> dict[str, Any]:
+    """One level driven by wrk (one thread, tests/bench/post.lua) instead: a warm-up run,
+    then the counted run, each role's CPU over it (as bench_level samples it), and for
+    zeroserve (``model``) the broker's batch mean over it from /metrics."""
+    wrk_load(url, body, concurrency, warmup_s=0.0, duration_s=warmup_s)
+    before = scrape(url.split("/v2/")[0], model) if model else None
+    t1, c1 = time.monotonic(), {r: cpu_s(f()) for r, f in roles.items()}
+    run = wrk_load(url, body, concurrency, warmup_s=0.0, duration_s=duration_s)
+    t2, c2 = time.monotonic(), {r: cpu_s(f()) for r, f in roles.items()}
+    served = run.extra["rps"] * (t2 - t1)
+    row: dict[str, Any] = {"load": concurrency, "throughput_rps": run.extra["rps"],
+                           "p50_ms": run.extra["p50"], "p99_ms": run.extra["p99"],
+                           "errors": sum(run.errors.values())}
+    row["cpu_ms_per_request"] = {r: 1000 * (c2[r] - c1[r]) / served if served else None
+                                 for r in roles}
+    if model:
+        row.update(metrics_split(before, scrape(url.split("/v2/")[0], model)))
     return row
 
 
@@ -162,6 +186,8 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, list[dict[str, 
         try:
             roles = {r: (lambda r=r: server.pids(r)) for r in ("gateway", "broker", "worker")}
             results[zeroserve_name(n)] = [
+                wrk_level(f"{server.url}/v2/models/{model}/infer", v2_body_file(model), c, w,
+                          d, roles, model) if args.wrk else
                 bench_level(["-m", model, "--url", server.url], c, w, d, roles) for c in levels]
             for row in results[zeroserve_name(n)]:
                 batch = max(1, round(row.get("server_batch_mean") or 1))
@@ -174,16 +200,20 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, list[dict[str, 
         try:
             raw = ["-m", model, "--url", ts.url, "--transport", "http-raw", "--raw-path",
                    f"/predictions/{model}", "--body-file", str(ts_body(model))]
-            results["TorchServe"] = [bench_level(raw, c, w, d, {"all": ts.pids})
-                                     for c in levels]
+            results["TorchServe"] = [
+                wrk_level(f"{ts.url}/predictions/{model}", ts_body(model), c, w, d,
+                          {"all": ts.pids}) if args.wrk else
+                bench_level(raw, c, w, d, {"all": ts.pids}) for c in levels]
         finally:
             ts.stop()
     if model == "mlp" and not args.no_ceiling:
         ceiling = Ceiling()
         try:
-            results["ceiling"] = [bench_level(["-m", model, "--url", ceiling.url], c, w, d,
-                                              {"all": lambda: [ceiling.proc.pid]})
-                                  for c in levels]
+            results["ceiling"] = [
+                wrk_level(f"{ceiling.url}/v2/models/{model}/infer", v2_body_file(model), c,
+                          w, d, {"all": lambda: [ceiling.proc.pid]}) if args.wrk else
+                bench_level(["-m", model, "--url", ceiling.url], c, w, d,
+                            {"all": lambda: [ceiling.proc.pid]}) for c in levels]
         finally:
             ceiling.stop()
     return results
@@ -287,6 +317,9 @@ def main() -> int:
     ap.add_argument("--zeroserve-workers", default="1",
                     help="worker counts to run zeroserve with, each a column (e.g. 1,2: "
                          "TorchServe runs 2)")
+    ap.add_argument("--wrk", action="store_true",
+                    help="load every server with wrk (one thread, the same bodies) instead "
+                         "of zeroserve bench")
     ap.add_argument("--json", default=None, help="write every level's row")
     args = ap.parse_args()
     if args.duration_s < 3:

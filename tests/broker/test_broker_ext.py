@@ -174,3 +174,19 @@ def test_explicit_control_loads_what_is_asked_for(explicit) -> None:
         call(b, "repository_load", model="n", config="{broken")
     with pytest.raises(InferError, match="failed to load 'zz'"):
         call(b, "repository_load", model="zz")
+
+
+def test_explicit_control_swaps_in_a_config_written_over_the_api(explicit) -> None:
+    """No watcher under explicit control: the folder the config writer published reaches
+    the lifecycle through its outbox (lifecycle.Rescans), drained in the same loop turn,
+    and a field that needs a reload swaps in on the worker."""
+    b, repo, ctx = explicit
+    w0 = FakeWorker(ctx, b.endpoints.backend, "host/0")
+    w0.loaded(w0.expect(p.Kind.LOAD))
+    wait_for(lambda: index(b)["m"][0] == "READY", 10, "m ready")
+    call(b, "configure", model="m", changes={"max_batch_size": 2})
+    load = w0.expect(p.Kind.LOAD)
+    assert (load["model"], load["config"]["max_batch_size"]) == ("m", 2)
+    w0.loaded(load)
+    wait_for(lambda: call(b, "config", model="m")["max_batch_size"] == 2, 10,
+             "the new config committed")

@@ -62,10 +62,11 @@ class _Join:
     """One batch of the broker's: its requests join as sequences, its RESULT goes once
     every one has left."""
 
-    __slots__ = ("batch", "left", "start_s", "taken_ns", "received_ns", "timelines")
+    __slots__ = ("batch", "left", "start_s", "taken_ns", "received_ns", "step", "timelines")
 
-    def __init__(self, batch: p.Batch, taken_ns: int, received_ns: int) -> None:
+    def __init__(self, batch: p.Batch, taken_ns: int, received_ns: int, step: int) -> None:
         self.batch = batch
+        self.step = step   # the table's steps when it came: its sequences' wait in steps
         self.left = len(batch.items)   # requests that have not left yet
         self.start_s = time.perf_counter()
         self.taken_ns = taken_ns
@@ -100,6 +101,7 @@ class SequenceTable:
         self._ids = ids
         self._pauses = pauses        # a join's items the broker paused since last asked
         self._traced = traced        # a traced join's sequences' times, once it is done
+        self._steps = 0              # steps run, for a join's wait in steps
         self._handler = loaded.handler
         self._leave = getattr(loaded.handler, "leave", None)
         self._pause = getattr(loaded.handler, "pause", None)
@@ -125,7 +127,7 @@ class SequenceTable:
     def join(self, batch: p.Batch, taken_ns: int, received_ns: int = 0) -> None:
         """A batch's requests wait to join at the next step boundary; ``received_ns``:
         when the worker read it (monotonic), the start of its sequences' spans."""
-        join = _Join(batch, taken_ns, received_ns or taken_ns)
+        join = _Join(batch, taken_ns, received_ns or taken_ns, self._steps)
         self._waiting.extend((join, item) for item in batch.items)
 
     def step(self) -> bool:
@@ -214,7 +216,8 @@ class SequenceTable:
         while self._waiting and len(self._running) < capacity:
             join, item = self._waiting.popleft()
             seq_id = next(self._ids)
-            timeline = Timeline(join.received_ns, time.monotonic_ns())
+            timeline = Timeline(join.received_ns, time.monotonic_ns(),
+                                waited_steps=self._steps - join.step)
             try:
                 inputs, _ = assemble(self.loaded, [item],
                                      pin=self.loaded.device.startswith("cuda"))
@@ -239,6 +242,7 @@ class SequenceTable:
                        f"{type(exc).__name__}: {exc}")
             return
         by_join: dict[int, tuple[_Join, list[p.PartialItem]]] = {}
+        self._steps += 1
         now_ns = time.monotonic_ns()
         for seq_id, part in parts:
             seq = self._running[seq_id]

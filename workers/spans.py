@@ -38,6 +38,7 @@ class Timeline:
     end_ns: int = 0        # it left (its last response, a stop, a failure)
     steps: int = 0         # responses it was sent, a step each
     paused: int = 0        # times it was paused for a request of a higher priority
+    waited_steps: int = 0  # steps run while it waited to join (0: at the first boundary)
 
     def step(self, now_ns: int) -> None:
         if not self.steps:
@@ -105,6 +106,7 @@ class BatchSpans:
                 "zeroserve.model": batch.model, "zeroserve.model.version": batch.version,
                 "zeroserve.batch.id": batch.batch_id,
                 "zeroserve.sequence.wait_ms": (t.prefill_ns - t.received_ns) * ms,
+                "zeroserve.sequence.waited_steps": t.waited_steps,
                 "zeroserve.sequence.prefill_ms": (prefilled - t.prefill_ns) * ms,
                 "zeroserve.sequence.first_response_ms": (first - t.received_ns) * ms,
                 "zeroserve.sequence.steps": t.steps,

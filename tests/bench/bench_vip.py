@@ -154,6 +154,8 @@ def server_side(receiver: Any, traces: list[tuple[str, int, float, int]]) -> Non
             periods.append((got["steps"].end_ns - got["steps"].start_ns) / (n - 1) / 1e6)
         for name, ms in (("broker queue", (got["queue"].end_ns - got["queue"].start_ns) / 1e6),
                          ("worker wait", seq.attributes["zeroserve.sequence.wait_ms"]),
+                         ("steps the worker ran meanwhile",
+                          float(seq.attributes["zeroserve.sequence.waited_steps"])),
                          ("prefill", seq.attributes["zeroserve.sequence.prefill_ms"]),
                          ("arrival to first token sent", (first - got["queue"].start_ns) / 1e6)):
             legs[priority].setdefault(name, []).append(ms)
@@ -161,7 +163,8 @@ def server_side(receiver: Any, traces: list[tuple[str, int, float, int]]) -> Non
     print(f"  inside the server (spans), a step of the worker's {step:.1f} ms (p50):")
     for priority, label in ((1, "VIP"), (0, "default priority")):
         print(f"    {label}: " + "; ".join(
-            f"{name} p50 {pct(v, .5):.1f} ms, p99 {pct(v, .99):.1f} ms"
+            f"{name} p50 {pct(v, .5):.1f}, p99 {pct(v, .99):.1f}"
+            + ("" if name.startswith("steps") else " ms")
             + (f" ({pct(v, .5) / step:.1f} and {pct(v, .99) / step:.1f} steps)"
                if name.startswith("arrival") else "")
             for name, v in legs[priority].items()))

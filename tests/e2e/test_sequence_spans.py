@@ -93,6 +93,7 @@ def check_sequence(spans: dict[str, Span], parent: str, tokens: int, paused: int
     assert seq.attributes["zeroserve.sequence.steps"] == tokens
     assert steps.attributes["zeroserve.sequence.steps"] == tokens
     assert seq.attributes["zeroserve.sequence.paused"] == paused
+    assert seq.attributes["zeroserve.sequence.waited_steps"] == 0   # a slot was free
     assert queue.end_ns <= seq.start_ns + SKEW_NS   # the worker took it once it was sent
     assert seq.start_ns == wait.start_ns <= wait.end_ns == prefill.start_ns
     assert prefill.start_ns < prefill.end_ns <= steps.start_ns <= steps.end_ns == seq.end_ns

@@ -3,7 +3,7 @@ random weights) served as an iterative model: the time to its first token, in ms
 steps, beside the same arrivals at the default priority (the baseline, same run).
 
     .venv/bin/python -m tests.bench.bench_vip [--slots 8] [--arrivals 100]
-        [--vip-tokens 16] [--before <commit> [--rounds 1]]
+        [--vip-tokens 16] [--before <commit> [--rounds 1]] [--trace]
 
 Every one of ``--slots`` sequence slots is held by a stream of the default priority (the
 direct client, each slot sending its next request when one ends: prompts of 16-128
@@ -24,7 +24,9 @@ import argparse
 import asyncio
 import os
 import random
+import secrets
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -70,13 +72,14 @@ async def hold(c: AsyncClient, load: Load, slot: int, tokenizer: Any) -> None:
                 break
 
 
-async def arrive(c: AsyncClient, load: Load, ids: list[int], m: int, priority: int
-                 ) -> tuple[float, int]:
+async def arrive(c: AsyncClient, load: Load, ids: list[int], m: int, priority: int,
+                 traceparent: str = "") -> tuple[float, int]:
     """One arrival's time to its first token, and the steps counted meanwhile."""
     before = list(load.tokens)
     t0 = time.perf_counter()
     first: tuple[float, int] | None = None
-    async for r in c.stream("lm", inputs(ids, m), priority=priority):
+    async for r in c.stream("lm", inputs(ids, m), priority=priority,
+                            traceparent=traceparent):
         if first is None and "token_id" in r.outputs:
             first = (time.perf_counter() - t0,
                      max(b - a for a, b in zip(before, load.tokens)))
@@ -85,11 +88,18 @@ async def arrive(c: AsyncClient, load: Load, ids: list[int], m: int, priority: i
 
 
 def measure(repo: Path, tokenizer: Any, args: argparse.Namespace,
-            env: dict[str, str] | None) -> tuple[dict[int, list[tuple[float, int]]], Load,
-                                                 float]:
+            env: dict[str, str] | None, receiver: Any = None
+            ) -> tuple[dict[int, list[tuple[float, int]]], Load, float]:
     """One server's run: each priority's arrivals (time to first token, steps counted),
-    the slots' load, the wall time."""
-    srv = Server(repo, extra=["--log-level", "warning"], env=env).wait_ready(180)
+    the slots' load, the wall time. With ``receiver`` (tests/otlp.py) every arrival is
+    traced, and those that waited more than 2 steps are said with their spans."""
+    extra = ["--log-level", "warning"]
+    if receiver is not None:
+        extra += ["--trace-config", "mode=opentelemetry", "--trace-config", "rate=1",
+                  "--trace-config", "level=TIMESTAMPS", "--trace-config",
+                  f"opentelemetry,url=127.0.0.1:{receiver.port}/v1/traces"]
+    srv = Server(repo, extra=extra, env=env).wait_ready(180)
+    traces: list[tuple[str, int, float, int]] = []
     rng = random.Random(7)
     results: dict[int, list[tuple[float, int]]] = {1: [], 0: []}
     load = Load(args.slots)
@@ -106,8 +116,11 @@ def measure(repo: Path, tokenizer: Any, args: argparse.Namespace,
                     priority = 1 if k % 2 == 0 else 0
                     await asyncio.sleep(rng.uniform(0, 0.05))   # noqa: sleep-ok (arrivals)
                     ids = prompt_ids(tokenizer, 500 + k, rng.randint(16, 128))
+                    trace_id = secrets.token_hex(16)
+                    tp = f"00-{trace_id}-{secrets.token_hex(8)}-01" if receiver else ""
                     results[priority].append(await arrive(c, load, ids, args.vip_tokens,
-                                                          priority))
+                                                          priority, tp))
+                    traces.append((trace_id, priority, *results[priority][-1]))
                 wall = time.perf_counter() - start
                 load.running = False
                 for t in holders:
@@ -117,7 +130,41 @@ def measure(repo: Path, tokenizer: Any, args: argparse.Namespace,
         wall = asyncio.run(run())
     finally:
         srv.stop()
+    if receiver is not None:
+        time.sleep(1)   # noqa: sleep-ok (the receiver decodes the last export)
+        server_side(receiver, traces)
     return results, load, wall
+
+
+def server_side(receiver: Any, traces: list[tuple[str, int, float, int]]) -> None:
+    """Each priority's time to first token inside the server, from its spans: the
+    broker's arrival to the worker's sending of the first token (the queue, the worker's
+    wait for the step running to end, the prefill), in ms and in steps, the step being
+    the worker's own (a traced arrival's steps span over the steps it answered)."""
+    legs: dict[int, dict[str, list[float]]] = {1: {}, 0: {}}
+    periods = []
+    for trace_id, priority, _, _ in traces:
+        got = {sp.name: sp for sp in receiver.of_trace(trace_id)}
+        if not {"queue", "sequence", "wait", "prefill", "steps"} <= got.keys():
+            continue
+        seq = got["sequence"]
+        first = seq.start_ns + seq.attributes["zeroserve.sequence.first_response_ms"] * 1e6
+        n = seq.attributes["zeroserve.sequence.steps"]
+        if n > 1:
+            periods.append((got["steps"].end_ns - got["steps"].start_ns) / (n - 1) / 1e6)
+        for name, ms in (("broker queue", (got["queue"].end_ns - got["queue"].start_ns) / 1e6),
+                         ("worker wait", seq.attributes["zeroserve.sequence.wait_ms"]),
+                         ("prefill", seq.attributes["zeroserve.sequence.prefill_ms"]),
+                         ("arrival to first token sent", (first - got["queue"].start_ns) / 1e6)):
+            legs[priority].setdefault(name, []).append(ms)
+    step = statistics.median(periods)
+    print(f"  inside the server (spans), a step of the worker's {step:.1f} ms (p50):")
+    for priority, label in ((1, "VIP"), (0, "default priority")):
+        print(f"    {label}: " + "; ".join(
+            f"{name} p50 {pct(v, .5):.1f} ms, p99 {pct(v, .99):.1f} ms"
+            + (f" ({pct(v, .5) / step:.1f} and {pct(v, .99) / step:.1f} steps)"
+               if name.startswith("arrival") else "")
+            for name, v in legs[priority].items()))
 
 
 def main() -> None:
@@ -127,6 +174,8 @@ def main() -> None:
     ap.add_argument("--vip-tokens", type=int, default=16, help="max_tokens of an arrival")
     ap.add_argument("--before", help="a commit whose server is measured in turns with this one")
     ap.add_argument("--rounds", type=int, default=1, help="turns of each, with --before")
+    ap.add_argument("--trace", action="store_true", help="trace every arrival (this tree): "
+                    "say where a VIP that waited more than 2 steps spent its time")
     args = ap.parse_args()
 
     repo = short_tmpdir("zsvipb")
@@ -142,6 +191,14 @@ def main() -> None:
         for label, env in runs:
             results, load, wall = measure(repo, tokenizer, args, env)
             report(label, args, results, load, wall)
+        if args.trace:
+            from tests.otlp import Receiver
+            receiver = Receiver()
+            try:
+                report("this tree, traced", args,
+                       *measure(repo, tokenizer, args, None, receiver))
+            finally:
+                receiver.close()
     finally:
         shutil.rmtree(repo, ignore_errors=True)
         shutil.rmtree(before, ignore_errors=True)

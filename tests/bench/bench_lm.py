@@ -6,7 +6,8 @@ three ways in one run:
   joining and leaving at every step;
 - request-level: the same step code as a decoupled Python handler whose generator runs a
   whole batch to its longest request (today's streams), prompts padded together;
-- in-process: ``model.generate(do_sample=False)`` on static batches of C prompts,
+- in-process: ``model.generate(do_sample=False)`` on static batches of C prompts, on as
+  many torch threads as the worker has,
   left-padded, each batch run to its longest ``max_tokens`` (the tokens past a request's
   own count are not counted).
 
@@ -133,6 +134,10 @@ def in_process(folder: Path, asks: list[tuple[list[int], int]], concurrency: int
     import torch
     from transformers import AutoModelForCausalLM
 
+    # the worker's torch threads (workers/serve.py: a core left to the broker and the
+    # gateway): torch's own count spins on every core of a loaded host, which cut this
+    # baseline 10-fold at load average 10 on 2 cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
     model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
     eos = model.generation_config.eos_token_id
     with torch.inference_mode():   # warm: generate's first call sets itself up

@@ -7,6 +7,7 @@ of the test."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import shutil
@@ -101,8 +102,10 @@ def expect(w: FakeWorker, kind: p.Kind) -> tuple[dict[str, Any], Any]:
             return header, bufs
 
 
-@pytest.fixture
-def world() -> Iterator[tuple[Any, Path, zmq.Context[Any]]]:
+@contextlib.contextmanager
+def one_model_broker() -> Iterator[tuple[Any, Path, zmq.Context[Any]]]:
+    """A broker in a thread over a repository of model ``m`` (version 1 unpublished):
+    the broker, the repository and the context its sockets take."""
     repo = short_tmpdir("zsrepo")
     write_version(repo, 1, publish=False)
     (repo / "m" / "config.json").write_text(json.dumps(linear_config("m")))
@@ -111,6 +114,12 @@ def world() -> Iterator[tuple[Any, Path, zmq.Context[Any]]]:
         while OPEN:
             OPEN.pop().close(linger=0)
     shutil.rmtree(repo, ignore_errors=True)
+
+
+@pytest.fixture
+def world() -> Iterator[tuple[Any, Path, zmq.Context[Any]]]:
+    with one_model_broker() as parts:
+        yield parts
 
 
 def test_two_hundred_versions_published_and_deleted_leave_nothing_behind(world) -> None:

@@ -7,8 +7,6 @@ Workers and the client are sockets of the test."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -16,13 +14,11 @@ import numpy as np
 import pytest
 import zmq
 
-from tests.broker.running import broker_in_thread
-from tests.broker.test_lifecycle import OPEN, FakeWorker, write_version
-from tests.broker.test_version_census import Caller, expect, stable_census
-from tests.conftest import linear_config, short_tmpdir, wait_for
+from tests.broker.test_lifecycle import OPEN, FakeWorker
+from tests.broker.test_version_census import Caller, expect, one_model_broker, stable_census
+from tests.conftest import wait_for
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server import metrics
-from zeroserve.broker.server.lifecycle import LifecycleOptions
 from zeroserve.models.repository import version_sha256
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,14 +26,8 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture
 def world() -> Iterator[tuple[Any, Path, zmq.Context[Any]]]:
-    repo = short_tmpdir("zsrepo")
-    write_version(repo, 1, publish=False)
-    (repo / "m" / "config.json").write_text(json.dumps(linear_config("m")))
-    with broker_in_thread(repo, LifecycleOptions(debounce_s=0.02)) as (b, ctx):
-        yield b, repo, ctx
-        while OPEN:
-            OPEN.pop().close(linger=0)
-    shutil.rmtree(repo, ignore_errors=True)
+    with one_model_broker() as parts:
+        yield parts
 
 
 def answer(w: FakeWorker) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,6 +122,28 @@ def test_torch_stays_in_workers_and_model_loaders() -> None:
             wrong += [f"{rel}:{line}" for line, name in imports(path)
                       if name == "torch" or name.startswith("torch.")]
     assert not wrong, "\n".join(wrong)
+
+
+# OpenTelemetry is an extra: a plain install (the README's first command) has none of it
+BLOCK_OTEL = """
+import importlib.abc, sys
+class NoSDK(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "opentelemetry":
+            raise ImportError(f"{name}: the optional SDK, not installed")
+sys.meta_path.insert(0, NoSDK())
+"""
+
+
+@pytest.mark.tool
+def test_every_process_starts_without_the_optional_sdk() -> None:
+    entries = ["zeroserve.workers.main", "zeroserve.gateway.serve",
+               "zeroserve.broker.server.main", "zeroserve.workers.serve"]
+    code = BLOCK_OTEL + "".join(f"import {m}\n" for m in entries)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, "a module level import reaches opentelemetry:\n" + \
+        run.stderr[-3000:]
 
 
 def test_the_rule_checker_sees_function_local_imports(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable
 
 import torch
@@ -52,10 +53,28 @@ import torch
 from zeroserve.broker import protocol as p
 from zeroserve.models.loader import LoadedModel
 from zeroserve.workers.batching import BatchError, assemble, rows
-from zeroserve.workers.spans import Timeline
 from zeroserve.workers.streaming import response_tensors
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Timeline:
+    """One sequence's moments, on this host's monotonic clock (ns)."""
+
+    received_ns: int       # the worker read its join
+    prefill_ns: int        # its join() began
+    prefilled_ns: int = 0  # and returned
+    first_ns: int = 0      # its first response was sent
+    end_ns: int = 0        # it left (its last response, a stop, a failure)
+    steps: int = 0         # responses it was sent, a step each
+    paused: int = 0        # times it was paused for a request of a higher priority
+    waited_steps: int = 0  # steps run while it waited to join (0: at the first boundary)
+
+    def step(self, now_ns: int) -> None:
+        if not self.steps:
+            self.first_ns = now_ns
+        self.steps += 1
 
 
 class _Join:

@@ -21,29 +21,12 @@ paused as attributes, not a span a token).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from zeroserve.broker import otel, protocol as p, tracing
 
-
-@dataclass
-class Timeline:
-    """One sequence's moments, on this host's monotonic clock (ns)."""
-
-    received_ns: int       # the worker read its join
-    prefill_ns: int        # its join() began
-    prefilled_ns: int = 0  # and returned
-    first_ns: int = 0      # its first response was sent
-    end_ns: int = 0        # it left (its last response, a stop, a failure)
-    steps: int = 0         # responses it was sent, a step each
-    paused: int = 0        # times it was paused for a request of a higher priority
-    waited_steps: int = 0  # steps run while it waited to join (0: at the first boundary)
-
-    def step(self, now_ns: int) -> None:
-        if not self.steps:
-            self.first_ns = now_ns
-        self.steps += 1
+if TYPE_CHECKING:
+    from zeroserve.workers.sequences import Timeline
 
 
 class BatchSpans:

@@ -104,3 +104,11 @@ class Receiver:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(10)
+
+
+def traced_serve_flags(port: int) -> list[str]:
+    """`zeroserve serve` flags that trace every request, with timestamps, to a receiver
+    listening on ``port`` (the benches that cut a request's time into legs)."""
+    return ["--trace-config", "mode=opentelemetry", "--trace-config", "rate=1",
+            "--trace-config", "level=TIMESTAMPS", "--trace-config",
+            f"opentelemetry,url=127.0.0.1:{port}/v1/traces"]

@@ -161,9 +161,8 @@ def serve(repo: Path, asks: list[tuple[list[int], int]], concurrency: int,
 
     extra = ["--log-level", "warning"]
     if traced is not None:
-        extra += ["--trace-config", "mode=opentelemetry", "--trace-config", "rate=1",
-                  "--trace-config", "level=TIMESTAMPS", "--trace-config",
-                  f"opentelemetry,url=127.0.0.1:{receiver_port}/v1/traces"]
+        from tests.otlp import traced_serve_flags   # the SDK, traced runs only
+        extra += traced_serve_flags(receiver_port)
     srv = Server(repo, extra=extra, env=env).wait_ready(180)
     firsts: list[float] = []
     gaps: list[float] = []

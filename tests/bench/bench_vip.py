@@ -95,9 +95,8 @@ def measure(repo: Path, tokenizer: Any, args: argparse.Namespace,
     traced, and those that waited more than 2 steps are said with their spans."""
     extra = ["--log-level", "warning"]
     if receiver is not None:
-        extra += ["--trace-config", "mode=opentelemetry", "--trace-config", "rate=1",
-                  "--trace-config", "level=TIMESTAMPS", "--trace-config",
-                  f"opentelemetry,url=127.0.0.1:{receiver.port}/v1/traces"]
+        from tests.otlp import traced_serve_flags   # the SDK, traced runs only
+        extra += traced_serve_flags(receiver.port)
     srv = Server(repo, extra=extra, env=env).wait_ready(180)
     traces: list[tuple[str, int, float, int]] = []
     rng = random.Random(7)

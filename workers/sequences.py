@@ -321,7 +321,11 @@ class SequenceTable:
             seq.join.timelines[seq.item.request_id] = seq.timeline
         if self._leave is not None:
             try:
-                self._leave(seq_id)
+                # in inference mode as join and step: a cache they made is an inference
+                # tensor, which leave() may write in place (the slab's row copy); outside
+                # it that raised, the row stayed, and every later decode ran over it
+                with torch.inference_mode():
+                    self._leave(seq_id)
             except Exception as exc:  # the model's code can raise anything
                 logger.warning("%s: leave(%s) raised %s: %s", self.loaded.name, seq_id,
                                type(exc).__name__, exc)

@@ -151,6 +151,38 @@ def test_a_stopped_request_that_never_joined_never_runs() -> None:
     assert rig.handler.joined == [1]
 
 
+class InPlace(Counter):
+    """Keeps its sequences in one buffer made in join, as the causal LM's slab of caches
+    does, and clears a sequence's row in place when it leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: torch.Tensor | None = None
+
+    def join(self, seq_id: int, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
+        if self.rows is None:
+            self.rows = torch.zeros(8)   # made in join: an inference tensor
+        self.rows[seq_id] = 1.0
+        return super().join(seq_id, inputs)
+
+    def leave(self, seq_id: int) -> None:
+        assert self.rows is not None
+        self.rows[seq_id] = 0.0   # raised outside inference mode, and the row stayed
+        super().leave(seq_id)
+
+
+def test_leave_writes_in_place_what_join_made_whether_ended_or_stopped() -> None:
+    rig = Rig(most=2, handler=InPlace())
+    rig.join(1)
+    stopped = rig.join(9)
+    rig.table.step()   # the first ends at its first response
+    rig.stops[stopped] = {f"r{stopped}.0"}
+    rig.table.step()   # the second leaves, stopped
+    assert not rig.table.busy
+    assert rig.handler.left == [1, 2]
+    assert rig.handler.rows is not None and not rig.handler.rows.any()
+
+
 class Pausing(Counter):
     def __init__(self) -> None:
         super().__init__()

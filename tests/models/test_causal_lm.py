@@ -94,6 +94,9 @@ def test_greedy_tokens_equal_generate_as_requests_join_and_leave(lm: tuple[Path,
                 drive.join(rid, ids, m)
             pending = pending[2:]
         drive.table.step()
+        # a sequence that left gave its row of the slab up: decodes run the running only
+        slab = drive.table.loaded.handler._slab
+        assert len(slab.ids if slab else []) <= drive.table.running, step
         step += 1
     assert not drive.errors
     notes = [note for rid, (ids, m) in requests.items()

@@ -321,9 +321,9 @@ class SequenceTable:
             seq.join.timelines[seq.item.request_id] = seq.timeline
         if self._leave is not None:
             try:
-                # in inference mode as join and step: a cache they made is an inference
-                # tensor, which leave() may write in place (the slab's row copy); outside
-                # it that raised, the row stayed, and every later decode ran over it
+                # as join and step: a handler's leave may write the tensors they made
+                # (outside inference mode the causal LM's slab refused the row's move,
+                # and every left sequence's row stayed in every decode after)
                 with torch.inference_mode():
                     self._leave(seq_id)
             except Exception as exc:  # the model's code can raise anything

@@ -1,9 +1,13 @@
 """The broker's socket loop: it receives, hands over and ticks; it decides nothing.
 
-One thread, one zmq.Poller whose timeout is the next thing due. The backend is
-serviced first so results drain before new work is taken. Whatever arrives, the
-loop survives: a handler that raises is counted as a malformed message (by socket
-and reason) and logged at a bounded rate, and the loop goes on.
+One thread, one zmq.Poller whose timeout is the next thing due, which the heartbeat
+bounds. A part's due time is one that time alone makes actionable: a wait that only a
+message ends (a result, a load, a request) is none, since every message ends its turn
+with a tick; asked anyway, it stays in the past once passed, a timeout of 0, and the
+loop spins until the message comes. The backend is serviced first so results drain
+before new work is taken. Whatever arrives, the loop survives: a handler that raises
+is counted as a malformed message (by socket and reason) and logged at a bounded
+rate, and the loop goes on.
 
 Each socket has a monitor, so a peer whose connection closes is known at once: a
 worker that died (its batches are retried without waiting for the heartbeat

@@ -8,7 +8,12 @@ each step answers one token (``token_id``, INT64), the last one final, at ``max_
 or at the model's end token (which is sent, as ``generate`` returns it).
 
 - ``join`` runs the prompt's prefill and keeps its key/value cache and the greedy next
-  token: the first step answers it at once.
+  token: the first step answers it at once. A step prefills at most ``prefill_tokens``
+  prompt tokens (chunked prefill, as vLLM's and Sarathi-Serve's): a longer prompt, or
+  one that joins behind others still prefilling, goes on in chunks over its own cache at
+  the next steps, the first joined first, and its first token is answered at the step
+  its last chunk ran. A step then costs a decode and at most that many prompt tokens,
+  so a joiner no longer stalls the running sequences for its whole prefill.
 - ``step`` answers each sequence's token; ``advance``, which the sequence table calls once
   the step's tokens are sent, runs one batched decode of every sequence that goes on (a
   caller that never calls ``advance`` gets that decode at the start of the next ``step``).
@@ -19,8 +24,9 @@ or at the model's end token (which is sent, as ``generate`` returns it).
   leaves or pauses (one row's copy); nothing else is copied.
 - ``pause`` takes a sequence out of the slab: its cache is copied out and kept while the
   paused caches fit ``keep_bytes`` (on a GPU, by default, what its free memory allows),
-  else dropped, and ``resume`` rebuilds it with one prefill of its prompt and the tokens
-  it generated. Either way it goes on with the token it had chosen.
+  else dropped, and ``resume`` rebuilds it with a prefill of its prompt and the tokens
+  it generated (in chunks, as a joiner's). Either way it goes on with the token it had
+  chosen.
 
 Decoding is greedy (argmax), as ``model.generate(do_sample=False)``; float32 batching may
 flip a near-tie, where the top two logits differ by less than the sums' rounding. A config
@@ -48,6 +54,9 @@ TOKEN = "token_id"          # INT64 [1]: each step's token
 SAMPLING = {"temperature": ("FP32", (1,)),   # 0: greedy; above: softmax(logits / t)
             "top_p": ("FP32", (1,)),         # the smallest set of tokens of that mass
             "seed": ("INT64", (1,))}         # the sequence's own generator; none: random
+# prompt tokens a step prefills at most where the config does not say
+# (sequences.prefill_tokens): see CausalLMSteps
+PREFILL_TOKENS = 512
 
 
 def check_signature(src: Source) -> None:
@@ -76,7 +85,8 @@ def load_causal_lm(src: Source, transformers: Any, dtype_arg: str) -> Opened:
         raise LoadError(f"{src.version_dir}: not a folder transformers' "
                         f"AutoModelForCausalLM loads (what save_pretrained writes): "
                         f"{exc}") from None
-    steps = CausalLMSteps(model.to(src.device).eval())
+    steps = CausalLMSteps(model.to(src.device).eval(),
+                          src.cfg.prefill_tokens or PREFILL_TOKENS)
     return Opened(steps.step, handler=steps)
 
 
@@ -90,6 +100,8 @@ class _Seq:
     sent: int = 0
     chosen: bool = True      # next_token is not sent yet (False: the decode is due)
     dropped: bool = False    # paused with its cache let go: resume prefills it again
+    todo: int = 0            # tokens[length:length + todo] are still to prefill
+    cache: Any = None        # its cache while its prefill runs in chunks (then layers)
     temperature: float = 0.0
     top_p: float = 1.0
     generator: torch.Generator | None = None   # a sampled sequence's own
@@ -98,8 +110,15 @@ class _Seq:
 class CausalLMSteps:
     """The iterative contract (workers/sequences.py) over a transformers causal LM."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, prefill_tokens: int = PREFILL_TOKENS) -> None:
         self.model = model
+        # prompt tokens a step prefills at most: what a joiner adds to the running
+        # sequences' step. Spent from the end of one step to the end of the next (the
+        # joins and resumes of a step boundary, then the step itself)
+        self.prefill_tokens = prefill_tokens
+        self._left = prefill_tokens
+        # sequences whose prefill is not done, the first joined first (a dict: ordered)
+        self._prefilling: dict[int, None] = {}
         self.device = next(model.parameters()).device
         eos = model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -123,14 +142,44 @@ class CausalLMSteps:
         ids = inputs[IDS].reshape(1, -1).to(self.device, torch.long)
         if ids.shape[1] == 0:
             raise ValueError("a prompt of no tokens: nothing to continue")
-        seq = _Seq(ids.shape[1], 0, int(inputs[MAX_TOKENS].reshape(-1)[0]), None,
-                   ids[0].tolist())
+        left = int(inputs[MAX_TOKENS].reshape(-1)[0])
+        # max_tokens 0 answers an empty final response at once: nothing to prefill
+        seq = _Seq(0, 0, left, None, ids[0].tolist(), chosen=left <= 0,
+                   todo=ids.shape[1] if left > 0 else 0)
         self._sampling(seq, inputs)
-        out = self.model(input_ids=ids, use_cache=True, **self._last_only)
-        seq.layers = _layers(self._cache_of(out))
-        seq.next_token = self._choose(seq, out.logits[0, -1])
         self._states[seq_id] = seq
+        if seq.todo:
+            self._prefilling[seq_id] = None
+            self._prefill()
         return seq
+
+    def _prefill(self) -> None:
+        """Chunks of the prefills not done, the first joined first, while this step has
+        prompt tokens left. Each chunk goes on over the sequence's own cache; the last one
+        of a joiner's prompt chooses its first token. Joiners go before resumed sequences
+        (a sequence is paused for a request of a higher priority: the request it made
+        room for must not wait behind its recompute)."""
+        for seq_id in sorted(self._prefilling, key=lambda i: self._states[i].sent > 0):
+            if self._left <= 0:
+                return
+            if seq_id in self._paused:
+                continue
+            seq = self._states[seq_id]
+            n = min(seq.todo, self._left)
+            ids = torch.tensor([seq.tokens[seq.length:seq.length + n]], device=self.device)
+            out = self.model(input_ids=ids, use_cache=True, **self._last_only,
+                             **({self._cache_arg: seq.cache} if seq.cache is not None else {}))
+            seq.cache = self._cache_of(out)
+            seq.length += n
+            seq.todo -= n
+            self._left -= n
+            if seq.todo:
+                return   # the step's tokens are spent
+            del self._prefilling[seq_id]
+            seq.layers, seq.cache = _layers(seq.cache), None
+            if seq.sent == 0:   # a joiner (a resumed one goes on with the token it had)
+                seq.next_token = self._choose(seq, out.logits[0, -1])
+                seq.chosen = True
 
     def _sampling(self, seq: _Seq, inputs: dict[str, torch.Tensor]) -> None:
         def given(name: str) -> float | None:
@@ -165,10 +214,11 @@ class CausalLMSteps:
 
     def leave(self, seq_id: int) -> None:
         seq = self._states.pop(seq_id, None)
+        self._prefilling.pop(seq_id, None)
         if seq_id in self._paused:
             self._paused.discard(seq_id)
-            if seq is not None and seq.layers is not None:
-                self._kept -= _nbytes(seq.layers)
+            if seq is not None:
+                self._kept -= _own_bytes(seq)
         self._let_go(seq_id)
 
     def _let_go(self, seq_id: int, keep: bool = False) -> Layers | None:
@@ -195,8 +245,8 @@ class CausalLMSteps:
                 self._kept += size
             else:
                 seq.dropped = True
-        elif seq.layers is not None:
-            self._kept += _nbytes(seq.layers)   # joined, never stepped: its own already
+        else:   # joined, never stepped (or mid-prefill): its own cache already
+            self._kept += _own_bytes(seq)
         self._paused.add(seq_id)
 
     def _may_keep(self, size: int) -> bool:
@@ -211,23 +261,28 @@ class CausalLMSteps:
         seq = self._states[seq_id]
         self._paused.discard(seq_id)
         if seq.dropped:
-            # its prompt and the tokens it sent but the last (which the next decode feeds)
-            ids = torch.tensor([seq.tokens[:seq.length]], device=self.device)
-            seq.layers = _layers(self._cache_of(self.model(input_ids=ids, use_cache=True,
-                                                           **self._last_only)))
-            seq.dropped = False
-        elif seq.layers is not None:
-            self._kept -= _nbytes(seq.layers)
+            # its prompt and the tokens it sent but the last (which the next decode
+            # feeds), prefilled again as a joiner's prompt is
+            seq.todo, seq.length, seq.dropped = seq.length, 0, False
+            self._prefilling[seq_id] = None
+            self._prefill()
+        else:
+            self._kept -= _own_bytes(seq)
 
     def step(self, states: dict[int, _Seq]) -> dict[int, tuple[Any, bool]]:
         """Each sequence's chosen token, sent before the next decode runs (``advance``);
         a sequence whose decode is still due (no ``advance`` since its last token) gets
-        it here first."""
+        it here first. The prefills not done go on with the prompt tokens the step's
+        joins left; a sequence still prefilling is not answered."""
         self.advance(states)
+        self._prefill()
+        self._left = self.prefill_tokens   # the next step's
         out: dict[int, tuple[Any, bool]] = {}
         for seq_id, seq in states.items():
             if seq.left <= 0:
                 out[seq_id] = (None, True)
+                continue
+            if seq.todo:
                 continue
             seq.sent += 1
             seq.tokens.append(seq.next_token)
@@ -238,7 +293,7 @@ class CausalLMSteps:
 
     def advance(self, states: dict[int, _Seq]) -> None:
         """One batched decode of the sequences whose last token is sent."""
-        due = [seq_id for seq_id, seq in states.items() if not seq.chosen]
+        due = [seq_id for seq_id, seq in states.items() if not seq.chosen and not seq.todo]
         if due:
             self._decode(due, states)
 
@@ -280,6 +335,13 @@ class CausalLMSteps:
 
 def _nbytes(layers: Layers) -> int:
     return sum(k.nbytes + v.nbytes for k, v in layers)
+
+
+def _own_bytes(seq: _Seq) -> int:
+    """The bytes of a sequence's cache out of the slab (a prefill's cache so far)."""
+    if seq.layers is not None:
+        return _nbytes(seq.layers)
+    return _nbytes(_layers(seq.cache)) if seq.cache is not None else 0
 
 
 def _layers(cache: Any) -> Layers:

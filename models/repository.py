@@ -130,6 +130,10 @@ class ModelConfig:
     # its steps, up to N sequences at once, joining and retiring them at every step
     # (continuous batching; docs/generation.md). 0: not iterative
     max_sequences: int = 0
+    # ``sequences.prefill_tokens``: prompt tokens a step of zeroserve's own causal LM step
+    # handler prefills at most (a longer prompt goes on in chunks at the next steps;
+    # models/causal_lm.py). 0: its default
+    prefill_tokens: int = 0
     # Triton's response_cache.enable: identical requests answered by the broker from
     # its response cache (docs/many-models.md)
     response_cache: bool = False
@@ -158,6 +162,8 @@ class ModelConfig:
         out["response_cache"] = {"enable": out.pop("response_cache")}
         if out.pop("max_sequences"):
             out["sequences"] = {"max": self.max_sequences}
+        if out.pop("prefill_tokens"):
+            out["sequences"]["prefill_tokens"] = self.prefill_tokens
         if self.text is None:
             del out["text"]
         else:
@@ -503,7 +509,7 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     optional = raw.get("optional", False)
     if not isinstance(optional, bool):
         raise _fail(where, "optional", f"must be true or false, got {optional!r}")
-    max_sequences = _sequences(where, raw, platform)
+    max_sequences, prefill_tokens = _sequences(where, raw, platform)
     decoupled = _transaction_policy(where, raw.get("model_transaction_policy"), platform,
                                     max_sequences > 0) or max_sequences > 0
     if not outputs:
@@ -540,6 +546,7 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
         optional=optional, decoupled=decoupled, max_sequences=max_sequences,
+        prefill_tokens=prefill_tokens,
         response_cache=cache, ensemble=steps,
         load_on_demand=on_demand, text=text)
 
@@ -707,24 +714,36 @@ def _transaction_policy(where: str, raw: Any, platform: str, iterative: bool) ->
 ITERATIVE_PLATFORMS = ("python", "transformers")
 
 
-def _sequences(where: str, raw: dict[str, Any], platform: str) -> int:
-    """``{"max": N}``: an iterative model, N sequences at once. It answers with a stream,
-    so it is decoupled; a config that says ``decoupled: false`` contradicts itself."""
+def _sequences(where: str, raw: dict[str, Any], platform: str) -> tuple[int, int]:
+    """``{"max": N}``: an iterative model, N sequences at once (and, for a causal LM,
+    ``"prefill_tokens": T``, the prompt tokens a step prefills at most; 0: not given).
+    It answers with a stream, so it is decoupled; a config that says ``decoupled: false``
+    contradicts itself."""
     given = raw.get("sequences")
     if given is None:
-        return 0
-    if not isinstance(given, dict) or set(given) != {"max"}:
-        raise _fail(where, "sequences", 'must be {"max": N}, N the sequences run at once')
+        return 0, 0
+    if not isinstance(given, dict) or "max" not in given or \
+            set(given) - {"max", "prefill_tokens"}:
+        raise _fail(where, "sequences", 'must be {"max": N}, N the sequences run at once '
+                    '(and, for a causal LM, "prefill_tokens": T, the prompt tokens a step '
+                    'prefills at most)')
     most = _int(where, "sequences.max", given["max"], 1)
     if platform not in ITERATIVE_PLATFORMS:
         allowed = " or ".join(map(repr, ITERATIVE_PLATFORMS))
         raise _fail(where, "sequences", f"needs platform {allowed} (a handler with join() "
                     f"and step(), or a causal LM), not {platform!r}")
+    prefill = 0
+    if "prefill_tokens" in given:
+        prefill = _int(where, "sequences.prefill_tokens", given["prefill_tokens"], 1)
+        if platform != "transformers":
+            raise _fail(where, "sequences.prefill_tokens", "is read by zeroserve's own "
+                        "causal LM steps (platform 'transformers'); a handler of your own "
+                        "prefills as its join() and step() do")
     policy = raw.get("model_transaction_policy")
     if isinstance(policy, dict) and policy.get("decoupled") is False:
         raise _fail(where, "model_transaction_policy.decoupled", "is false, but an iterative "
                     "model (sequences) answers with a stream: leave it out or set it true")
-    return most
+    return most, prefill
 
 
 def _response_cache(where: str, raw: Any, decoupled: bool) -> bool:

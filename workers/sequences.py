@@ -321,7 +321,11 @@ class SequenceTable:
             seq.join.timelines[seq.item.request_id] = seq.timeline
         if self._leave is not None:
             try:
-                self._leave(seq_id)
+                # as join and step: a handler's leave may write the tensors they made
+                # (outside inference mode the causal LM's slab refused the row's move,
+                # and every left sequence's row stayed in every decode after)
+                with torch.inference_mode():
+                    self._leave(seq_id)
             except Exception as exc:  # the model's code can raise anything
                 logger.warning("%s: leave(%s) raised %s: %s", self.loaded.name, seq_id,
                                type(exc).__name__, exc)

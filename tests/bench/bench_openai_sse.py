@@ -6,17 +6,23 @@ prompt, the first token's cost without a server).
 
     .venv/bin/python -m tests.bench.bench_openai_sse [--concurrency 8] [--requests 48]
         [--before <commit> [--rounds 2]] [--client openai|raw] [--trace]
+        [--prefill-tokens 512,32]
 
 With ``--before`` the server of that commit (its tree from ``git archive``, imported ahead
 of this one's) and this one's serve the same requests in turns, ``--rounds`` times each,
 the before first: a baseline from the same run.
+
+With ``--prefill-tokens`` this tree's server runs once a round with each of the budgets
+(``sequences.prefill_tokens``: the prompt tokens a step prefills at most), in turns; the
+before commit's config has none (its default).
 
 With ``--trace`` this tree's server alone runs once more in opentelemetry mode, every
 request with a sampled ``traceparent``, its spans sent to a receiver in this process
 (tests/otlp.py), and the time to each first token is cut where it went (medians): the
 client, HTTP and the gateway's parsing until the gateway's span, the gateway until the
 broker's queue, the queue, the way to the worker, the wait there for the step running to
-end, the prefill, the step that sends the first token, and the way back to the client.
+end, the prefill (what the join ran of it: all, or its first chunk), its other chunks
+until the step that sends the first token, and the way back to the client.
 
 The `openai` client (AsyncOpenAI; ``--client raw``: a bare HTTP/1.1 client, which
 leaves the openai client's own time out) keeps C streams open, each sending its next
@@ -230,8 +236,9 @@ def breakdown(receiver: Any, traced: dict[str, tuple[int, int]]) -> list[tuple[s
                  ("broker queue", got["queue"].end_ns),
                  ("to the worker", got["sequence"].start_ns),
                  ("wait for the step running to end", got["wait"].end_ns),
-                 ("prefill", got["prefill"].end_ns),
-                 ("prefill to the first token sent", got["steps"].start_ns),
+                 ("prefill (at the join: all of it, or its first chunk)",
+                  got["prefill"].end_ns),
+                 ("its other chunks, to the first token sent", got["steps"].start_ns),
                  ("worker to the client (broker, gateway, SSE)", first)]
         at = sent
         for name, t in marks:
@@ -250,6 +257,9 @@ def main() -> None:
     ap.add_argument("--client", choices=("openai", "raw"), default="openai",
                     help="the `openai` client, or a bare HTTP/1.1 one (what the server "
                          "alone takes)")
+    ap.add_argument("--prefill-tokens", default="",
+                    help="comma-separated sequences.prefill_tokens, a run of this tree each "
+                         "(default: the config's default)")
     ap.add_argument("--trace", action="store_true",
                     help="one more run, traced: where the time to the first token went")
     args = ap.parse_args()
@@ -262,21 +272,30 @@ def main() -> None:
     rng = random.Random(5)
     asks = [(prompt_ids(tokenizer, i, rng.randint(16, 128)), rng.randint(16, 256))
             for i in range(args.requests)]
-    runs: list[tuple[str, dict[str, str] | None]] = [("this tree", None)]
+    budgets = [int(b) for b in args.prefill_tokens.split(",") if b]
+    ours: list[tuple[str, dict[str, str] | None, int]] = \
+        [(f"this tree, prefill_tokens {b}", None, b) for b in budgets] or [("this tree", None, 0)]
+    runs = ours
     before = short_tmpdir("zsbefore")
     if args.before:
-        runs = [(f"before {args.before}", tree_of(args.before, before)),
-                ("this tree", None)] * args.rounds
+        runs = [(f"before {args.before}", tree_of(args.before, before), 0), *ours] * args.rounds
     rows = []
+
+    def configure(budget: int) -> None:
+        sequences = {"max": config["sequences"]["max"],
+                     **({"prefill_tokens": budget} if budget else {})}
+        (repo / "lm" / "config.json").write_text(json.dumps({**config, "sequences": sequences}))
     try:
-        for label, env in runs:
+        for label, env, budget in runs:
+            configure(budget)
             rows.append((label, *serve(repo, asks, args.concurrency, env,
                                        raw=args.client == "raw")))
         if args.trace:
             from tests.otlp import Receiver
             receiver, traced = Receiver(), dict[str, tuple[int, int]]()
+            configure(budgets[-1] if budgets else 0)
             try:
-                rows.append(("this tree, traced", *serve(
+                rows.append((f"{ours[-1][0]}, traced", *serve(
                     repo, asks, args.concurrency, None, traced, receiver.port,
                     raw=args.client == "raw")))
                 time.sleep(2)   # noqa: sleep-ok (the last spans' export, every 5 s at most)

@@ -7,6 +7,7 @@ named)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import shutil
 from pathlib import Path
@@ -33,8 +34,10 @@ def lm() -> Iterator[tuple[Path, Any]]:
     shutil.rmtree(repo, ignore_errors=True)
 
 
-def loaded_lm(folder: Path) -> LoadedModel:
-    cfg = load_config(folder.parent)
+def loaded_lm(folder: Path, prefill_tokens: int = 0) -> LoadedModel:
+    """The model as a worker loads it; ``prefill_tokens``: its config's
+    ``sequences.prefill_tokens`` (0: not given, the default)."""
+    cfg = dataclasses.replace(load_config(folder.parent), prefill_tokens=prefill_tokens)
     return load(cfg, 1, folder, "cpu", lambda: 0)
 
 
@@ -94,6 +97,9 @@ def test_greedy_tokens_equal_generate_as_requests_join_and_leave(lm: tuple[Path,
                 drive.join(rid, ids, m)
             pending = pending[2:]
         drive.table.step()
+        # a sequence that left gave its row of the slab up: decodes run the running only
+        slab = drive.table.loaded.handler._slab
+        assert len(slab.ids if slab else []) <= drive.table.running, step
         step += 1
     assert not drive.errors
     notes = [note for rid, (ids, m) in requests.items()
@@ -103,14 +109,16 @@ def test_greedy_tokens_equal_generate_as_requests_join_and_leave(lm: tuple[Path,
         assert 1 <= len(drive.tokens[rid]) <= m
 
 
-@pytest.mark.parametrize("keep_bytes", [None, 0], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("keep_bytes, prefill_tokens", [(None, 0), (0, 0), (0, 70)],
+                         ids=["kept", "recomputed", "recomputed-in-chunks"])
 def test_paused_sequences_finish_with_the_tokens_they_had_unpaused(
-        lm: tuple[Path, Any], keep_bytes: int | None) -> None:
+        lm: tuple[Path, Any], keep_bytes: int | None, prefill_tokens: int) -> None:
     """Six sequences fill the slots; newcomers pause two of them at a time, mid-stream,
     and join at the next step; the paused ones resume (their caches kept, or dropped and
-    prefilled again) and end with generate()'s tokens."""
+    prefilled again, at most 70 prompt tokens a step in the last case, behind the
+    newcomers' prompts) and end with generate()'s tokens."""
     folder, tokenizer = lm
-    loaded = loaded_lm(folder)
+    loaded = loaded_lm(folder, prefill_tokens)
     loaded.handler.keep_bytes = keep_bytes
     drive = Drive(loaded)
     plan = [(7, 40), (51, 36), (13, 44), (90, 30), (4, 38), (33, 42)]
@@ -138,6 +146,58 @@ def test_paused_sequences_finish_with_the_tokens_they_had_unpaused(
     assert len(notes) <= 1, notes
     if keep_bytes is None:
         assert loaded.handler._kept == 0   # every kept cache given back
+
+
+def test_prompts_longer_than_a_steps_prefill_join_a_running_batch_in_chunks(
+        lm: tuple[Path, Any]) -> None:
+    """prefill_tokens 16: three short sequences run; prompts of 37-120 tokens join
+    mid-stream, two at once. No step prefills more than 16 prompt tokens, the running
+    sequences answer a token at every step while the newcomers prefill, a newcomer's first
+    token comes at the step its prompt's last chunk ran (the first joined first), and
+    every stream equals generate() token for token."""
+    folder, tokenizer = lm
+    loaded = loaded_lm(folder, 16)
+    prefilled: list[int] = []   # prompt tokens of each prefill forward (decodes pass a mask)
+
+    def count(_: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("attention_mask") is None:
+            prefilled.append(kwargs["input_ids"].shape[1])
+    hook = loaded.handler.model.register_forward_pre_hook(count, with_kwargs=True)
+    drive = Drive(loaded)
+    plan = {"short0": (5, 60), "short1": (12, 60), "short2": (9, 60),
+            "long0": (120, 20), "long1": (37, 20), "long2": (64, 20)}
+    requests = {rid: (prompt_ids(tokenizer, i, n), m) for i, (rid, (n, m)) in
+                enumerate(plan.items())}
+    arrive = {"short0": 0, "short1": 0, "short2": 0, "long0": 3, "long1": 3, "long2": 12}
+    firsts: dict[str, int] = {}
+    try:
+        for step in range(40):
+            for rid, at in arrive.items():
+                if at == step:
+                    drive.join(rid, *requests[rid])
+            before = {rid: len(t) for rid, t in drive.tokens.items()}
+            prefilled.clear()
+            drive.table.step()
+            assert sum(prefilled) <= 16, (step, prefilled)
+            for rid, got in drive.tokens.items():
+                if got and rid not in firsts:
+                    firsts[rid] = step
+                if rid.startswith("short") and step > 0:   # never stalled by a prefill
+                    assert len(got) == before.get(rid, 0) + 1, (rid, step)
+        while drive.table.busy:
+            drive.table.step()
+    finally:
+        hook.remove()
+    assert not drive.errors
+    # 16 prompt tokens a step, the first joined first: the short prompts over steps 0-1
+    # (5 + 11, then 1 + 9); long0's 120 over steps 3-10 (16 x 7 + 8), long1's 37 behind
+    # it over 10-12 (8 + 16 + 13), long2's 64 over 12-16 (3 + 16 x 3 + 13)
+    assert firsts == {"short0": 0, "short1": 1, "short2": 1, "long0": 10, "long1": 12,
+                      "long2": 16}, firsts
+    notes = [note for rid, (ids, m) in requests.items()
+             if (note := same_as_generate(folder, ids, m, drive.tokens[rid]))]
+    assert len(notes) <= 1, notes   # a flip is rare; one is allowed, and named
+    assert all(len(drive.tokens[rid]) == m for rid, (_, m) in requests.items())
 
 
 def test_zero_max_tokens_is_an_empty_final_answer(lm: tuple[Path, Any]) -> None:

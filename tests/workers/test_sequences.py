@@ -305,6 +305,10 @@ def test_a_step_that_breaks_the_contract_fails_with_a_message(answer: Any, says:
     ({"sequences": {"max": 4}, "model_transaction_policy": {"decoupled": False}},
      "model_transaction_policy.decoupled"),
     ({"sequences": {"max": 4}, "platform": "pytorch_torchscript"}, "needs platform 'python'"),
+    ({"sequences": {"max": 4, "prefill_tokens": 64}}, "platform 'transformers'"),
+    ({"sequences": {"max": 4, "prefill_tokens": 0}, "platform": "transformers"},
+     "sequences.prefill_tokens"),
+    ({"sequences": {"max": 4, "chunk": 8}}, 'must be {"max": N}'),
 ])
 def test_the_sequences_section_is_checked(raw: dict[str, Any], says: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -320,6 +324,9 @@ def test_an_iterative_model_is_decoupled_and_says_so_in_its_json() -> None:
     assert "sequences" not in parse_config(linear_config("x"), "x").to_json()
     lm = parse_config(lm_config(), "lm")   # what the broker sends its workers reads back
     assert parse_config(lm.to_json(), "again") == lm and lm.decoupled
+    chunked = parse_config({**lm_config(), "sequences": {"max": 4, "prefill_tokens": 32}}, "lm")
+    assert chunked.to_json()["sequences"] == {"max": 4, "prefill_tokens": 32}
+    assert parse_config(chunked.to_json(), "again") == chunked and not lm.prefill_tokens
 
 
 class GruLM:

@@ -44,6 +44,7 @@ class Dispatch:
         self.streaming = streaming
         self.tenancy = tenancy
         self.metrics = metrics
+        self._looked_s = -math.inf   # when dispatch last looked at every waiting model
 
     def expire(self, now: float) -> None:
         for entry in self.scheduler.expire(now):
@@ -53,6 +54,7 @@ class Dispatch:
             self.streaming.expire_streams(now)
 
     def dispatch(self, now: float) -> None:
+        self._looked_s = now
         for name in self.scheduler.models_waiting():
             model = self.catalog.get(name)
             if model is not None:
@@ -184,7 +186,13 @@ class Dispatch:
                self.streams.next_deadline() if self.streams else None,
                self.batches.next_stall(self.forecast.stall_limit_s)]
         for name in self.scheduler.models_waiting():
-            due.append(self.scheduler.next_due(name, now, self.latency.predictor(name)))
+            due_s = self.scheduler.next_due(name, now, self.latency.predictor(name))
+            # due when dispatch last looked, and still queued: what holds it is a message
+            # to come (a busy worker's result, a load, a worker joining), and every message
+            # ticks. Asked as a due time it was a poll timeout of 0: the loop spun a core
+            # for as long as every worker was busy
+            if due_s is not None and due_s > self._looked_s:
+                due.append(due_s)
         return earliest(due)
 
 

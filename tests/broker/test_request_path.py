@@ -28,12 +28,13 @@ from tests.conftest import examples, linear_config
 
 
 class Harness:
-    def __init__(self, max_batch_size: int = 4) -> None:
+    def __init__(self, max_batch_size: int = 4, delay_ms: float = 0.0) -> None:
         self.now = 0.0
         self.to_workers: list[tuple[bytes, list[Any]]] = []
         self.to_clients: list[tuple[bytes, list[Any]]] = []
         self.catalog = Catalog(Path("/nonexistent"))
-        cfg = parse_config(linear_config("m", mbs=max_batch_size), "test")
+        batching = {"dynamic_batching": {"max_queue_delay_ms": delay_ms}} if delay_ms else {}
+        cfg = parse_config(linear_config("m", mbs=max_batch_size, **batching), "test")
         model, _ = self.catalog.commit(RepoModel(cfg, Path("/nonexistent/m"), (1,)), {}, {1})
         self.scheduler = Scheduler()
         self.scheduler.set_policy("m", model.policy())
@@ -340,3 +341,27 @@ def test_work_queued_behind_a_hung_batch_moves_at_once() -> None:
     h.now += 30.0
     assert h.path.overdue(h.now) == [b"w0"]
     assert h.codes()["hung"] == "deadline"
+
+
+def test_a_batch_past_its_delay_that_every_busy_worker_holds_up_asks_no_wake_up() -> None:
+    """Its delay passed while no worker had a credit: only a result frees one, and every
+    message ticks. Asked as a due time, the delay's end (in the past) was a poll timeout
+    of 0, and the broker's loop spun a core for as long as every worker was busy."""
+    h = Harness(max_batch_size=2, delay_ms=5.0)
+    h.worker("w0")                        # two credits
+    for rid in "abcde":
+        h.request(rid)
+    h.path.dispatch(h.now)
+    running = h.batches()
+    assert len(running) == 2              # a+b, c+d: e waits for its delay
+    assert h.path.next_due(h.now) == pytest.approx(0.005)   # a timer while it may fire
+    h.now = 0.005
+    h.path.dispatch(h.now)
+    assert h.batches() == []              # due, but no credit is free
+    h.now = 0.006
+    due = h.path.next_due(h.now)
+    assert due is None or due > h.now, due
+    h.answer(*running[0])                 # the result's turn sends it
+    h.path.dispatch(h.now)
+    ((_, batch),) = h.batches()
+    assert [i.request_id for i in batch.items] == ["0"]

@@ -21,6 +21,7 @@ from tests.conftest import Server, http, linear_config, short_tmpdir, wait_for
 pytestmark = pytest.mark.timeout(180)
 
 HANDLER = '''\
+import fcntl
 import pathlib
 import time
 
@@ -31,8 +32,13 @@ HANG_AT = {hang_at}            # this load waits (the test kills its worker mean
 
 class Model:
     def load(self, version_dir, device):
-        n = int(COUNT.read_text()) + 1 if COUNT.exists() else 1
-        COUNT.write_text(str(n))
+        # a swap loads on both workers at once: unlocked, one read the file the other had
+        # just truncated (int('') raised ValueError, a load failure that is not retried,
+        # so the swap failed for good), or both counted the same load
+        with open(COUNT.with_name("lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            n = int(COUNT.read_text()) + 1 if COUNT.exists() else 1
+            COUNT.write_text(str(n))
         if n == HANG_AT:
             (COUNT.parent / "hanging").write_text(str(n))
             time.sleep(120)  # noqa: sleep-ok (a load its worker is killed during)
@@ -83,6 +89,9 @@ def test_a_load_that_fails_twice_for_memory_serves_without_anyone_acting(repo: P
     count = handler(repo, "h", 1, fail_while=2)
     srv = Server(repo, workers=2, extra=["--load-retry-base-s", "1.0"])
     try:
+        # no readiness to wait on (the model fails first): the broker's control socket,
+        # else a loaded host's slow start fails the first call (a 5 s connect timeout)
+        wait_for(lambda: (srv.runtime / "control").exists(), 60, "the broker to listen")
         # the first attempt failed on both workers at once; the retry waits its turn
         entry = wait_for(lambda: models(srv)["models"].get("h", {}).get("load_retries"),
                          30, "the retry to show in zeroserve models")

@@ -106,8 +106,10 @@ class WorkerLoads:
             self.placement.load(worker, load, self.catalog.models[name].config)
 
     def message(self, name: str, version: int) -> p.LoadModel | None:
+        """The LOAD of a version the catalog serves; None for any other (a swap's version
+        whose failure came after the swap failed is not retried as a sync load)."""
         model = self.catalog.models.get(name)
-        if model is None:
+        if model is None or version not in model.versions:
             return None
         return p.LoadModel(name, version, str(model.path / str(version)), model.config_json(),
                            self.catalog.shas.get(name, {}).get(version, ""))

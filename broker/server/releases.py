@@ -117,8 +117,8 @@ class Releases:
         if len(self.ended) + len(self.rollouts) + len(self.watched) > 0:
             self._forget_removed()
         for name, rollout in list(self.rollouts.items()):
-            if name in self.watches and rollout.next_due() is not None \
-                    and now >= rollout.started_s + rollout.plan.dwell_s and not rollout.health():
+            end_s = rollout.window_end() if name in self.watches else None
+            if end_s is not None and now >= end_s and not rollout.health():
                 # a watch ends with its window, however little traffic came
                 self._apply(name, rollout, rollout.end("watched", Verdict("promote", {})))
                 continue
@@ -139,8 +139,9 @@ class Releases:
         self.promotions = {k: n for k, n in self.promotions.items() if k in models}
 
     def next_due(self) -> float | None:
-        return min((d for r in self.rollouts.values() if (d := r.next_due()) is not None),
-                   default=None) if self.rollouts else None   # asked every turn
+        return min((d for name, r in self.rollouts.items()
+                    if (d := r.window_end() if name in self.watches else r.next_due())
+                    is not None), default=None) if self.rollouts else None   # every turn
 
     def _apply(self, name: str, rollout: Rollout, verdict: Verdict) -> None:
         if self.catalog.get(name) is None:

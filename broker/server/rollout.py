@@ -154,8 +154,17 @@ class Rollout:
         return verdict
 
     def next_due(self) -> float | None:
-        """When the current step's dwell ends (None once over)."""
-        return None if self.outcome else self.step_started_s + self.plan.dwell_s
+        """When the current step's dwell ends; None once over, and while the step still
+        lacks the canary's answers it needs: then the answer that completes them decides
+        it (every answer ticks), and the dwell's end, once past, would stay due, a poll
+        timeout of 0 that spun the broker's loop until enough traffic came."""
+        if self.outcome or self.step_requests < self.plan.thresholds.min_requests:
+            return None
+        return self.step_started_s + self.plan.dwell_s
+
+    def window_end(self) -> float | None:
+        """When a watch's window ends, however little traffic came (None once over)."""
+        return None if self.outcome else self.started_s + self.plan.dwell_s
 
     def describe(self, now: float) -> dict[str, Any]:
         # once over, the traffic as it ended, not the last step's split

@@ -132,6 +132,7 @@ def test_a_swap_with_the_previous_version_loaded_is_watched_and_the_watch_just_e
     watch = rig.b.releases.describe("m")["rollout"]
     assert watch["watch"] is True and watch["weights"] == {"2": 100, "1": 0}
     assert watch["plan"]["steps"] == [100] and watch["plan"]["dwell_s"] == 30.0
+    assert rig.b.releases.next_due() == 30.0   # its window is a timer, traffic or none
     rig.tick(29.0)
     assert "m" in rig.b.releases.rollouts
     rig.tick(2.0)      # no traffic came: it ends with its window all the same

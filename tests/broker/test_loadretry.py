@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hypothesis import given, strategies as st
 
+from tests.broker.rig import BrokerRig
+from tests.conftest import linear_config
 from zeroserve.broker import protocol as p
 from zeroserve.broker.server.loadretry import LoadRetries, RetryPolicy
 
@@ -94,3 +98,20 @@ def test_zeroserve_models_says_how_far_the_retries_are() -> None:
                             **r.describe("m", 0.25)}}, "errors": {}}
     assert "m/1: load attempt 1 of 4 failed (m/1: MemoryError: no room); tried again in " \
            "0.2 s" in human("models", doc)
+
+
+# -- in the broker, without sockets (BrokerRig) ------------------------------------------
+
+def test_a_swap_versions_failure_after_the_swap_failed_is_not_retried(tmp_path: Path) -> None:
+    """A swap loads on every worker at once; one failed for good (the swap with it), then
+    the other's MemoryError came: it was taken for a sync load of a version the catalog
+    does not serve, and said "tried again in 0.6 s" of a retry that never ran."""
+    rig = BrokerRig(tmp_path / "repo")
+    rig.add_model("m", linear_config("m"), factory="nn.Linear(4, 3)")
+    worker = rig.worker("w1")
+    rig.loaded("w1", "m", 1)
+    rig.from_worker("w1", p.ModelLoaded("m", 2, False, error="m/2: MemoryError: no room",
+                                        transient=True))
+    assert not rig.b.lifecycle.retries
+    assert "load_retries" not in rig.b.lifecycle.describe("m")
+    assert list(worker.load_errors.values()) == ["m/2: MemoryError: no room"]   # as it is

@@ -186,6 +186,23 @@ def test_promotion_retires_the_old_version(rig: BrokerRig) -> None:
     assert len(answers(rig)) == 120
 
 
+def test_a_rollout_waiting_for_traffic_lets_the_loop_sleep(rig: BrokerRig) -> None:
+    """No request came in its step's dwell: the loop's next wake-up is ahead, not the
+    dwell's end behind (a poll timeout of 0, the loop spinning until traffic came)."""
+    start(rig, steps=[50, 100], dwell_s=1.0, min_requests=2)
+    assert rig.b.releases.next_due() is None
+    rig.tick(1.5)
+    assert rig.b.next_due(rig.now) > rig.now
+    seen: set[int] = set()
+    for i in range(40):
+        send(rig, i, f"user-{i}")
+    rig.tick()
+    for b in batches(rig, seen):
+        ok(rig, b)
+    rig.tick()                           # the answers' turn decides the step
+    assert rig.b.releases.describe("m")["rollout"]["step"] == 1
+
+
 def test_rollback_and_promote_by_hand(rig: BrokerRig) -> None:
     start(rig, steps=[50, 100], dwell_s=60.0)
     assert rig.b.releases.rollback_verb({"model": "m"}) == {

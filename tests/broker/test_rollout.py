@@ -47,6 +47,22 @@ def test_a_step_waits_for_enough_canary_answers() -> None:
     assert r.decide(100.0) == Verdict("step", {2: 25, 1: 75})
 
 
+def test_a_step_short_of_answers_past_its_dwell_asks_no_wake_up() -> None:
+    """The dwell's end, once past, stayed due while the step waited for the canary's
+    answers: a poll timeout of 0 that spun the broker's loop until traffic came. The
+    answer that completes them decides the step (every answer ticks)."""
+    r = Rollout(2, 1, PLAN, now=0.0)
+    feed(r, 1, 100)
+    feed(r, 2, 19)
+    assert r.decide(10.0) is None and r.next_due() is None
+    feed(r, 2, 1)
+    assert r.next_due() == 10.0          # enough answers: the dwell's end decides
+    assert r.decide(10.5) == Verdict("step", {2: 25, 1: 75})
+    assert r.next_due() is None          # the new step has no answers yet
+    feed(r, 2, 20)
+    assert r.next_due() == 20.5
+
+
 def test_errors_roll_back_at_once_even_within_the_dwell() -> None:
     r = Rollout(3, 2, PLAN, now=0.0)
     feed(r, 2, 200, errors=1)

@@ -132,6 +132,8 @@ class CausalLMSteps:
         keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self._last_only = {keep: 1} if keep else {}
         self._states: dict[int, _Seq] = {}
+        # the positions the model has (GPT-2's learned ones; None where it does not say)
+        self.context: int | None = getattr(model.config, "max_position_embeddings", None)
         # bytes of paused caches kept at most (None: on a GPU half its free memory, on a
         # CPU no bound); one over it is dropped and prefilled again on resume
         self.keep_bytes: int | None = None
@@ -142,6 +144,11 @@ class CausalLMSteps:
         ids = inputs[IDS].reshape(1, -1).to(self.device, torch.long)
         if ids.shape[1] == 0:
             raise ValueError("a prompt of no tokens: nothing to continue")
+        if self.context is not None and ids.shape[1] > self.context:
+            # said here, with the request's own join: a chunk past the positions would
+            # raise in a later step, and fail every sequence in it
+            raise ValueError(f"a prompt of {ids.shape[1]} tokens; the model's context is "
+                             f"{self.context}")
         left = int(inputs[MAX_TOKENS].reshape(-1)[0])
         # max_tokens 0 answers an empty final response at once: nothing to prefill
         seq = _Seq(0, 0, left, None, ids[0].tolist(), chosen=left <= 0,
@@ -150,7 +157,11 @@ class CausalLMSteps:
         self._states[seq_id] = seq
         if seq.todo:
             self._prefilling[seq_id] = None
-            self._prefill()
+            try:
+                self._prefill()
+            except Exception:   # its join fails: the table never steps it, nor lets it leave
+                self.leave(seq_id)
+                raise
         return seq
 
     def _prefill(self) -> None:

@@ -15,6 +15,7 @@ elements), so a 512-token batch is not priced as a 16-token one.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Hashable, Sequence
 
 from zeroserve.models.repository import ModelConfig, PaddedInput, Padding, TensorSpec
@@ -112,16 +113,18 @@ class ShapeRule:
         return self.classify(shapes)[1]
 
 
-_RULES: dict[int, tuple[ModelConfig, ShapeRule]] = {}
+# by the config's id, while it lives: a config is parsed afresh at every rescan, and one
+# held here for good (a bounded dict, cleared past 1,024) kept each swapped-out version's
+# config and rule in the broker for hours under a version published every 30 s
+_RULES: dict[int, tuple[weakref.ref[ModelConfig], ShapeRule]] = {}
 
 
 def rule(cfg: ModelConfig) -> ShapeRule:
     """The rule of a config, built once (configs are frozen; a new version is a new one)."""
     got = _RULES.get(id(cfg))
-    if got is not None and got[0] is cfg:
+    if got is not None and got[0]() is cfg:
         return got[1]
-    if len(_RULES) > 1024:   # configs come and go with reloads: keep only recent ones
-        _RULES.clear()
-    made = ShapeRule(cfg)
-    _RULES[id(cfg)] = (cfg, made)
+    made = ShapeRule(cfg)   # holds parts of the config, never the config itself
+    _RULES[id(cfg)] = (weakref.ref(cfg), made)
+    weakref.finalize(cfg, _RULES.pop, id(cfg), None)
     return made

@@ -37,6 +37,7 @@ from zeroserve.broker.server.loads import WorkerLoads
 from zeroserve.broker.server.membership import Membership
 from zeroserve.broker.server.metrics import BreakerStates, BrokerMetrics, CacheSize, ModelStates
 from zeroserve.broker.server.memplan import MemoryPlan
+from zeroserve.broker.server.memtrace import MemoryTrace
 from zeroserve.broker.server.ondemand import OnDemand, OnDemandOptions, OnDemandSets
 from zeroserve.broker.server.pipeline import INTERNAL, OnWorkers, Pipelines
 from zeroserve.broker.server.placement import Placement
@@ -312,6 +313,7 @@ class Broker:
                   describe_model=self._describe_model, status=self._status).add_verbs(c)
         self.releases.add_verbs(c)
         c.add("census", self.census)
+        MemoryTrace().add_verbs(c)   # answers only where ZEROSERVE_TRACEMALLOC started it
         # apart from the census, which is 0 once every request is answered: the cache
         # holds answers for good, within its bound
         c.add("response_cache", lambda _: self.cache.describe())

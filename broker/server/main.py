@@ -16,7 +16,7 @@ from zeroserve.broker import curve, options
 from zeroserve.broker.runtime import BrokerLock, Endpoints, RuntimeDirError, ServerLock, \
     ensure_runtime_dir, exposed_endpoints
 from zeroserve.broker.server.broker import Broker
-from zeroserve.broker.server import tenants
+from zeroserve.broker.server import memtrace, tenants
 from zeroserve.broker.server.loop import BrokerLoop
 from zeroserve.broker.server.lifecycle import LifecycleOptions
 from zeroserve.broker.server.breaker import BreakerOptions
@@ -129,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
         except tenants.TenantsError as exc:
             logger.error("%s", exc)
             return 2
+    try:   # before the broker is built, so its own allocations are traced
+        memtrace.start(os.environ)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     folder = options.runtime_folder(args)
     lock = BrokerLock(folder)
     try:

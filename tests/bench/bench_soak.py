@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from tests.bench.harness import example_repo, sample, start
+from zeroserve.broker.server import memtrace
 from zeroserve.broker.client import AsyncClient, Client, InferError
 
 ROLES = ("broker", "gateway", "worker")
@@ -143,7 +144,13 @@ def main() -> None:
                     help="never delete a published version (the default deletes the one "
                     "before the previous, as issue 48's soak did)")
     ap.add_argument("--plot", default="", help="write the memory plot to this PNG")
+    ap.add_argument("--trace-memory", type=int, default=0, metavar="FRAMES",
+                    help="start the broker with ZEROSERVE_TRACEMALLOC=FRAMES, mark its "
+                    "memory once settled, and print what grew since at the end (it slows "
+                    "the broker: not for the RSS figures)")
     args = ap.parse_args()
+    if args.trace_memory:
+        os.environ[memtrace.ENV] = str(args.trace_memory)
 
     repo = example_repo({"mlp": {}})
     srv = start(repo, workers=2)
@@ -160,46 +167,68 @@ def main() -> None:
     version, swaps, kills = 1, 0, 0
     t0 = time.monotonic()
     next_swap, next_kill, next_sample = t0 + args.swap_s, t0 + args.kill_s, t0
+    mark = t0 + args.settle_min * 60 if args.trace_memory else float("inf")
     end = t0 + args.minutes * 60
     print(f"soak: {args.minutes:g} min at {args.rate:g} req/s, a swap every {args.swap_s:g} s, "
           f"a worker SIGKILL every {args.kill_s:g} s (2 cores shared with the load)")
     print(f"{'min':>6} {'answered':>9} {'broker MB':>10} {'gateway MB':>11} {'workers MB':>16}")
-    try:
-        while (now := time.monotonic()) < end:
-            if now >= next_sample:
-                next_sample += args.sample_s
-                mem = {role: [rss_mb(pid) for pid in srv.pids(role)] for role in ROLES}
-                samples.append((now - t0, mem))
-                if len(samples) % max(1, int(60 / args.sample_s)) == 1:
-                    with pace.lock:
-                        done = sum(pace.outcomes.values())
-                    print(f"{(now - t0) / 60:>6.1f} {done:>9} {sum(mem['broker']):>10.1f} "
-                          f"{sum(mem['gateway']):>11.1f} "
-                          f"{' '.join(f'{m:.0f}' for m in mem['worker']):>16}", flush=True)
-            if now >= next_swap:
-                next_swap += args.swap_s
-                version += 1
-                publish(repo, version)
-                swaps += 1
-                if not args.keep_all and version > 3:
-                    shutil.rmtree(repo / "mlp" / str(version - 2), ignore_errors=True)
-            if args.kill_s > 0 and now >= next_kill:
-                next_kill += args.kill_s
-                pids = srv.pids("worker")
-                if pids:
-                    os.kill(pids[kills % len(pids)], signal.SIGKILL)
-                    kills += 1
-            time.sleep(0.2)  # noqa: sleep-ok (the driver's own tick; the load runs on threads)
+    try:   # the server stopped whatever goes wrong: none of its processes outlive the bench
+        try:
+            while (now := time.monotonic()) < end:
+                if now >= next_sample:
+                    next_sample += args.sample_s
+                    mem = {role: [rss_mb(pid) for pid in srv.pids(role)] for role in ROLES}
+                    samples.append((now - t0, mem))
+                    if len(samples) % max(1, int(60 / args.sample_s)) == 1:
+                        with pace.lock:
+                            done = sum(pace.outcomes.values())
+                        print(f"{(now - t0) / 60:>6.1f} {done:>9} {sum(mem['broker']):>10.1f} "
+                              f"{sum(mem['gateway']):>11.1f} "
+                              f"{' '.join(f'{m:.0f}' for m in mem['worker']):>16}", flush=True)
+                if now >= mark:
+                    mark = float("inf")
+                    with Client(srv.control, timeout_s=30) as c:
+                        c.control("memory", mark=True, top=1)
+                if now >= next_swap:
+                    next_swap += args.swap_s
+                    version += 1
+                    publish(repo, version)
+                    swaps += 1
+                    if not args.keep_all and version > 3:
+                        shutil.rmtree(repo / "mlp" / str(version - 2), ignore_errors=True)
+                if args.kill_s > 0 and now >= next_kill:
+                    next_kill += args.kill_s
+                    pids = srv.pids("worker")
+                    if pids:
+                        os.kill(pids[kills % len(pids)], signal.SIGKILL)
+                        kills += 1
+                time.sleep(0.2)  # noqa: sleep-ok (the driver's own tick; the load runs on threads)
+        finally:
+            pace.stop.set()
+            for t in threads:
+                t.join(60)
+        with Client(srv.control, timeout_s=60) as c:   # the memory walk takes seconds
+            census = c.control("census")
+            served = c.control("models")["models"]["mlp"]["ready"]
+            grown = c.control("memory", top=15) if args.trace_memory else None
+        broker_same = srv.pids("broker") == [broker_pid]
     finally:
-        pace.stop.set()
-        for t in threads:
-            t.join(60)
-    with Client(srv.control, timeout_s=10) as c:
-        census = c.control("census")
-        served = c.control("models")["models"]["mlp"]["ready"]
-    broker_same = srv.pids("broker") == [broker_pid]
-    srv.stop()
+        srv.stop()
     report(samples, pace.outcomes, census, swaps, kills, served, broker_same, args)
+    if grown is not None:
+        print_grown(grown)
+
+
+def print_grown(grown: dict[str, Any]) -> None:
+    """The broker's memory verb's answer: what grew since the mark, largest first."""
+    print(f"\nbroker traced: {grown['traced_kb']:.0f} KB; grown since settled, by traceback:")
+    for a in grown["allocations"]:
+        own = [f.rsplit("/", 1)[-1] for f in a["traceback"] if "zeroserve" in f
+               or "/broker/" in f or "/models/" in f or "/workers/" in f]
+        print(f"  {a['grown_kb']:+9.1f} KB {a['grown_blocks']:+7d} blocks  "
+              f"{' > '.join(own[-5:]) or a['traceback'][-1]}")
+    print("objects grown since settled, by type: " + ", ".join(
+        f"{o['type']} {o['grown']:+d}" for o in grown["objects"] if o["grown"]))
 
 
 def report(samples: list[tuple[float, dict[str, list[float]]]], outcomes: Counter[str],

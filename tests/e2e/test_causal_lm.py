@@ -1,6 +1,7 @@
 """A save_pretrained GPT-2 served as it is (platform transformers with sequences): 24
 concurrent streams of mixed prompt lengths (4-200 tokens) and max_tokens (1-48), and 64
-of max_tokens 1-128 (slow), through
+of max_tokens 1-128 (slow), and 24 again with prompts prefilled 32 tokens a step (chunked
+prefill: longer prompts join the running ones in chunks), through
 ``zeroserve serve`` and the direct client, each stream's tokens equal to
 ``model.generate(do_sample=False)`` in-process (a flip where the in-process top two logits
 lie within 1e-4 is allowed and named), and nothing of any request left after."""
@@ -8,6 +9,7 @@ lie within 1e-4 is allowed and named), and nothing of any request left after."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import shutil
 from typing import Any, Iterator
@@ -41,7 +43,32 @@ def test_concurrent_streams_of_mixed_lengths_equal_generate(
     """24 streams of up to 48 tokens in the e2e layer; the issue's 64 of up to 128 in the
     slow one (270 s on two cores shared with other work, load average 9, of which 130 s
     of CPU: the server's steps and 64 in-process generate() calls)."""
-    srv, folder, tokenizer = served
+    run_streams(*served, streams, most_tokens)
+
+
+def test_prompts_prefilled_in_chunks_equal_generate() -> None:
+    """sequences.prefill_tokens 32: most of the prompts take several steps to prefill,
+    joining streams that run; each stream still equals generate()."""
+    repo = short_tmpdir("zsrepo")
+    try:
+        folder, tokenizer = write_lm(repo, most=8)
+        config = json.loads((repo / "lm" / "config.json").read_text())
+        config["sequences"]["prefill_tokens"] = 32
+        (repo / "lm" / "config.json").write_text(json.dumps(config))
+        srv = Server(repo, workers=1).wait_ready(180)
+        try:
+            run_streams(srv, folder, tokenizer, 24, 24)
+        finally:
+            srv.stop()
+    finally:
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+def run_streams(srv: Server, folder: Any, tokenizer: Any, streams: int,
+                most_tokens: int) -> None:
+    """``streams`` at once through the direct client, prompts of 4-200 tokens and
+    max_tokens 1-``most_tokens``: each equals generate(), and the broker holds nothing
+    after."""
     rng = random.Random(43)
     plan = [(rng.randint(4, 200), rng.randint(1, most_tokens)) for _ in range(streams)]
     prompts = [prompt_ids(tokenizer, i, n) for i, (n, _) in enumerate(plan)]

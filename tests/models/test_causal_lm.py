@@ -200,6 +200,22 @@ def test_prompts_longer_than_a_steps_prefill_join_a_running_batch_in_chunks(
     assert all(len(drive.tokens[rid]) == m for rid, (_, m) in requests.items())
 
 
+def test_a_prompt_past_the_models_positions_fails_its_own_join(lm: tuple[Path, Any]) -> None:
+    """A prompt of 600 tokens where the model has 512 positions, prefilled 256 a step: its
+    join fails with the message, and the sequence running beside it ends with its tokens
+    (the chunk past the positions would have failed a later step, and it with it)."""
+    folder, tokenizer = lm
+    drive = Drive(loaded_lm(folder, 256))
+    ids = prompt_ids(tokenizer, 2, 9)
+    drive.join("ok", ids, 12)
+    drive.table.step()
+    drive.join("long", prompt_ids(tokenizer, 1, 600), 5)
+    while drive.table.busy:
+        drive.table.step()
+    assert len(drive.errors) == 1 and "prompt of 600 tokens" in drive.errors[0], drive.errors
+    assert not same_as_generate(folder, ids, 12, drive.tokens["ok"])
+
+
 def test_zero_max_tokens_is_an_empty_final_answer(lm: tuple[Path, Any]) -> None:
     folder, tokenizer = lm
     drive = Drive(loaded_lm(folder))

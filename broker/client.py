@@ -34,9 +34,10 @@ from zmq.utils.monitor import parse_monitor_message
 from zeroserve.broker import curve, protocol as p, tracing
 from zeroserve.broker.clientbase import (LOST, InferError, InferResult, RowError,
                                          control_result, decode_answers, fd_of, keyed,
-                                         new_socket, readable, receive, send_now, tensors_of,
-                                         to_result, unreachable, unwatch, watch)
+                                         new_socket, tensors_of, to_result, unreachable,
+                                         unwatch, watch)
 from zeroserve.broker.runtime import Endpoints
+from zeroserve.broker.sockets import readable, receive, send_now
 from zeroserve.broker.streamclient import AsyncStream, Stream, StreamResponse
 
 __all__ = ["AsyncClient", "AsyncStream", "Client", "ErrorCode", "InferError", "InferResult",

@@ -8,7 +8,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence, cast
+from typing import Any, Mapping, Sequence
 
 import msgspec
 import numpy as np
@@ -100,45 +100,6 @@ def unwatch(sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
 
 
 LOST = "lost the connection to the broker (it may have restarted); retry"
-
-# The socket's own send, recv and get, below pyzmq's Python layer, with plain ints for
-# flags: send_multipart and recv_multipart pass through Python per frame and combine
-# enum flags (each ``|`` a Python call), and ``int & zmq.POLLIN`` calls the enum's.
-# A 5-frame message over ipc, same process: sent 14.1 -> 5.3 us, received (with the
-# EVENTS check) 10.7 -> 5.7 us.
-_send = zmq.backend.Socket.send
-_recv = zmq.backend.Socket.recv
-_get = zmq.backend.Socket.get
-_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_LAST = int(zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-
-
-def send_now(sock: zmq.Socket[Any], frames: Sequence[Any]) -> None:
-    """``send_multipart(frames, NOBLOCK, copy=False)``: zmq.Again when it would block.
-    A message's frames past its first are never refused (the high-water mark counts
-    whole messages), so nothing leaves half sent."""
-    last = len(frames) - 1
-    for i in range(last):
-        _send(sock, frames[i], _MORE, False)
-    _send(sock, frames[last], _LAST, False)
-
-
-def readable(sock: zmq.Socket[Any]) -> bool:
-    """Whether a message waits (ZMQ_EVENTS has POLLIN)."""
-    return bool(cast(int, _get(sock, _EVENTS)) & _POLLIN)
-
-
-def receive(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
-    """``recv_multipart(NOBLOCK, copy=False)``: one waiting message's frames."""
-    frame = _recv(sock, _LAST, False)
-    frames = [frame]
-    while frame.more:
-        frame = _recv(sock, _LAST, False)
-        frames.append(frame)
-    return frames
-
 
 def fd_of(sock: zmq.Socket[Any]) -> int:
     """The socket's descriptor, for the event loop (pyzmq types every option int | bytes)."""

@@ -4,11 +4,15 @@ Curve on tcp://, the identity and the high-water marks. The broker binds ROUTERs
 
 Both close with ``linger=0`` (shutdown is bounded by a drain, never by unsent frames)
 and reconnect quickly (100 ms, backing off to 1 s) so a restarted broker is found at once.
+
+The hot paths (the broker's loop, the clients' and the workers' channels) send and
+receive through :func:`send_now`, :func:`send_routed`, :func:`receive` and
+:func:`readable`, below pyzmq's Python layer.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence, cast
 
 import zmq
 
@@ -52,3 +56,60 @@ def dealer(ctx: zmq.Context[Any], endpoint: str, *, identity: bytes, hwm: int,
     curve.secure_client(sock, keys, endpoint)
     sock.connect(endpoint)
     return sock
+
+
+# The socket's own send, recv and get, below pyzmq's Python layer, with plain ints for
+# flags: send_multipart and recv_multipart pass through Python per frame and combine
+# enum flags (each ``|`` a Python call), and ``int & zmq.POLLIN`` calls the enum's.
+# A 5-frame message over ipc, same process: sent 14.1 -> 5.3 us, received (with the
+# EVENTS check) 10.7 -> 5.7 us.
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
+_get = zmq.backend.Socket.get
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_LAST = int(zmq.NOBLOCK)
+_MORE_WAIT = int(zmq.SNDMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_SRCFD = int(zmq.SRCFD)
+
+
+def send_now(sock: zmq.Socket[Any], frames: Sequence[Any], block: bool = False) -> None:
+    """``send_multipart(frames, NOBLOCK, copy=False)``: zmq.Again when it would block
+    (with ``block``, ``send_multipart(frames, copy=False)``: it waits). A message's
+    frames past its first are never refused (the high-water mark counts whole
+    messages), so nothing leaves half sent."""
+    more, last_flags = (_MORE_WAIT, 0) if block else (_MORE, _LAST)
+    last = len(frames) - 1
+    for i in range(last):
+        _send(sock, frames[i], more, False)
+    _send(sock, frames[last], last_flags, False)
+
+
+def send_routed(sock: zmq.Socket[Any], identity: bytes, frames: Sequence[Any]) -> None:
+    """A ROUTER's ``send_multipart([identity, *frames], NOBLOCK, copy=False)`` without
+    the list: zmq.Again, or EHOSTUNREACH for a peer gone (``ROUTER_MANDATORY``), come
+    from the identity's frame, before any of the message leaves."""
+    _send(sock, identity, _MORE, False)
+    send_now(sock, frames)
+
+
+def readable(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message waits (ZMQ_EVENTS has POLLIN)."""
+    return bool(cast(int, _get(sock, _EVENTS)) & _POLLIN)
+
+
+def receive(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
+    """``recv_multipart(NOBLOCK, copy=False)``: one waiting message's frames; zmq.Again
+    when none waits."""
+    frame = _recv(sock, _LAST, False)
+    frames = [frame]
+    while frame.more:
+        frame = _recv(sock, _LAST, False)
+        frames.append(frame)
+    return frames
+
+
+def source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection a received frame came on (``zmq.SRCFD``)."""
+    return frame.get(_SRCFD)

@@ -103,7 +103,7 @@ class BrokerChannel:
             if self.closed:
                 return
             try:
-                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                sockets.send_now(self._sock, frames)
             except zmq.Again:  # a refused Curve key: ZeroMQ drops the pipe, stops retrying
                 self._on_unsent()
             self._kick(self._compute_wake_w)
@@ -116,7 +116,7 @@ class BrokerChannel:
         once the socket is closed (we are exiting)."""
         try:
             with self._lock:
-                self._sock.send_multipart(frames, copy=False)
+                sockets.send_now(self._sock, frames, block=True)
                 if self._main_reads:
                     self._kick(self._main_wake_w)
                 if off_compute:
@@ -128,14 +128,14 @@ class BrokerChannel:
     # -- reading ------------------------------------------------------------------
     def readable(self) -> bool:
         with self._lock:
-            return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            return sockets.readable(self._sock)
 
     def recv(self) -> list[Any] | None:
         """A waiting message, or None; never blocks."""
         with self._lock:
-            if self.closed or not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self.closed or not sockets.readable(self._sock):
                 return None
-            return self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            return sockets.receive(self._sock)
 
     def recv_into(self, route: Callable[[list[Any]], bool]) -> bool:
         """From the main thread: hand a waiting message to ``route`` while the lock is

@@ -1,9 +1,13 @@
 """The broker's socket loop: it receives, hands over and ticks; it decides nothing.
 
-One thread, one zmq.Poller whose timeout is the next thing due. The backend is
-serviced first so results drain before new work is taken. Whatever arrives, the
-loop survives: a handler that raises is counted as a malformed message (by socket
-and reason) and logged at a bounded rate, and the loop goes on.
+One thread, one zmq.Poller whose timeout is the next thing due, which the heartbeat
+bounds. A part's due time is one that time alone makes actionable: a wait that only a
+message ends (a result, a load, a request) is none, since every message ends its turn
+with a tick; asked anyway, it stays in the past once passed, a timeout of 0, and the
+loop spins until the message comes. The backend is serviced first so results drain
+before new work is taken. Whatever arrives, the loop survives: a handler that raises
+is counted as a malformed message (by socket and reason) and logged at a bounded
+rate, and the loop goes on.
 
 Each socket has a monitor, so a peer whose connection closes is known at once: a
 worker that died (its batches are retried without waiting for the heartbeat
@@ -25,7 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 from zeroserve.broker import curve, protocol as p
 from zeroserve.broker.process import RateLimitedLog
 from zeroserve.broker.runtime import Endpoints
-from zeroserve.broker.sockets import router
+from zeroserve.broker.sockets import receive, router, send_routed, source_fd
 
 if TYPE_CHECKING:
     from zeroserve.broker.server.broker import Broker
@@ -37,6 +41,7 @@ logger = logging.getLogger(__name__)
 FRONTEND_HWM = 1000
 BACKEND_HWM = 1000
 DRAIN_BUDGET = 256   # messages per socket per turn, so no socket starves the others
+_READY = p.Kind.READY.value
 
 
 class Connections:
@@ -89,7 +94,7 @@ class Connections:
 
 def _send(sock: zmq.Socket[Any], identity: bytes, frames: list[Any]) -> bool:
     try:
-        sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        send_routed(sock, identity, frames)
         return True
     except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer went; EAGAIN: it stopped reading
         logger.debug("send to %r failed: %s", identity, exc)
@@ -167,14 +172,14 @@ class BrokerLoop:
                gone: Callable[[bytes], None] | None = None) -> None:
         for _ in range(DRAIN_BUDGET):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = receive(sock)
             except zmq.Again:
                 return
             try:
                 identity = frames[0].bytes
                 if conns is not None and gone is not None:
-                    fresh = len(frames) > 1 and frames[1].bytes == p.Kind.READY.value
-                    for peer in conns.note(identity, frames[0].get(zmq.SRCFD), fresh):
+                    fresh = len(frames) > 1 and frames[1].bytes == _READY
+                    for peer in conns.note(identity, source_fd(frames[0]), fresh):
                         gone(peer)
                 if len(frames) < 2:
                     raise p.ProtocolError("a message without a body")

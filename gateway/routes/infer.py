@@ -204,8 +204,8 @@ class InferEndpoint:
             return await send_answer_of(send, errors.infer_answer(exc))
         sent_ns = time.monotonic_ns() if trace is not None else 0
         api_key = api_key_of(headers)
-        got = await self._forward(receive, path["name"], req, version, priority,
-                                  timeout_ms, api_key,
+        got = await self._forward(receive, send.loop if isinstance(send, OneWrite) else None,
+                                  path["name"], req, version, priority, timeout_ms, api_key,
                                   trace.context if trace is not None else None,
                                   routing_key(headers, params, api_key,
                                               peer_host(scope.get("client"))))
@@ -239,13 +239,15 @@ class InferEndpoint:
                               req.tensors, outputs, error)
         return status
 
-    async def _forward(self, receive: Receive, name: str, req: v2.V2Request,
+    async def _forward(self, receive: Receive, loop: asyncio.AbstractEventLoop | None,
+                       name: str, req: v2.V2Request,
                        version: int | None, priority: int, timeout_ms: float, api_key: str,
                        trace: dict[str, str] | None = None, key: str = ""
                        ) -> tuple[p.InferReply, list[p.Tensor]] | InferError:
         """The broker's reply (and its tensors, classified where asked), or its error;
-        Disconnected when the client leaves meanwhile (the request is withdrawn)."""
-        task = asyncio.current_task()
+        Disconnected when the client leaves meanwhile (the request is withdrawn).
+        ``loop``, where known, spares asyncio's search for the running one (a system call)."""
+        task = asyncio.current_task(loop)
         assert task is not None   # uvicorn runs each request in a task of its own
         waiting = self.leaving.add(task, receive)
         try:

@@ -138,9 +138,9 @@ def measure(workers: int, duration_s: float) -> str:
     setup = Setup(workers)
     try:
         pings = ping_floor(setup.frontend, seconds=4.0)
-        before = cpu_s(setup.broker.pid)
+        before = cpu_s([setup.broker.pid])
         level = setup.bench(duration_s)
-        used = cpu_s(setup.broker.pid) - before
+        used = cpu_s([setup.broker.pid]) - before
         n = level["requests"] * (duration_s + 2) / duration_s   # the warm-up, about
         return (f"| {workers:>2} workers | {level['throughput_rps']:>6.0f} req/s | p50 "
                 f"{level['p50_ms']:.2f} ms, p99 {level['p99_ms']:.2f} ms | "

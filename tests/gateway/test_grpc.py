@@ -334,3 +334,24 @@ def test_the_model_config_message_carries_response_cache() -> None:
     assert messages.model_config(doc).response_cache.enable
     assert not messages.model_config(parse_config(linear_config("m"), "t").to_json()) \
         .response_cache.enable
+
+
+@pytest.mark.parametrize("datatype, shape, raw, message", [
+    ("FP99", [1, 4], True, "input tensor 'input' for model 'linear': unknown datatype 'FP99'"),
+    ("FP32", [1, -4], True, "input tensor 'input' for model 'linear': the shape [1, -4] has "
+     "a negative dimension"),
+    ("FP32", [1, 4], False, "unable to find data for input tensor 'input' for model "
+     "'linear' in request."),
+])
+def test_decode_refuses_a_bad_input_in_tritons_words(datatype: str, shape: list[int],
+                                                     raw: bool, message: str) -> None:
+    from zeroserve.gateway.errors import BadRequest
+    from zeroserve.gateway.grpc import tensors
+
+    req = pb.ModelInferRequest(model_name="linear")
+    req.inputs.add(name="input", datatype=datatype, shape=shape)
+    if raw:
+        req.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+    with pytest.raises(BadRequest) as got:
+        tensors.decode(req, None)
+    assert str(got.value) == message

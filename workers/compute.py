@@ -81,7 +81,7 @@ class Compute:
         self._stops: dict[int, set[str]] = {}
         # iterative models' items to pause (PAUSE), taken by the sequence table at its next
         # step boundary; under the same lock
-        self._pauses: dict[int, set[str]] = {}
+        self._pauses: dict[int, dict[str, int]] = {}   # item -> when read (monotonic ns)
         self._stops_lock = threading.Lock()
         # iterative models' running sequences, by the loaded version they run on (this
         # thread's alone); while one is busy this thread steps it between the batches it
@@ -149,7 +149,11 @@ class Compute:
         """From the main thread: sequences of an iterative batch to pause (PAUSE)."""
         with self._stops_lock:
             if pause.batch_id in self._stops:
-                self._pauses.setdefault(pause.batch_id, set()).update(pause.items)
+                # on a join's received_ns clock: the table owes the preemptor read
+                # after it a slot (workers/sequences.py)
+                read_ns = int(time.monotonic() * 1e9)
+                self._pauses.setdefault(pause.batch_id, {}).update(
+                    dict.fromkeys(pause.items, read_ns))
 
     def forget(self, key: Key) -> None:
         """From the loader: the version's last batch says nothing of its next."""
@@ -362,9 +366,10 @@ class Compute:
         with self._stops_lock:
             return frozenset(self._stops.get(batch_id, ()))
 
-    def _take_pauses(self, batch_id: int) -> set[str]:
-        """A batch's items to pause received since the last call (each applies once)."""
+    def _take_pauses(self, batch_id: int) -> dict[str, int]:
+        """A batch's items to pause received since the last call (each applies once),
+        with when each PAUSE was read."""
         if not self._pauses:
-            return set()
+            return {}
         with self._stops_lock:
-            return self._pauses.pop(batch_id, set())
+            return self._pauses.pop(batch_id, {})

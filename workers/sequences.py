@@ -30,12 +30,12 @@ At each step boundary the table retires the sequences the broker stopped (a canc
 client gone, a deadline before the first response), pauses those the broker paused (a
 request of a higher priority takes their slot: PAUSE), joins waiting requests up to
 ``sequences.max``, resumes paused ones into the slots still free (the first paused
-first), runs one step and sends its responses at once, a PARTIAL per join
-(the broker's batch), together in one STEPS where the broker reads it, then calls
-``advance`` where the handler has it; a join gets its RESULT once every request of it
-has left. An exception in ``join``, ``step`` or ``advance`` fails the joins of the
-sequences it touched, whole:
-their requests still open end with the message, their sequences leave the table.
+first; not a slot owed to a preemptor whose batch the worker has not read yet), runs one
+step and sends its responses at once, a PARTIAL per join (the broker's batch), together
+in one STEPS where the broker reads it, then calls ``advance`` where the handler has it;
+a join gets its RESULT once every request of it has left. An exception in ``join``,
+``step`` or ``advance`` fails the joins of the sequences it touched, whole: their
+requests still open end with the message, their sequences leave the table.
 """
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ from zeroserve.workers.batching import BatchError, assemble, rows
 from zeroserve.workers.streaming import response_tensors
 
 logger = logging.getLogger(__name__)
+
+# A PAUSE's slot is kept for the request that preempted, whose batch the broker sends
+# right behind it, this long at most (then a paused sequence may take it back: the
+# broker sent none after all, its request gone before it left).
+PREEMPTOR_WAIT_NS = 100_000_000
 
 
 @dataclass
@@ -110,15 +115,18 @@ class SequenceTable:
                  finish: Callable[[p.Batch, p.BatchResult, int], None],
                  stopped: Callable[[int], AbstractSet[str]],
                  ids: itertools.count[int],
-                 pauses: Callable[[int], AbstractSet[str]] = lambda _: frozenset(),
-                 traced: Callable[[p.Batch, Mapping[str, Timeline]], None] | None = None
-                 ) -> None:
+                 pauses: Callable[[int], Mapping[str, int]] = lambda _: {},
+                 traced: Callable[[p.Batch, Mapping[str, Timeline]], None] | None = None,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.loaded = loaded
         self._emit = emit            # a step's responses, a PARTIAL per join, sent at once
         self._finish = finish        # a join's RESULT (and when it was taken, for spans)
         self._stopped = stopped      # a join's items the broker has answered already
         self._ids = ids
-        self._pauses = pauses        # a join's items the broker paused since last asked
+        # a join's items the broker paused since last asked, each with when the worker
+        # read the PAUSE (monotonic ns, as a join's ``received_ns``)
+        self._pauses = pauses
+        self._clock = clock
         self._traced = traced        # a traced join's sequences' times, once it is done
         self._steps = 0              # steps run, for a join's wait in steps
         self._handler = loaded.handler
@@ -127,13 +135,22 @@ class SequenceTable:
         self._resume = getattr(loaded.handler, "resume", None)
         self._advance = getattr(loaded.handler, "advance", None)
         self._waiting: collections.deque[tuple[_Join, p.BatchItem]] = collections.deque()
+        # requests paused before they joined: they join after those waiting, as a paused
+        # sequence resumes (into a slot no preemptor is owed)
+        self._deferred: collections.deque[tuple[_Join, p.BatchItem]] = collections.deque()
+        # when the worker read each PAUSE whose preemptor's batch it has not read yet: a
+        # slot each is owed to a request on its way (the broker sends it right behind),
+        # not to a paused sequence, which otherwise takes back the slot it just left
+        # when the pause is taken at a step boundary before the preemptor is read
+        self._owed: list[int] = []
+        self._last_received_ns = 0   # the latest join's received_ns
         self._running: dict[int, _Seq] = {}
         # paused, their states kept, in the order they paused (the first resumes first)
         self._paused: dict[int, _Seq] = {}
 
     @property
     def busy(self) -> bool:
-        return bool(self._running or self._waiting or self._paused)
+        return bool(self._running or self._waiting or self._deferred or self._paused)
 
     @property
     def running(self) -> int:
@@ -148,6 +165,9 @@ class SequenceTable:
         when the worker read it (monotonic), the start of its sequences' spans."""
         join = _Join(batch, taken_ns, received_ns or taken_ns, self._steps)
         self._waiting.extend((join, item) for item in batch.items)
+        # the batches behind a PAUSE on the wire came after it: its preemptor is here
+        self._last_received_ns = max(self._last_received_ns, join.received_ns)
+        self._owed = [t for t in self._owed if t > self._last_received_ns]
 
     def step(self) -> bool:
         """One step boundary: retire, join, run one step, answer the joins done; False
@@ -155,7 +175,7 @@ class SequenceTable:
         self._retire_stopped()
         self._pause_asked()
         self._admit()
-        self._resume_paused()
+        self._take_back()
         if not self._running:
             return False
         self._run_step()
@@ -176,19 +196,28 @@ class SequenceTable:
                 if seq.item.request_id in gone(seq.join):
                     self._retire(seq_id)
                     self._left(seq.join)
-        if self._waiting:
-            keep: collections.deque[tuple[_Join, p.BatchItem]] = collections.deque()
-            for join, item in self._waiting:
-                if item.request_id in gone(join):
-                    self._left(join)
-                else:
-                    keep.append((join, item))
-            self._waiting = keep
+        self._waiting = self._unless_gone(self._waiting, gone)
+        self._deferred = self._unless_gone(self._deferred, gone)
+
+    def _unless_gone(self, queue: collections.deque[tuple[_Join, p.BatchItem]],
+                     gone: Callable[[_Join], AbstractSet[str]]
+                     ) -> collections.deque[tuple[_Join, p.BatchItem]]:
+        """A queue of requests not joined, less those stopped (their joins told)."""
+        if not queue:
+            return queue
+        keep: collections.deque[tuple[_Join, p.BatchItem]] = collections.deque()
+        for join, item in queue:
+            if item.request_id in gone(join):
+                self._left(join)
+            else:
+                keep.append((join, item))
+        return keep
 
     def _pause_asked(self) -> None:
         """The sequences the broker paused sit out the steps from now; one not joined
-        yet goes behind the requests waiting (its slot is the newcomer's)."""
-        asked: dict[int, AbstractSet[str]] = {}
+        yet joins after the requests waiting (its slot is the newcomer's); either's slot
+        is owed to the newcomer until its batch is read."""
+        asked: dict[int, Mapping[str, int]] = {}
         for join in {id(j): j for j in [*(s.join for s in self._running.values()),
                                         *(j for j, _ in self._waiting)]}.values():
             items = self._pauses(join.batch.batch_id)
@@ -197,10 +226,12 @@ class SequenceTable:
         if not asked:
             return
         for seq_id, seq in list(self._running.items()):
-            if seq.item.request_id in asked.get(seq.join.batch.batch_id, ()):
+            read_ns = asked.get(seq.join.batch.batch_id, {}).get(seq.item.request_id)
+            if read_ns is not None:
                 del self._running[seq_id]
                 self._paused[seq_id] = seq
                 seq.timeline.paused += 1
+                self._owe(read_ns)
                 if self._pause is not None:
                     self._call(self._pause, seq_id, seq)
         later = [(j, it) for j, it in self._waiting
@@ -208,12 +239,28 @@ class SequenceTable:
         if later:
             self._waiting = collections.deque(
                 [(j, it) for j, it in self._waiting
-                 if it.request_id not in asked.get(j.batch.batch_id, ())] + later)
+                 if it.request_id not in asked.get(j.batch.batch_id, ())])
+            self._deferred.extend(later)
+            for j, it in later:
+                self._owe(asked[j.batch.batch_id][it.request_id])
 
-    def _resume_paused(self) -> None:
-        """Paused sequences take the slots the requests waiting left free."""
-        capacity = self.loaded.config.max_sequences
-        while self._paused and not self._waiting and len(self._running) < capacity:
+    def _owe(self, read_ns: int) -> None:
+        """A paused request's slot, owed to its preemptor unless its batch is here."""
+        if read_ns > self._last_received_ns:
+            self._owed.append(read_ns)
+
+    def _take_back(self) -> None:
+        """Requests paused before they joined, then paused sequences (the first paused
+        first), take the slots the requests waiting left free and no preemptor on its
+        way is owed."""
+        if self._waiting or not (self._deferred or self._paused):
+            return
+        if self._owed:
+            since = self._clock() - PREEMPTOR_WAIT_NS
+            self._owed = [t for t in self._owed if t > since]
+        capacity = self.loaded.config.max_sequences - len(self._owed)
+        self._admit(capacity, deferred=True)
+        while self._paused and not self._deferred and len(self._running) < capacity:
             seq_id = next(iter(self._paused))
             seq = self._paused.pop(seq_id)
             self._running[seq_id] = seq
@@ -230,10 +277,16 @@ class SequenceTable:
             return False
         return True
 
-    def _admit(self) -> None:
-        capacity = self.loaded.config.max_sequences
-        while self._waiting and len(self._running) < capacity:
-            join, item = self._waiting.popleft()
+    def _admit(self, capacity: int | None = None, deferred: bool = False) -> None:
+        """Requests waiting (or, ``deferred``, those paused before they joined) join
+        while fewer than ``capacity`` (the slots, by default) run."""
+        if capacity is None:
+            capacity = self.loaded.config.max_sequences
+        while len(self._running) < capacity:
+            queue = self._deferred if deferred else self._waiting   # _fail replaces it
+            if not queue:
+                return
+            join, item = queue.popleft()
             seq_id = next(self._ids)
             timeline = Timeline(join.received_ns, time.monotonic_ns(),
                                 waited_steps=self._steps - join.step)
@@ -349,6 +402,8 @@ class SequenceTable:
                     self._retire(seq_id)
         self._waiting = collections.deque((j, it) for j, it in self._waiting
                                           if id(j) not in doomed)
+        self._deferred = collections.deque((j, it) for j, it in self._deferred
+                                           if id(j) not in doomed)
         for join in joins:
             if join.left > 0:
                 join.left = 0

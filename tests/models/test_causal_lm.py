@@ -48,9 +48,9 @@ class Drive:
         self.tokens: dict[str, list[int]] = {}
         self.errors: list[str] = []
         self.batch_ids = itertools.count(1)
-        self.pauses: dict[int, set[str]] = {}
+        self.pauses: dict[int, dict[str, int]] = {}
         self.table = SequenceTable(loaded, self._emit, self._finish, lambda b: frozenset(),
-                                   itertools.count(1), lambda b: self.pauses.pop(b, set()))
+                                   itertools.count(1), lambda b: self.pauses.pop(b, {}))
 
     def _emit(self, step: list[p.Partial]) -> None:
         for x in (x for part in step for x in part.parts):
@@ -132,7 +132,7 @@ def test_paused_sequences_finish_with_the_tokens_they_had_unpaused(
             for k in (0, 1):
                 vip = f"vip{k + (step == 9) * 2}"
                 victim = f"low{k * 2 + (step == 9)}"
-                drive.pauses[batch_of[victim]] = {victim}
+                drive.pauses[batch_of[victim]] = {victim: 0}
                 drive.join(vip, *requests[vip])
                 firsts[vip] = step
         drive.table.step()

@@ -16,7 +16,7 @@ import torch
 from zeroserve.broker import protocol as p
 from zeroserve.models.loader import LoadedModel
 from zeroserve.models.repository import ConfigError, parse_config
-from zeroserve.workers.sequences import SequenceTable
+from zeroserve.workers.sequences import PREEMPTOR_WAIT_NS, SequenceTable
 from tests.conftest import linear_config
 from tests.lm import lm_config
 
@@ -71,10 +71,12 @@ class Rig:
         self.messages: list[int] = []   # each step's batches
         self.results: list[p.BatchResult] = []
         self.stops: dict[int, set[str]] = {}
-        self.pauses: dict[int, set[str]] = {}
+        self.pauses: dict[int, dict[str, int]] = {}   # item -> when the PAUSE was read
+        self.now = 0   # the table's clock (ns)
         self.table = SequenceTable(loaded, self._emit, self._finish,
                                    lambda b: frozenset(self.stops.get(b, ())),
-                                   itertools.count(1), lambda b: self.pauses.pop(b, set()))
+                                   itertools.count(1), lambda b: self.pauses.pop(b, {}),
+                                   clock=lambda: self.now)
         self._ids = itertools.count(1)
 
     def _emit(self, step: list[p.Partial]) -> None:
@@ -87,11 +89,11 @@ class Rig:
     def _finish(self, batch: p.Batch, result: p.BatchResult, taken_ns: int) -> None:
         self.results.append(result)
 
-    def join(self, *counts: float, flag: float = 0.0) -> int:
+    def join(self, *counts: float, flag: float = 0.0, received_ns: int = 0) -> int:
         batch_id = next(self._ids)
         items = [p.BatchItem(f"r{batch_id}.{i}", [p.from_numpy(
             "input", np.array([[n, flag, 0, 0]], np.float32))]) for i, n in enumerate(counts)]
-        self.table.join(p.Batch(batch_id, "c", 1, items), 0)
+        self.table.join(p.Batch(batch_id, "c", 1, items), 0, received_ns)
         return batch_id
 
     def of(self, item: str) -> list[tuple[bool, list[float]]]:
@@ -200,7 +202,7 @@ def test_a_paused_sequence_sits_out_while_the_newcomer_runs_then_resumes() -> No
     low = rig.join(4, 4)
     rig.table.step()
     vip = rig.join(2)
-    rig.pauses[low] = {f"r{low}.1"}
+    rig.pauses[low] = {f"r{low}.1": 0}
     rig.table.step()   # r.1 pauses, the newcomer joins: its first response at once
     assert rig.table.paused == 1 and rig.table.running == 2
     assert rig.of(f"r{vip}.0") == [(False, [1.0, 2.0, 2.0])]
@@ -221,8 +223,8 @@ def test_a_paused_sequence_that_is_stopped_leaves_and_one_not_joined_goes_behind
     queued = rig.join(9)    # waits for the slot
     rig.table.step()
     vip = rig.join(1)
-    rig.pauses[running] = {f"r{running}.0"}
-    rig.pauses[queued] = {f"r{queued}.0"}   # the broker thought it ran: it goes behind
+    rig.pauses[running] = {f"r{running}.0": 0}
+    rig.pauses[queued] = {f"r{queued}.0": 0}   # the broker thought it ran: it goes behind
     rig.table.step()
     assert rig.of(f"r{vip}.0") == [(True, [1.0, 2.0, 1.0])]
     rig.stops[running] = {f"r{running}.0"}
@@ -230,6 +232,58 @@ def test_a_paused_sequence_that_is_stopped_leaves_and_one_not_joined_goes_behind
     assert [r.batch_id for r in rig.results] == [vip, running]
     assert rig.of(f"r{queued}.0") == [(False, [1.0, 3.0, 1.0])]
     assert rig.handler.left == [2, 1] and rig.table.paused == 0   # the newcomer was 2
+
+
+def test_a_pause_taken_before_its_preemptor_is_read_keeps_the_slot_for_it() -> None:
+    """The PAUSE comes right before the VIP's batch, but a step boundary may fall between
+    the two: the paused sequence must not take its slot back meanwhile, or the VIP finds
+    every slot held and waits for a sequence to end (tests/bench/bench_vip.py saw 9-26
+    steps)."""
+    rig = Rig(most=2, handler=Pausing())
+    low = rig.join(9, 9, received_ns=1)
+    rig.table.step()
+    rig.pauses[low] = {f"r{low}.1": 2}   # read at 2; the VIP's batch not yet
+    rig.table.step()
+    assert rig.table.paused == 1 and rig.table.running == 1
+    vip = rig.join(2, received_ns=3)
+    rig.table.step()   # the VIP joins at the boundary after it was read, in the kept slot
+    assert rig.of(f"r{vip}.0") == [(False, [1.0, 3.0, 2.0])]
+    while rig.table.busy:
+        rig.table.step()
+    assert [v[0] for _, v in rig.of(f"r{low}.1")] == [float(n) for n in range(1, 10)]
+    assert rig.handler.calls == [("pause", 2), ("resume", 2)]
+
+
+def test_a_request_paused_before_it_joined_keeps_the_slot_for_its_preemptor() -> None:
+    rig = Rig(most=2)
+    first = rig.join(9, received_ns=1)
+    rig.table.step()
+    queued = rig.join(9, received_ns=2)   # for the free slot, the broker paused it since
+    rig.pauses[queued] = {f"r{queued}.0": 3}
+    rig.table.step()
+    assert rig.table.running == 1 and rig.of(f"r{queued}.0") == []
+    vip = rig.join(2, received_ns=4)
+    rig.table.step()
+    assert rig.of(f"r{vip}.0") == [(False, [1.0, 3.0, 2.0])]
+    while rig.table.busy:
+        rig.table.step()
+    # it joins once the VIP has left: after step 4, the VIP's last
+    assert [v[1] for _, v in rig.of(f"r{queued}.0")][0] == 5.0
+    assert len(rig.of(f"r{first}.0")) == 9
+
+
+def test_a_slot_kept_for_a_preemptor_that_never_comes_is_taken_back_in_time() -> None:
+    rig = Rig(most=2, handler=Pausing())
+    low = rig.join(9, 9, received_ns=1)
+    rig.table.step()
+    rig.pauses[low] = {f"r{low}.1": 2}
+    rig.now = 2 + PREEMPTOR_WAIT_NS - 1
+    rig.table.step()
+    assert rig.table.paused == 1
+    rig.now += 1   # the broker sent none (its request went before it left): resume
+    rig.table.step()
+    assert rig.table.paused == 0 and rig.table.running == 2
+    assert rig.handler.calls == [("pause", 2), ("resume", 2)]
 
 
 def test_a_zero_count_is_one_empty_final_response() -> None:
@@ -412,7 +466,7 @@ def test_a_recurrent_lm_batched_and_paused_makes_the_tokens_it_makes_alone() -> 
     rig.table.step()
     _join_row(rig, prompts[1])
     rig.table.step()
-    rig.pauses[first] = {f"r{first}.0"}
+    rig.pauses[first] = {f"r{first}.0": 0}
     _join_row(rig, prompts[2])
     _join_row(rig, prompts[3])
     rig.table.step()

@@ -356,7 +356,10 @@ def load(cfg: ModelConfig, version: int, version_dir: Path, device: str,
         raise LoadError(f"{cfg.name}/{version}: {type(exc).__name__}: {exc}",
                         transient(exc)) from None
     loaded.probe_before = before
-    loaded.memory_bytes = max(0, memory_probe() - before)
+    # a floor of its weights: on a CPU the resident set's rise can miss them where the
+    # load reuses pages an unload just gave back (a full CI run read 0.1 MB for an 8 MB
+    # model, and load on demand then held three models in a budget of two)
+    loaded.memory_bytes = max(0, memory_probe() - before, weights_bytes(cfg, version_dir) or 0)
     if peak_probe is not None:
         loaded.plan = _plan(cfg, version_dir, loaded.memory_bytes, peaks)
         loaded.plan["warmup_seconds"] = {str(b): t for b, t in

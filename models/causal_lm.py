@@ -14,14 +14,22 @@ or at the model's end token (which is sent, as ``generate`` returns it).
   the next steps, the first joined first, and its first token is answered at the step
   its last chunk ran. A step then costs a decode and at most that many prompt tokens,
   so a joiner no longer stalls the running sequences for its whole prefill.
+- With ``step_ratio`` R (``sequences.step_ratio``), a prefill that joins while sequences
+  decode runs instead inside their decode's forward (Sarathi-Serve's stall-free batching;
+  models/kv_slab.py packs both), in chunks of as many prompt tokens as keep that forward
+  within R times a decode alone, both costs measured as the forwards run. Its first
+  token is answered at the step after the forward its last chunk rode in. With nothing
+  decoding, a prompt is prefilled whole at its join, as without R.
 - ``step`` answers each sequence's token; ``advance``, which the sequence table calls once
   the step's tokens are sent, runs one batched decode of every sequence that goes on (a
   caller that never calls ``advance`` gets that decode at the start of the next ``step``).
   Their caches are the rows of one slab (models/kv_slab.py): buffers allocated once, a
   row per sequence, each decode writing every row's new key and value in place at its
-  own length, with an attention mask over each one's own positions and its own
-  position ids. A sequence's cache moves into a row at its first decode and out when it
-  leaves or pauses (one row's copy); nothing else is copied.
+  own length and attending over its own positions (an attention function of the slab's,
+  so the model must attend through transformers' AttentionInterface: GPT-2, Llama). A
+  sequence's cache moves into a row at its first decode (or, with ``step_ratio``, at its
+  first chunk in a decode) and out when it leaves or pauses (one row's copy); nothing
+  else is copied.
 - ``pause`` takes a sequence out of the slab: its cache is copied out and kept while the
   paused caches fit ``keep_bytes`` (on a GPU, by default, what its free memory allows),
   else dropped, and ``resume`` rebuilds it with a prefill of its prompt and the tokens
@@ -39,12 +47,13 @@ Torch and transformers are imported by the loader only (models/pretrained.py cal
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from zeroserve.models.kv_slab import Layers, Slab
+from zeroserve.models.kv_slab import ATTENTION, Layers, Slab, use_slab_attention
 from zeroserve.models.loader import LoadError, Opened, Source
 from zeroserve.models.text import IDS
 
@@ -57,6 +66,9 @@ SAMPLING = {"temperature": ("FP32", (1,)),   # 0: greedy; above: softmax(logits 
 # prompt tokens a step prefills at most where the config does not say
 # (sequences.prefill_tokens): see CausalLMSteps
 PREFILL_TOKENS = 512
+# with step_ratio, one forward in this many runs its decodes alone: their time, measured
+# again (see CausalLMSteps._budget)
+REMEASURE = 16
 
 
 def check_signature(src: Source) -> None:
@@ -85,8 +97,11 @@ def load_causal_lm(src: Source, transformers: Any, dtype_arg: str) -> Opened:
         raise LoadError(f"{src.version_dir}: not a folder transformers' "
                         f"AutoModelForCausalLM loads (what save_pretrained writes): "
                         f"{exc}") from None
-    steps = CausalLMSteps(model.to(src.device).eval(),
-                          src.cfg.prefill_tokens or PREFILL_TOKENS)
+    try:
+        steps = CausalLMSteps(model.to(src.device).eval(),
+                              src.cfg.prefill_tokens or PREFILL_TOKENS, src.cfg.step_ratio)
+    except ValueError as exc:
+        raise LoadError(f"{src.version_dir}: {exc}") from None
     return Opened(steps.step, handler=steps)
 
 
@@ -110,8 +125,12 @@ class _Seq:
 class CausalLMSteps:
     """The iterative contract (workers/sequences.py) over a transformers causal LM."""
 
-    def __init__(self, model: Any, prefill_tokens: int = PREFILL_TOKENS) -> None:
+    def __init__(self, model: Any, prefill_tokens: int = PREFILL_TOKENS,
+                 step_ratio: float = 0.0, clock: Callable[[], float] | None = None) -> None:
         self.model = model
+        use_slab_attention(model)
+        # a forward over the slab takes a 4D mask as it is: the slab attends by its own
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
         # prompt tokens a step prefills at most: what a joiner adds to the running
         # sequences' step. Spent from the end of one step to the end of the next (the
         # joins and resumes of a step boundary, then the step itself)
@@ -119,7 +138,22 @@ class CausalLMSteps:
         self._left = prefill_tokens
         # sequences whose prefill is not done, the first joined first (a dict: ordered)
         self._prefilling: dict[int, None] = {}
+        # where set (above 1): prefills go on in the decode's own forward, while any
+        # sequence decodes, in chunks that keep that forward within step_ratio times a
+        # decode alone (Sarathi-Serve's stall-free batching; see _budget). 0: a prefill
+        # is a forward of its own, at the join, in chunks of prefill_tokens
+        self.step_ratio = step_ratio
+        # the forwards' cost: on a CPU the compute thread's own time, which the host's
+        # other processes do not stretch; on a GPU the wall clock (the thread waits on the
+        # device, which its CPU time does not count)
         self.device = next(model.parameters()).device
+        self.clock = clock or (time.perf_counter if self.device.type == "cuda"
+                               else time.thread_time)
+        self._decode_s: float | None = None   # a decode forward's seconds (averaged)
+        self._chunk_s = self._chunk_n = 0.0   # what prompt tokens added to it (averaged)
+        self._in_decode = False   # those measured in a decode's forward (not alone)
+        self._with_chunks = 0   # forwards with decodes and chunks since a decode alone
+        self._advanced = False   # advance ran since the last step (its forward is done)
         eos = model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         params = inspect.signature(model.forward).parameters
@@ -170,6 +204,8 @@ class CausalLMSteps:
         of a joiner's prompt chooses its first token. Joiners go before resumed sequences
         (a sequence is paused for a request of a higher priority: the request it made
         room for must not wait behind its recompute)."""
+        if self.step_ratio and self._slab is not None:
+            return   # the slab's forwards carry the chunks (advance)
         for seq_id in sorted(self._prefilling, key=lambda i: self._states[i].sent > 0):
             if self._left <= 0:
                 return
@@ -178,8 +214,10 @@ class CausalLMSteps:
             seq = self._states[seq_id]
             n = min(seq.todo, self._left)
             ids = torch.tensor([seq.tokens[seq.length:seq.length + n]], device=self.device)
+            started = self.clock()
             out = self.model(input_ids=ids, use_cache=True, **self._last_only,
                              **({self._cache_arg: seq.cache} if seq.cache is not None else {}))
+            self._learn(self.clock() - started, n, 0)
             seq.cache = self._cache_of(out)
             seq.length += n
             seq.todo -= n
@@ -274,7 +312,7 @@ class CausalLMSteps:
         if seq.dropped:
             # its prompt and the tokens it sent but the last (which the next decode
             # feeds), prefilled again as a joiner's prompt is
-            seq.todo, seq.length, seq.dropped = seq.length, 0, False
+            seq.todo, seq.length, seq.dropped = seq.length + seq.todo, 0, False
             self._prefilling[seq_id] = None
             self._prefill()
         else:
@@ -285,7 +323,9 @@ class CausalLMSteps:
         a sequence whose decode is still due (no ``advance`` since its last token) gets
         it here first. The prefills not done go on with the prompt tokens the step's
         joins left; a sequence still prefilling is not answered."""
-        self.advance(states)
+        if not self._advanced:
+            self.advance(states)
+        self._advanced = False
         self._prefill()
         self._left = self.prefill_tokens   # the next step's
         out: dict[int, tuple[Any, bool]] = {}
@@ -303,42 +343,119 @@ class CausalLMSteps:
         return out
 
     def advance(self, states: dict[int, _Seq]) -> None:
-        """One batched decode of the sequences whose last token is sent."""
+        """One batched decode of the sequences whose last token is sent; where
+        ``step_ratio`` is set, the chunks of the prefills not done ride in its forward."""
+        self._advanced = True
         due = [seq_id for seq_id, seq in states.items() if not seq.chosen and not seq.todo]
-        if due:
-            self._decode(due, states)
+        chunks = self._chunks(states, bool(due)) if due or self._slab is not None else []
+        if due or chunks:
+            self._forward(due, chunks, states)
 
-    def _decode(self, ids: list[int], states: dict[int, _Seq]) -> None:
-        slab = self._slab
-        for seq_id in ids:   # newcomers (joined, resumed) move into rows of the slab
-            seq = states[seq_id]
-            if seq.layers is not None:
-                if slab is None:
-                    length = max(states[i].length for i in ids)
-                    # room for most of the sequences' growth before the first doubling
-                    slab = self._slab = Slab(seq.layers, len(ids), 2 * length + 64)
-                slab.add(seq_id, seq.layers)
-                seq.layers = None
-        assert slab is not None, "a decode of sequences that have caches"
-        # a row whose sequence is not due (answered final, not left yet) runs too, its
-        # output unread and its length kept: its write lands past its own tokens
-        due = set(ids)
-        tokens = torch.tensor([[states[i].next_token if i in due else 0] for i in slab.ids],
-                              device=self.device)
-        mask, positions = slab.begin()
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                         use_cache=True, **{self._cache_arg: slab.cache})
-        logits = out.logits[:, -1]
-        greedy = logits.argmax(dim=-1).tolist()
-        for row, seq_id in enumerate(slab.ids):
-            if seq_id not in due:
+    def _chunks(self, states: dict[int, _Seq], decoding: bool) -> list[tuple[int, int]]:
+        """The prefills' chunks a slab forward carries (``step_ratio`` set): the first
+        joined first, within the token budget (``_budget`` while sequences decode, else
+        ``prefill_tokens``)."""
+        if not self.step_ratio:
+            return []
+        left = self._budget() if decoding else self.prefill_tokens
+        chunks = []
+        for seq_id in sorted(self._prefilling, key=lambda i: self._states[i].sent > 0):
+            if left <= 0:
+                break
+            if seq_id in self._paused or seq_id not in states:
                 continue
+            n = min(self._states[seq_id].todo, left)
+            chunks.append((seq_id, n))
+            left -= n
+        return chunks
+
+    def _budget(self) -> int:
+        """Prompt tokens a forward with decodes may carry so that it lasts at most
+        ``step_ratio`` decodes alone: a decode's time over a prompt token's, both
+        measured as the forwards run (``_learn``). None where a decode alone is due: the
+        first, and one in every ``REMEASURE`` (the decode's time moves with its rows and
+        their lengths, and chunks may ride in every forward for long)."""
+        if self._decode_s is None or self._with_chunks >= REMEASURE:
+            return 0
+        if not self._chunk_n:
+            return 1   # no prompt token measured yet: one, which measures
+        per_token = max(self._chunk_s, 0.0) / self._chunk_n or 1e-9
+        room = (self.step_ratio - 1.0) * self._decode_s / per_token
+        return max(1, min(self.prefill_tokens, int(room)))
+
+    def _learn(self, seconds: float, tokens: int, decodes: int) -> None:
+        """A forward's time: a decode alone's (averaged), or what its ``tokens`` of prompt
+        added to the decode's (sums averaged: large chunks weigh more than the noise of
+        small ones). A prefill of its own gives the first estimate of a token's cost, an
+        overestimate (its forward's fixed cost in it) that the first chunk in a decode
+        replaces."""
+        a = 0.2
+        self._with_chunks = self._with_chunks + 1 if tokens and decodes else 0
+        if not tokens:
+            self._decode_s = seconds if self._decode_s is None else \
+                (1 - a) * self._decode_s + a * seconds
+        elif decodes and self._decode_s is not None:
+            added = seconds - self._decode_s
+            if not self._in_decode:
+                self._chunk_s, self._chunk_n, self._in_decode = added, float(tokens), True
+            else:
+                self._chunk_s = (1 - a) * self._chunk_s + a * added
+                self._chunk_n = (1 - a) * self._chunk_n + a * tokens
+        elif not decodes and not self._chunk_n:
+            self._chunk_s, self._chunk_n = seconds, float(tokens)
+
+    def _forward(self, due: list[int], chunks: list[tuple[int, int]],
+                 states: dict[int, _Seq]) -> None:
+        """One forward over the slab: a token of each sequence in ``due`` and the
+        ``chunks``' prompt tokens, packed in one row (models/kv_slab.py)."""
+        slab = self._slab
+        fed = {seq_id: 1 for seq_id in due}
+        fed.update(chunks)
+        for seq_id in fed:   # newcomers (joined, resumed, prefilling) move into rows
             seq = states[seq_id]
-            seq.length += 1
-            slab.lengths[row] += 1
+            own = seq.layers if seq.layers is not None else \
+                _layers(seq.cache) if seq.cache is not None else None
+            if slab is None:
+                assert own is not None, "a slab begins with a decoding sequence's cache"
+                length = max(states[i].length for i in fed)
+                # room for most of the sequences' growth before the first doubling
+                slab = self._slab = Slab(own, len(fed), 2 * length + 64)
+            if seq_id not in slab.ids:
+                slab.add(seq_id, own)
+                seq.layers = seq.cache = None
+        assert slab is not None, "a forward of sequences"
+        feeds = [fed.get(seq_id, 0) for seq_id in slab.ids]
+        tokens = [t for seq_id in slab.ids if seq_id in fed for t in self._feed(
+            states[seq_id], fed[seq_id], seq_id in due)]
+        positions, places = slab.begin(feeds)
+        started = self.clock()
+        out = self.model(input_ids=torch.tensor([tokens], device=self.device),
+                         position_ids=positions, attention_mask=self._no_mask,
+                         use_cache=True, logits_to_keep=torch.tensor(places),
+                         **{self._cache_arg: slab.cache, ATTENTION: slab})
+        slab.end()
+        logits = out.logits[0]
+        greedy = logits.argmax(dim=-1).tolist()
+        self._learn(self.clock() - started, sum(n for _, n in chunks), len(due))
+        for at, seq_id in enumerate(i for i in slab.ids if i in fed):
+            seq = states[seq_id]
+            seq.length += fed[seq_id]
+            if seq_id not in due:   # a chunk of its prefill
+                seq.todo -= fed[seq_id]
+                if seq.todo or seq.sent:   # more to come, or a resumed one's token kept
+                    if not seq.todo:
+                        del self._prefilling[seq_id]
+                    continue
+                del self._prefilling[seq_id]
             seq.chosen = True
-            seq.next_token = greedy[row] if seq.generator is None else \
-                self._choose(seq, logits[row])
+            seq.next_token = greedy[at] if seq.generator is None else \
+                self._choose(seq, logits[at])
+
+    @staticmethod
+    def _feed(seq: _Seq, n: int, decode: bool) -> list[int]:
+        """A sequence's tokens in a forward: its chosen one (a decode), else its prompt's
+        next ``n``."""
+        return [seq.next_token] if decode else seq.tokens[seq.length:seq.length + n]
 
     def _cache_of(self, out: Any) -> Any:
         return getattr(out, self._cache_arg)

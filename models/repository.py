@@ -134,6 +134,9 @@ class ModelConfig:
     # handler prefills at most (a longer prompt goes on in chunks at the next steps;
     # models/causal_lm.py). 0: its default
     prefill_tokens: int = 0
+    # ``sequences.step_ratio``: where above 1, prefills ride in the decode's forward in
+    # chunks that keep it within this many decodes' time (models/causal_lm.py). 0: off
+    step_ratio: float = 0.0
     # Triton's response_cache.enable: identical requests answered by the broker from
     # its response cache (docs/many-models.md)
     response_cache: bool = False
@@ -164,6 +167,8 @@ class ModelConfig:
             out["sequences"] = {"max": self.max_sequences}
         if out.pop("prefill_tokens"):
             out["sequences"]["prefill_tokens"] = self.prefill_tokens
+        if out.pop("step_ratio"):
+            out["sequences"]["step_ratio"] = self.step_ratio
         if self.text is None:
             del out["text"]
         else:
@@ -509,7 +514,7 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
     optional = raw.get("optional", False)
     if not isinstance(optional, bool):
         raise _fail(where, "optional", f"must be true or false, got {optional!r}")
-    max_sequences, prefill_tokens = _sequences(where, raw, platform)
+    max_sequences, prefill_tokens, step_ratio = _sequences(where, raw, platform)
     decoupled = _transaction_policy(where, raw.get("model_transaction_policy"), platform,
                                     max_sequences > 0) or max_sequences > 0
     if not outputs:
@@ -546,7 +551,7 @@ def parse_config(raw: Any, where: str, expected_name: str | None = None,
         warmup={"batch_sizes": [_int(where, "warmup.batch_sizes", b, 1)
                                 for b in warmup.get("batch_sizes", [])]},
         optional=optional, decoupled=decoupled, max_sequences=max_sequences,
-        prefill_tokens=prefill_tokens,
+        prefill_tokens=prefill_tokens, step_ratio=step_ratio,
         response_cache=cache, ensemble=steps,
         load_on_demand=on_demand, text=text)
 
@@ -714,36 +719,46 @@ def _transaction_policy(where: str, raw: Any, platform: str, iterative: bool) ->
 ITERATIVE_PLATFORMS = ("python", "transformers")
 
 
-def _sequences(where: str, raw: dict[str, Any], platform: str) -> tuple[int, int]:
+def _sequences(where: str, raw: dict[str, Any], platform: str
+               ) -> tuple[int, int, float]:
     """``{"max": N}``: an iterative model, N sequences at once (and, for a causal LM,
-    ``"prefill_tokens": T``, the prompt tokens a step prefills at most; 0: not given).
+    ``"prefill_tokens": T``, the prompt tokens a step prefills at most, 0: not given;
+    ``"step_ratio": R``, prefills in the decode's forward within R decodes' time, 0: off).
     It answers with a stream, so it is decoupled; a config that says ``decoupled: false``
     contradicts itself."""
     given = raw.get("sequences")
     if given is None:
-        return 0, 0
+        return 0, 0, 0.0
     if not isinstance(given, dict) or "max" not in given or \
-            set(given) - {"max", "prefill_tokens"}:
+            set(given) - {"max", "prefill_tokens", "step_ratio"}:
         raise _fail(where, "sequences", 'must be {"max": N}, N the sequences run at once '
                     '(and, for a causal LM, "prefill_tokens": T, the prompt tokens a step '
-                    'prefills at most)')
+                    'prefills at most, and "step_ratio": R)')
     most = _int(where, "sequences.max", given["max"], 1)
     if platform not in ITERATIVE_PLATFORMS:
         allowed = " or ".join(map(repr, ITERATIVE_PLATFORMS))
         raise _fail(where, "sequences", f"needs platform {allowed} (a handler with join() "
                     f"and step(), or a causal LM), not {platform!r}")
-    prefill = 0
+    prefill, ratio = 0, 0.0
+    for name in ("prefill_tokens", "step_ratio"):
+        if name in given and platform != "transformers":
+            raise _fail(where, f"sequences.{name}", "is read by zeroserve's own causal LM "
+                        "steps (platform 'transformers'); a handler of your own prefills "
+                        "as its join() and step() do")
     if "prefill_tokens" in given:
         prefill = _int(where, "sequences.prefill_tokens", given["prefill_tokens"], 1)
-        if platform != "transformers":
-            raise _fail(where, "sequences.prefill_tokens", "is read by zeroserve's own "
-                        "causal LM steps (platform 'transformers'); a handler of your own "
-                        "prefills as its join() and step() do")
+    if "step_ratio" in given:
+        ratio = given["step_ratio"]
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or \
+                not ratio > 1:
+            raise _fail(where, "sequences.step_ratio", f"must be a number above 1 (a "
+                        f"step that carries prefill at most that many decodes), got {ratio!r}")
+        ratio = float(ratio)
     policy = raw.get("model_transaction_policy")
     if isinstance(policy, dict) and policy.get("decoupled") is False:
         raise _fail(where, "model_transaction_policy.decoupled", "is false, but an iterative "
                     "model (sequences) answers with a stream: leave it out or set it true")
-    return most, prefill
+    return most, prefill, ratio
 
 
 def _response_cache(where: str, raw: Any, decoupled: bool) -> bool:

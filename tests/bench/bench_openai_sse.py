@@ -6,15 +6,16 @@ prompt, the first token's cost without a server).
 
     .venv/bin/python -m tests.bench.bench_openai_sse [--concurrency 8] [--requests 48]
         [--before <commit> [--rounds 2]] [--client openai|raw] [--trace]
-        [--prefill-tokens 512,32]
+        [--prefill-tokens 512,32,512:2]
 
 With ``--before`` the server of that commit (its tree from ``git archive``, imported ahead
 of this one's) and this one's serve the same requests in turns, ``--rounds`` times each,
 the before first: a baseline from the same run.
 
 With ``--prefill-tokens`` this tree's server runs once a round with each of the budgets
-(``sequences.prefill_tokens``: the prompt tokens a step prefills at most), in turns; the
-before commit's config has none (its default).
+(``sequences.prefill_tokens``: the prompt tokens a step prefills at most; ``T:R`` adds
+``sequences.step_ratio`` R: prefills in the decode's forward, within R decodes' time), in
+turns; the before commit's config has none (its default).
 
 With ``--trace`` this tree's server alone runs once more in opentelemetry mode, every
 request with a sampled ``traceparent``, its spans sent to a receiver in this process
@@ -49,6 +50,16 @@ from typing import Any, AsyncIterator
 
 from tests.conftest import Server, short_tmpdir
 from tests.lm import prompt_ids, write_lm
+
+
+def budgets_of(spec: str) -> list[tuple[int, float]]:
+    """``512,32,512:2``: (prefill_tokens, step_ratio) each, 0 where not given."""
+    return [(int(t or 0), float(r or 0)) for t, _, r in
+            (b.partition(":") for b in spec.split(",") if b)]
+
+
+def budget_label(tokens: int, ratio: float) -> str:
+    return f"prefill_tokens {tokens or 'default'}" + (f", step_ratio {ratio:g}" if ratio else "")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -272,18 +283,22 @@ def main() -> None:
     rng = random.Random(5)
     asks = [(prompt_ids(tokenizer, i, rng.randint(16, 128)), rng.randint(16, 256))
             for i in range(args.requests)]
-    budgets = [int(b) for b in args.prefill_tokens.split(",") if b]
-    ours: list[tuple[str, dict[str, str] | None, int]] = \
-        [(f"this tree, prefill_tokens {b}", None, b) for b in budgets] or [("this tree", None, 0)]
+    budgets = budgets_of(args.prefill_tokens)
+    ours: list[tuple[str, dict[str, str] | None, tuple[int, float]]] = \
+        [(f"this tree, {budget_label(*b)}", None, b) for b in budgets] or \
+        [("this tree", None, (0, 0.0))]
     runs = ours
     before = short_tmpdir("zsbefore")
     if args.before:
-        runs = [(f"before {args.before}", tree_of(args.before, before), 0), *ours] * args.rounds
+        runs = [(f"before {args.before}", tree_of(args.before, before), (0, 0.0)),
+                *ours] * args.rounds
     rows = []
 
-    def configure(budget: int) -> None:
+    def configure(budget: tuple[int, float]) -> None:
+        tokens, ratio = budget
         sequences = {"max": config["sequences"]["max"],
-                     **({"prefill_tokens": budget} if budget else {})}
+                     **({"prefill_tokens": tokens} if tokens else {}),
+                     **({"step_ratio": ratio} if ratio else {})}
         (repo / "lm" / "config.json").write_text(json.dumps({**config, "sequences": sequences}))
     try:
         for label, env, budget in runs:
@@ -293,7 +308,7 @@ def main() -> None:
         if args.trace:
             from tests.otlp import Receiver
             receiver, traced = Receiver(), dict[str, tuple[int, int]]()
-            configure(budgets[-1] if budgets else 0)
+            configure(budgets[-1] if budgets else (0, 0.0))
             try:
                 rows.append((f"{ours[-1][0]}, traced", *serve(
                     repo, asks, args.concurrency, None, traced, receiver.port,

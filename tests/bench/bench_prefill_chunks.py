@@ -7,7 +7,12 @@ schedule alone does to the time to the first token and to the gaps between token
 without the HTTP path's and the other processes' share of the host's cores.
 
     .venv/bin/python -m tests.bench.bench_prefill_chunks [--concurrency 8] [--requests 48]
-        [--prefill-tokens 512,64,24] [--rounds 2]
+        [--prefill-tokens 512,64,24,512:2] [--rounds 2] [--before <commit>]
+
+``T:R`` runs ``prefill_tokens`` T with ``sequences.step_ratio`` R (prefills in the decode's
+forward, within R decodes' time; T 0: the default). With ``--before`` each round first
+runs the default config over that commit's zeroserve (its tree from ``git archive``, in a
+process of its own), then this tree's: a baseline from the same run.
 
 The requests are bench_openai_sse's: prompts of 16-128 tokens, ``max_tokens`` 16-256.
 The time to first token runs from the step boundary a request joins at to the emit of
@@ -22,9 +27,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -34,7 +42,7 @@ from zeroserve.broker import protocol as p
 from zeroserve.models.loader import load
 from zeroserve.models.repository import load_config
 from zeroserve.workers.sequences import SequenceTable
-from tests.bench.bench_openai_sse import pct
+from tests.bench.bench_openai_sse import budget_label, budgets_of, pct, tree_of
 from tests.conftest import short_tmpdir
 from tests.lm import prompt_ids, write_lm
 
@@ -42,11 +50,13 @@ from tests.lm import prompt_ids, write_lm
 Figures = tuple[list[float], list[float]]   # times to first token, gaps
 
 
-def closed_loop(folder: Any, budget: int, asks: list[tuple[list[int], int]],
+def closed_loop(folder: Any, budget: tuple[int, float], asks: list[tuple[list[int], int]],
                 concurrency: int) -> tuple[Figures, Figures, float]:
     """The asks through a sequence table, C at a time: the figures on the wall clock and
     on the thread's CPU clock, and the wall time."""
-    cfg = dataclasses.replace(load_config(folder.parent), prefill_tokens=budget)
+    tokens, ratio = budget
+    cfg = dataclasses.replace(load_config(folder.parent), prefill_tokens=tokens,
+                              **({"step_ratio": ratio} if ratio else {}))
     loaded = load(cfg, 1, folder, "cpu", lambda: 0)
     times: dict[str, list[tuple[float, float]]] = {}
     done: list[str] = []
@@ -109,37 +119,69 @@ def prefill_s(folder: Any, prompts: list[list[int]]) -> tuple[float, float]:
     return pct(walls, .5), pct(cpus, .5)
 
 
+def before_loop(env: dict[str, str], folder: Any, concurrency: int
+                ) -> tuple[Figures, Figures, float]:
+    """closed_loop over another commit's zeroserve, in a process of its own, with the
+    asks main() wrote beside the model."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.bench.bench_prefill_chunks", "--one", str(folder),
+         "--concurrency", str(concurrency)],
+        env={**os.environ, **env}, check=True, capture_output=True, text=True).stdout
+    wall, cpu, seconds = json.loads(out.splitlines()[-1])
+    return (wall[0], wall[1]), (cpu[0], cpu[1]), seconds
+
+
+def asks_of(tokenizer: Any, requests: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(5)   # bench_openai_sse's requests
+    return [(prompt_ids(tokenizer, i, rng.randint(16, 128)), rng.randint(16, 256))
+            for i in range(requests)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--prefill-tokens", default="512,64,24")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--before", help="a commit run in turns with this tree (its default)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)   # --before's process: this folder
     args = ap.parse_args()
 
     import torch
     torch.set_num_threads(1)
+    if args.one:   # the default config once (warmed), its figures as JSON
+        from pathlib import Path
+        one = Path(args.one)
+        asks = [(ids, m) for ids, m in json.loads((one.parent / "asks.json").read_text())]
+        closed_loop(one, (0, 0.0), asks[:4], 4)
+        print(json.dumps(closed_loop(one, (0, 0.0), asks, args.concurrency)))
+        return
     repo = short_tmpdir("zschunks")
+    before = short_tmpdir("zsbefore")
     try:
         folder, tokenizer = write_lm(repo, "lm", most=32, hidden=256, layers=4)
-        rng = random.Random(5)   # bench_openai_sse's requests
-        asks = [(prompt_ids(tokenizer, i, rng.randint(16, 128)), rng.randint(16, 256))
-                for i in range(args.requests)]
-        budgets = [int(b) for b in args.prefill_tokens.split(",")]
+        asks = asks_of(tokenizer, args.requests)
+        (folder.parent / "asks.json").write_text(json.dumps(asks))
+        budgets = budgets_of(args.prefill_tokens)
+        env = tree_of(args.before, before) if args.before else None
         closed_loop(folder, budgets[0], asks[:4], 4)   # warm: the first forward's costs
         rows = []
         for _ in range(args.rounds):
+            if env is not None:
+                rows.append((f"before {args.before} (its default)",
+                             *before_loop(env, folder, args.concurrency)))
             for budget in budgets:
-                rows.append((budget, *closed_loop(folder, budget, list(asks),
-                                                  args.concurrency)))
+                rows.append((budget_label(*budget), *closed_loop(folder, budget, list(asks),
+                                                                args.concurrency)))
         prefill = prefill_s(folder, [ids for ids, _ in asks[:24]])
     finally:
         shutil.rmtree(repo, ignore_errors=True)
+        shutil.rmtree(before, ignore_errors=True)
     print(f"C={args.concurrency}, {args.requests} requests in-process a run (load average "
           f"{os.getloadavg()[0]:.1f}); a whole prefill of these prompts {prefill[0] * 1000:.1f} "
           f"ms on the wall clock, {prefill[1] * 1000:.1f} ms on the CPU's (medians)")
-    for budget, on_wall, on_cpu, wall in rows:
-        print(f"prefill_tokens {budget}: {wall:.1f} s")
+    for label, on_wall, on_cpu, wall in rows:
+        print(f"{label}: {wall:.1f} s")
         for clock, (firsts, gaps) in (("wall", on_wall), ("CPU", on_cpu)):
             print(f"  {clock}: time to first token p50 {pct(firsts, .5) * 1000:.1f} ms, "
                   f"p99 {pct(firsts, .99) * 1000:.1f} ms; gap p50 {pct(gaps, .5) * 1000:.1f} "

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from zeroserve.broker import protocol as p
+from zeroserve.models.kv_slab import ATTENTION
 from zeroserve.models.loader import LoadError, LoadedModel, load
 from zeroserve.models.repository import load_config, parse_config
 from zeroserve.workers.sequences import SequenceTable
@@ -34,11 +35,24 @@ def lm() -> Iterator[tuple[Path, Any]]:
     shutil.rmtree(repo, ignore_errors=True)
 
 
-def loaded_lm(folder: Path, prefill_tokens: int = 0) -> LoadedModel:
-    """The model as a worker loads it; ``prefill_tokens``: its config's
-    ``sequences.prefill_tokens`` (0: not given, the default)."""
-    cfg = dataclasses.replace(load_config(folder.parent), prefill_tokens=prefill_tokens)
+def loaded_lm(folder: Path, prefill_tokens: int = 0, step_ratio: float = 0.0) -> LoadedModel:
+    """The model as a worker loads it; ``prefill_tokens`` and ``step_ratio``: its config's
+    ``sequences.prefill_tokens`` and ``sequences.step_ratio`` (0: not given, the default)."""
+    cfg = dataclasses.replace(load_config(folder.parent), prefill_tokens=prefill_tokens,
+                              step_ratio=step_ratio)
     return load(cfg, 1, folder, "cpu", lambda: 0)
+
+
+def modeled_clock(loaded: LoadedModel, fixed: float, per_token: float) -> None:
+    """The handler's clock made a model of the forwards' cost: each forward advances it by
+    ``fixed`` and ``per_token`` for each token it feeds, so that the token budget of a
+    decode that carries prefill (step_ratio) is the same at every run."""
+    now = [0.0]
+
+    def spend(_: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        now[0] += fixed + per_token * kwargs["input_ids"].shape[1]
+    loaded.handler.model.register_forward_pre_hook(spend, with_kwargs=True)
+    loaded.handler.clock = lambda: now[0]
 
 
 class Drive:
@@ -82,9 +96,13 @@ def same_as_generate(folder: Path, ids: list[int], max_tokens: int, got: list[in
     return f"a near-tie flipped at token {at} (top two logits {gaps[at]:.1e} apart)"
 
 
-def test_greedy_tokens_equal_generate_as_requests_join_and_leave(lm: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("step_ratio", [0.0, 2.0], ids=["prefill-alone", "in-the-decode"])
+def test_greedy_tokens_equal_generate_as_requests_join_and_leave(
+        lm: tuple[Path, Any], step_ratio: float) -> None:
+    """Requests join mid-stream, their prefills a forward of their own at the join, or
+    (step_ratio 2) in chunks inside the running sequences' decode forward."""
     folder, tokenizer = lm
-    drive = Drive(loaded_lm(folder))
+    drive = Drive(loaded_lm(folder, step_ratio=step_ratio))
     plan = [(4, 12), (37, 30), (9, 1), (120, 25), (16, 40), (63, 7), (5, 33), (88, 18),
             (23, 3), (2, 26)]   # (prompt length, max_tokens): mixed, more than 6 slots
     requests = {f"r{i}": (prompt_ids(tokenizer, i, n), m) for i, (n, m) in enumerate(plan)}
@@ -109,24 +127,35 @@ def test_greedy_tokens_equal_generate_as_requests_join_and_leave(lm: tuple[Path,
         assert 1 <= len(drive.tokens[rid]) <= m
 
 
-@pytest.mark.parametrize("keep_bytes, prefill_tokens", [(None, 0), (0, 0), (0, 70)],
-                         ids=["kept", "recomputed", "recomputed-in-chunks"])
+@pytest.mark.parametrize("keep_bytes, prefill_tokens, step_ratio",
+                         [(None, 0, 0.0), (0, 0, 0.0), (0, 70, 0.0), (0, 0, 2.0)],
+                         ids=["kept", "recomputed", "recomputed-in-chunks",
+                              "recomputed-in-the-decode"])
 def test_paused_sequences_finish_with_the_tokens_they_had_unpaused(
-        lm: tuple[Path, Any], keep_bytes: int | None, prefill_tokens: int) -> None:
+        lm: tuple[Path, Any], keep_bytes: int | None, prefill_tokens: int,
+        step_ratio: float) -> None:
     """Six sequences fill the slots; newcomers pause two of them at a time, mid-stream,
     and join at the next step; the paused ones resume (their caches kept, or dropped and
     prefilled again, at most 70 prompt tokens a step in the last case, behind the
     newcomers' prompts) and end with generate()'s tokens."""
     folder, tokenizer = lm
-    loaded = loaded_lm(folder, prefill_tokens)
+    loaded = loaded_lm(folder, prefill_tokens, step_ratio)
     loaded.handler.keep_bytes = keep_bytes
+    # in the decode: the first chunk as long as the decode's time buys at the cost a
+    # token had in a prefill of its own (the first prompt's 7 tokens and the fixed cost),
+    # then at what one in the decode added (about 0.02 a token, a budget of about 50):
+    # the first newcomers' tokens two steps after their arrival, the next ones' one step
+    # (a prefill in the decode after the boundary they join at)
+    modeled_clock(loaded, 1.0, 0.02)
+    later = {"vip0": 2, "vip1": 2, "vip2": 1, "vip3": 1} if step_ratio else \
+        dict.fromkeys(("vip0", "vip1", "vip2", "vip3"), 0)
     drive = Drive(loaded)
     plan = [(7, 40), (51, 36), (13, 44), (90, 30), (4, 38), (33, 42)]
     requests = {f"low{i}": (prompt_ids(tokenizer, i, n), m) for i, (n, m) in enumerate(plan)}
     batch_of = {rid: drive.join(rid, ids, m) for rid, (ids, m) in requests.items()}
     for rid in ("vip0", "vip1", "vip2", "vip3"):
         requests[rid] = (prompt_ids(tokenizer, 10 + len(requests), 20), 6)
-    step, firsts = 0, {}
+    step, firsts, seen = 0, {}, {}
     while drive.table.busy or step < 12:
         if step in (3, 9):   # two newcomers take two slots, the sequences in them pause
             for k in (0, 1):
@@ -136,11 +165,14 @@ def test_paused_sequences_finish_with_the_tokens_they_had_unpaused(
                 drive.join(vip, *requests[vip])
                 firsts[vip] = step
         drive.table.step()
-        for vip, at in firsts.items():
-            if step == at:   # joined at the boundary after it arrived: a token at once
-                assert len(drive.tokens.get(vip, [])) == 1, vip
+        for vip in firsts:
+            if drive.tokens.get(vip):
+                seen.setdefault(vip, step)
         step += 1
     assert not drive.errors
+    # joined at the boundary after it arrived: a token at once, or where its prefill
+    # rides in the decodes, in the steps after
+    assert {vip: seen[vip] - at for vip, at in firsts.items()} == later, (seen, firsts)
     notes = [note for rid, (ids, m) in requests.items()
              if (note := same_as_generate(folder, ids, m, drive.tokens[rid]))]
     assert len(notes) <= 1, notes
@@ -194,6 +226,50 @@ def test_prompts_longer_than_a_steps_prefill_join_a_running_batch_in_chunks(
     # it over 10-12 (8 + 16 + 13), long2's 64 over 12-16 (3 + 16 x 3 + 13)
     assert firsts == {"short0": 0, "short1": 1, "short2": 1, "long0": 10, "long1": 12,
                       "long2": 16}, firsts
+    notes = [note for rid, (ids, m) in requests.items()
+             if (note := same_as_generate(folder, ids, m, drive.tokens[rid]))]
+    assert len(notes) <= 1, notes   # a flip is rare; one is allowed, and named
+    assert all(len(drive.tokens[rid]) == m for rid, (_, m) in requests.items())
+
+
+def test_prefills_ride_in_the_decode_within_step_ratio_decodes(lm: tuple[Path, Any]) -> None:
+    """step_ratio 2, each forward's cost modeled (1 + 0.02 a token it feeds): three short
+    prompts join with nothing decoding and are prefilled whole at their join (a token at
+    once); prompts of 37-120 tokens join mid-stream and ride in the decodes' forwards, each
+    forward within twice its decodes' cost alone; the running sequences answer a token at
+    every step, and every stream equals generate() token for token."""
+    folder, tokenizer = lm
+    loaded = loaded_lm(folder, step_ratio=2.0)
+    forwards: list[tuple[int, int]] = []   # a slab forward's tokens, and its decodes
+
+    def record(_: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        slab = kwargs.get(ATTENTION)
+        if slab is not None:
+            # a chunk feeds 2 tokens or more here (the budget is above 1 once measured)
+            forwards.append((kwargs["input_ids"].shape[1], slab._plan.feeds.count(1)))
+    loaded.handler.model.register_forward_pre_hook(record, with_kwargs=True)
+    modeled_clock(loaded, 1.0, 0.02)
+    drive = Drive(loaded)
+    plan = {"short0": (5, 60), "short1": (12, 60), "short2": (9, 60),
+            "long0": (120, 20), "long1": (37, 20), "long2": (64, 20)}
+    requests = {rid: (prompt_ids(tokenizer, i, n), m) for i, (rid, (n, m)) in
+                enumerate(plan.items())}
+    arrive = {"short0": 0, "short1": 0, "short2": 0, "long0": 3, "long1": 3, "long2": 12}
+    for step in range(40):
+        for rid, at in arrive.items():
+            if at == step:
+                drive.join(rid, *requests[rid])
+        before = {rid: len(t) for rid, t in drive.tokens.items()}
+        drive.table.step()
+        for rid in ("short0", "short1", "short2"):   # never stalled by a prefill
+            assert len(drive.tokens[rid]) == before.get(rid, 0) + 1, (rid, step)
+    while drive.table.busy:
+        drive.table.step()
+    assert not drive.errors
+    carried = [(n, d) for n, d in forwards if n > d]
+    assert sum(n - d for n, d in carried) >= 120 + 37 + 64 - 1   # (a 1-token chunk: a decode)
+    for n, d in carried:
+        assert 1 + 0.02 * n <= 2 * (1 + 0.02 * d) + 0.02, (n, d, forwards)
     notes = [note for rid, (ids, m) in requests.items()
              if (note := same_as_generate(folder, ids, m, drive.tokens[rid]))]
     assert len(notes) <= 1, notes   # a flip is rare; one is allowed, and named

@@ -395,6 +395,11 @@ def test_a_step_that_breaks_the_contract_fails_with_a_message(answer: Any, says:
     ({"sequences": {"max": 4, "prefill_tokens": 0}, "platform": "transformers"},
      "sequences.prefill_tokens"),
     ({"sequences": {"max": 4, "chunk": 8}}, 'must be {"max": N}'),
+    ({"sequences": {"max": 4, "step_ratio": 2}}, "platform 'transformers'"),
+    ({"sequences": {"max": 4, "step_ratio": 1}, "platform": "transformers"},
+     "sequences.step_ratio"),
+    ({"sequences": {"max": 4, "step_ratio": "2"}, "platform": "transformers"},
+     "sequences.step_ratio"),
 ])
 def test_the_sequences_section_is_checked(raw: dict[str, Any], says: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -413,6 +418,9 @@ def test_an_iterative_model_is_decoupled_and_says_so_in_its_json() -> None:
     chunked = parse_config({**lm_config(), "sequences": {"max": 4, "prefill_tokens": 32}}, "lm")
     assert chunked.to_json()["sequences"] == {"max": 4, "prefill_tokens": 32}
     assert parse_config(chunked.to_json(), "again") == chunked and not lm.prefill_tokens
+    fused = parse_config({**lm_config(), "sequences": {"max": 4, "step_ratio": 1.5}}, "lm")
+    assert fused.to_json()["sequences"] == {"max": 4, "step_ratio": 1.5}
+    assert parse_config(fused.to_json(), "again") == fused and not lm.step_ratio
 
 
 class GruLM:

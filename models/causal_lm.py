@@ -130,7 +130,6 @@ class CausalLMSteps:
         self.model = model
         use_slab_attention(model)
         # a forward over the slab takes a 4D mask as it is: the slab attends by its own
-        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
         # prompt tokens a step prefills at most: what a joiner adds to the running
         # sequences' step. Spent from the end of one step to the end of the next (the
         # joins and resumes of a step boundary, then the step itself)
@@ -149,6 +148,8 @@ class CausalLMSteps:
         self.device = next(model.parameters()).device
         self.clock = clock or (time.perf_counter if self.device.type == "cuda"
                                else time.thread_time)
+        # a forward over the slab takes a 4D mask as it is: the slab attends by its own
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self._decode_s: float | None = None   # a decode forward's seconds (averaged)
         self._chunk_s = self._chunk_n = 0.0   # what prompt tokens added to it (averaged)
         self._in_decode = False   # those measured in a decode's forward (not alone)
@@ -428,10 +429,11 @@ class CausalLMSteps:
         tokens = [t for seq_id in slab.ids if seq_id in fed for t in self._feed(
             states[seq_id], fed[seq_id], seq_id in due)]
         positions, places = slab.begin(feeds)
+        keep = torch.tensor(places, device=self.device)   # each row's last token's logits
         started = self.clock()
         out = self.model(input_ids=torch.tensor([tokens], device=self.device),
                          position_ids=positions, attention_mask=self._no_mask,
-                         use_cache=True, logits_to_keep=torch.tensor(places),
+                         use_cache=True, logits_to_keep=keep,
                          **{self._cache_arg: slab.cache, ATTENTION: slab})
         slab.end()
         logits = out.logits[0]

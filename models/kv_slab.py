@@ -69,7 +69,10 @@ class _Plan:
     """One forward's tokens, as ``Slab.begin`` packed them."""
     rows: torch.Tensor                     # [N] each token's row
     columns: torch.Tensor                  # [N] its column (its position)
-    single: list[tuple[int, int]]          # (row, place in the input): one token a row
+    # the rows that feed one token and their places in the input; None: every row in
+    # use does, in its order (a decode alone)
+    placed: tuple[torch.Tensor, torch.Tensor] | None
+    any_single: bool                       # some row feeds one token
     runs: list[tuple[int, int, int, int]]  # (row, first place, tokens, length): chunks
     width: int                             # columns the one-token rows attend over
     mask: torch.Tensor                     # [rows, 1, 1, width] theirs
@@ -155,13 +158,19 @@ class Slab:
         # no token, or a chunk, has a query of zeros there that sees column 0 only (no
         # NaN), and its output is not read
         width = max((self.lengths[r] + 1 for r, _ in single), default=1)
-        bound = torch.zeros(len(self.ids), dtype=torch.long, device=device)
-        if single:
-            at = torch.tensor([r for r, _ in single], device=device)
-            bound[at] = torch.tensor([self.lengths[r] for r, _ in single], device=device)
+        alone = len(single) == len(self.ids)   # a decode of every row: nothing to place
+        if alone:
+            bound = positions
+        else:
+            bound = torch.zeros(len(self.ids), dtype=torch.long, device=device)
+            bound[[r for r, _ in single]] = torch.tensor(
+                [self.lengths[r] for r, _ in single], dtype=torch.long, device=device)
         mask = torch.arange(width, device=device)[None, :] <= bound[:, None]
-        self._plan = _Plan(torch.tensor(rows, device=device), positions, single, runs,
-                           width, mask[:, None, None, :], list(feeds))
+        self._plan = _Plan(
+            torch.tensor(rows, device=device), positions,
+            None if alone else (torch.tensor([r for r, _ in single], device=device),
+                                torch.tensor([at for _, at in single], device=device)),
+            bool(single), runs, width, mask[:, None, None, :], list(feeds))
         return positions[None, :], places
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor
@@ -186,18 +195,19 @@ class Slab:
         n, heads = len(self.ids), query.shape[1]
         gqa = heads != k.shape[1]   # grouped keys (Llama's num_key_value_heads)
         q = query[0].transpose(0, 1)   # [N, heads, head_dim]
+        if plan.placed is None:   # a decode alone: the packed order is the rows'
+            return F.scaled_dot_product_attention(
+                q[:, :, None], k[:n, :, :plan.width], v[:n, :, :plan.width],
+                attn_mask=plan.mask, scale=scaling, enable_gqa=gqa)[:, :, 0][None]
         out = torch.empty_like(q)
-        if plan.single:
-            places = [at for _, at in plan.single]
-            if len(places) == n and places == list(range(n)):   # a decode alone
-                batch = q[:, :, None]
-            else:
-                batch = q.new_zeros(n, heads, 1, q.shape[2])
-                batch[[r for r, _ in plan.single]] = q[places, :, None]
+        if plan.any_single:
+            rows, places = plan.placed
+            batch = q.new_zeros(n, heads, 1, q.shape[2])
+            batch[rows] = q[places, :, None]
             got = F.scaled_dot_product_attention(
                 batch, k[:n, :, :plan.width], v[:n, :, :plan.width], attn_mask=plan.mask,
                 scale=scaling, enable_gqa=gqa)
-            out[places] = got[[r for r, _ in plan.single], :, 0]
+            out[places] = got[rows, :, 0]
         for row, first, tokens, length in plan.runs:
             end = length + tokens
             causal = torch.arange(end, device=q.device)[None, :] <= \

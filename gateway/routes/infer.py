@@ -120,16 +120,11 @@ async def send_answer_of(to: To, answer: errors.Answer) -> int:
     return await send_error(to, answer.status.http, answer.message, answer.http_headers())
 
 
-async def read_all(receive: Receive, declared: str | None, limit: int,
-                   one: OneWrite | None = None) -> bytes:
-    """The raw body; BodyTooLarge past ``limit``, Disconnected if the client left."""
+async def read_all(receive: Receive, declared: str | None, limit: int) -> bytes:
+    """The raw body through ASGI's messages; BodyTooLarge past ``limit``, Disconnected
+    if the client left."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
-    whole = one.body() if one is not None else None
-    if whole is not None:
-        if len(whole) > limit:
-            raise BodyTooLarge(limit)
-        return whole
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -194,8 +189,13 @@ class InferEndpoint:
         trace = inference.trace(path["name"], headers)
         try:
             version = parse_version(path.get("version"))
-            body = await read_all(receive, headers.get("content-length"), limit,
-                                  send if isinstance(send, OneWrite) else None)
+            # the whole body at hand (the usual case under the gateway's protocol) is
+            # taken without read_all's coroutine
+            body = send.body() if isinstance(send, OneWrite) else None
+            if body is None:
+                body = await read_all(receive, headers.get("content-length"), limit)
+            elif len(body) > limit:
+                raise BodyTooLarge(limit)
             if trace is not None:
                 trace.stamp("HTTP_RECV_END")
             encoding = headers.get("content-encoding", "identity").strip().lower()

@@ -313,6 +313,10 @@ class SequenceTable:
             self._fail(list({id(s.join): s.join for s in self._running.values()}.values()),
                        f"{type(exc).__name__}: {exc}")
             return
+        # first responses lead the message: a joiner (a VIP that preempted, a newcomer)
+        # reaches its client ahead of the running streams' tokens of the step it joined,
+        # not behind them (it came last in the table's order)
+        parts.sort(key=lambda part: self._running[part[0]].timeline.steps > 0)
         by_join: dict[int, tuple[_Join, list[p.PartialItem]]] = {}
         self._steps += 1
         now_ns = time.monotonic_ns()

@@ -160,6 +160,12 @@ class SequenceTable:
     def paused(self) -> int:
         return len(self._paused)
 
+    def lapse_ns(self) -> int | None:
+        """When the first slot owed to a preemptor not read yet lapses (this table's
+        clock): with nothing to step, what the table waits for on its own; None when
+        only a message (a batch, a STOP) can give it a step."""
+        return min(self._owed) + PREEMPTOR_WAIT_NS if self._owed else None
+
     def join(self, batch: p.Batch, taken_ns: int, received_ns: int = 0) -> None:
         """A batch's requests wait to join at the next step boundary; ``received_ns``:
         when the worker read it (monotonic), the start of its sequences' spans."""

@@ -115,3 +115,53 @@ def test_a_row_is_charged_its_predicted_share_when_taken() -> None:
     d = s.take("m", 0.0, predict)
     assert d is not None and len(d.entries) == 4
     assert sum(e.charged_s for e in d.entries) == pytest.approx(predict(64.0))
+
+
+def paced_beside_flood(stall_s: float, stall_at: float = 1.0, seconds: float = 4.0
+                       ) -> list[tuple[float, float]]:
+    """The short-text tenant paced (a row every 50 ms) beside the long-text tenant's
+    flood (kept backlogged), one worker; the first short batch taken after ``stall_at``
+    runs ``stall_s`` longer than predicted (the host stalled it: it is measured long).
+    (arrival, seconds queued) of each short row."""
+    s = Scheduler()
+    s.set_policy("m", Policy(max_batch_size=8, max_queue_size=100_000, aging_s=1e9))
+    now, n, next_short, stalled = 0.0, 0, 0.0, False
+    long_queued = 0
+    waits: list[tuple[float, float]] = []
+    while now < seconds:
+        while next_short <= now:
+            n += 1
+            s.add(entry(("short", n), "short", SHORT, True, t=next_short))
+            next_short += 0.05
+        while long_queued < 32:
+            n += 1
+            s.add(entry(("long", n), "long", LONG, True, t=now))
+            long_queued += 1
+        d = s.take("m", now, predict)
+        assert d is not None and d.entries
+        took = predict(len(d.entries) * max(e.scale for e in d.entries))
+        if not stalled and now >= stall_at and d.entries[0].tenant == "short":
+            took, stalled = took + stall_s, True
+        for e in d.entries:
+            if e.tenant == "short":
+                waits.append((e.arrival_s, now - e.arrival_s))
+            else:
+                long_queued -= 1
+        now += took
+        s.used("m", d.entries, took)
+    assert stalled
+    return waits
+
+
+def test_a_short_batch_measured_long_by_a_host_stall_does_not_hold_its_tenant_back() -> None:
+    """A batch of the short-text tenant's that a host stall made take a second (measured
+    a second, predicted half a millisecond) is not charged that second in full: the
+    short texts that arrive once the stall is over wait for about one long batch, as
+    before it, not for a second of the long-text tenant's batches to catch up with it.
+    (The rows queued during the stall waited for the stall itself; nothing helps them.)"""
+    stall = 1.0
+    calm = max(w for _, w in paced_beside_flood(0.0))
+    assert calm < 0.02, calm     # about one long batch (8.7 ms) at most
+    waits = paced_beside_flood(stall)
+    after = [w for t, w in waits if t > 1.0 + stall + 0.05]
+    assert after and max(after) < 0.05, (max(after), calm)

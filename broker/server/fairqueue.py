@@ -12,6 +12,21 @@ if TYPE_CHECKING:
     from zeroserve.broker.server.scheduler import Entry
 
 QUEUED, TAKEN, GONE = 0, 1, 2
+# A row's charge is corrected to its measured share, but to at most this many times what
+# its tenant's rows usually measure against their predicted share. A batch measured far
+# past that was stalled by the host (descheduled on a loaded machine, a collector's
+# pause), not made costly by its rows; charged in full, the stall put its tenant that far
+# ahead in virtual time, and the tenant then waited for the others to catch up: a
+# 16-token text's batch measured 1 s made the short texts after it wait another second
+# beside a flood of 512-token texts (tests/broker/test_compute_shares.py). Fair queuing's
+# bound (each tenant within one request's work of its share) holds only while a
+# request's charge is bounded. Against the tenant's usual ratio, not the prediction
+# itself: a linear fit in units prices a 512-token text like 32 of 16 tokens, and on a
+# CPU it costs several times that, every batch (capped at 4x the prediction, the long
+# texts' tenant was undercharged and the short texts' share fell from 43-49% to 39-47%,
+# bench_compute_shares). 8x leaves room for a loaded host's ordinary spread.
+STALL_FACTOR = 8.0
+USUAL_WEIGHT = 0.1   # a new batch's weight in a tenant's usual ratio
 
 class FairLevel:
     """One priority level: weighted fair queuing over tenants, EDF within a tenant.
@@ -29,7 +44,7 @@ class FairLevel:
     neither. Cost: a heap over the tenants that have work at this level.
     """
 
-    __slots__ = ("heaps", "vt", "clock", "samples", "weights", "per_unit")
+    __slots__ = ("heaps", "vt", "clock", "samples", "weights", "per_unit", "usual")
 
     def __init__(self) -> None:
         self.heaps: dict[str, list[tuple[float, int, Entry]]] = {}
@@ -40,6 +55,11 @@ class FairLevel:
         # seconds a unit of work took, last seen: what a row shared by compute time is
         # reckoned to cost before it is taken (ordering only; the charge is its own)
         self.per_unit = 0.0
+        # per tenant: what its rows usually measure against their predicted share (a
+        # moving average), to tell a stall from what its rows cost (:meth:`corrected`);
+        # kept when the level empties (it is about the rows, not virtual time), bounded
+        # by the tenants
+        self.usual: dict[str, float] = {}
 
     def _live(self, tenant: str) -> list[tuple[float, int, Entry]]:
         heap = self.heaps.get(tenant)
@@ -95,6 +115,21 @@ class FairLevel:
         else:
             work = e.samples
         self.vt[e.tenant] = v + work / e.weight
+
+    def corrected(self, tenant: str, share: float, charged: float) -> float:
+        """What ``tenant`` is charged for its rows of a batch, charged ``charged`` when
+        taken and measured ``share``: the share, up to :data:`STALL_FACTOR` times what
+        its rows usually measure against their prediction; the usual ratio learns from
+        the charge, once a batch (so a stall moves it little, and a latency model that
+        misprices the tenant's rows is learned in a few dozen batches). Rows charged
+        nothing when taken (no latency model yet) are charged what they measured."""
+        if charged <= 0:
+            return share
+        usual = self.usual.get(tenant)
+        # a tenant's first batch has no usual ratio yet: its prediction is the measure
+        ratio = min(share / charged, STALL_FACTOR * (1.0 if usual is None else usual))
+        self.usual[tenant] = ratio if usual is None else usual + USUAL_WEIGHT * (ratio - usual)
+        return ratio * charged
 
     def adjust(self, tenant: str, weight: float, delta_s: float, units: float = 0.0,
                seconds: float = 0.0) -> None:
@@ -203,34 +238,26 @@ def reckon(batch: list[Entry], predict: Callable[[float], float]) -> None:
         e.charged_s = share
 
 
-# A row's charge is corrected to its measured share, but to at most this many times what
-# it was charged when taken (its predicted share). A batch measured far past its
-# prediction was stalled by the host (descheduled on a loaded machine, a collector's
-# pause), not made costly by its rows; charged in full, the stall put its tenant that far
-# ahead in virtual time, and the tenant then waited for the others to catch up: a short
-# text's batch measured 1 s made the short texts after it wait another second beside a
-# flood of long ones (tests/broker/test_compute_shares.py), which is how short texts
-# came to wait seconds in the broker's queue in some rounds of bench_compute_shares. Fair
-# queuing's bound (a tenant's service within one request's work of its share) holds
-# only while a request's charge is bounded; 4x leaves room for a latency model that
-# misprices one tenant's rows (a 512-token text costs more a token than a 16-token one
-# under the same linear fit, about 2x on a small BERT) and is still corrected by what
-# it measures. A row charged nothing (no latency model yet) is charged what it measured.
-STALL_FACTOR = 4.0
-
-
 def measured(rows: list[Entry], seconds: float, levels: Mapping[int, FairLevel]
              ) -> list[tuple[str, float]]:
     """A batch of ``rows`` ran ``seconds``: each row's share (tenant, seconds); a tenant
-    whose share counts compute time has its charge in its level corrected to it, up to
-    :data:`STALL_FACTOR` times its predicted share. The shares returned are the measured
+    whose share counts compute time has its charge in its level corrected to it, bounded
+    (:meth:`FairLevel.corrected`). The shares returned are the measured
     ones (a tenant's compute time, its quota's spend)."""
     out = split_by_units(rows, seconds)
     total = sum(e.units for e in rows)
+    # per tenant (and level) of the batch: its rows' measured and charged seconds, and
+    # its weight; one measure of the tenant's usual ratio however many rows it has here
+    mine: dict[tuple[int, str], list[float]] = {}
     for e, (_, share) in zip(rows, out):
-        level = levels.get(e.priority) if e.by_time else None
-        if level is not None:
-            if e.charged_s > 0:
-                share = min(share, STALL_FACTOR * e.charged_s)
-            level.adjust(e.tenant, e.weight, share - e.charged_s, total, seconds)
+        if e.by_time and e.priority in levels:
+            acc = mine.get((e.priority, e.tenant))
+            if acc is None:
+                acc = mine[(e.priority, e.tenant)] = [0.0, 0.0, e.weight]
+            acc[0] += share
+            acc[1] += e.charged_s
+    for (priority, tenant), (share, charged, weight) in mine.items():
+        level = levels[priority]
+        level.adjust(tenant, weight, level.corrected(tenant, share, charged) - charged,
+                     total, seconds)
     return out

@@ -12,21 +12,25 @@ if TYPE_CHECKING:
     from zeroserve.broker.server.scheduler import Entry
 
 QUEUED, TAKEN, GONE = 0, 1, 2
-# A row's charge is corrected to its measured share, but to at most this many times what
-# its tenant's rows usually measure against their predicted share. A batch measured far
-# past that was stalled by the host (descheduled on a loaded machine, a collector's
-# pause), not made costly by its rows; charged in full, the stall put its tenant that far
-# ahead in virtual time, and the tenant then waited for the others to catch up: a
+# A batch's correction is charged at once up to this many times what its tenant's rows
+# usually measure a unit (a moving average of their own measured times, not the latency
+# model's price, which can be off 30x either way for one tenant's rows); the rest is owed,
+# and repaid over the tenant's next batches, at most their usual cost again each. A batch
+# measured far past its usual time was stalled by the host (descheduled on a loaded
+# machine, a collector's pause). Charged at once, the stall put its tenant that far ahead
+# in virtual time, and its next requests waited for the other tenants to catch up: a
 # 16-token text's batch measured 1 s made the short texts after it wait another second
-# beside a flood of 512-token texts (tests/broker/test_compute_shares.py). Fair queuing's
+# beside a flood of 512-token texts (tests/broker/test_compute_shares.py); fair queuing's
 # bound (each tenant within one request's work of its share) holds only while a
-# request's charge is bounded. Against the tenant's usual ratio, not the prediction
-# itself: a linear fit in units prices a 512-token text like 32 of 16 tokens, and on a
-# CPU it costs several times that, every batch (capped at 4x the prediction, the long
-# texts' tenant was undercharged and the short texts' share fell from 43-49% to 39-47%,
-# bench_compute_shares). 8x leaves room for a loaded host's ordinary spread.
+# request's charge is bounded. Forgiven, it biased the shares: on the shared host a few
+# 512-token texts of 100-340 ms among 6 ms ones were 7% of their tenant's time, and
+# capped, the short texts' tenant had 38-45% of the worker against 43-49% uncapped
+# (bench_compute_shares, the same runs). Repaid, it is the tenant's time in the long
+# run; a tenant that goes idle meanwhile restarts at the clock (idleness neither banks
+# credit nor keeps it waiting), so a polite tenant's debt costs it nothing.
 STALL_FACTOR = 8.0
-USUAL_WEIGHT = 0.1   # a new batch's weight in a tenant's usual ratio
+USUAL_WEIGHT = 0.1   # a new batch's weight in a tenant's usual time a unit
+
 
 class FairLevel:
     """One priority level: weighted fair queuing over tenants, EDF within a tenant.
@@ -44,7 +48,7 @@ class FairLevel:
     neither. Cost: a heap over the tenants that have work at this level.
     """
 
-    __slots__ = ("heaps", "vt", "clock", "samples", "weights", "per_unit", "usual")
+    __slots__ = ("heaps", "vt", "clock", "samples", "weights", "per_unit", "usual", "owed")
 
     def __init__(self) -> None:
         self.heaps: dict[str, list[tuple[float, int, Entry]]] = {}
@@ -55,11 +59,11 @@ class FairLevel:
         # seconds a unit of work took, last seen: what a row shared by compute time is
         # reckoned to cost before it is taken (ordering only; the charge is its own)
         self.per_unit = 0.0
-        # per tenant: what its rows usually measure against their predicted share (a
-        # moving average), to tell a stall from what its rows cost (:meth:`corrected`);
-        # kept when the level empties (it is about the rows, not virtual time), bounded
-        # by the tenants
+        # per tenant: the seconds a unit of its rows usually measures (a moving average),
+        # and the stalls' seconds it owes (:meth:`corrected`); kept when the level
+        # empties (they are about its rows, not virtual time), bounded by the tenants
         self.usual: dict[str, float] = {}
+        self.owed: dict[str, float] = {}
 
     def _live(self, tenant: str) -> list[tuple[float, int, Entry]]:
         heap = self.heaps.get(tenant)
@@ -116,20 +120,24 @@ class FairLevel:
             work = e.samples
         self.vt[e.tenant] = v + work / e.weight
 
-    def corrected(self, tenant: str, share: float, charged: float) -> float:
-        """What ``tenant`` is charged for its rows of a batch, charged ``charged`` when
-        taken and measured ``share``: the share, up to :data:`STALL_FACTOR` times what
-        its rows usually measure against their prediction; the usual ratio learns from
-        the charge, once a batch (so a stall moves it little, and a latency model that
-        misprices the tenant's rows is learned in a few dozen batches). Rows charged
-        nothing when taken (no latency model yet) are charged what they measured."""
-        if charged <= 0:
-            return share
+    def corrected(self, tenant: str, share: float, units: float) -> float:
+        """What ``tenant`` is charged for its rows of a batch (``units`` of them,
+        measured ``share`` seconds): up to :data:`STALL_FACTOR` times their usual time,
+        the rest owed; plus what it owes, up to their usual time again. The usual time
+        learns from what is charged at once, once a batch, so a stall moves it little."""
         usual = self.usual.get(tenant)
-        # a tenant's first batch has no usual ratio yet: its prediction is the measure
-        ratio = min(share / charged, STALL_FACTOR * (1.0 if usual is None else usual))
-        self.usual[tenant] = ratio if usual is None else usual + USUAL_WEIGHT * (ratio - usual)
-        return ratio * charged
+        if usual is None or units <= 0:   # its first batch: nothing to tell a stall by
+            if units > 0:
+                self.usual[tenant] = share / units
+            return share
+        typical = usual * units
+        now = min(share, STALL_FACTOR * typical)
+        owed = self.owed.pop(tenant, 0.0) + share - now
+        paid = min(owed, typical)
+        if owed > paid:
+            self.owed[tenant] = owed - paid
+        self.usual[tenant] = usual + USUAL_WEIGHT * (now / units - usual)
+        return now + paid
 
     def adjust(self, tenant: str, weight: float, delta_s: float, units: float = 0.0,
                seconds: float = 0.0) -> None:
@@ -246,18 +254,19 @@ def measured(rows: list[Entry], seconds: float, levels: Mapping[int, FairLevel]
     ones (a tenant's compute time, its quota's spend)."""
     out = split_by_units(rows, seconds)
     total = sum(e.units for e in rows)
-    # per tenant (and level) of the batch: its rows' measured and charged seconds, and
-    # its weight; one measure of the tenant's usual ratio however many rows it has here
+    # per tenant (and level) of the batch: its rows' measured and charged seconds, units
+    # and weight; one measure of the tenant's usual time however many rows it has here
     mine: dict[tuple[int, str], list[float]] = {}
     for e, (_, share) in zip(rows, out):
         if e.by_time and e.priority in levels:
             acc = mine.get((e.priority, e.tenant))
             if acc is None:
-                acc = mine[(e.priority, e.tenant)] = [0.0, 0.0, e.weight]
+                acc = mine[(e.priority, e.tenant)] = [0.0, 0.0, 0.0, e.weight]
             acc[0] += share
             acc[1] += e.charged_s
-    for (priority, tenant), (share, charged, weight) in mine.items():
+            acc[2] += e.units
+    for (priority, tenant), (share, charged, units, weight) in mine.items():
         level = levels[priority]
-        level.adjust(tenant, weight, level.corrected(tenant, share, charged) - charged,
+        level.adjust(tenant, weight, level.corrected(tenant, share, units) - charged,
                      total, seconds)
     return out

@@ -86,6 +86,25 @@ def test_a_latency_model_that_misprices_one_tenant_is_corrected_by_the_measured_
     assert abs(used["long"] / total - 0.5) < 0.05, used
 
 
+def test_stalls_of_one_tenant_s_batches_are_still_its_time_in_the_long_run() -> None:
+    """A loaded host stalls some batches (one long batch in 25 here runs 30x its time):
+    the stall is not charged at once (that held the tenant back for all of it), but
+    it is the tenant's time all the same, and it is repaid over its next batches: both
+    tenants still get half the worker as measured. Forgiven instead, the stalled
+    tenant got 54% (a 512-token text on bert in bench_compute_shares: a few batches of
+    100-340 ms among 6 ms ones held 7% of that tenant's time)."""
+    taken = [0]
+
+    def true_cost(units: float) -> float:
+        if units < LONG:
+            return predict(units)
+        taken[0] += 1
+        return predict(units) * (30.0 if taken[0] % 25 == 0 else 1.0)
+    used = run(by_time=True, seconds=20.0, true_cost=true_cost)
+    total = sum(used.values())
+    assert abs(used["long"] / total - 0.5) < 0.02, used
+
+
 @settings(max_examples=examples(200), deadline=None)
 @given(scales=st.lists(st.sampled_from([1.0, 16.0, 128.0, 512.0]), min_size=2, max_size=4),
        weights=st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=4, max_size=4),

@@ -26,8 +26,8 @@ QUEUED, TAKEN, GONE = 0, 1, 2
 # 512-token texts of 100-340 ms among 6 ms ones were 7% of their tenant's time, and
 # capped, the short texts' tenant had 38-45% of the worker against 43-49% uncapped
 # (bench_compute_shares, the same runs). Repaid, it is the tenant's time in the long
-# run; a tenant that goes idle meanwhile restarts at the clock (idleness neither banks
-# credit nor keeps it waiting), so a polite tenant's debt costs it nothing.
+# run, and a tenant that is idle between its requests does not wait for it: it restarts
+# at the clock each time, and each of its batches carries at most its usual time again.
 STALL_FACTOR = 8.0
 USUAL_WEIGHT = 0.1   # a new batch's weight in a tenant's usual time a unit
 

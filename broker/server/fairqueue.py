@@ -21,13 +21,14 @@ QUEUED, TAKEN, GONE = 0, 1, 2
 # in virtual time, and its next requests waited for the other tenants to catch up: a
 # 16-token text's batch measured 1 s made the short texts after it wait another second
 # beside a flood of 512-token texts (tests/broker/test_compute_shares.py); fair queuing's
-# bound (each tenant within one request's work of its share) holds only while a
-# request's charge is bounded. Forgiven, it biased the shares: on the shared host a few
-# 512-token texts of 100-340 ms among 6 ms ones were 7% of their tenant's time, and
-# capped, the short texts' tenant had 38-45% of the worker against 43-49% uncapped
-# (bench_compute_shares, the same runs). Repaid, it is the tenant's time in the long
-# run, and a tenant that is idle between its requests does not wait for it: it restarts
-# at the clock each time, and each of its batches carries at most its usual time again.
+# bound (each tenant within one request's work of its share) holds only while a request's
+# charge is bounded. Forgiven, it would bias the shares: on the shared host a few
+# 512-token texts of 100-340 ms among 6 ms ones held 7% of their tenant's time (the
+# corrections of one bench_compute_shares run, logged), which a cap gives that tenant over
+# its share (the test of one long batch in 25 stalled 30x: 63% capped). Repaid, it is the
+# tenant's time in the long run, and a tenant that is idle between its requests does not
+# wait for it: it restarts at the clock each time, and each of its batches carries at most
+# its usual time again.
 STALL_FACTOR = 8.0
 USUAL_WEIGHT = 0.1   # a new batch's weight in a tenant's usual time a unit
 

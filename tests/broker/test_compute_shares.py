@@ -91,7 +91,7 @@ def test_stalls_of_one_tenant_s_batches_are_still_its_time_in_the_long_run() -> 
     the stall is not charged at once (that held the tenant back for all of it), but
     it is the tenant's time all the same, and it is repaid over its next batches: both
     tenants still get half the worker as measured. Forgiven instead, the stalled
-    tenant got 54% (a 512-token text on bert in bench_compute_shares: a few batches of
+    tenant got 63% (a 512-token text on bert in bench_compute_shares: a few batches of
     100-340 ms among 6 ms ones held 7% of that tenant's time)."""
     taken = [0]
 

@@ -116,12 +116,17 @@ class Door:
         """A request arriving now, let in and counted in flight until its :meth:`leave`:
         its arrival (now less the loop's lag), which its deadline counts from. Shed
         (counted) when the bound is reached or the loop is far behind."""
-        accepted = time.monotonic() - self.current_lag_s()
-        why = self.refuse()
-        if why is not None:
-            raise Shed(why)
+        now = time.monotonic()
+        lag = max(self.lag_s, now - self._due) if self._handle is not None else 0.0
+        # decided here with one clock read (current_lag_s and refuse read it again);
+        # refuse words and counts a refusal: its later clock finds at least this lag
+        if self.max_in_flight and self._in_flight >= self.max_in_flight or \
+                self.shed_lag_s and lag > FAR * self.shed_lag_s:
+            why = self.refuse()
+            if why is not None:
+                raise Shed(why)
         self._in_flight += 1
-        return accepted
+        return now - lag
 
     def leave(self) -> None:
         self._in_flight -= 1

@@ -83,6 +83,8 @@ class InferencePath:
         # the key the broker judges the caller by ("" for none, None for the operator);
         # with tenants, unauthorized at once without one
         self.caller = gate.caller
+        # True: a caller without a key needs no caller() (the broker has no tenants)
+        self.open_now = gate.open_now
         self.infer = client.infer_tensors
         self.infer_rows = client.infer_rows   # the inputs of one request, rows of the batcher
         self.stream = client.stream

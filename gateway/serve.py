@@ -30,7 +30,7 @@ from zeroserve.broker import __version__, curve, options, traceconfig, tracing a
 from zeroserve.broker.process import Notifier, notify
 from zeroserve.gateway import tracing
 from zeroserve.gateway.app import Gateway, Settings, create_app
-from zeroserve.gateway.fastpath import InferFastPath
+from zeroserve.gateway.fastpath import InferFastPath, forwarded_allow_ips
 from zeroserve.gateway.http1 import InferHttpProtocol
 from zeroserve.gateway.tenantgate import networks
 
@@ -188,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
                               metrics_allow=args.metrics_allow,
                               curve_keys=keys, trace_config=tuple(args.trace_config or ()),
                               shared_port=args.reuse_port))
-    config = uvicorn.Config(InferFastPath(app), host=args.http_host, port=args.http_port,
+    # the fast path applies uvicorn's proxy headers itself (fastpath.py)
+    config = uvicorn.Config(InferFastPath(app, forwarded_allow_ips()), host=args.http_host,
+                            port=args.http_port, proxy_headers=False,
                             loop="uvloop", http=InferHttpProtocol, access_log=False,
                             log_level=args.log_level, log_config=None,
                             timeout_graceful_shutdown=int(args.shutdown_timeout_s))

@@ -121,6 +121,12 @@ class TenantGate:
             raise InferError(ErrorCode.UNAUTHORIZED, NEEDS_KEY)
         return key
 
+    def open_now(self) -> bool:
+        """Whether the broker said within the last second that it has no tenants file:
+        then :meth:`caller` lets a caller without a key through without asking, and an
+        entry point may skip its coroutine (as one with a key may: it is let through)."""
+        return not self._tenants and self._clock() - self._asked_s < ACCESS_TTL_S
+
     async def admit(self, headers: Mapping[str, str]) -> str | None:
         """:meth:`caller`, and with tenants the key checked by the broker too."""
         key = await self.caller(headers)

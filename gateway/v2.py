@@ -90,16 +90,23 @@ def _json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) ->
                 raise DecodeError(f"input {name!r}: BYTES data must be strings")
             items.append(x.encode())
         return p.Tensor(p.TensorMeta(name, "BYTES", shape), p.pack_bytes_elements(items))
+    dtype = p.DTYPES[datatype]
     if isinstance(data, np.ndarray):   # numeric data v2json read straight into numpy
         arr = data
     else:
         try:
-            arr = np.asarray(data, dtype=p.DTYPES[datatype])
+            arr = np.asarray(data, dtype=dtype)
         except (ValueError, TypeError, OverflowError) as exc:
             raise DecodeError(f"input {name!r}: data is not {datatype}: {exc}") from None
     if arr.size != count:
         raise DecodeError(f"input {name!r}: {arr.size} elements for shape {list(shape)}")
-    return p.from_numpy(name, arr.reshape(shape), datatype)
+    if arr.dtype is not dtype or not arr.flags.c_contiguous:
+        return p.from_numpy(name, arr.reshape(shape), datatype)
+    # what from_numpy makes of it (a flat byte view), without its conversions: the array
+    # is the datatype's own and contiguous already (np.asarray made it so); a 1-D
+    # memoryview casts to bytes whatever its length (2.2 -> 0.4 us, timed alone)
+    row = arr if arr.ndim == 1 else arr.reshape(-1)
+    return p.Tensor(p.TensorMeta(name, datatype, shape), row.data.cast("B"))
 
 
 def _flatten(data: Any) -> list[Any]:

@@ -46,7 +46,7 @@ from zeroserve.gateway.inference import ROUTING_HEADER, InferencePath, peer_host
 from zeroserve.gateway.shm import SharedMemory
 from zeroserve.gateway.tracing import Trace
 from zeroserve.gateway.leaving import Leaving
-from zeroserve.gateway.http import bounded_int, build_headers, compress, decompress, \
+from zeroserve.gateway.http import BUILD_HEADER, bounded_int, compress, decompress, \
     encoding_of, parse_version
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ WANTED = frozenset({b"content-length", b"content-encoding", b"accept-encoding",
                     b"traceparent", b"tracestate", ROUTING_HEADER.encode()})
 JSON = b"application/json"
 OCTETS = b"application/octet-stream"
+BUILD = BUILD_HEADER.lower().encode()
+HEADER_LENGTH = b"inference-header-content-length"
 STATUS_KEY = "zeroserve.status"   # where the endpoint leaves its status for the metrics
 # A request still unanswered after this long starts watching for its client to leave
 # (then it is withdrawn from the broker's queue). Watching costs a task per request,
@@ -91,9 +93,20 @@ async def send_answer(to: To, status: int, body: bytes, content_type: bytes = JS
     if isinstance(to, OneWrite):
         to.answer(status, content_type, body, extra)
         return
+    await send_asgi(to, status, body, content_type, extra)
+
+
+async def send_asgi(send: Send, status: int, body: bytes, content_type: bytes,
+                    extra: list[tuple[bytes, bytes]]) -> None:
     head = [(b"content-type", content_type), (b"content-length", b"%d" % len(body)), *extra]
-    await to({"type": "http.response.start", "status": status, "headers": head})
-    await to({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
+def build_header_bytes(version: int, build: str) -> list[tuple[bytes, bytes]]:
+    """:func:`~zeroserve.gateway.http.build_headers` as the answer writes it, without
+    a dict of text to lower and encode on each answer."""
+    return [(BUILD, b"%d/%s" % (version, build.encode("latin-1")))] if build else []
 
 
 async def send_error(to: To, status: int, message: str,
@@ -107,16 +120,11 @@ async def send_answer_of(to: To, answer: errors.Answer) -> int:
     return await send_error(to, answer.status.http, answer.message, answer.http_headers())
 
 
-async def read_all(receive: Receive, declared: str | None, limit: int,
-                   one: OneWrite | None = None) -> bytes:
-    """The raw body; BodyTooLarge past ``limit``, Disconnected if the client left."""
+async def read_all(receive: Receive, declared: str | None, limit: int) -> bytes:
+    """The raw body through ASGI's messages; BodyTooLarge past ``limit``, Disconnected
+    if the client left."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
-    whole = one.body() if one is not None else None
-    if whole is not None:
-        if len(whole) > limit:
-            raise BodyTooLarge(limit)
-        return whole
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -170,15 +178,24 @@ class InferEndpoint:
         inference, limit = self.inference, self.max_body_bytes
         headers = wanted_headers(scope["headers"])
         path = scope["path_params"]
-        try:   # with tenants, a caller without a key learns nothing, not even a 400
-            await inference.caller(headers)
-        except InferError as exc:
-            return await send_answer_of(send, errors.infer_answer(exc))
+        api_key = api_key_of(headers)
+        # the gate's coroutine only where it may refuse or must ask the broker: a caller
+        # with a key is let through, and so is one without while tenants are known off
+        if not api_key and not inference.open_now():
+            try:   # with tenants, a caller without a key learns nothing, not even a 400
+                await inference.caller(headers)
+            except InferError as exc:
+                return await send_answer_of(send, errors.infer_answer(exc))
         trace = inference.trace(path["name"], headers)
         try:
             version = parse_version(path.get("version"))
-            body = await read_all(receive, headers.get("content-length"), limit,
-                                  send if isinstance(send, OneWrite) else None)
+            # the whole body at hand (the usual case under the gateway's protocol) is
+            # taken without read_all's coroutine
+            body = send.body() if isinstance(send, OneWrite) else None
+            if body is None:
+                body = await read_all(receive, headers.get("content-length"), limit)
+            elif len(body) > limit:
+                raise BodyTooLarge(limit)
             if trace is not None:
                 trace.stamp("HTTP_RECV_END")
             encoding = headers.get("content-encoding", "identity").strip().lower()
@@ -203,7 +220,6 @@ class InferEndpoint:
         except InferError as exc:   # shed behind, or the deadline spent in the gateway
             return await send_answer_of(send, errors.infer_answer(exc))
         sent_ns = time.monotonic_ns() if trace is not None else 0
-        api_key = api_key_of(headers)
         got = await self._forward(receive, send.loop if isinstance(send, OneWrite) else None,
                                   path["name"], req, version, priority, timeout_ms, api_key,
                                   trace.context if trace is not None else None,
@@ -255,7 +271,7 @@ class InferEndpoint:
                 name, req.tensors, version=version, priority=priority, timeout_ms=timeout_ms,
                 outputs=req.output_names, api_key=api_key, trace=trace, routing_key=key)
             tensors = list(reply.tensors)
-            if req.classified:
+            if req.outputs is not None and req.classified:
                 tensors = await self.inference.classify(reply.model, reply.version, tensors,
                                                  req.classified, api_key)
             return reply, tensors
@@ -276,15 +292,20 @@ class InferEndpoint:
                                                 req, self.shm.write, clamped(reply.stats))
         except v2.DecodeError as exc:
             return await send_answer_of(send, errors.bad_input(exc))
-        ctype, extra = JSON, build_headers(reply.version, reply.build)
+        ctype, extra = JSON, build_header_bytes(reply.version, reply.build)
         if json_len is not None:
             ctype = OCTETS
-            extra["Inference-Header-Content-Length"] = str(json_len)
-        encoding = encoding_of(accept)
-        if encoding is not None:
-            body = compress(body, encoding)
-            extra.update({"Content-Encoding": encoding, "Vary": "Accept-Encoding"})
-        await send_answer(send, 200, body, ctype, extra)
+            extra.append((HEADER_LENGTH, b"%d" % json_len))
+        if accept is not None:
+            encoding = encoding_of(accept)
+            if encoding is not None:
+                body = compress(body, encoding)
+                extra += ((b"content-encoding", encoding.encode()),
+                          (b"vary", b"Accept-Encoding"))
+        if isinstance(send, OneWrite):   # no coroutine: the answer is one call
+            send.answer(200, ctype, body, extra)
+        else:
+            await send_asgi(send, 200, body, ctype, extra)
         return 200
 
 

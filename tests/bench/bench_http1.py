@@ -125,7 +125,7 @@ def gateway_route() -> Any:
                          TenantGate(no_tenants, "", []), for_gateway(None, False))
     app = _App()
     app.state.infer = InferEndpoint(path, SharedMemory(False), 64 << 20)
-    return InferFastPath(app)  # type: ignore[arg-type]
+    return InferFastPath(app, "127.0.0.1,::1")  # type: ignore[arg-type]
 
 
 async def run(app: Any, n: int) -> tuple[float, int]:

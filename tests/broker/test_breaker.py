@@ -167,15 +167,20 @@ def test_no_watch_without_a_previous_version_or_with_a_split(tmp_path: Path) -> 
     assert not rig.b.releases.rollouts
 
 
-def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -> None:
-    rig = _rig(tmp_path / "repo", {"latest": 1}, (1,))
-    for _ in range(2):     # two batches of three, each failed whole
+def _fail_two_batches(rig: BrokerRig) -> None:
+    """Two batches of three requests, each failed whole by the model: the breaker opens."""
+    for _ in range(2):
         for _ in range(3):
             rig.request()
         rig.tick()
         for _, _, batch in rig.sent(p.Kind.BATCH)[-1:]:
             rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0,
                                                 error="RuntimeError: the model broke"))
+
+
+def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -> None:
+    rig = _rig(tmp_path / "repo", {"latest": 1}, (1,))
+    _fail_two_batches(rig)
     assert rig.b.breakers.state("m", rig.now) == OPEN
     sent = len(rig.sent(p.Kind.BATCH))
     rig.request()
@@ -214,13 +219,7 @@ def test_an_open_breaker_shows_half_open_once_its_open_time_has_passed(
     from zeroserve.broker.admin import human
 
     rig = _rig(tmp_path / "repo", {"latest": 1}, (1,))
-    for _ in range(2):     # two batches of three failed whole
-        for _ in range(3):
-            rig.request()
-        rig.tick()
-        for _, _, batch in rig.sent(p.Kind.BATCH)[-1:]:
-            rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0,
-                                                error="RuntimeError: the model broke"))
+    _fail_two_batches(rig)
     b, registry = rig.b.breakers, rig.b.metrics.registry
 
     def shown() -> tuple[str, float | None, str]:

@@ -54,6 +54,42 @@ class Router(Protocol):
         a batch is read, under the channel's lock."""
 
 
+class Resting:
+    """The compute thread's wait while every sequence it holds is paused, its slot owed
+    to a preemptor whose batch is not read yet: on its wake-up pipe, rather than a loop
+    of empty step boundaries (which spun a core for up to PREEMPTOR_WAIT_NS). The main
+    thread says each batch and STOP it hands over; one while it waits wakes it."""
+
+    def __init__(self, channel: BrokerChannel) -> None:
+        self._channel = channel
+        # the pipe alone: the main thread reads the socket while sequences run
+        self._poller = select.poll()
+        self._poller.register(channel.compute_wake.fileno(), select.POLLIN)
+        self._waiting = False
+        self.count = 0   # batches and STOPs handed over (the main thread its one writer)
+
+    def news(self) -> None:
+        """From the main thread, once it has handed a batch or a STOP over."""
+        # counted first: wait() looks at the count once it says it waits, so one of the
+        # two threads sees the other
+        self.count += 1
+        if self._waiting:
+            self._channel.wake_compute()
+
+    def wait(self, seen: int, lapses: list[int]) -> None:
+        """Until news since ``seen`` (the count before the step boundary that found
+        nothing to step) or the first owed slot's lapse (``lapses``, monotonic ns);
+        with none owed, a second at most (a missed edge costs that, never a hang)."""
+        wait_ms = 1000 if not lapses else \
+            max(1, (min(lapses) - time.monotonic_ns()) // 1_000_000 + 1)
+        self._waiting = True
+        try:
+            if self.count == seen and self._poller.poll(wait_ms):
+                drain(self._channel.compute_wake)
+        finally:
+            self._waiting = False
+
+
 class Compute:
     """The compute thread and what only it runs: batches, sequence steps, the batches of
     handlers that call models handed to their caller threads (workers/callers.py).
@@ -93,6 +129,7 @@ class Compute:
         self._claimed: Job | None = None   # the batch _claim took, for _read_batch
         self._channel: BrokerChannel   # from start()
         self._router: Router
+        self._resting: Resting
         r = registry
         self.m_compute = Histogram("zeroserve_worker_batch_seconds", "Batch run time",
                                    ["model"], registry=r,
@@ -124,6 +161,7 @@ class Compute:
 
     def start(self, channel: BrokerChannel, router: Router) -> threading.Thread:
         self._channel, self._router = channel, router
+        self._resting = Resting(channel)
         thread = self._thread = threading.Thread(target=self._loop, name="compute",
                                                  daemon=True)
         thread.start()
@@ -136,6 +174,7 @@ class Compute:
     def queue(self, header: dict[str, Any], bufs: Any, received_s: float) -> None:
         """From the main thread: a batch it read, run next."""
         self._jobs.append(self._job(header, bufs, received_s))
+        self._resting.news()
         if self._busy_since is None:   # it finished meanwhile and may be asleep
             self._channel.wake_compute()
 
@@ -144,6 +183,7 @@ class Compute:
         with self._stops_lock:
             if stop.batch_id in self._stops:   # else it is done already
                 self._stops[stop.batch_id].update(stop.items)
+        self._resting.news()   # a paused sequence stopped may leave its table empty
 
     def pause(self, pause: p.Pause) -> None:
         """From the main thread: sequences of an iterative batch to pause (PAUSE)."""
@@ -170,7 +210,11 @@ class Compute:
                 self._run(self._jobs.popleft())
                 continue
             if self._tables:
-                self._step()   # a step boundary: what came meanwhile ran or joined first
+                # a step boundary: what came meanwhile ran or joined first
+                seen = self._resting.count
+                if not self._step() and self._tables:
+                    self._resting.wait(seen, [t for t in (
+                        table.lapse_ns() for table in self._tables.values()) if t is not None])
                 continue
             try:
                 job = self._read_batch()
@@ -290,12 +334,14 @@ class Compute:
         for part in parts:
             self._send_result(p.encode_partial(part))
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
         """One step of every iterative model with sequences; a table with none left
-        goes (it holds its version)."""
+        goes (it holds its version). False when no table had a sequence to step."""
+        stepped = False
         for key, table in list(self._tables.items()):
             name = table.loaded.name
             if table.step():
+                stepped = True
                 self.m_steps.labels(name).inc()
             self.m_sequences.labels(name).set(table.running)
             self.m_paused.labels(name).set(table.paused)
@@ -303,6 +349,7 @@ class Compute:
                 del self._tables[key]
         if not self._tables:
             self._settle()
+        return stepped
 
     def _execute(self, loaded: LoadedModel, batch: p.Batch) -> p.BatchResult:
         """Run a batch (on the compute thread, or a caller thread: workers/callers.py)."""

@@ -160,6 +160,12 @@ class SequenceTable:
     def paused(self) -> int:
         return len(self._paused)
 
+    def lapse_ns(self) -> int | None:
+        """When the first slot owed to a preemptor not read yet lapses (this table's
+        clock): with nothing to step, what the table waits for on its own; None when
+        only a message (a batch, a STOP) can give it a step."""
+        return min(self._owed) + PREEMPTOR_WAIT_NS if self._owed else None
+
     def join(self, batch: p.Batch, taken_ns: int, received_ns: int = 0) -> None:
         """A batch's requests wait to join at the next step boundary; ``received_ns``:
         when the worker read it (monotonic), the start of its sequences' spans."""
@@ -313,6 +319,10 @@ class SequenceTable:
             self._fail(list({id(s.join): s.join for s in self._running.values()}.values()),
                        f"{type(exc).__name__}: {exc}")
             return
+        # first responses lead the message: a joiner (a VIP that preempted, a newcomer)
+        # reaches its client ahead of the running streams' tokens of the step it joined,
+        # not behind them (it came last in the table's order)
+        parts.sort(key=lambda part: self._running[part[0]].timeline.steps > 0)
         by_join: dict[int, tuple[_Join, list[p.PartialItem]]] = {}
         self._steps += 1
         now_ns = time.monotonic_ns()

@@ -69,13 +69,21 @@ class Breakers:
     def enabled(self) -> bool:
         return self.opts.error_rate > 0
 
-    def state(self, model: str) -> str:
+    def state(self, model: str, now: float) -> str:
+        """The state as shown (``zeroserve models``, the metric, the replica controller):
+        half-open once the open time has passed. The stored state moves to half-open at
+        the next request (:meth:`admit`), which may be long in coming for a model whose
+        callers back off: shown lazily, an idle model's breaker read "open" for good, and
+        an operator waited for a probe that was already due."""
         m = self._models.get(model)
-        return CLOSED if m is None else m.state
+        if m is None:
+            return CLOSED
+        return HALF_OPEN if m.state == OPEN and now >= m.until_s else m.state
 
     def failing(self, model: str) -> bool:
         """Open or probing: what autoscaling holds a model's replicas still for."""
-        return self.state(model) != CLOSED
+        m = self._models.get(model)
+        return m is not None and m.state != CLOSED
 
     def admit(self, model: str, now: float) -> float | None:
         """None to let a request through; else the seconds after which to try again."""
@@ -174,9 +182,10 @@ class Breakers:
         m = self._models.get(model)
         if m is None or (m.state == CLOSED and not m.trips):
             return {}
-        out: dict[str, Any] = {"state": m.state, "trips": m.trips, "reason": m.reason}
-        if m.version is not None and m.state != CLOSED:
+        state = self.state(model, now)
+        out: dict[str, Any] = {"state": state, "trips": m.trips, "reason": m.reason}
+        if m.version is not None and state != CLOSED:
             out["version"] = m.version
-        if m.state == OPEN:
-            out["probe_in_s"] = round(max(0.0, m.until_s - now), 3)
+        if state == OPEN:
+            out["probe_in_s"] = round(m.until_s - now, 3)
         return {"breaker": out}

@@ -174,7 +174,7 @@ class Broker:
             model_control, catalog, pool, stats, lifecycle, demand=ondemand.state)
         registry.register(ModelStates(catalog, demand_sets.on))
         registry.register(CacheSize(cache.describe))
-        registry.register(BreakerStates(catalog, breakers.state))
+        registry.register(BreakerStates(catalog, breakers.state, clock))
         self.notifier = notifier = Notifier()
         self.shutdown = Shutdown(stop, pool, scheduler, ledger, answering, metrics, notifier,
                                  clock, drain_timeout_s)

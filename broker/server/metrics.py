@@ -399,21 +399,25 @@ class ModelStates:
 
 class BreakerStates:
     """prometheus_client's collector protocol: each catalog model's circuit breaker,
-    0 closed, 1 half-open (probing), 2 open, read at each scrape. Every model has the
-    series, so the alert's measure is 0, not absent, while nothing fails."""
+    0 closed, 1 half-open (probing), 2 open, read at each scrape on the broker's clock
+    (one past its open time is half-open, before any request comes). Every model has
+    the series, so the alert's measure is 0, not absent, while nothing fails."""
 
     LEVELS = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 
-    def __init__(self, served: Served, state: Callable[[str], str]) -> None:
+    def __init__(self, served: Served, state: Callable[[str, float], str],
+                 clock: Callable[[], float]) -> None:
         self.served = served
         self.state = state
+        self.clock = clock
 
     def collect(self) -> Iterator[Metric]:
         gauge = GaugeMetricFamily("zeroserve_circuit_breaker_state", "A model's circuit "
                                   "breaker: 0 closed, 1 half-open (probing), 2 open (its "
                                   "requests answered 503 at once)", labels=["model"])
+        now = self.clock()
         for name in sorted(self.served.models):
-            gauge.add_metric([name], self.LEVELS[self.state(name)])
+            gauge.add_metric([name], self.LEVELS[self.state(name, now)])
         yield gauge
 
 

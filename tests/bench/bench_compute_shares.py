@@ -3,6 +3,7 @@ texts to a BERT (issue 48), under each share mode in turn, in rounds:
 
     .venv/bin/python -m tests.bench.bench_compute_shares [--rounds 2] [--seconds 8]
         [--variants tok512,tok4096,tok4096cap] [--modes requests,compute] [--size small]
+        [--before <commit>]
 
 The variants are the same weights served under three batching configs (one server, one
 worker): ``tok512``, a token budget of 512 (a long batch is one text: the e2e test's);
@@ -26,6 +27,10 @@ p50 and p99 the same way), so that what the scheduler made a short text wait is 
 apart from what the shared host added. Pacing and lanes are those of
 ``tests/e2e/test_compute_shares.py``. The load generator shares the host's cores with
 the server; the load average is printed.
+
+With ``--before`` the server of that commit (its tree from ``git archive``, imported ahead
+of this one's) and this one's run each round in turns, the before first, each on a server
+of its own (warmed the same way), so that every figure has a baseline of the same run.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import bert
+from tests.bench.bench_openai_sse import tree_of
 from tests.conftest import Server, short_tmpdir
 from tests.e2e import test_compute_shares as cs
 from zeroserve.broker.client import AsyncClient, Client, InferError
@@ -61,7 +67,8 @@ SIZES = {"small": bert.SMALL, "mini": bert.MINI}
 class World:
     """One server, one worker, the variants as models of the same weights."""
 
-    def __init__(self, variants: list[str], size: str) -> None:
+    def __init__(self, variants: list[str], size: str,
+                 env: dict[str, str] | None = None) -> None:
         self.repo = short_tmpdir("zsbcs")
         with warnings.catch_warnings():   # transformers' and the tracer's, not ours
             warnings.simplefilter("ignore")
@@ -74,7 +81,8 @@ class World:
             self.keys[n], self.hashes[n] = new_key()
         self.file = self.repo.parent / f"{self.repo.name}-tenants.toml"
         self.file.write_text(cs.tenants_text("requests", self.hashes))
-        self.server = Server(self.repo, extra=["--tenants", str(self.file)]).wait_ready(300)
+        self.server = Server(self.repo, extra=["--tenants", str(self.file)],
+                             env=env).wait_ready(300)
 
     def share(self, mode: str) -> None:
         self.file.write_text(cs.tenants_text(mode, self.hashes))
@@ -232,6 +240,43 @@ def phase(w: World, model: str, short: str | None, long: bool, rows: int,
             "batch_p99_ms": quantile(h0.get(run_key), h1.get(run_key, []), 0.99)}
 
 
+def measure(w: World, label: str, r: int, variants: list[str], modes: list[str],
+            args: argparse.Namespace) -> None:
+    """One round of every variant and share mode on ``w``'s server, a line each."""
+    for v in variants:
+        for mode in modes:
+            w.share(mode)
+            both = phase(w, v, "closed", True, args.backlog_rows, args.seconds)
+            alone = phase(w, v, "paced", False, cs.SHORT_ROWS, args.seconds)
+            long = phase(w, v, None, True, cs.SHORT_ROWS, args.seconds)
+            beside = phase(w, v, "paced", True, cs.SHORT_ROWS, args.seconds)
+            total = sum(both["used"].values())
+            print(f"round {r + 1} {label}{v:<10} {mode:<8}: both: short "
+                  f"{both['used']['short'] / total:5.1%} of {total:.1f} worker s "
+                  f"(not backlogged {both['under']:.0%}); long alone "
+                  f"{long['used']['long']:.1f} s; short p99 alone "
+                  f"{alone['p99_ms']:.1f} ms, beside {beside['p99_ms']:.1f} ms "
+                  f"({beside['p99_ms'] / alone['p99_ms']:.1f}x); broker queue p99 <= "
+                  f"{alone['queue_p99_ms']:g} / {beside['queue_p99_ms']:g} ms; "
+                  f"batches beside p50/p99 <= {beside['batch_p50_ms']:g}/"
+                  f"{beside['batch_p99_ms']:g} ms; load {os.getloadavg()[0]:.2f}",
+                  flush=True)
+
+
+def serve(variants: list[str], args: argparse.Namespace, env: dict[str, str] | None
+          ) -> World:
+    """A server of the variants, warmed: the latency model learns both lengths on each."""
+    w = World(variants, args.size, env)
+    try:
+        for v in variants:
+            phase(w, v, "paced", False, cs.SHORT_ROWS, 4.0)
+            phase(w, v, "closed", True, args.backlog_rows, 4.0)
+    except BaseException:
+        w.close()
+        raise
+    return w
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -241,36 +286,33 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--backlog-rows", type=int, default=cs.BACKLOG_ROWS,
                     help="texts a request of the short-text tenant while backlogged")
+    ap.add_argument("--before", help="a commit whose server runs each round in turns with "
+                    "this one's")
     args = ap.parse_args()
     variants, modes = args.variants.split(","), args.modes.split(",")
-    w = World(variants, args.size)
+    print(f"bert {args.size}, one worker, {args.seconds:g} s a phase; load average "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+    if not args.before:
+        w = serve(variants, args, None)
+        try:
+            for r in range(args.rounds):
+                measure(w, "", r, variants, modes, args)
+        finally:
+            w.close()
+        return
+    before = short_tmpdir("zsbefore")
     try:
-        for v in variants:   # warm: the latency model learns both lengths on each
-            phase(w, v, "paced", False, cs.SHORT_ROWS, 4.0)
-            phase(w, v, "closed", True, args.backlog_rows, 4.0)
-        print(f"bert {args.size}, one worker, {args.seconds:g} s a phase; load average "
-              f"{os.getloadavg()[0]:.2f}", flush=True)
+        runs = [(f"before {args.before[:10]} ", tree_of(args.before, before)),
+                ("this tree ", None)]
         for r in range(args.rounds):
-            for v in variants:
-                for mode in modes:
-                    w.share(mode)
-                    both = phase(w, v, "closed", True, args.backlog_rows, args.seconds)
-                    alone = phase(w, v, "paced", False, cs.SHORT_ROWS, args.seconds)
-                    long = phase(w, v, None, True, cs.SHORT_ROWS, args.seconds)
-                    beside = phase(w, v, "paced", True, cs.SHORT_ROWS, args.seconds)
-                    total = sum(both["used"].values())
-                    print(f"round {r + 1} {v:<10} {mode:<8}: both: short "
-                          f"{both['used']['short'] / total:5.1%} of {total:.1f} worker s "
-                          f"(not backlogged {both['under']:.0%}); long alone "
-                          f"{long['used']['long']:.1f} s; short p99 alone "
-                          f"{alone['p99_ms']:.1f} ms, beside {beside['p99_ms']:.1f} ms "
-                          f"({beside['p99_ms'] / alone['p99_ms']:.1f}x); broker queue p99 <= "
-                          f"{alone['queue_p99_ms']:g} / {beside['queue_p99_ms']:g} ms; "
-                          f"batches beside p50/p99 <= {beside['batch_p50_ms']:g}/"
-                          f"{beside['batch_p99_ms']:g} ms; load {os.getloadavg()[0]:.2f}",
-                          flush=True)
+            for label, env in runs:
+                w = serve(variants, args, env)
+                try:
+                    measure(w, label, r, variants, modes, args)
+                finally:
+                    w.close()
     finally:
-        w.close()
+        shutil.rmtree(before, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import random
 import secrets
@@ -219,8 +220,15 @@ def report(label: str, args: argparse.Namespace, results: dict[int, list[tuple[f
         print(f"  {name}: time to first token p50 {pct(ttft, .5) * 1000:.1f} ms, p99 "
               f"{pct(ttft, .99) * 1000:.1f} ms ({pct(ttft, .5) / step:.1f} and "
               f"{pct(ttft, .99) / step:.1f} steps of {step * 1000:.1f} ms); steps counted "
-              f"p50 {pct(steps, .5):.0f}, p99 {pct(steps, .99):.0f}, max {max(steps):.0f}",
-              flush=True)
+              f"p50 {pct(steps, .5):.0f}, p99 {pct(steps, .99):.0f}, max {max(steps):.0f} "
+              f"(arrivals by steps counted: {counted(steps)})", flush=True)
+
+
+def counted(steps: list[float]) -> str:
+    """How many arrivals counted each number of steps: where the p99's one arrival in
+    a hundred sits."""
+    by = collections.Counter(int(n) for n in steps)
+    return ", ".join(f"{n}: {by[n]}" for n in sorted(by))
 
 
 if __name__ == "__main__":

@@ -25,14 +25,14 @@ def test_a_failing_model_opens_then_probes_then_closes() -> None:
     b.answered("m", 10, now=0.0)
     assert not b.failed("m", 4, 0.5, "boom")           # 4 of 14: under both bounds
     assert b.failed("m", 8, 1.0, "boom")               # 12 of 22 failed in the window
-    assert b.state("m") == OPEN and b.describe("m", 1.0)["breaker"]["trips"] == 1
+    assert b.state("m", 1.0) == OPEN and b.describe("m", 1.0)["breaker"]["trips"] == 1
     assert b.admit("m", 1.0) == 5.0 and b.admit("m", 5.9) is not None
     assert b.describe("m", 2.0)["breaker"]["probe_in_s"] == 4.0
     # half-open: three probes through, the fourth waits for their answers
     assert [b.admit("m", 6.0) for _ in range(3)] == [None, None, None]
-    assert b.state("m") == HALF_OPEN and b.admit("m", 6.0) is not None
+    assert b.state("m", 6.0) == HALF_OPEN and b.admit("m", 6.0) is not None
     b.answered("m", 3, 6.5)
-    assert b.state("m") == CLOSED and b.admit("m", 6.6) is None
+    assert b.state("m", 6.6) == CLOSED and b.admit("m", 6.6) is None
 
 
 def test_a_failed_probe_opens_it_again_for_twice_as_long_up_to_the_bound() -> None:
@@ -54,7 +54,7 @@ def test_failures_outside_the_window_and_healthy_traffic_do_not_open_it() -> Non
     for t in range(10):     # 2 failures among 22 answers a second: under both bounds
         b.answered("m", 20, float(t))
         assert not b.failed("m", 2, t + 0.5, "one bad input")
-    assert b.state("m") == CLOSED and b.describe("m", 10.0) == {}
+    assert b.state("m", 10.0) == CLOSED and b.describe("m", 10.0) == {}
 
 
 def test_one_failed_batch_is_one_bad_input_not_the_model_failing() -> None:
@@ -68,7 +68,7 @@ def test_a_new_build_closes_it_and_no_breaker_when_disabled() -> None:
     b.failed("m", 3, 0.0, "boom")
     b.failed("m", 3, 0.0, "boom")
     b.reset("m")
-    assert b.state("m") == CLOSED and b.admit("m", 0.1) is None
+    assert b.state("m", 0.1) == CLOSED and b.admit("m", 0.1) is None
     off = Breakers(BreakerOptions(error_rate=0.0))
     assert not off.failed("m", 100, 0.0, "boom") and off.admit("m", 0.0) is None
 
@@ -98,7 +98,7 @@ def test_it_opens_only_past_both_bounds(batches: list[tuple[int, int]]) -> None:
             assert failed >= 5 and failed_batches >= 2 \
                 and failed >= 0.5 * (answered + failed)
             return
-    assert b.state("m") == CLOSED
+    assert b.state("m", 1.0) == CLOSED
 
 
 def test_the_replica_controller_holds_while_the_breaker_is_open() -> None:
@@ -167,16 +167,21 @@ def test_no_watch_without_a_previous_version_or_with_a_split(tmp_path: Path) -> 
     assert not rig.b.releases.rollouts
 
 
-def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -> None:
-    rig = _rig(tmp_path / "repo", {"latest": 1}, (1,))
-    for _ in range(2):     # two batches of three, each failed whole
+def _fail_two_batches(rig: BrokerRig) -> None:
+    """Two batches of three requests, each failed whole by the model: the breaker opens."""
+    for _ in range(2):
         for _ in range(3):
             rig.request()
         rig.tick()
         for _, _, batch in rig.sent(p.Kind.BATCH)[-1:]:
             rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0,
                                                 error="RuntimeError: the model broke"))
-    assert rig.b.breakers.state("m") == OPEN
+
+
+def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -> None:
+    rig = _rig(tmp_path / "repo", {"latest": 1}, (1,))
+    _fail_two_batches(rig)
+    assert rig.b.breakers.state("m", rig.now) == OPEN
     sent = len(rig.sent(p.Kind.BATCH))
     rig.request()
     rig.tick()
@@ -189,9 +194,9 @@ def test_a_failing_model_is_answered_at_once_until_a_new_build(tmp_path: Path) -
     model = rig.b.catalog.models["m"]
     rig.b.lifecycle.swaps.start(Swap(RepoModel(model.config, model.path, model.versions),
                                      {1: "b" * 64}, {1}, rig.now))
-    assert rig.b.breakers.state("m") == OPEN
+    assert rig.b.breakers.state("m", rig.now) == OPEN
     rig.from_worker("w1", p.ModelLoaded("m", 1, True, sha256="b" * 64))
-    assert rig.b.breakers.state("m") == CLOSED
+    assert rig.b.breakers.state("m", rig.now) == CLOSED
 
 
 def test_zeroserve_models_names_an_open_breaker() -> None:
@@ -206,6 +211,37 @@ def test_zeroserve_models_names_an_open_breaker() -> None:
            "model broke" in human("models", doc)
 
 
+def test_an_open_breaker_shows_half_open_once_its_open_time_has_passed(
+        tmp_path: Path) -> None:
+    """No request needed: ``zeroserve models``, the metric and the status line say
+    half-open (a probe would go through) once the open time is over, on the clock; the
+    breaker moved there only when a request came, and an idle model showed "open"."""
+    from zeroserve.broker.admin import human
+
+    rig = _rig(tmp_path / "repo", {"latest": 1}, (1,))
+    _fail_two_batches(rig)
+    b, registry = rig.b.breakers, rig.b.metrics.registry
+
+    def shown() -> tuple[str, float | None, str]:
+        doc = {"models": {"m": {"versions": [1], "ready": [1], "workers": ["w1"],
+                                **b.describe("m", rig.now)}}, "errors": {}}
+        return (doc["models"]["m"]["breaker"]["state"],
+                registry.get_sample_value("zeroserve_circuit_breaker_state", {"model": "m"}),
+                human("models", doc))
+    state, level, text = shown()
+    assert (state, level) == (OPEN, 2.0) and "m: circuit breaker open: 6 of 6" in text
+    assert b.describe("m", rig.now)["breaker"]["probe_in_s"] == 5.0
+    rig.tick(4.9)
+    assert shown()[:2] == (OPEN, 2.0)
+    rig.tick(0.2)          # past open_s, and no request came
+    state, level, text = shown()
+    assert (state, level) == (HALF_OPEN, 1.0) and "m: circuit breaker half-open" in text
+    assert "probe_in_s" not in b.describe("m", rig.now)["breaker"] and b.failing("m")
+    rig.request()          # the first probe goes through, and the stored state agrees
+    rig.tick()
+    assert b.state("m", rig.now) == HALF_OPEN and shown()[1] == 1.0
+
+
 def test_an_open_breaker_routes_to_another_healthy_version_it_holds(tmp_path: Path) -> None:
     rig = _rig(tmp_path / "repo", {"latest": 2}, (1, 2))
     for _ in range(2):     # version 2 (the default) fails two batches whole
@@ -216,7 +252,7 @@ def test_an_open_breaker_routes_to_another_healthy_version_it_holds(tmp_path: Pa
         assert batch.version == 2
         rig.from_worker("w1", p.BatchResult(batch.batch_id, [], 1.0,
                                             error="RuntimeError: the model broke"))
-    assert rig.b.breakers.state("m") == OPEN
+    assert rig.b.breakers.state("m", rig.now) == OPEN
     assert rig.b.breakers.describe("m", rig.now)["breaker"]["version"] == 2
     for _ in range(3):
         rig.request()

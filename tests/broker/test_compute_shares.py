@@ -72,12 +72,37 @@ def test_by_requests_the_long_texts_take_the_worker() -> None:
     assert used["long"] / sum(used.values()) > 0.9, used
 
 
-def test_a_latency_model_that_misprices_one_tenant_is_corrected_by_the_measured_time() -> None:
-    def true_cost(units: float) -> float:   # long rows really take 3x what is predicted
-        return predict(units) * (3.0 if units >= LONG else 1.0)
+@pytest.mark.parametrize("factor", [3.0, 12.0, 0.2])
+def test_a_latency_model_that_misprices_one_tenant_is_corrected_by_the_measured_time(
+        factor: float) -> None:
+    """Long rows really take ``factor`` times what the latency model prices them at, every
+    batch: a linear fit in units prices a 512-token text like 32 texts of 16 tokens, and
+    on a CPU its attention costs several times that. That is the rows' cost, not a
+    stall: charged in full, however far from the price."""
+    def true_cost(units: float) -> float:
+        return predict(units) * (factor if units >= LONG else 1.0)
     used = run(by_time=True, true_cost=true_cost)
     total = sum(used.values())
     assert abs(used["long"] / total - 0.5) < 0.05, used
+
+
+def test_stalls_of_one_tenant_s_batches_are_still_its_time_in_the_long_run() -> None:
+    """A loaded host stalls some batches (one long batch in 25 here runs 30x its time):
+    the stall is not charged at once (that held the tenant back for all of it), but
+    it is the tenant's time all the same, and it is repaid over its next batches: both
+    tenants still get half the worker as measured. Forgiven instead, the stalled
+    tenant got 63% (a 512-token text on bert in bench_compute_shares: a few batches of
+    100-340 ms among 6 ms ones held 7% of that tenant's time)."""
+    taken = [0]
+
+    def true_cost(units: float) -> float:
+        if units < LONG:
+            return predict(units)
+        taken[0] += 1
+        return predict(units) * (30.0 if taken[0] % 25 == 0 else 1.0)
+    used = run(by_time=True, seconds=20.0, true_cost=true_cost)
+    total = sum(used.values())
+    assert abs(used["long"] / total - 0.5) < 0.02, used
 
 
 @settings(max_examples=examples(200), deadline=None)
@@ -115,3 +140,58 @@ def test_a_row_is_charged_its_predicted_share_when_taken() -> None:
     d = s.take("m", 0.0, predict)
     assert d is not None and len(d.entries) == 4
     assert sum(e.charged_s for e in d.entries) == pytest.approx(predict(64.0))
+
+
+def paced_beside_flood(stall_s: float, rows: int = 1, stall_at: float = 1.0,
+                       seconds: float = 4.0) -> list[tuple[float, float]]:
+    """The short-text tenant paced (``rows`` rows every 50 ms) beside the long-text tenant's
+    flood (kept backlogged), one worker; the first short batch taken after ``stall_at``
+    runs ``stall_s`` longer than predicted (the host stalled it: it is measured long).
+    (arrival, seconds queued) of each short row."""
+    s = Scheduler()
+    s.set_policy("m", Policy(max_batch_size=8, max_queue_size=100_000, aging_s=1e9))
+    now, n, next_short, stalled = 0.0, 0, 0.0, False
+    long_queued = 0
+    waits: list[tuple[float, float]] = []
+    while now < seconds:
+        while next_short <= now:
+            for _ in range(rows):
+                n += 1
+                s.add(entry(("short", n), "short", SHORT, True, t=next_short))
+            next_short += 0.05
+        while long_queued < 32:
+            n += 1
+            s.add(entry(("long", n), "long", LONG, True, t=now))
+            long_queued += 1
+        d = s.take("m", now, predict)
+        assert d is not None and d.entries
+        took = predict(len(d.entries) * max(e.scale for e in d.entries))
+        if not stalled and now >= stall_at and d.entries[0].tenant == "short":
+            took, stalled = took + stall_s, True
+        for e in d.entries:
+            if e.tenant == "short":
+                waits.append((e.arrival_s, now - e.arrival_s))
+            else:
+                long_queued -= 1
+        now += took
+        s.used("m", d.entries, took)
+    assert stalled
+    return waits
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_short_batch_measured_long_by_a_host_stall_does_not_hold_its_tenant_back(
+        rows: int) -> None:
+    """A batch of the short-text tenant's that a host stall made take a second (measured
+    a second, predicted half a millisecond) is not charged that second in full: the
+    short texts that arrive once the stall is over wait for about one long batch, as
+    before it, not for a second of the long-text tenant's batches to catch up with it.
+    (The rows queued during the stall waited for the stall itself; nothing helps them.)
+    A batch of eight of the tenant's rows is one measure of what its rows usually cost,
+    not eight."""
+    stall = 1.0
+    calm = max(w for _, w in paced_beside_flood(0.0, rows))
+    assert calm < 0.02, calm     # about one long batch (8.7 ms) at most
+    waits = paced_beside_flood(stall, rows)
+    after = [w for t, w in waits if t > 1.0 + stall + 0.05]
+    assert after and max(after) < 0.05, (max(after), calm)

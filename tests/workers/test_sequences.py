@@ -217,6 +217,24 @@ def test_a_paused_sequence_sits_out_while_the_newcomer_runs_then_resumes() -> No
     assert [r.batch_id for r in rig.results] == [vip, low]
 
 
+def test_a_joiners_first_response_leads_its_steps_message() -> None:
+    """The VIP's first token leaves ahead of the running streams' tokens of the step it
+    joined (in the table's order it comes last): its client gets it before theirs."""
+    rig = Rig(most=2, handler=Pausing())
+    low = rig.join(9, 9)
+    rig.table.step()
+    rig.table.step()
+    vip = rig.join(2)
+    rig.pauses[low] = {f"r{low}.1": 0}
+    rig.table.step()
+    resumed_at = len(rig.parts)
+    assert [i for _, i, _, _ in rig.parts[-2:]] == [f"r{vip}.0", f"r{low}.0"]
+    rig.table.step()   # the VIP's last; the paused one resumes at the next boundary
+    rig.table.step()
+    # a resumed sequence's next token is no first response: it keeps its place
+    assert [i for _, i, _, _ in rig.parts[resumed_at + 2:]] == [f"r{low}.0", f"r{low}.1"]
+
+
 def test_a_paused_sequence_that_is_stopped_leaves_and_one_not_joined_goes_behind() -> None:
     rig = Rig(most=1)
     running = rig.join(9)

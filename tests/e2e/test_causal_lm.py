@@ -1,7 +1,8 @@
 """A save_pretrained GPT-2 served as it is (platform transformers with sequences): 24
 concurrent streams of mixed prompt lengths (4-200 tokens) and max_tokens (1-48), and 64
 of max_tokens 1-128 (slow), and 24 again with prompts prefilled 32 tokens a step (chunked
-prefill: longer prompts join the running ones in chunks), through
+prefill: longer prompts join the running ones in chunks, as forwards of their own or
+inside the decode's), through
 ``zeroserve serve`` and the direct client, each stream's tokens equal to
 ``model.generate(do_sample=False)`` in-process (a flip where the in-process top two logits
 lie within 1e-4 is allowed and named), and nothing of any request left after."""
@@ -46,14 +47,18 @@ def test_concurrent_streams_of_mixed_lengths_equal_generate(
     run_streams(*served, streams, most_tokens)
 
 
-def test_prompts_prefilled_in_chunks_equal_generate() -> None:
+@pytest.mark.parametrize("step_ratio", [None, 2.0], ids=["own-forwards", "in-the-decode"])
+def test_prompts_prefilled_in_chunks_equal_generate(step_ratio: float | None) -> None:
     """sequences.prefill_tokens 32: most of the prompts take several steps to prefill,
-    joining streams that run; each stream still equals generate()."""
+    joining streams that run, as forwards of their own or (step_ratio) inside the running
+    streams' decode; each stream still equals generate()."""
     repo = short_tmpdir("zsrepo")
     try:
         folder, tokenizer = write_lm(repo, most=8)
         config = json.loads((repo / "lm" / "config.json").read_text())
         config["sequences"]["prefill_tokens"] = 32
+        if step_ratio is not None:
+            config["sequences"]["step_ratio"] = step_ratio
         (repo / "lm" / "config.json").write_text(json.dumps(config))
         srv = Server(repo, workers=1).wait_ready(180)
         try:

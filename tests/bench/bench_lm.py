@@ -129,8 +129,10 @@ def served(srv: Server, model: str, asks: list[tuple[list[int], int]], concurren
     return got[0] / wall, sorted(firsts)[len(firsts) // 2], got[0]
 
 
-def in_process(folder: Path, asks: list[tuple[list[int], int]], concurrency: int
-               ) -> tuple[float, int]:
+def in_process(folder: Path, asks: list[tuple[list[int], int]], concurrency: int,
+               device: str = "cpu") -> tuple[float, int]:
+    """Tokens/s and tokens of ``generate`` on static batches, on ``device`` (the served
+    worker's own, for a baseline of the same hardware)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -138,22 +140,25 @@ def in_process(folder: Path, asks: list[tuple[list[int], int]], concurrency: int
     # gateway): torch's own count spins on every core of a loaded host, which cut this
     # baseline 10-fold at load average 10 on 2 cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
-    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder)).to(device).eval()
     eos = model.generation_config.eos_token_id
     with torch.inference_mode():   # warm: generate's first call sets itself up
-        model.generate(torch.tensor([asks[0][0]]), do_sample=False, max_new_tokens=2,
-                       pad_token_id=eos)
+        model.generate(torch.tensor([asks[0][0]], device=device), do_sample=False,
+                       max_new_tokens=2, pad_token_id=eos)
     useful, start = 0, time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(asks), concurrency):
             batch = asks[i:i + concurrency]
             width = max(len(ids) for ids, _ in batch)
-            x = torch.tensor([[eos] * (width - len(ids)) + ids for ids, _ in batch])
+            x = torch.tensor([[eos] * (width - len(ids)) + ids for ids, _ in batch],
+                             device=device)
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids)
-                                 for ids, _ in batch])
+                                 for ids, _ in batch], device=device)
             out = model.generate(x, attention_mask=mask, do_sample=False, pad_token_id=eos,
                                  max_new_tokens=max(m for _, m in batch))
             useful += sum(min(m, out.shape[1] - width) for _, m in batch)
+        if device.startswith("cuda"):   # the last batch's kernels, inside the time
+            torch.cuda.synchronize(device)
     return useful / (time.perf_counter() - start), useful
 
 

@@ -67,19 +67,24 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def prefill_s(folder: Any, prompts: list[list[int]]) -> float:
-    """The median time of one forward of a prompt, in-process, one thread."""
+def prefill_s(folder: Any, prompts: list[list[int]], device: str = "cpu") -> float:
+    """The median time of one forward of a prompt, in-process, one thread, on ``device``
+    (the served worker's own, for a baseline of the same hardware)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder)).to(device).eval()
+    cuda = device.startswith("cuda")
     times = []
     with torch.inference_mode():
-        model(torch.tensor([prompts[0]]))
+        model(torch.tensor([prompts[0]], device=device))
         for ids in prompts:
             t = time.perf_counter()
-            model(torch.tensor([ids]))
+            # the prompt's copy to the device counts: a worker's prefill makes it too
+            model(torch.tensor([ids], device=device))
+            if cuda:   # the forward's kernels, inside the time
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t)
     return statistics.median(times)
 

@@ -116,8 +116,8 @@ except Exception as exc:   # no binding, no driver: said, not fatal
 # what the parts need beyond torch: a part whose package is missing fails on its own
 from importlib import metadata
 out["packages"] = {}
-for name in ("zeroserve", "nvidia-ml-py", "transformers", "tritonclient", "pytest",
-             "pytest-timeout", "hypothesis"):
+for name in ("zeroserve", "nvidia-ml-py", "transformers", "tokenizers", "openai",
+             "tritonclient", "pytest", "pytest-timeout", "hypothesis"):
     try:
         out["packages"][name] = metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -349,10 +349,115 @@ def formats(device: str, quick: bool) -> dict[str, Any]:
                  round(aoti / ts, 3) if ts else None, 1.0)]}
 
 
+def generation(device: str, quick: bool) -> dict[str, Any]:
+    """Issue 43's three figures on WORKLOADS' ``lm`` served by a worker on this device,
+    each beside its baseline from this run, by the benchmarks' own functions with loads
+    that fit the suite: (1) bench_lm's tokens/s, iterative and request-level, against
+    ``generate`` on static batches in this process on the same device; (2)
+    bench_openai_sse's C=8 streams against the prefill in-process on the device; (3)
+    bench_vip's arrivals, the VIP's beside the default priority's."""
+    import argparse
+    import random
+    import shutil
+
+    from tests.bench import bench_lm, bench_openai_sse, bench_vip
+    from tests.bench.bench_openai_sse import pct
+    from tests.conftest import short_tmpdir
+    from tests.lm import prompt_ids, write_lm
+
+    # the rehearsal (a CPU): a smaller model and loads, the figures meaning nothing
+    hidden, layers = (64, 2) if quick else (256, 4)
+    low, high = (4, 16) if quick else (16, 256)   # max_tokens, uniform
+    figures: dict[str, Any] = {"in_process_device": device, "model": f"GPT-2 {layers} "
+                               f"layers hidden {hidden}", "max_tokens": [low, high]}
+    checks = []
+    repos = [short_tmpdir(p) for p in ("zsglm", "zsgsse", "zsgvip")]
+    try:
+        # (1) C=32, prompts 16-128 tokens: served two ways, then generate in-process
+        folder, tokenizer = bench_lm.make_repo(repos[0], hidden, layers, 32)
+        rng = random.Random(0)
+        asks = [(prompt_ids(tokenizer, i, rng.randint(16, 128)), rng.randint(low, high))
+                for i in range(32 if quick else 64)]
+        lm: dict[str, Any] = {"concurrency": 32, "requests": len(asks),
+                              "asked_tokens": sum(m for _, m in asks)}
+        srv = Server(repos[0], workers=1).wait_ready(300)
+        try:
+            figures["worker_device"] = worker_device(srv)
+            for name, model in (("iterative", "lm"), ("request_level", "lm_batches")):
+                bench_lm.served(srv, model, asks[:32], 32)   # warm
+                rate, ttft, got = bench_lm.served(srv, model, asks, 32)
+                lm[name] = {"tokens_per_s": round(rate, 1),
+                            "ttft_p50_ms": round(ttft * 1000, 1), "tokens": got}
+        finally:
+            srv.stop()
+        rate, useful = bench_lm.in_process(folder, asks, 32, device)
+        lm["in_process_generate"] = {"tokens_per_s": round(rate, 1), "tokens": useful}
+        figures["tokens_per_s"] = lm
+        served = lm["iterative"]["tokens_per_s"]
+        checks += [at_least("C=32 tokens/s: iterative / request-level", round(
+                       served / lm["request_level"]["tokens_per_s"], 2), 2.0),
+                   at_least("C=32 tokens/s: iterative / generate on static batches of 32, "
+                            "in-process on the same device", round(served / rate, 2), 1.2)]
+
+        # (2) C=8 streams over HTTP SSE (the openai client), new requests joining
+        folder, tokenizer = write_lm(repos[1], "lm", most=32, hidden=hidden, layers=layers)
+        config = json.loads((repos[1] / "lm" / "config.json").read_text())
+        config["text"] = {"task": "generate", "max_length": 512}
+        (repos[1] / "lm" / "config.json").write_text(json.dumps(config))
+        rng = random.Random(5)
+        asks = [(prompt_ids(tokenizer, i, rng.randint(16, 128)), rng.randint(low, high))
+                for i in range(16 if quick else 48)]
+        firsts, gaps, wall = bench_openai_sse.serve(repos[1], asks, 8, None)
+        prefill = bench_openai_sse.prefill_s(folder, [ids for ids, _ in asks[:24]], device)
+        ttft, gap50, gap99 = (pct(firsts, .5) * 1000, pct(gaps, .5) * 1000,
+                              pct(gaps, .99) * 1000)
+        figures["sse"] = {"concurrency": 8, "requests": len(asks), "wall_s": round(wall, 1),
+                          "ttft_p50_ms": round(ttft, 2),
+                          "ttft_p99_ms": round(pct(firsts, .99) * 1000, 2),
+                          "prefill_in_process_ms": round(prefill * 1000, 2),
+                          "gap_p50_ms": round(gap50, 2), "gap_p99_ms": round(gap99, 2)}
+        checks += [at_most("C=8 SSE: time to first token p50 (ms), at most the prefill "
+                           "in-process + 5 ms", round(ttft, 2), round(prefill * 1000 + 5, 2),
+                           " ms"),
+                   at_most("C=8 SSE: gap between tokens p99 / p50", round(gap99 / gap50, 2),
+                           2.0)]
+
+        # (3) every slot held at the default priority; VIPs and default arrivals in turns
+        _, tokenizer = write_lm(repos[2], "lm", most=8, hidden=hidden, layers=layers,
+                                dynamic_batching={"priority_levels": 2,
+                                                  "default_priority": 2})
+        args = argparse.Namespace(slots=8, arrivals=10 if quick else 100,
+                                  vip_tokens=4 if quick else 16)
+        results, load, wall = bench_vip.measure(repos[2], tokenizer, args, None)
+        step = pct(load.gaps, .5)
+        vip: dict[str, Any] = {"slots": 8, "arrivals_each": args.arrivals,
+                               "wall_s": round(wall, 1), "step_p50_ms": round(step * 1000, 2)}
+        for priority, key in ((1, "vip"), (0, "default_priority_baseline")):
+            ttfts = [t for t, _ in results[priority]]
+            steps = [float(n) for _, n in results[priority]]
+            vip[key] = {"ttft_p50_ms": round(pct(ttfts, .5) * 1000, 2),
+                        "ttft_p99_ms": round(pct(ttfts, .99) * 1000, 2),
+                        "steps_p50": pct(steps, .5), "steps_p99": pct(steps, .99),
+                        "steps_max": max(steps)}
+        figures["vip"] = vip
+        checks.append(at_most(f"VIP under full load: steps to its first token, p99 over "
+                              f"{args.arrivals} arrivals", vip["vip"]["steps_p99"], 2.0))
+    finally:
+        for repo in repos:
+            shutil.rmtree(repo, ignore_errors=True)
+    return {"figures": figures, "checks": checks, "notes": [
+        "one worker, which takes the device itself (worker_device: the first server's); "
+        "in-process baselines in this part's process on in_process_device",
+        "(1) tests/bench/bench_lm.py, tokens asked over the wall time; (2) "
+        "tests/bench/bench_openai_sse.py, prefill: one forward of a prompt, median; (3) "
+        "tests/bench/bench_vip.py, steps: the most tokens any slot got meanwhile",
+        f"load average {os.getloadavg()[0]:.1f} at the end"]}
+
+
 PARTS: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "environment": environment, "gpu_tests": gpu_tests, "data_path": data_path, "cnn": cnn,
     "memory": memory, "turn_phases": turn_phases, "load_on_demand": load_on_demand,
-    "bert": bert, "formats": formats}
+    "bert": bert, "formats": formats, "generation": generation}
 
 
 def _stop(signum: int, frame: Any) -> None:

@@ -4,8 +4,8 @@ fits a GPU machine's few minutes, with one JSON and one Markdown report.
     python -m tests.gpu.suite --out DIR [--budget-s 480] [--only NAME,...] [--rehearse]
 
 Each part runs as a process of its own (``python -m tests.gpu.parts NAME``), most
-important first: the ``gpu``-marked tests, then the figures of issue 47, each beside its
-in-process baseline from the same run. The suite keeps its own time: a part that would
+important first: the ``gpu``-marked tests, then the figures of issues 47 and 43, each
+beside its in-process baseline from the same run. The suite keeps its own time: a part that would
 not fit in what is left is left out, and one that runs past its share (twice its
 estimate, or what is left) is stopped (its servers with it) and reported as cut, so
 the suite ends within ``--budget-s`` and says what it did not do. Without a CUDA device
@@ -59,6 +59,10 @@ PARTS = [
     Part("bert", 80, "BERT-mini padded, lengths 8-128, C=64 against in-process at the "
          "batches formed"),
     Part("formats", 120, "an AOTInductor package against TorchScript, served, same run"),
+    Part("generation", 90, "issue 43's figures on lm (GPT-2, 4 layers, hidden 256): C=32 "
+         "tokens/s iterative against request-level and generate on static batches on the "
+         "same device; C=8 SSE first token against the prefill in-process, gap p99/p50; a "
+         "VIP's first token in steps under full load"),
 ]
 
 

@@ -50,6 +50,15 @@ def test_without_a_gpu_the_suite_runs_and_skips_every_device_part_by_name(tmp_pa
     assert f"torch {env['figures']['torch']}" in text
 
 
+def test_every_part_the_suite_plans_is_one_the_parts_module_runs() -> None:
+    """A part named in one file and not the other fails on the device, not here: the
+    suite would start ``tests.gpu.parts NAME`` and get argparse's refusal."""
+    from tests.gpu import parts
+
+    assert [p.name for p in suite.PARTS] == list(parts.PARTS)
+    assert "generation" in parts.PARTS
+
+
 def test_what_does_not_fit_in_the_budget_is_left_out_and_said(tmp_path: Path) -> None:
     doc = run_suite(tmp_path, "--budget-s", "8", "--only", "gpu_tests")
     assert list(doc["parts"]) == ["environment", "gpu_tests"]

@@ -180,6 +180,19 @@ def test_paused_sequences_finish_with_the_tokens_they_had_unpaused(
         assert loaded.handler._kept == 0   # every kept cache given back
 
 
+# three short prompts that run long and three long ones that join mid-stream: (prompt
+# tokens, max_tokens), and the step each joins at
+MIXED_PLAN = {"short0": (5, 60), "short1": (12, 60), "short2": (9, 60),
+              "long0": (120, 20), "long1": (37, 20), "long2": (64, 20)}
+MIXED_ARRIVALS = {"short0": 0, "short1": 0, "short2": 0, "long0": 3, "long1": 3,
+                  "long2": 12}
+
+
+def mixed_requests(tokenizer: Any) -> dict[str, tuple[list[int], int]]:
+    return {rid: (prompt_ids(tokenizer, i, n), m)
+            for i, (rid, (n, m)) in enumerate(MIXED_PLAN.items())}
+
+
 def test_prompts_longer_than_a_steps_prefill_join_a_running_batch_in_chunks(
         lm: tuple[Path, Any]) -> None:
     """prefill_tokens 16: three short sequences run; prompts of 37-120 tokens join
@@ -196,11 +209,8 @@ def test_prompts_longer_than_a_steps_prefill_join_a_running_batch_in_chunks(
             prefilled.append(kwargs["input_ids"].shape[1])
     hook = loaded.handler.model.register_forward_pre_hook(count, with_kwargs=True)
     drive = Drive(loaded)
-    plan = {"short0": (5, 60), "short1": (12, 60), "short2": (9, 60),
-            "long0": (120, 20), "long1": (37, 20), "long2": (64, 20)}
-    requests = {rid: (prompt_ids(tokenizer, i, n), m) for i, (rid, (n, m)) in
-                enumerate(plan.items())}
-    arrive = {"short0": 0, "short1": 0, "short2": 0, "long0": 3, "long1": 3, "long2": 12}
+    requests = mixed_requests(tokenizer)
+    arrive = MIXED_ARRIVALS
     firsts: dict[str, int] = {}
     try:
         for step in range(40):
@@ -250,11 +260,8 @@ def test_prefills_ride_in_the_decode_within_step_ratio_decodes(lm: tuple[Path, A
     loaded.handler.model.register_forward_pre_hook(record, with_kwargs=True)
     modeled_clock(loaded, 1.0, 0.02)
     drive = Drive(loaded)
-    plan = {"short0": (5, 60), "short1": (12, 60), "short2": (9, 60),
-            "long0": (120, 20), "long1": (37, 20), "long2": (64, 20)}
-    requests = {rid: (prompt_ids(tokenizer, i, n), m) for i, (rid, (n, m)) in
-                enumerate(plan.items())}
-    arrive = {"short0": 0, "short1": 0, "short2": 0, "long0": 3, "long1": 3, "long2": 12}
+    requests = mixed_requests(tokenizer)
+    arrive = MIXED_ARRIVALS
     for step in range(40):
         for rid, at in arrive.items():
             if at == step:
